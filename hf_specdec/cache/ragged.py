@@ -1,0 +1,229 @@
+"""A KV cache in which every batch row keeps its own number of tokens.
+
+Batched speculative decoding accepts a different number of draft tokens in every row at every step.
+transformers' assisted generation gives up here (batch size 1 only); this module is how we don't.
+
+Design
+------
+* The keys and values live in one transformers `DynamicCache` whose layers are all full-attention layers.
+  All rows share one slot axis of length S.
+* `valid [B, S]` says which slots a row may attend to; `positions [B, S]` holds the position id of each slot.
+* A forward appends the same number of slots W to every row (for a verify step: the last committed token and k
+  drafts). `rollback` then keeps, per row, only the first `num_kept` of the slots appended since a `CacheMark`
+  (last token + accepted drafts) and marks the others invalid. No row waits for another, and no KV is copied.
+* Trailing slots that no row keeps are cropped at once. Holes in the middle (one row rejected while another
+  accepted) are squeezed out by `_compact`, which runs only when the holes outnumber the longest row's valid
+  slots: one gather per layer, amortised O(1) per generated token, so memory stays within about twice the
+  longest row.
+* Attention gets a 4-D additive mask built from `valid` and `positions`. Causality and sliding windows are
+  computed on positions (token distance), never on slot indices, so a window covers exactly the tokens it covers
+  in plain `generate`. Sliding-window layers therefore keep their whole history here; the mask applies the window.
+* Positions follow plain `generate`: the first real token of a left-padded row has position 0.
+
+The prefill goes through the model's own mask preparation (a 2-D mask), as plain `generate` does, so the prompt
+is encoded with the same kernels and gives the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+# Holes are squeezed out once they outnumber the longest row's tokens, and never for fewer than this many.
+MIN_HOLES_BEFORE_COMPACTION = 32
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Which masks a model's layers want: full causal, sliding window, or one per layer type."""
+
+    sliding_window: int | None
+    # True when the model takes {layer_type: mask} (config.layer_types mixes full and sliding layers).
+    per_layer_type: bool
+
+    @classmethod
+    def from_model(cls, model) -> AttentionLayout:
+        config = model.config.get_text_config(decoder=True)
+        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        if attn not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"attn_implementation={attn!r} cannot take the custom 4-D attention masks speculative decoding "
+                f"needs; load the model with attn_implementation='sdpa' (or 'eager')"
+            )
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if layer_types is not None:
+            unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+            if unknown:
+                raise ValueError(
+                    f"{type(model).__name__}: layer types {sorted(unknown)} are not supported by hf_specdec "
+                    f"(supported: {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r})"
+                )
+            if SLIDING_ATTENTION in layer_types:
+                if window is None:
+                    raise ValueError(f"{type(model).__name__}: sliding-attention layers but config.sliding_window is None")
+                return cls(sliding_window=int(window), per_layer_type=True)
+            return cls(sliding_window=None, per_layer_type=False)
+        return cls(sliding_window=None if window is None else int(window), per_layer_type=False)
+
+
+@dataclass(frozen=True)
+class CacheMark:
+    """Where the cache stood before a group of forwards, so `rollback` can keep a prefix of what came after."""
+
+    num_slots: int
+    # [B]
+    next_position: torch.Tensor
+
+
+class RaggedKVCache:
+    """KV cache plus per-row slot validity and positions; see the module docstring."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.layout = AttentionLayout.from_model(model)
+        self.kv = DynamicCache()
+        self.valid: torch.Tensor | None = None  # [B, S] bool
+        self.positions: torch.Tensor | None = None  # [B, S] long
+        self.next_position: torch.Tensor | None = None  # [B] long: position id of each row's next token
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def prefill(
+        self,
+        # [B, P]
+        input_ids: torch.Tensor,
+        # [B, P] (1 = real token, 0 = left padding); None when nothing is padded
+        attention_mask: torch.Tensor | None,
+        logits_to_keep: int = 1,
+    ) -> torch.Tensor:
+        """Encode the prompt through the model's own input preparation; returns logits [B, logits_to_keep, V]."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        has_padding = bool((attention_mask == 0).any())
+        model_kwargs = {
+            "attention_mask": attention_mask if has_padding else None,
+            "position_ids": position_ids,
+            "past_key_values": self.kv,
+            "use_cache": True,
+        }
+        if self.model._supports_logits_to_keep():
+            model_kwargs["logits_to_keep"] = logits_to_keep
+        inputs = self.model.prepare_inputs_for_generation(input_ids, **model_kwargs)
+        logits = self.model(**inputs, return_dict=True).logits
+        self.valid = attention_mask.bool()
+        self.positions = position_ids
+        self.next_position = attention_mask.long().sum(-1)
+        return logits
+
+    def mark(self) -> CacheMark:
+        return CacheMark(num_slots=self.num_slots, next_position=self.next_position.clone())
+
+    def forward(
+        self,
+        # [B, W]: each row's real tokens first, then dummies
+        input_ids: torch.Tensor,
+        # [B]: real tokens per row; dummies get positions after them and are invalidated after the forward
+        num_real: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the model on W new tokens per row; returns logits [B, W, V]."""
+        width = input_ids.shape[1]
+        offsets = torch.arange(width, device=input_ids.device)
+        query_positions = self.next_position[:, None] + offsets  # [B, W]
+        first_new = self.num_slots
+        self.valid = torch.cat([self.valid, torch.ones_like(query_positions, dtype=torch.bool)], dim=1)
+        self.positions = torch.cat([self.positions, query_positions], dim=1)
+        logits = self.model(
+            input_ids=input_ids,
+            position_ids=query_positions,
+            attention_mask=self._attention_mask(query_positions, first_new),
+            past_key_values=self.kv,
+            use_cache=True,
+            return_dict=True,
+        ).logits
+        self.valid[:, first_new:] &= offsets[None, :] < num_real[:, None]
+        self.next_position = self.next_position + num_real
+        return logits
+
+    def rollback(
+        self,
+        mark: CacheMark,
+        # [B]: how many of the valid slots appended since `mark` each row keeps (the rest are dropped)
+        num_kept: torch.Tensor,
+    ) -> None:
+        """The one cache-rollback operation: keep a per-row prefix of what was appended since `mark`."""
+        appended = self.valid[:, mark.num_slots :]
+        keep = appended & (appended.long().cumsum(dim=1) <= num_kept[:, None])
+        self.valid[:, mark.num_slots :] = keep
+        self.next_position = mark.next_position + keep.sum(dim=1)
+        self._crop_unused_tail()
+        if self._num_holes() > max(MIN_HOLES_BEFORE_COMPACTION, self._longest_row()):
+            self._compact()
+
+    def _attention_mask(self, query_positions: torch.Tensor, first_new: int):
+        """Additive mask(s) [B, 1, W, S]: valid slots at positions <= the query's (and inside its window)."""
+        kv_positions = self.positions[:, None, :]  # [B, 1, S]
+        q = query_positions[:, :, None]  # [B, W, 1]
+        own_slot = torch.zeros_like(self.valid[:, None, :]).expand(-1, q.shape[1], -1).clone()
+        own_slot[:, :, first_new:] = torch.eye(q.shape[1], dtype=torch.bool, device=q.device)
+        causal = (self.valid[:, None, :] & (kv_positions <= q)) | own_slot  # a query always sees itself: no NaN rows
+        dtype = self.model.dtype
+
+        def additive(allowed: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+        window = self.layout.sliding_window
+        if window is None:
+            return additive(causal)
+        windowed = additive(causal & ((kv_positions > q - window) | own_slot))
+        if self.layout.per_layer_type:
+            return {FULL_ATTENTION: additive(causal), SLIDING_ATTENTION: windowed}
+        return windowed
+
+    def _longest_row(self) -> int:
+        return int(self.valid.sum(dim=1).max())
+
+    def _num_holes(self) -> int:
+        return self.num_slots - self._longest_row()
+
+    def _crop_unused_tail(self) -> None:
+        used = self.valid.any(dim=0).nonzero()
+        new_len = int(used.max()) + 1 if used.numel() else 0
+        excess = self.num_slots - new_len
+        if excess > 0:
+            self.kv.crop(-excess)
+            self.valid = self.valid[:, :new_len]
+            self.positions = self.positions[:, :new_len]
+
+    def _compact(self) -> None:
+        """Move each row's valid slots to the front, in order; one gather per layer."""
+        num_slots = self.num_slots
+        longest = self._longest_row()
+        slot = torch.arange(num_slots, device=self.valid.device)
+        order = torch.where(self.valid, slot, slot + num_slots).argsort(dim=1)[:, :longest]  # [B, longest]
+        for layer in self.kv.layers:
+            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+                continue
+            layer.keys = _gather_slots(layer.keys, order)
+            layer.values = _gather_slots(layer.values, order)
+        self.positions = self.positions.gather(1, order)
+        self.valid = slot[None, :longest] < self.valid.sum(dim=1, keepdim=True)
+
+
+def _gather_slots(
+    # [B, H, S, D]
+    states: torch.Tensor,
+    # [B, S']
+    order: torch.Tensor,
+) -> torch.Tensor:
+    index = order.to(states.device)[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
+    return states.gather(2, index)

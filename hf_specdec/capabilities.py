@@ -1,0 +1,65 @@
+"""Up-front checks: what speculative decoding cannot do raises a clear error before any forward pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import DynamicCache, GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
+
+from hf_specdec.cache.ragged import AttentionLayout
+
+# model_kwargs that `generate` prepares and the engine understands; anything else (pixel_values,
+# token_type_ids, inputs_embeds, ...) would be silently dropped, so it is refused.
+KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep", "cache_position"}
+SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic")
+
+
+def check_generation_supported(
+    model: Any,
+    generation_config: GenerationConfig,
+    model_kwargs: dict[str, Any],
+    synced_gpus: bool,
+) -> None:
+    if model.config.is_encoder_decoder:
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_specdec supports decoder-only LMs")
+    if generation_config.num_beams != 1:
+        raise ValueError(
+            f"num_beams={generation_config.num_beams}: beam search cannot be combined with speculative decoding; "
+            "use num_beams=1 or drop the speculative config"
+        )
+    if generation_config.num_return_sequences != 1:
+        raise ValueError(
+            f"num_return_sequences={generation_config.num_return_sequences}: speculative decoding returns one "
+            "sequence per prompt; repeat the prompt in the batch instead"
+        )
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(
+            f"generation mode {mode.value!r} cannot be combined with speculative decoding; it supports greedy "
+            "decoding and sampling (drop penalty_alpha, dola_layers, ...)"
+        )
+    if not generation_config.use_cache:
+        raise ValueError("use_cache=False: speculative decoding needs the KV cache; drop use_cache=False")
+    if synced_gpus:
+        raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by speculative decoding")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(
+            "output_attentions / output_hidden_states are not supported with speculative decoding "
+            "(a verify step computes several positions at once)"
+        )
+    if generation_config.cache_implementation not in SUPPORTED_CACHE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"cache_implementation={generation_config.cache_implementation!r}: speculative decoding needs a "
+            "dynamic cache it can roll back per row; drop cache_implementation"
+        )
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0):
+        raise ValueError(
+            "past_key_values: speculative decoding starts from an empty cache and manages its own; "
+            "continuing from a filled or non-dynamic cache is not supported"
+        )
+    unknown = sorted(k for k, v in model_kwargs.items() if k not in KNOWN_MODEL_KWARGS and v is not None)
+    if unknown:
+        raise ValueError(f"model inputs {unknown} are not supported by speculative decoding (text input_ids only)")
+    AttentionLayout.from_model(model)

@@ -1,0 +1,67 @@
+"""`SpeculativeConfig`: what the user asks for, validated before any work is done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+SpecMethod = Literal["draft", "ngram"]
+SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
+
+# Beyond this many draft tokens per step the verify forward is mostly wasted work; vLLM caps at 128.
+MAX_SPECULATIVE_TOKENS = 64
+
+
+@dataclass
+class SpeculativeConfig:
+    """How to speculate. Validated in `__post_init__`; every error names the field."""
+
+    method: SpecMethod = field(default="draft", metadata={"help": f"proposer, one of {SPEC_METHODS}"})
+    draft_model: Any = field(default=None, metadata={"help": "the small model for method='draft' (same tokenizer)"})
+    num_speculative_tokens: int = field(default=5, metadata={"help": "draft tokens proposed per step (k)"})
+    prompt_lookup_min: int = field(default=1, metadata={"help": "shortest n-gram the ngram proposer matches"})
+    prompt_lookup_max: int = field(default=3, metadata={"help": "longest n-gram the ngram proposer matches"})
+    seed: int | None = field(
+        default=None,
+        metadata={"help": "seed of the torch.Generator used for sampling; None uses torch's global RNG"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"SpeculativeConfig.method: unknown method {self.method!r}; expected one of {list(SPEC_METHODS)}"
+            )
+        if self.method == "draft":
+            if self.draft_model is None:
+                raise ValueError(
+                    "SpeculativeConfig.draft_model: method='draft' needs a draft model "
+                    "(a transformers causal LM that shares the target's tokenizer)"
+                )
+            if not callable(getattr(self.draft_model, "forward", None)) or not hasattr(self.draft_model, "config"):
+                raise ValueError(
+                    "SpeculativeConfig.draft_model: expected a transformers PreTrainedModel, "
+                    f"got {type(self.draft_model).__name__}"
+                )
+        elif self.draft_model is not None:
+            raise ValueError(
+                f"SpeculativeConfig.draft_model: method={self.method!r} does not use a draft model; "
+                "drop draft_model or use method='draft'"
+            )
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, None)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, None)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"SpeculativeConfig.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, None)
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"SpeculativeConfig.{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"SpeculativeConfig.{name}: expected an int {bound}, got {value}")

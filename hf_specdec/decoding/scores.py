@@ -1,0 +1,86 @@
+"""The user's logits processors, applied at every verified position with that position's true prefix.
+
+Plain `generate` runs the processor list once per token on `input_ids [B, L]`. A verify step scores k + 1
+positions of every row at once, and rows have different lengths, so position j of row b must see
+`sequences[b, :lengths[b] + j]` (its committed tokens and the first j drafts). Processors whose output does not
+depend on the prefix (temperature, top-k, top-p, ...) run once over every position; any other processor runs
+once per distinct prefix length, on the rows that share it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinPLogitsWarper,
+    PrefixConstrainedLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from hf_specdec.decoding.state import DecodeState
+
+PREFIX_FREE_PROCESSORS = (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+# Processors that index rows by their batch position: a subset of rows would be misread.
+ROW_INDEXED_PROCESSORS = (PrefixConstrainedLogitsProcessor,)
+
+
+def check_processors(logits_processor: LogitsProcessorList) -> None:
+    for processor in logits_processor:
+        if isinstance(processor, ROW_INDEXED_PROCESSORS):
+            raise ValueError(
+                f"{type(processor).__name__} (prefix_allowed_tokens_fn) indexes rows by batch position and cannot "
+                "be combined with speculative decoding; drop prefix_allowed_tokens_fn or the speculative config"
+            )
+
+
+def prefix_free(logits_processor: LogitsProcessorList) -> LogitsProcessorList:
+    """The processors that depend only on the scores (what a draft model can apply to its own logits)."""
+    return LogitsProcessorList([p for p in logits_processor if isinstance(p, PREFIX_FREE_PROCESSORS)])
+
+
+class PositionScorer:
+    """Turns raw target logits of a verify step into the scores plain `generate` would have seen."""
+
+    def __init__(self, logits_processor: LogitsProcessorList) -> None:
+        check_processors(logits_processor)
+        self.logits_processor = logits_processor
+        self.all_prefix_free = all(isinstance(p, PREFIX_FREE_PROCESSORS) for p in logits_processor)
+
+    def __call__(
+        self,
+        state: DecodeState,
+        # [B, W, V] raw logits; position j of row b follows the row's committed tokens and its first j drafts,
+        # which the caller has written into state.sequences after lengths[b]
+        logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Returns processed float32 scores [B, W, V]."""
+        batch, width, vocab = logits.shape
+        scores = logits.to(torch.float32, copy=True)  # as plain generate: processors may work in place
+        if len(self.logits_processor) == 0:
+            return scores
+        if self.all_prefix_free:
+            flat_ids = state.sequences.new_zeros((batch * width, 1))
+            return self.logits_processor(flat_ids, scores.reshape(batch * width, vocab)).reshape(batch, width, vocab)
+        out = torch.empty_like(scores)
+        prefix_lengths = state.lengths[:, None] + torch.arange(width, device=logits.device)[None, :]  # [B, W]
+        for length in prefix_lengths.unique().tolist():
+            rows, cols = (prefix_lengths == length).nonzero(as_tuple=True)
+            out[rows, cols] = self.logits_processor(state.sequences[rows, :length], scores[rows, cols])
+        return out

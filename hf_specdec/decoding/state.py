@@ -1,0 +1,120 @@
+"""Per-step decoding state shared by the engine and the proposers, and the `Proposal` a proposer returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DecodeState:
+    """The committed tokens of every row.
+
+    Row b holds its left padding, its prompt and its committed tokens in `sequences[b, :lengths[b]]`, exactly the
+    row plain `generate` would have built (padding included). The columns after `lengths[b]` hold `pad_token_id`,
+    except while a step writes draft tokens there so the logits processors can see each position's true prefix.
+    """
+
+    # [B, capacity]
+    sequences: torch.Tensor
+    # [B]: committed length of each row, left padding and prompt included
+    lengths: torch.Tensor
+    # [B]: left-padding tokens at the start of each row
+    pad_lengths: torch.Tensor
+    # [B] bool
+    finished: torch.Tensor
+    prompt_length: int
+    max_length: int
+    pad_token_id: int
+
+    @classmethod
+    def start(
+        cls,
+        # [B, P]
+        input_ids: torch.Tensor,
+        # [B, P] or None
+        attention_mask: torch.Tensor | None,
+        max_length: int,
+        extra_capacity: int,
+        pad_token_id: int,
+    ) -> DecodeState:
+        batch, prompt_length = input_ids.shape
+        capacity = max(max_length, prompt_length) + extra_capacity
+        sequences = input_ids.new_full((batch, capacity), pad_token_id)
+        sequences[:, :prompt_length] = input_ids
+        if attention_mask is None:
+            pad_lengths = input_ids.new_zeros(batch)
+        else:
+            pad_lengths = (attention_mask == 0).long().sum(dim=1)
+        return cls(
+            sequences=sequences,
+            lengths=input_ids.new_full((batch,), prompt_length),
+            pad_lengths=pad_lengths,
+            finished=torch.zeros(batch, dtype=torch.bool, device=input_ids.device),
+            prompt_length=prompt_length,
+            max_length=max_length,
+            pad_token_id=pad_token_id,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.sequences.shape[0]
+
+    def last_tokens(self) -> torch.Tensor:
+        """[B]: each row's last committed token."""
+        return self.sequences.gather(1, (self.lengths - 1)[:, None]).squeeze(1)
+
+    def draft_budget(self) -> torch.Tensor:
+        """[B]: draft tokens worth proposing: the tokens still allowed after the step's own final token."""
+        budget = (self.max_length - self.lengths - 1).clamp(min=0)
+        return torch.where(self.finished, 0, budget)
+
+    def write(
+        self,
+        # [B, W]
+        tokens: torch.Tensor,
+        # [B]: how many of each row's tokens to write after its committed length
+        counts: torch.Tensor,
+    ) -> None:
+        """Write tokens after each row's committed length (draft scratch space, or tokens about to be committed)."""
+        width = tokens.shape[1]
+        column = torch.arange(width, device=tokens.device)[None, :]
+        index = (self.lengths[:, None] + column).clamp(max=self.sequences.shape[1] - 1)
+        current = self.sequences.gather(1, index)
+        self.sequences.scatter_(1, index, torch.where(column < counts[:, None], tokens, current))
+
+    def commit(self, num_emitted: torch.Tensor, scratch_width: int) -> None:
+        """Advance lengths by the tokens written and emitted; reset the scratch columns after them to padding."""
+        self.lengths = self.lengths + num_emitted
+        column = torch.arange(scratch_width, device=self.lengths.device)[None, :]
+        index = (self.lengths[:, None] + column).clamp(max=self.sequences.shape[1] - 1)
+        self.sequences.scatter_(1, index, self.pad_token_id)
+
+    def output(self) -> torch.Tensor:
+        """The sequences as plain `generate` returns them: cut after the longest row."""
+        return self.sequences[:, : int(self.lengths.max())]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one step: a chain per row (trees extend this in the tree issue)."""
+
+    # [B, k]: entries at or after num_draft_tokens[b] are padding
+    draft_token_ids: torch.Tensor
+    # [B]
+    num_draft_tokens: torch.Tensor
+    # [B, k, V_target]: the distributions the drafts were sampled from; None for point-mass proposers
+    draft_probs: torch.Tensor | None
+
+    @classmethod
+    def empty(cls, batch_size: int, device: torch.device) -> Proposal:
+        return cls(
+            draft_token_ids=torch.zeros((batch_size, 0), dtype=torch.long, device=device),
+            num_draft_tokens=torch.zeros(batch_size, dtype=torch.long, device=device),
+            draft_probs=None,
+        )
+
+    @property
+    def width(self) -> int:
+        return self.draft_token_ids.shape[1]

@@ -1,0 +1,119 @@
+"""How users reach the engine: `hf_specdec.generate(model, ...)`, or `enable()` and `model.generate(...)`.
+
+`enable()` wraps transformers' `GenerationMixin.generate` once (idempotent; `disable()` restores it) so that it
+accepts `speculative=SpeculativeConfig(...)`, or `assistant=model` / `spec_method="ngram"`. A call with none of
+them is passed through untouched. A speculative call becomes `generate(custom_generate=speculative_generate)`, so
+generate's own preparation is reused; the streamer travels under another name because `custom_generate` drops it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import transformers
+from packaging.version import Version
+from transformers.generation.utils import GenerationMixin
+
+from hf_specdec.config import SpeculativeConfig
+from hf_specdec.decoding.loop import speculative_generate
+
+SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))  # [low, high)
+_TRANSFORMERS_GENERATE = GenerationMixin.generate
+
+
+def check_transformers_version(version: str = transformers.__version__) -> None:
+    low, high = SUPPORTED_TRANSFORMERS
+    if not low <= Version(version) < high:
+        raise RuntimeError(
+            f"hf_specdec supports transformers >={low},<{high}; found {version}. "
+            f"Install a supported version: pip install 'transformers>={low},<{high}'"
+        )
+
+
+def resolve_config(
+    speculative: SpeculativeConfig | None,
+    assistant: Any,
+    spec_method: str | None,
+) -> SpeculativeConfig:
+    """One SpeculativeConfig from the three spellings; conflicting values are an error, never a silent choice."""
+    if speculative is None:
+        method = spec_method if spec_method is not None else "draft"
+        if method == "draft" and assistant is None:
+            raise ValueError("spec_method='draft' needs assistant=<draft model> (or pass speculative=SpeculativeConfig)")
+        return SpeculativeConfig(method=method, draft_model=assistant)
+    if not isinstance(speculative, SpeculativeConfig):
+        raise ValueError(f"speculative: expected a hf_specdec.SpeculativeConfig, got {type(speculative).__name__}")
+    if assistant is not None and assistant is not speculative.draft_model:
+        raise ValueError("assistant: conflicts with speculative.draft_model; pass the draft model in one place only")
+    if spec_method is not None and spec_method != speculative.method:
+        raise ValueError(
+            f"spec_method={spec_method!r} conflicts with speculative.method={speculative.method!r}; pass one"
+        )
+    return speculative
+
+
+def _generate(
+    original: Any,
+    model: Any,
+    args: tuple,
+    kwargs: dict[str, Any],
+    speculative: SpeculativeConfig | None,
+    assistant: Any,
+    spec_method: str | None,
+):
+    check_transformers_version()
+    config = resolve_config(speculative, assistant, spec_method)
+    for name in ("assistant_model", "prompt_lookup_num_tokens", "custom_generate"):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{name}: transformers' own option cannot be combined with hf_specdec's speculative decoding; "
+                "drop one of them"
+            )
+    streamer = kwargs.pop("streamer", None)
+    return original(
+        model,
+        *args,
+        custom_generate=speculative_generate,
+        speculative_config=config,
+        spec_streamer=streamer,
+        **kwargs,
+    )
+
+
+def generate(
+    model: Any,
+    *args: Any,
+    speculative: SpeculativeConfig | None = None,
+    assistant: Any = None,
+    spec_method: str | None = None,
+    **kwargs: Any,
+):
+    """`model.generate(...)` with speculative decoding, without patching transformers."""
+    if speculative is None and assistant is None and spec_method is None:
+        raise ValueError("hf_specdec.generate needs speculative=SpeculativeConfig(...), assistant=... or spec_method=...")
+    return _generate(_TRANSFORMERS_GENERATE, model, args, kwargs, speculative, assistant, spec_method)
+
+
+def _patched_generate(self, *args: Any, speculative=None, assistant=None, spec_method=None, **kwargs: Any):
+    if speculative is None and assistant is None and spec_method is None:
+        return _TRANSFORMERS_GENERATE(self, *args, **kwargs)
+    return _generate(_TRANSFORMERS_GENERATE, self, args, kwargs, speculative, assistant, spec_method)
+
+
+functools.update_wrapper(_patched_generate, _TRANSFORMERS_GENERATE)
+
+
+def enable() -> None:
+    """Teach every transformers model's `generate` the speculative keywords (idempotent)."""
+    check_transformers_version()
+    GenerationMixin.generate = _patched_generate
+
+
+def disable() -> None:
+    """Restore transformers' own `generate`."""
+    GenerationMixin.generate = _TRANSFORMERS_GENERATE
+
+
+def is_enabled() -> bool:
+    return GenerationMixin.generate is _patched_generate

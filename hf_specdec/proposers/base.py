@@ -1,0 +1,67 @@
+"""The proposer interface every speculation method implements, and the registry that builds them by name."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+
+from hf_specdec.config import SpeculativeConfig
+from hf_specdec.decoding.state import DecodeState, Proposal
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """How a proposer that samples should draw its tokens (from the target's generation settings)."""
+
+    do_sample: bool
+    # the target's prefix-free processors (temperature, top-k, top-p, ...), applied to draft logits
+    warpers: LogitsProcessorList
+    generator: torch.Generator | None
+
+
+class Proposer(ABC):
+    """Guesses the next tokens of every row.
+
+    The engine calls `start` once after the target's prefill, then per step `propose` and, after verification,
+    `commit`, so a proposer with state (a KV cache) can keep what the target kept.
+    """
+
+    def start(
+        self,
+        state: DecodeState,
+        # [B, P] or None
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        """Called once with the prompt, before the first proposal."""
+
+    @abstractmethod
+    def propose(self, state: DecodeState) -> Proposal:
+        """Up to `state.draft_budget()` draft tokens per row; finished rows get none."""
+
+    def commit(
+        self,
+        state: DecodeState,
+        # [B] draft tokens the target accepted
+        num_accepted: torch.Tensor,
+    ) -> None:
+        """Called after `state` took the step's tokens (finished rows are marked in `state.finished`)."""
+
+
+ProposerFactory = Callable[[SpeculativeConfig, torch.nn.Module, DraftSampling], Proposer]
+_REGISTRY: dict[str, ProposerFactory] = {}
+
+
+def register_proposer(method: str, factory: ProposerFactory) -> None:
+    if method in _REGISTRY:
+        raise ValueError(f"a proposer is already registered for method {method!r}")
+    _REGISTRY[method] = factory
+
+
+def build_proposer(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:
+    if config.method not in _REGISTRY:
+        raise ValueError(f"SpeculativeConfig.method: no proposer registered for {config.method!r}")
+    return _REGISTRY[config.method](config, target, sampling)
