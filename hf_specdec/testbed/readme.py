@@ -63,7 +63,7 @@ From the repository root:
 {metrics["command"]}
 ```
 
-Results match bit for bit only with the same Python (stdlib), torch version and thread count.
+Bit-identical weights need the same Python (its stdlib is the corpus), torch version and thread count.
 """
 
 

@@ -1,13 +1,19 @@
 """The committed benchmark prompts."""
 
 import json
+import sys
 
 import pytest
+from transformers import AutoTokenizer
 
+from hf_specdec.testbed.corpus import SplitConfig, split_corpus
+from hf_specdec.testbed.loading import testbed_dir as find_testbed
 from hf_specdec.testbed.workloads import (
     EDIT_INSTRUCTION,
     WORKLOAD_NAMES,
     WORKLOADS_VERSION,
+    WorkloadConfig,
+    build_workloads,
     load_workload,
     workloads_path,
 )
@@ -46,3 +52,16 @@ def test_prompts_end_at_a_line_boundary() -> None:
 def test_unknown_workload_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown workload"):
         load_workload("nope")
+
+
+def test_committed_workloads_match_a_rebuild() -> None:
+    data = json.loads(workloads_path().read_text(encoding="utf-8"))
+    if data["python_version"] != ".".join(map(str, sys.version_info[:3])):
+        pytest.skip(f"workloads were built from the Python {data['python_version']} stdlib")
+    tokenizer = AutoTokenizer.from_pretrained(find_testbed() / "tokenizer", local_files_only=True)
+    split = split_corpus(SplitConfig(seed=data["seed"]))
+    rebuilt = build_workloads(
+        split.heldout, split.texts("heldout"), tokenizer, WorkloadConfig(seed=data["seed"]),
+        python_version=data["python_version"],
+    )
+    assert rebuilt == data
