@@ -4,10 +4,14 @@ Plain `generate` runs the processor list once per token on `input_ids [B, L]`. A
 positions of every row at once, and rows have different lengths, so position j of row b must see
 `sequences[b, :lengths[b] + j]` (its committed tokens and the first j drafts). Processors whose output does not
 depend on the prefix (temperature, top-k, top-p, ...) run once over every position; any other processor runs
-once per distinct prefix length, on the rows that share it.
+once per distinct prefix length, on the rows that share it. A processor holding per-row state (a tensor whose
+first dimension is the batch, such as the repetition penalty's per-row `prompt_ignore_length`) is called on a
+shallow copy whose row tensors are sliced to the same rows.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from transformers import LogitsProcessorList
@@ -82,5 +86,21 @@ class PositionScorer:
         prefix_lengths = state.lengths[:, None] + torch.arange(width, device=logits.device)[None, :]  # [B, W]
         for length in prefix_lengths.unique().tolist():
             rows, cols = (prefix_lengths == length).nonzero(as_tuple=True)
-            out[rows, cols] = self.logits_processor(state.sequences[rows, :length], scores[rows, cols])
+            processors = LogitsProcessorList(_select_rows(p, rows, batch) for p in self.logits_processor)
+            out[rows, cols] = processors(state.sequences[rows, :length], scores[rows, cols])
         return out
+
+
+def _select_rows(processor, rows: torch.Tensor, batch_size: int):
+    """The processor as it applies to `rows` of the batch: per-row tensor attributes are sliced."""
+    row_state = {
+        name: value
+        for name, value in vars(processor).items()
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size
+    }
+    if not row_state:
+        return processor
+    selected = copy.copy(processor)
+    for name, value in row_state.items():
+        setattr(selected, name, value[rows.to(value.device)])
+    return selected

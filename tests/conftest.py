@@ -1,0 +1,100 @@
+"""Tiny random models of every supported architecture, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 128
+PAD, EOS, BOS = 0, 1, 2
+SPECIAL = {"pad_token_id": PAD, "eos_token_id": EOS, "bos_token_id": BOS}
+DECODER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+ARCHITECTURES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **DECODER, **SPECIAL)),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, **SPECIAL)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, **DECODER, **SPECIAL)),
+    "gpt_neox": lambda: GPTNeoXForCausalLM(
+        GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=256, **SPECIAL)
+    ),
+    "opt": lambda: OPTForCausalLM(
+        OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                  word_embed_proj_dim=32, max_position_embeddings=256, **SPECIAL)
+    ),
+    # sliding window (4) shorter than the prompt, applied to every layer (Mistral style)
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(vocab_size=VOCAB, **DECODER, sliding_window=4, **SPECIAL)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(vocab_size=VOCAB, **DECODER, sliding_window=5, **SPECIAL)),
+    # alternating sliding (window 6, shorter than the prompt) and full layers (Gemma-2 style)
+    "gemma2": lambda: Gemma2ForCausalLM(
+        Gemma2Config(vocab_size=VOCAB, **{**DECODER, "num_hidden_layers": 4}, head_dim=8, sliding_window=6, **SPECIAL)
+    ),
+}
+
+
+def make_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = ARCHITECTURES[arch]().eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.bos_token_id = BOS
+    return model
+
+
+def make_draft(seed: int = 1, vocab: int = VOCAB) -> torch.nn.Module:
+    """A random one-layer Llama with the shared vocabulary: drafts that are rarely accepted."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, **{**DECODER, "hidden_size": 16, "num_hidden_layers": 1,
+                                             "intermediate_size": 32}, **SPECIAL)
+    return LlamaForCausalLM(config).eval()
+
+
+def padded_batch(lengths: list[int], seed: int = 0, repeat_period: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of the given lengths; with repeat_period the text repeats (n-gram matches)."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        if repeat_period:
+            phrase = torch.randint(3, VOCAB, (repeat_period,), generator=generator)
+            tokens = phrase.repeat(length // repeat_period + 1)[:length]
+        else:
+            tokens = torch.randint(3, VOCAB, (length,), generator=generator)
+        ids[row, width - length :] = tokens
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+@pytest.fixture
+def forward_counter():
+    """Counts forward calls of a module: `count = forward_counter(model)` then `count()`."""
+    handles = []
+
+    def attach(model: torch.nn.Module):
+        calls = []
+        handles.append(model.register_forward_hook(lambda *_: calls.append(1)))
+        return lambda: len(calls)
+
+    yield attach
+    for handle in handles:
+        handle.remove()

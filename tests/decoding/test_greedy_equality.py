@@ -1,0 +1,116 @@
+"""Greedy speculative output is token-for-token plain `generate`'s, on every architecture, batched and padded."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from tests.conftest import ARCHITECTURES, EOS, make_draft, make_model, padded_batch
+
+LENGTHS = [12, 7, 10]  # batch 3, left padded; longer than every sliding window in conftest
+NEW_TOKENS = 24
+
+
+def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
+    return {
+        "random_draft": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=4),
+        "same_draft": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=4),
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3),
+    }
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_greedy_matches_plain_generate(arch):
+    target = make_model(arch)
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    for name, config in _proposers(target).items():
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected), f"{arch}/{name}"
+        stats = out.spec_stats
+        if name == "same_draft":
+            assert stats.acceptance_rate == 1.0, f"{arch}: a copy of the target must always be accepted"
+            # 1 prefill + ceil((NEW_TOKENS - 1) / 5) verify steps
+            assert stats.target_forward_passes == 1 + -(-(NEW_TOKENS - 1) // 5)
+        assert stats.num_draft_tokens > 0
+
+
+def test_eos_and_processors_match_plain_generate():
+    """EOS inside accepted blocks, rows finishing at different steps, prefix-dependent processors."""
+    target = make_model("llama")
+    ids, mask = padded_batch([9, 6, 11, 4], seed=5, repeat_period=3)
+    base = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=None)
+    free = target.generate(ids, **base)[:, ids.shape[1] :]
+    eos = int(free[1, 6])  # a token plain decoding emits mid-sequence, so some rows stop early
+    kwargs = {**base, "eos_token_id": eos, "repetition_penalty": 1.3, "no_repeat_ngram_size": 3, "min_new_tokens": 2}
+    expected = target.generate(ids, **kwargs)
+    assert expected.shape[1] < ids.shape[1] + 30 or (expected == 0).any(), "the EOS should end some row early"
+    for config in _proposers(target).values():
+        out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+        assert torch.equal(out, expected)
+
+
+class StopAfter(StoppingCriteria):
+    def __init__(self, prompt_length: int, new_tokens: int) -> None:
+        self.limit = prompt_length + new_tokens
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.limit, dtype=torch.bool)
+
+
+def test_custom_stopping_criterion_is_exact():
+    """transformers' assisted loop overshoots a custom stop (9 -> 12); here it stops at exactly 9 new tokens."""
+    target = make_model("llama")
+    ids, mask = padded_batch([8, 5], seed=2)
+    criteria = StoppingCriteriaList([StopAfter(ids.shape[1], 9)])
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, stopping_criteria=criteria, **kwargs)
+    same = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=5)
+    out = hf_specdec.generate(target, ids, speculative=same, stopping_criteria=criteria, **kwargs)
+    assert expected.shape[1] == ids.shape[1] + 9
+    assert torch.equal(out, expected)
+
+
+def test_max_new_tokens_is_exact_with_full_acceptance():
+    target = make_model("qwen2")
+    ids, mask = padded_batch([6, 6], seed=4)
+    same = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=7)
+    for new_tokens in (1, 2, 8, 9, 17):
+        kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+        out = hf_specdec.generate(target, ids, speculative=same, **kwargs)
+        assert torch.equal(out, target.generate(ids, **kwargs)), new_tokens
+
+
+def test_output_scores_and_logits_match_plain_generate():
+    target = make_model("llama")
+    ids, mask = padded_batch([7, 7], seed=6)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                  return_dict_in_generate=True, output_scores=True, output_logits=True, repetition_penalty=1.2)
+    expected = target.generate(ids, **kwargs)
+    config = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3)
+    out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert len(out.scores) == len(expected.scores) == 10
+    for ours, theirs in zip(out.scores, expected.scores):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    for ours, theirs in zip(out.logits, expected.logits):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_eos_token_of_generation_config_default():
+    """The model's own generation_config EOS (not passed to generate) is honoured."""
+    target = make_model("gpt2")
+    ids, mask = padded_batch([5, 8, 3], seed=8)
+    target.generation_config.eos_token_id = int(target.generate(ids, attention_mask=mask, max_new_tokens=8,
+                                                                do_sample=False, eos_token_id=None)[0, -4])
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False)
+    expected = target.generate(ids, **kwargs)
+    out = hf_specdec.generate(target, ids, spec_method="ngram", **kwargs)
+    assert torch.equal(out, expected)
+    assert target.generation_config.eos_token_id != EOS
