@@ -1,0 +1,58 @@
+"""The n-gram matcher on literal arrays, and the batched proposer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hf_specdec import SpeculativeConfig
+from hf_specdec.decoding.state import DecodeState
+from hf_specdec.proposers.ngram import NgramProposer, find_ngram_continuation
+
+
+def _find(tokens, min_n=1, max_n=3, k=4):
+    return find_ngram_continuation(np.array(tokens), min_n, max_n, k).tolist()
+
+
+def test_longest_match_wins_over_shorter_later_match():
+    # suffix [7, 8, 9]: matched in full at index 0 (continues with 1, 2); [8, 9] alone also matches later
+    assert _find([7, 8, 9, 1, 2, 5, 8, 9, 3, 7, 8, 9]) == [1, 2, 5, 8]
+
+
+def test_earliest_occurrence_among_equal_lengths():
+    assert _find([4, 5, 1, 4, 5, 2, 4, 5], max_n=2) == [1, 4, 5, 2]
+
+
+def test_no_match_and_too_short():
+    assert _find([1, 2, 3, 4]) == []
+    assert _find([5]) == []
+    assert _find([5, 5], k=0) == []
+
+
+def test_min_n_is_respected():
+    assert _find([1, 2, 9, 3, 2], min_n=2) == []
+    assert _find([1, 2, 9, 3, 2], min_n=1) == [9, 3, 2]
+
+
+def test_continuation_is_capped_at_k():
+    assert _find([1, 2, 3, 4, 5, 6, 1, 2], k=3) == [3, 4, 5]
+
+
+def test_batched_proposer_ragged_rows_and_budget():
+    pad = 0
+    ids = torch.tensor([[0, 0, 6, 7, 8, 6, 7], [1, 2, 3, 4, 1, 2, 3], [0, 9, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    state = DecodeState.start(ids, mask, max_length=9, extra_capacity=5, pad_token_id=pad)
+    proposal = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4)).propose(state)
+    # budget: max_length 9 - length 7 - 1 = 1 draft token per row
+    assert proposal.num_draft_tokens.tolist() == [1, 1, 0]
+    assert proposal.draft_token_ids[:, :1].tolist()[:2] == [[8], [4]]
+    assert proposal.draft_probs is None
+
+
+def test_left_padding_is_never_matched():
+    ids = torch.tensor([[0, 0, 0, 5, 0]])
+    mask = torch.tensor([[0, 0, 0, 1, 1]])
+    state = DecodeState.start(ids, mask, max_length=20, extra_capacity=5, pad_token_id=0)
+    proposal = NgramProposer(SpeculativeConfig(method="ngram")).propose(state)
+    assert proposal.num_draft_tokens.tolist() == [0]
