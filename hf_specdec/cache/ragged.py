@@ -103,8 +103,14 @@ class RaggedKVCache:
         # [B, P] (1 = real token, 0 = left padding); None when nothing is padded
         attention_mask: torch.Tensor | None,
         logits_to_keep: int = 1,
-    ) -> torch.Tensor:
-        """Encode the prompt through the model's own input preparation; returns logits [B, logits_to_keep, V]."""
+    ) -> torch.Tensor | None:
+        """Encode the prompt through the model's own input preparation; returns logits [B, logits_to_keep, V]
+        (None for an empty prompt, which just starts an empty cache)."""
+        if input_ids.shape[1] == 0:
+            self.valid = torch.zeros_like(input_ids, dtype=torch.bool)
+            self.positions = torch.zeros_like(input_ids)
+            self.next_position = input_ids.new_zeros(input_ids.shape[0])
+            return None
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)

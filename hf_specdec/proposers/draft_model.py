@@ -71,15 +71,16 @@ class DraftModelProposer(Proposer):
         self._mark = None
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
+        # The last prompt token is left for the first proposal, so every proposal has a token to feed.
         device = self.draft.device
-        prompt = state.sequences[:, : state.prompt_length].to(device)
-        self.cache.prefill(prompt, None if attention_mask is None else attention_mask.to(device))
-        self.cached_lengths = state.lengths.clone()
+        prompt = state.sequences[:, : state.prompt_length - 1].to(device)
+        self.cache.prefill(prompt, None if attention_mask is None else attention_mask[:, :-1].to(device))
+        self.cached_lengths = state.lengths - 1
 
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
         num_steps = int(budget.max())
-        fed = torch.where(state.finished, 0, state.lengths - self.cached_lengths)
+        fed = torch.where(state.finished, 0, state.lengths - self.cached_lengths)  # >= 1 for unfinished rows
         width = max(1, int(fed.max()))
         column = torch.arange(width, device=fed.device)[None, :]
         index = (self.cached_lengths[:, None] + column).clamp(max=state.sequences.shape[1] - 1)

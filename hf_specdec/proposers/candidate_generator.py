@@ -1,0 +1,69 @@
+"""Any hf_specdec proposer as a transformers `CandidateGenerator`, for people on transformers' own assisted loop.
+
+transformers' loop handles one row; it calls `get_candidates(input_ids)` with the committed sequence, verifies, and
+reports `num_matches` through `update_candidate_strategy`, which is exactly our propose/commit cycle.
+
+transformers 5.23 has no public argument that takes a candidate generator; the loop builds its own in the private
+`GenerationMixin._get_candidate_generator`. To use one, override that method on the model to return this object
+and switch assisted mode on (e.g. with `prompt_lookup_num_tokens`); `hf_specdec.generate` needs none of this.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from hf_specdec.config import SpeculativeConfig
+from hf_specdec.decoding.scores import prefix_free
+from hf_specdec.decoding.state import DecodeState
+from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer
+
+
+class ProposerCandidateGenerator(CandidateGenerator):
+    def __init__(self, proposer: Proposer, max_length: int, pad_token_id: int = 0) -> None:
+        self.proposer = proposer
+        self.max_length = max_length
+        self.pad_token_id = pad_token_id
+        self._started = False
+
+    @classmethod
+    def from_config(
+        cls,
+        config: SpeculativeConfig,
+        target: torch.nn.Module,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList | None = None,
+    ) -> ProposerCandidateGenerator:
+        generator = None
+        if config.seed is not None:
+            generator = torch.Generator(device=target.device).manual_seed(config.seed)
+        warpers = prefix_free(logits_processor if logits_processor is not None else LogitsProcessorList())
+        sampling = DraftSampling(bool(generation_config.do_sample), warpers, generator)
+        pad = generation_config.pad_token_id
+        return cls(build_proposer(config, target, sampling), generation_config.max_length, 0 if pad is None else int(pad))
+
+    def _state(
+        self,
+        # [1, L]
+        input_ids: torch.Tensor,
+    ) -> DecodeState:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids: transformers' assisted loop handles one row, got batch {input_ids.shape[0]}")
+        return DecodeState.start(input_ids, None, self.max_length, extra_capacity=1, pad_token_id=self.pad_token_id)
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        state = self._state(input_ids)
+        if not self._started:
+            self.proposer.start(state, None)
+            self._started = True
+        proposal = self.proposer.propose(state)
+        count = int(proposal.num_draft_tokens[0])
+        candidates = torch.cat([input_ids, proposal.draft_token_ids[:, :count].to(input_ids.device)], dim=1)
+        if proposal.draft_probs is None:
+            return candidates, None
+        # transformers takes softmax(candidate_logits) as the draft distribution: log-probabilities give it back
+        return candidates, proposal.draft_probs[:, :count].log()
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        self.proposer.commit(self._state(input_ids), torch.tensor([int(num_matches)], device=input_ids.device))

@@ -1,0 +1,184 @@
+"""The public entry points: both spellings, enable/disable, streamers, and every bad input (before any work)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.integration import check_transformers_version
+from tests.conftest import make_draft, make_model, padded_batch
+
+GREEDY = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+
+
+@pytest.fixture
+def enabled():
+    hf_specdec.enable()
+    yield
+    hf_specdec.disable()
+
+
+def test_enable_is_idempotent_and_disable_restores(enabled):
+    from transformers.generation.utils import GenerationMixin
+
+    patched = GenerationMixin.generate
+    hf_specdec.enable()
+    assert GenerationMixin.generate is patched and hf_specdec.is_enabled()
+    hf_specdec.disable()
+    assert not hf_specdec.is_enabled()
+    with pytest.raises(ValueError, match="speculative"):
+        make_model("llama").generate(torch.tensor([[5, 6]]), speculative=SpeculativeConfig(method="ngram"))
+    hf_specdec.enable()
+
+
+def test_all_spellings_agree(enabled):
+    target = make_model("llama")
+    draft = make_draft()
+    ids, mask = padded_batch([6, 9], seed=1, repeat_period=3)
+    expected = target.generate(ids, attention_mask=mask, **GREEDY)
+    config = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=5)
+    outputs = [
+        target.generate(ids, attention_mask=mask, speculative=config, **GREEDY),
+        target.generate(ids, attention_mask=mask, assistant=draft, spec_method="draft", **GREEDY),
+        target.generate(ids, attention_mask=mask, assistant=draft, **GREEDY),
+        target.generate(ids, attention_mask=mask, spec_method="ngram", **GREEDY),
+        hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, **GREEDY),
+    ]
+    for out in outputs:
+        assert torch.equal(out, expected)
+
+
+def test_spec_stats_fields():
+    target = make_model("llama")
+    ids, mask = padded_batch([6, 9, 4], seed=1, repeat_period=2)
+    config = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3)
+    out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, return_dict_in_generate=True, **GREEDY)
+    stats = out.spec_stats
+    assert len(stats.per_row) == 3
+    assert stats.num_accepted_tokens == sum(r.num_accepted_tokens for r in stats.per_row)
+    assert stats.accepted_per_position[0] == stats.num_drafts
+    # 12 new tokens per row: the first from the prefill, then drafts of 3, 3 and 2 (the budget), all accepted
+    assert [r.accepted_per_position for r in stats.per_row] == [[3, 3, 2]] * 3
+    assert stats.mean_acceptance_length == 1 + 24 / 9
+    assert stats.target_forward_passes == 4
+    assert stats.to_dict()["acceptance_rate"] == 1.0
+
+
+class Recorder(BaseStreamer):
+    def __init__(self) -> None:
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_streamer_receives_every_token_in_order(enabled, method):
+    target = make_model("llama")
+    ids = torch.tensor([[7, 8, 9, 7, 8, 9, 7]])
+    plain, ours = Recorder(), Recorder()
+    target.generate(ids, streamer=plain, **GREEDY)
+    spec = dict(speculative=SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target))) if method == "draft" \
+        else dict(spec_method="ngram")
+    target.generate(ids, streamer=ours, **spec, **GREEDY)
+    assert ours.chunks == plain.chunks  # the prompt, then one token at a time
+    assert ours.ended and plain.ended
+
+
+def test_one_token_prompt_with_draft():
+    target = make_model("gpt_neox")
+    ids = torch.tensor([[5], [9]])
+    expected = target.generate(ids, **GREEDY)
+    config = SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3)
+    assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **GREEDY), expected)
+
+
+def test_draft_with_padded_vocabulary_works_on_the_shared_part():
+    target = make_model("llama")
+    ids, mask = padded_batch([8, 5], seed=2)
+    expected = target.generate(ids, attention_mask=mask, **GREEDY)
+    for vocab in (130, 192):  # 128 padded up, both ways round
+        config = SpeculativeConfig(method="draft", draft_model=make_draft(vocab=vocab), num_speculative_tokens=4)
+        for sample in (False, True):
+            out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config,
+                                      **{**GREEDY, "do_sample": sample})
+            assert out.shape == expected.shape and (out < 128).all()
+            if not sample:
+                assert torch.equal(out, expected)
+
+
+def test_transformers_version_range():
+    check_transformers_version("5.23.0")
+    with pytest.raises(RuntimeError, match="transformers >=5.23.0,<6.0.0"):
+        check_transformers_version("4.57.1")
+    with pytest.raises(RuntimeError, match="found 6.1.0"):
+        check_transformers_version("6.1.0")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(method="medusa"), "SpeculativeConfig.method: unknown method 'medusa'"),
+        (dict(method="draft"), "SpeculativeConfig.draft_model: method='draft' needs a draft model"),
+        (dict(method="draft", draft_model="gpt2"), "SpeculativeConfig.draft_model: expected a transformers"),
+        (dict(method="ngram", draft_model=make_draft()), "does not use a draft model"),
+        (dict(method="ngram", num_speculative_tokens=0), r"num_speculative_tokens: expected an int in \[1, 64\]"),
+        (dict(method="ngram", num_speculative_tokens=1000), r"num_speculative_tokens: expected an int in \[1, 64\]"),
+        (dict(method="ngram", num_speculative_tokens=2.5), "num_speculative_tokens: expected an int"),
+        (dict(method="ngram", prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min .4. must be <="),
+        (dict(method="ngram", prompt_lookup_min=0), "prompt_lookup_min: expected an int >= 1"),
+        (dict(method="ngram", seed=-1), "seed: expected an int >= 0"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig(**kwargs)
+
+
+NGRAM = SpeculativeConfig(method="ngram")
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (dict(speculative=NGRAM, num_beams=2), "num_beams=2: beam search cannot be combined"),
+        (dict(speculative=NGRAM, num_return_sequences=2, do_sample=True), "num_return_sequences=2"),
+        (dict(speculative=NGRAM, penalty_alpha=0.6, top_k=4), "generation mode 'contrastive_search'"),
+        (dict(speculative=NGRAM, use_cache=False), "use_cache=False"),
+        (dict(speculative=NGRAM, cache_implementation="static"), "cache_implementation='static'"),
+        (dict(speculative=NGRAM, prefix_allowed_tokens_fn=lambda b, ids: [3]), "prefix_allowed_tokens_fn"),
+        (dict(speculative=NGRAM, assistant=make_draft()), "assistant: conflicts with speculative.draft_model"),
+        (dict(speculative=NGRAM, spec_method="draft"), "spec_method='draft' conflicts with speculative.method='ngram'"),
+        (dict(speculative=NGRAM, assistant_model=make_draft()), "assistant_model: transformers' own option"),
+        (dict(speculative=NGRAM, prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens: transformers' own option"),
+        (dict(speculative="ngram"), "speculative: expected a hf_specdec.SpeculativeConfig"),
+        (dict(spec_method="draft"), "spec_method='draft' needs assistant="),
+        (dict(spec_method="eagle"), "SpeculativeConfig.method: unknown method 'eagle'"),
+        (dict(assistant=make_draft(vocab=1000)), "vocabulary size 1000 does not match the target's 128"),
+        (dict(speculative=NGRAM, output_attentions=True, return_dict_in_generate=True), "output_attentions"),
+    ],
+)
+def test_bad_generate_call_fails_before_any_forward(call, match, forward_counter):
+    target = make_model("llama")
+    count = forward_counter(target)
+    ids, mask = padded_batch([5, 3], seed=0)
+    with pytest.raises(ValueError, match=match):
+        hf_specdec.generate(target, ids, attention_mask=mask, max_new_tokens=4, **call)
+    assert count() == 0, "an invalid call must not run the model"
+
+
+def test_draft_with_other_special_tokens_is_refused():
+    target = make_model("llama")
+    draft = make_draft()
+    draft.generation_config.eos_token_id = 7
+    with pytest.raises(ValueError, match="eos_token_id \\[7\\] does not match the target's \\[1\\]"):
+        hf_specdec.generate(target, torch.tensor([[4, 5]]), assistant=draft, max_new_tokens=3)
