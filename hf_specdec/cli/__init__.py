@@ -1,0 +1,1 @@
+"""The `hf-specdec` command line."""

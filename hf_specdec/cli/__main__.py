@@ -1,0 +1,3 @@
+from hf_specdec.cli.main import main
+
+raise SystemExit(main())
