@@ -8,11 +8,14 @@ generate's own preparation is reused; the streamer travels under another name be
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
 import transformers
 from packaging.version import Version
+from transformers import StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 from hf_specdec.config import SpeculativeConfig
@@ -71,6 +74,7 @@ def _generate(
                 "drop one of them"
             )
     streamer = kwargs.pop("streamer", None)
+    _stop_strings_to_criteria(model, kwargs)
     return original(
         model,
         *args,
@@ -79,6 +83,24 @@ def _generate(
         spec_streamer=streamer,
         **kwargs,
     )
+
+
+def _stop_strings_to_criteria(model: Any, kwargs: dict[str, Any]) -> None:
+    """Build the stop-string criterion here: `custom_generate` drops `tokenizer=` before generate would build it."""
+    tokenizer = kwargs.pop("tokenizer", None)
+    stop_strings = kwargs.pop("stop_strings", None)
+    config = kwargs.get("generation_config") or model.generation_config
+    if stop_strings is None and getattr(config, "stop_strings", None) is not None:
+        stop_strings = config.stop_strings
+        kwargs["generation_config"] = config = copy.deepcopy(config)
+        config.stop_strings = None
+    if stop_strings is None:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings: stopping on strings needs the tokenizer; pass tokenizer=... to generate")
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
 
 
 def generate(

@@ -103,6 +103,7 @@ class SpeculativeDecoder:
             pad_token_id=0 if pad is None else int(pad),
         )
         self.stats = SpecStatsRecorder(input_ids.shape[0], self.k)
+        self.stop_lengths = torch.full_like(self.state.lengths, -1)  # [B]: length at each row's first stop
         self.score_log, self.logit_log = ScoreLog(input_ids.shape[0]), ScoreLog(input_ids.shape[0])
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
@@ -137,13 +138,30 @@ class SpeculativeDecoder:
         num_emitted = torch.where(active, result.num_accepted + 1, 0)
         state.write(result.output_token_ids.clamp(min=0), num_emitted)
         decision = self.stopper.check(state, result.output_token_ids, num_emitted, scores)
-        self.emit(result.output_token_ids, decision.num_emitted, scores, logits)
+        if self.stopper.pads_finished_rows:
+            num_emitted = decision.num_emitted
+        self.stop_lengths = torch.where(
+            (self.stop_lengths < 0) & decision.stopped, state.lengths + decision.num_emitted, self.stop_lengths
+        )
+        self.emit(result.output_token_ids, num_emitted, scores, logits)
         self.stats.record(active, proposal.num_draft_tokens, result.num_accepted)
-        state.commit(decision.num_emitted, scratch_width=proposal.width + 1)
-        state.finished |= decision.stopped
+        state.commit(num_emitted, scratch_width=proposal.width + 1)
+        state.finished |= self.finished_rows()
         if mark is not None:
             self.cache.rollback(mark, torch.where(state.finished, 0, 1 + result.num_accepted))
             self.proposer.commit(state, result.num_accepted)
+
+    def finished_rows(self) -> torch.Tensor:
+        """[B] bool. As in plain generate: with an EOS criterion a stopped row ends (and is padded); without one,
+        a stopped row goes on generating until every row has stopped, and all are cut at the last stop."""
+        stopped = self.stop_lengths >= 0
+        if self.stopper.pads_finished_rows:
+            return stopped
+        at_limit = self.state.lengths >= self.state.max_length
+        return at_limit | (stopped.all() & (self.state.lengths >= self.stop_lengths.max()))
+
+    def output_length(self) -> int:
+        return int(self.stop_lengths.max())
 
     def accept(self, proposal: Proposal, scores: torch.Tensor) -> VerificationResult:
         if not self.do_sample:
@@ -182,12 +200,14 @@ def speculative_generate(
         model, speculative_config, logits_processor, stopping_criteria, generation_config, spec_streamer
     )
     state, stats = decoder.run(input_ids, model_kwargs.get("attention_mask"))
-    sequences = state.output()
+    length = decoder.output_length()
+    sequences = state.sequences[:, :length]
     if not generation_config.return_dict_in_generate:
         return sequences
+    steps = length - input_ids.shape[1]
     return SpeculativeGenerateOutput(
         sequences=sequences,
-        scores=decoder.score_log.steps() if generation_config.output_scores else None,
-        logits=decoder.logit_log.steps() if generation_config.output_logits else None,
+        scores=decoder.score_log.steps()[:steps] if generation_config.output_scores else None,
+        logits=decoder.logit_log.steps()[:steps] if generation_config.output_logits else None,
         spec_stats=stats,
     )

@@ -91,10 +91,6 @@ class DecodeState:
         index = (self.lengths[:, None] + column).clamp(max=self.sequences.shape[1] - 1)
         self.sequences.scatter_(1, index, self.pad_token_id)
 
-    def output(self) -> torch.Tensor:
-        """The sequences as plain `generate` returns them: cut after the longest row."""
-        return self.sequences[:, : int(self.lengths.max())]
-
 
 @dataclass(frozen=True)
 class Proposal:

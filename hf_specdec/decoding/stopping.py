@@ -40,6 +40,8 @@ class TokenStopper:
                 others.append(criterion)
         self.eos_token_ids = torch.tensor(sorted(set(eos)), dtype=torch.long, device=device)
         self.others = StoppingCriteriaList(others)
+        # plain generate pads rows that stopped only when an EOS criterion is present
+        self.pads_finished_rows = any(isinstance(c, EosTokenCriteria) for c in stopping_criteria)
 
     def check(
         self,

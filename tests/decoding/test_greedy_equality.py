@@ -114,3 +114,27 @@ def test_eos_token_of_generation_config_default():
     out = hf_specdec.generate(target, ids, spec_method="ngram", **kwargs)
     assert torch.equal(out, expected)
     assert target.generation_config.eos_token_id != EOS
+
+
+def test_stop_strings_stop_exactly_where_plain_generate_stops():
+    """With an EOS criterion, a row that hits the stop string ends there and is padded; without one, plain
+    generate keeps generating it until every row has stopped; both behaviours are reproduced."""
+    from transformers import AutoTokenizer
+
+    from hf_specdec.testbed.loading import testbed_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(testbed_dir() / "tokenizer")
+    target = make_model("llama")
+    ids, mask = padded_batch([8, 5, 6], seed=12, repeat_period=3)
+    same = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=5)
+    for eos in (None, 127):  # 127: an EOS this model never emits here, so only the stop string ends rows
+        kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                      stop_strings=["X"], tokenizer=tokenizer)  # row 0 emits "X" early, row 1 never
+        expected = target.generate(ids, **kwargs)
+        assert (expected[0, -1] == 0) == (eos is not None), "row 0 is padded exactly when an EOS criterion exists"
+        for config in (same, SpeculativeConfig(method="ngram", num_speculative_tokens=5)):
+            out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+            assert torch.equal(out, expected), (eos, config.method)
+    with pytest.raises(ValueError, match="stop_strings: stopping on strings needs the tokenizer"):
+        hf_specdec.generate(target, ids, speculative=same, stop_strings=["X"], max_new_tokens=3)
+
