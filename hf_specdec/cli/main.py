@@ -1,10 +1,10 @@
-"""`hf-specdec` entry point: subcommands `demo` (and later `bench`)."""
+"""`hf-specdec` entry point: subcommands `demo` and `bench`."""
 
 from __future__ import annotations
 
 import argparse
 
-from hf_specdec.cli import demo
+from hf_specdec.cli import bench, demo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.run)
+    bench_parser = commands.add_parser(
+        "bench",
+        help="benchmark every method and transformers' own paths on the same prompts; table, JSON, plot",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(run=bench.run)
     return parser
 
 

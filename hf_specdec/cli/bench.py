@@ -1,0 +1,334 @@
+"""`hf-specdec bench`: every method and transformers' own paths, on the same prompts, in one run.
+
+Cases: `plain` (model.generate), hf_specdec `draft` and `ngram`, and transformers' native `hf-assistant`
+(`assistant_model=`, drafting exactly k tokens a round) and `hf-lookup` (`prompt_lookup_num_tokens=k`); the
+native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is checked
+against plain generate's.
+
+Reported per case: tokens/s (new tokens of all rows / wall time, median of --repeats), speedup over plain at the
+same batch size, tokens per target forward, acceptance per draft position, and efficiency: the measured speedup
+divided by the ideal speedup, the one predicted from the measured number of target and draft forwards (set by the
+acceptance) at their measured mean cost, with nothing spent outside model forwards. It is measured on one
+instrumented run as (time inside target and draft forwards) / (wall time); 1.0 means the engine's own bookkeeping
+costs nothing.
+
+Under `accelerate launch --num_processes N --multi_gpu -m hf_specdec.cli bench ...` the prompts are split across
+processes, each running on its own device, and the results are gathered on the main process (tokens summed, wall
+time = the slowest process). On a machine without CUDA the same command runs N CPU processes over gloo (accelerate
+1.15's `--cpu --num_processes N` starts a single process unless MPI is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.runs import count_new_tokens
+from hf_specdec.testbed.loading import testbed_dir
+from hf_specdec.testbed.workloads import load_workload
+
+CASES = ("plain", "draft", "ngram", "hf-assistant", "hf-lookup")
+NATIVE_CASES = ("hf-assistant", "hf-lookup")
+NEEDS_DRAFT = ("draft", "hf-assistant")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROMPT_LOOKUP_MAX = 3
+LOW_EFFICIENCY = 0.8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", type=Path, default=None, help="target model folder (default: the test bed's)")
+    parser.add_argument("--draft", type=Path, default=None, help="draft model folder (default: the test bed's)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="tokenizer folder (default: the target folder if it has one, else the test bed's)")
+    parser.add_argument("--method", nargs="+", default=list(CASES), choices=CASES, dest="methods",
+                        help="cases to run (default: all); plain always runs as the reference")
+    parser.add_argument("--workload", default="edit", choices=("completion", "edit", "long"),
+                        help="test-bed prompts (default: edit, where lookup shines)")
+    parser.add_argument("--batch-size", nargs="+", type=int, default=[1, 8], dest="batch_sizes",
+                        help="batch sizes (default: 1 8)")
+    parser.add_argument("--num-speculative-tokens", "-k", nargs="+", type=int, default=[5], dest="ks",
+                        help="draft lengths k to try (default: 5)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts per batch size (default: the largest batch size)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per case; the median is reported (default 1)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model dtype (default float32)")
+    parser.add_argument("--json", type=Path, default=Path("bench_results.json"), dest="json_path",
+                        help="where to write the results as JSON (default bench_results.json)")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="write a PNG of speedup vs batch size and vs k here (needs matplotlib)")
+
+
+@dataclass
+class Measurement:
+    """One case at one batch size and k, summed over this process's batches."""
+
+    case: str
+    batch_size: int
+    k: int | None
+    seconds: float = 0.0
+    instrumented_seconds: float = 0.0
+    calls: int = 0
+    new_tokens: int = 0
+    rows: int = 0
+    target_forwards: int = 0
+    target_forward_seconds: float = 0.0
+    draft_forwards: int = 0
+    draft_forward_seconds: float = 0.0
+    num_drafts: int = 0
+    num_accepted: int = 0
+    num_draft_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    identical: bool = True
+
+
+class ForwardTimer:
+    """Counts a module's forward calls and the time spent inside them."""
+
+    def __init__(self, module: torch.nn.Module | None) -> None:
+        self.calls, self.seconds, self._start = 0, 0.0, 0.0
+        self.handles = []
+        if module is not None:
+            self.sync = torch.cuda.synchronize if module.device.type == "cuda" else (lambda: None)
+            self.handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _pre(self, *_: Any) -> None:
+        self.sync()
+        self._start = time.perf_counter()
+
+    def _post(self, *_: Any) -> None:
+        self.sync()
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._start
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _load(path: Path, dtype: torch.dtype, device: torch.device):
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"error: no model at {path} (expected a transformers model folder with config.json)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, local_files_only=True)
+    return model.to(device).eval()
+
+
+def _generate_fn(case: str, target, draft, k: int | None) -> Callable[..., torch.Tensor]:
+    if case == "plain":
+        return lambda ids, **kw: target.generate(ids, **kw)
+    if case in ("draft", "ngram"):
+        config = (SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k) if case == "draft"
+                  else SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX))
+        return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kw)
+    if case == "hf-assistant":
+        draft.generation_config.num_assistant_tokens = k
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0
+        return lambda ids, **kw: target.generate(ids, assistant_model=draft, **kw)
+    return lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=k, max_matching_ngram_size=PROMPT_LOOKUP_MAX, **kw)
+
+
+def _measure(case: str, batch_size: int, k: int | None, batches, target, draft, kwargs, references, repeats: int):
+    generate = _generate_fn(case, target, draft, k)
+    m = Measurement(case=case, batch_size=batch_size, k=k)
+    outputs = []
+    target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft if case in NEEDS_DRAFT else None)
+    start = time.perf_counter()
+    try:  # instrumented run: counts, component costs, statistics, and the output check
+        for index, (ids, mask) in enumerate(batches):
+            out = generate(ids, attention_mask=mask, **kwargs)
+            sequences = out.sequences if hasattr(out, "sequences") else out
+            outputs.append(sequences)
+            m.calls += 1
+            if references is not None:
+                m.identical &= torch.equal(sequences, references[index])
+            m.new_tokens += count_new_tokens(sequences, ids.shape[1], kwargs["pad_token_id"])
+            m.rows += ids.shape[0]
+            stats = getattr(out, "spec_stats", None)
+            if stats is not None:
+                m.num_drafts += stats.num_drafts
+                m.num_accepted += stats.num_accepted_tokens
+                m.num_draft_tokens += stats.num_draft_tokens
+                m.accepted_per_position = [a + b for a, b in zip(m.accepted_per_position or [0] * len(stats.accepted_per_position), stats.accepted_per_position)]
+    finally:
+        target_timer.close()
+        draft_timer.close()
+    m.instrumented_seconds = time.perf_counter() - start
+    m.target_forwards, m.target_forward_seconds = target_timer.calls, target_timer.seconds
+    m.draft_forwards, m.draft_forward_seconds = draft_timer.calls, draft_timer.seconds
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for ids, mask in batches:
+            generate(ids, attention_mask=mask, **kwargs)
+        timings.append(time.perf_counter() - start)
+    m.seconds = statistics.median(timings)
+    return m, outputs
+
+
+def _batches(tokenizer, prompts: list[str], batch_size: int, device: torch.device):
+    for start in range(0, len(prompts), batch_size):
+        enc = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True)
+        yield enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def _merge(parts: list[Measurement]) -> Measurement:
+    """Results of one case from every process: counts add up, wall time is the slowest process's."""
+    merged = Measurement(case=parts[0].case, batch_size=parts[0].batch_size, k=parts[0].k)
+    for part in parts:
+        for name in ("calls", "new_tokens", "rows", "target_forwards", "target_forward_seconds", "draft_forwards",
+                     "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens"):
+            setattr(merged, name, getattr(merged, name) + getattr(part, name))
+        merged.seconds = max(merged.seconds, part.seconds)
+        merged.instrumented_seconds = max(merged.instrumented_seconds, part.instrumented_seconds)
+        merged.identical &= part.identical
+        if part.accepted_per_position:
+            base = merged.accepted_per_position or [0] * len(part.accepted_per_position)
+            merged.accepted_per_position = [a + b for a, b in zip(base, part.accepted_per_position)]
+    return merged
+
+
+def summarize(m: Measurement, plain: Measurement) -> dict[str, Any]:
+    """The reported row: rates, speedups and efficiency (see the module docstring)."""
+    steps = m.target_forwards  # over m.calls generate calls
+    speedup = plain.seconds / m.seconds
+    efficiency = (m.target_forward_seconds + m.draft_forward_seconds) / m.instrumented_seconds
+    return {
+        "case": m.case, "batch_size": m.batch_size, "k": m.k,
+        "tokens_per_second": m.new_tokens / m.seconds,
+        "speedup_vs_plain": speedup,
+        # new tokens per row, per target forward of the generate call that produced them
+        "tokens_per_target_forward": (m.new_tokens / m.rows) / (steps / m.calls) if steps else None,
+        "acceptance_rate": m.num_accepted / m.num_draft_tokens if m.num_draft_tokens else None,
+        "acceptance_per_position": [a / m.num_drafts for a in m.accepted_per_position] if m.num_drafts else None,
+        "target_forward_ms": 1000 * m.target_forward_seconds / steps if steps else None,
+        "draft_forward_ms": 1000 * m.draft_forward_seconds / m.draft_forwards if m.draft_forwards else None,
+        "ideal_speedup": speedup / efficiency,
+        "efficiency": efficiency,
+        "identical_to_plain": m.identical,
+        "seconds": m.seconds, "new_tokens": m.new_tokens,
+    }
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'case':<13}{'batch':>6}{'k':>4}{'tok/s':>9}{'speedup':>9}{'tok/fwd':>9}{'accept':>8}{'eff.':>7}"
+          f"{'same':>6}  acceptance per position")
+    for r in rows:
+        per_pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"] or [])
+        print(f"{r['case']:<13}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tokens_per_second']:>9.1f}"
+              f"{r['speedup_vs_plain']:>8.2f}x{_fmt(r['tokens_per_target_forward'], '.2f'):>9}"
+              f"{_fmt(r['acceptance_rate'], '.2f'):>8}{_fmt(r['efficiency'], '.2f'):>7}"
+              f"{'yes' if r['identical_to_plain'] else 'NO':>6}  {per_pos}")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_batch, by_k) = plt.subplots(1, 2, figsize=(10, 4))
+    ks = sorted({r["k"] for r in rows if r["k"] is not None})
+    for case in sorted({r["case"] for r in rows} - {"plain"}):
+        mine = [r for r in rows if r["case"] == case]
+        at_k = sorted((r["batch_size"], r["speedup_vs_plain"]) for r in mine if r["k"] == ks[0])
+        if at_k:
+            by_batch.plot(*zip(*at_k), marker="o", label=case)
+        at_b1 = sorted((r["k"], r["speedup_vs_plain"]) for r in mine if r["batch_size"] == min(r2["batch_size"] for r2 in rows))
+        if at_b1:
+            by_k.plot(*zip(*at_b1), marker="o", label=case)
+    by_batch.set(xlabel="batch size", ylabel="speedup vs plain generate", title=f"k = {ks[0]}")
+    by_k.set(xlabel="k (draft tokens per step)", ylabel="speedup vs plain generate", title="smallest batch size")
+    for axis in (by_batch, by_k):
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("batch_sizes", "ks"):
+        if any(v < 1 for v in getattr(args, name)):
+            raise SystemExit(f"error: --{name.replace('_', '-').rstrip('s')} values must be >= 1")
+    if args.max_new_tokens < 1 or args.repeats < 1 or (args.num_prompts is not None and args.num_prompts < 1):
+        raise SystemExit("error: --max-new-tokens, --repeats and --num-prompts must be >= 1")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    state = PartialState(cpu=not torch.cuda.is_available())
+    dtype = DTYPES[args.dtype]
+    target_path = args.target or testbed_dir() / "target"
+    draft_path = args.draft or testbed_dir() / "draft"
+    tokenizer_path = args.tokenizer or (target_path if (target_path / "tokenizer.json").is_file() else testbed_dir() / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    tokenizer.padding_side = "left"
+    target = _load(target_path, dtype, state.device)
+    needs_draft = any(case in NEEDS_DRAFT for case in args.methods)
+    draft = _load(draft_path, dtype, state.device) if needs_draft else None
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    num_prompts = args.num_prompts or max(args.batch_sizes)
+    prompts = load_workload(args.workload)[:num_prompts]
+    measurements: list[Measurement] = []
+    with state.split_between_processes(prompts) as mine:
+        plan = [(b, case, k) for b in args.batch_sizes for case in ["plain", *[c for c in args.methods if c != "plain"]]
+                for k in ([None] if case == "plain" else args.ks) if not (case in NATIVE_CASES and b > 1)]
+        references: dict[int, list[torch.Tensor]] = {}
+        for batch_size, case, k in tqdm(plan, desc=f"bench (process {state.process_index})",
+                                        disable=not state.is_local_main_process):
+            batches = list(_batches(tokenizer, mine, batch_size, state.device))
+            if not batches:
+                continue
+            generate = _generate_fn("plain", target, draft, None)
+            generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
+            m, outputs = _measure(case, batch_size, k, batches, target, draft, kwargs, references.get(batch_size), args.repeats)
+            if case == "plain":
+                references[batch_size] = outputs
+            measurements.append(m)
+    gathered = gather_object([asdict(m) for m in measurements])
+    if not state.is_main_process:
+        return 0
+    groups: dict[tuple, list[Measurement]] = {}
+    for item in gathered:
+        groups.setdefault((item["case"], item["batch_size"], item["k"]), []).append(Measurement(**item))
+    merged = {key: _merge(parts) for key, parts in groups.items()}
+    rows = [summarize(m, merged[("plain", m.batch_size, None)]) for m in merged.values()]
+    print_table(rows)
+    for r in rows:
+        if r["efficiency"] is not None and r["efficiency"] < LOW_EFFICIENCY:
+            print(f"note: {r['case']} at batch {r['batch_size']}, k={r['k']}: efficiency {r['efficiency']:.2f} < "
+                  f"{LOW_EFFICIENCY}: time outside model forwards (host bookkeeping, per-call overhead) dominates")
+    report = {
+        "device": str(state.device) if state.device.type != "cuda" else torch.cuda.get_device_name(),
+        "num_processes": state.num_processes, "dtype": args.dtype, "workload": args.workload,
+        "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts), "repeats": args.repeats,
+        "torch_threads": torch.get_num_threads(), "results": rows,
+    }
+    args.json_path.parent.mkdir(parents=True, exist_ok=True)
+    args.json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(f"results written to {args.json_path}")
+    if args.plot is not None:
+        plot(rows, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0 if all(r["identical_to_plain"] for r in rows) else 1

@@ -1,0 +1,85 @@
+"""The `hf-specdec` command line: arguments, clear errors on bad paths, bench output, and 2-process accelerate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_specdec.cli.main import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> Path:
+    """A tiny target and draft with the test bed's vocabulary, saved as model folders."""
+    folder = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    for name, hidden, layers in (("target", 32, 2), ("draft", 16, 1)):
+        config = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=4, pad_token_id=1, eos_token_id=0, bos_token_id=0)
+        LlamaForCausalLM(config).save_pretrained(folder / name)
+    return folder
+
+
+def test_help_explains_every_option(capsys):
+    for command in ("demo", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        for action in build_parser()._subparsers._group_actions[0].choices[command]._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{command} {action.option_strings} has no help"
+                assert action.option_strings[0] in text
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no model at .*nowhere"):
+        main(["bench", "--target", str(tmp_path / "nowhere"), "--method", "plain", "--json", str(tmp_path / "r.json")])
+
+
+def test_bad_numbers_are_clear_errors(tmp_path, tiny_models):
+    with pytest.raises(SystemExit, match="--batch-size values must be >= 1"):
+        main(["bench", "--target", str(tiny_models / "target"), "--batch-size", "0"])
+    with pytest.raises(SystemExit):
+        main(["bench", "--method", "medusa"])  # argparse: invalid choice
+
+
+def test_bench_writes_table_json_and_plot(tmp_path, tiny_models, capsys):
+    out = tmp_path / "results.json"
+    code = main(["bench", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--batch-size", "1", "2", "-k", "2", "3", "--num-prompts", "2", "--max-new-tokens", "6",
+                 "--json", str(out), "--plot", str(tmp_path / "plot.png")])
+    assert code == 0
+    report = json.loads(out.read_text())
+    cases = {(r["case"], r["batch_size"], r["k"]) for r in report["results"]}
+    assert ("plain", 2, None) in cases and ("draft", 2, 3) in cases and ("hf-lookup", 1, 2) in cases
+    assert ("hf-assistant", 2, 2) not in cases  # transformers' own paths only run at batch 1
+    assert all(r["identical_to_plain"] for r in report["results"])
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+    assert "acceptance per position" in capsys.readouterr().out
+
+
+def test_accelerate_two_cpu_processes_split_and_gather(tmp_path, tiny_models):
+    out = tmp_path / "results.json"
+    # torchrun-based launcher; without CUDA the processes run on the CPU over gloo
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "hf_specdec.cli", "bench", "--target", str(tiny_models / "target"),
+               "--draft", str(tiny_models / "draft"), "--method", "plain", "draft", "ngram", "--batch-size", "1",
+               "--num-prompts", "4", "--max-new-tokens", "4", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["num_processes"] == 2
+    plain = next(r for r in report["results"] if r["case"] == "plain")
+    assert plain["new_tokens"] == 4 * 4  # both processes' prompts were gathered
+    assert all(r["identical_to_plain"] for r in report["results"])
