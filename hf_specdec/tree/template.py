@@ -1,0 +1,85 @@
+"""Static tree shapes, written as Medusa-style path lists.
+
+A path lists child ranks from the root: `(0,)` is the root's best child, `(0, 1)` the second-best child of that
+child. Node 0 is the root (the last committed token); the other nodes follow in breadth-first order (by depth,
+then path), so every parent comes before its children and depth never decreases with the node index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+# One verify forward over more nodes than this is past any useful budget (Medusa's largest preset has 63, EAGLE-2 60).
+MAX_TREE_NODES = 512
+
+
+@dataclass(frozen=True)
+class TreeTemplate:
+    # per node (node 0 = root): parent index, -1 for the root
+    parents: tuple[int, ...]
+    # per node: rank of the node among its parent's candidates (0 = best); -1 for the root
+    ranks: tuple[int, ...]
+    # per node: distance from the root
+    depths: tuple[int, ...]
+
+    @classmethod
+    def from_paths(cls, paths: Iterable[Sequence[int]]) -> TreeTemplate:
+        """Validate a path list and lay it out breadth first. Errors name the offending path."""
+        seen: set[tuple[int, ...]] = set()
+        normalized = []
+        for raw in paths:
+            path = tuple(raw)
+            if not path:
+                raise ValueError("tree paths: the empty path is the root, which is implicit; remove it")
+            if any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in path):
+                raise ValueError(f"tree paths: {path} must hold non-negative int ranks")
+            if path in seen:
+                raise ValueError(f"tree paths: duplicate path {path}")
+            seen.add(path)
+            normalized.append(path)
+        if not normalized:
+            raise ValueError("tree paths: expected at least one path")
+        for path in normalized:
+            if len(path) > 1 and path[:-1] not in seen:
+                raise ValueError(f"tree paths: {path} needs its prefix {path[:-1]} (a path list must be a tree)")
+        if len(normalized) + 1 > MAX_TREE_NODES:
+            raise ValueError(f"tree paths: {len(normalized) + 1} nodes exceed the budget of {MAX_TREE_NODES}")
+        ordered = sorted(normalized, key=lambda p: (len(p), p))
+        index = {(): 0} | {path: i + 1 for i, path in enumerate(ordered)}
+        return cls(
+            parents=(-1, *(index[p[:-1]] for p in ordered)),
+            ranks=(-1, *(p[-1] for p in ordered)),
+            depths=(0, *(len(p) for p in ordered)),
+        )
+
+    @classmethod
+    def chain(cls, length: int) -> TreeTemplate:
+        if length < 1:
+            raise ValueError(f"chain length: expected >= 1, got {length}")
+        return cls.from_paths([(0,) * d for d in range(1, length + 1)])
+
+    @classmethod
+    def full(cls, width: int, depth: int) -> TreeTemplate:
+        """Every node has `width` children, `depth` levels deep (top-`width` branching everywhere)."""
+        if width < 1 or depth < 1:
+            raise ValueError(f"tree width and depth: expected >= 1, got width={width}, depth={depth}")
+        level: list[tuple[int, ...]] = [()]
+        paths = []
+        for _ in range(depth):
+            level = [p + (r,) for p in level for r in range(width)]
+            paths.extend(level)
+        return cls.from_paths(paths)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def max_rank(self) -> int:
+        """Largest candidate rank used (the proposer needs top-(max_rank + 1) candidates)."""
+        return max(self.ranks)

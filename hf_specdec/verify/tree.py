@@ -1,0 +1,131 @@
+"""Tree verification: walk each row's token tree from the root, keeping the path the target would have produced.
+
+Greedy: at each node, descend into the child whose token is the target's argmax there; stop when none is.
+
+Sampling, lossless, one rule for both kinds of children. At the current node let r = the target distribution
+there (after the user's processors). Its children are tried in node order; child i, token x_i drawn from q_i,
+is accepted with probability min(1, r(x_i) / q_i(x_i)); if rejected, r <- norm(max(r - q_i, 0)) and the next child
+is tried. If one is accepted the walk descends into it; if all are rejected the recovered token is drawn from r;
+after an accepted leaf the bonus token is drawn from the target at the leaf.
+- Deterministic children (top-k candidates, lookups: `draft_probs` None) are point masses q_i = onehot(x_i):
+  x_i is accepted with probability r(x_i) and removed from r when rejected (EAGLE's and SGLang's rule).
+- Children drawn independently from the draft (`draft_probs` given) follow SpecInfer's multi-step speculative
+  sampling (Miao et al. 2023, arXiv 2305.09781).
+Either way the emitted tokens are distributed exactly as tokens drawn one by one from the target.
+
+The result names the accepted path's nodes, so the cache keeps their KV (computed in the same forward) and drops
+every other node; nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_specdec.tree.tree import TokenTree
+from hf_specdec.verify.chain import PLACEHOLDER_TOKEN_ID
+
+
+@dataclass(frozen=True)
+class TreeVerificationResult:
+    # [B, D + 1]: accepted draft tokens along the path, then the recovered or bonus token, then placeholders
+    output_token_ids: torch.Tensor
+    # [B]: draft tokens accepted per row (the row emits num_accepted + 1 tokens)
+    num_accepted: torch.Tensor
+    # [B, N] bool: the root and the accepted nodes, whose KV the cache keeps
+    kept_nodes: torch.Tensor
+
+
+def _row_gather(
+    # [B, N, ...]
+    values: torch.Tensor,
+    # [B]
+    nodes: torch.Tensor,
+) -> torch.Tensor:
+    return values[torch.arange(values.shape[0], device=values.device), nodes]
+
+
+def _result(tree: TokenTree, path: list[torch.Tensor], num_accepted: torch.Tensor, final: torch.Tensor):
+    nodes = torch.stack(path, dim=1)  # [B, D + 1]: node at each step of the walk (repeats once it stops)
+    steps = torch.arange(nodes.shape[1], device=nodes.device)[None, :]
+    accepted_tokens = tree.token_ids.gather(1, nodes[:, 1:])  # [B, D]
+    out = torch.where(steps[:, :-1] < num_accepted[:, None], accepted_tokens, PLACEHOLDER_TOKEN_ID)
+    out = torch.cat([out, torch.full_like(out[:, :1], PLACEHOLDER_TOKEN_ID)], dim=1)
+    out = torch.where(steps == num_accepted[:, None], final[:, None], out)
+    kept = torch.zeros_like(tree.valid)
+    kept.scatter_(1, torch.where(steps <= num_accepted[:, None], nodes, 0), True)
+    return TreeVerificationResult(output_token_ids=out, num_accepted=num_accepted, kept_nodes=kept)
+
+
+def _max_depth(tree: TokenTree) -> int:
+    depths = torch.where(tree.valid, tree.depths(), 0)
+    return int(depths.max()) if depths.numel() else 0
+
+
+def greedy_tree_verify(
+    tree: TokenTree,
+    # [B, N]: argmax of the processed target scores at every node
+    target_token_ids: torch.Tensor,
+) -> TreeVerificationResult:
+    children = tree.children()  # [B, N, M]
+    batch = target_token_ids.shape[0]
+    current = torch.zeros(batch, dtype=torch.long, device=target_token_ids.device)
+    active = torch.ones(batch, dtype=torch.bool, device=current.device)
+    num_accepted = torch.zeros_like(current)
+    path = [current]
+    for _ in range(_max_depth(tree)):
+        kids = _row_gather(children, current)  # [B, M]
+        kid_tokens = tree.token_ids.gather(1, kids.clamp(min=0))
+        match = (kids >= 0) & (kid_tokens == _row_gather(target_token_ids, current)[:, None]) & active[:, None]
+        found = match.any(dim=1)
+        chosen = kids.gather(1, match.long().argmax(dim=1, keepdim=True)).squeeze(1)
+        current = torch.where(found, chosen, current)
+        num_accepted += found.long()
+        active &= found
+        path.append(current)
+    return _result(tree, path, num_accepted, _row_gather(target_token_ids, current))
+
+
+def tree_rejection_sample(
+    tree: TokenTree,
+    # [B, N, V]: target distributions at every node, after the user's logits processors
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> TreeVerificationResult:
+    children = tree.children()  # [B, N, M]
+    batch, _, vocab = target_probs.shape
+    device = target_probs.device
+    current = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    num_accepted = torch.zeros_like(current)
+    final_probs = torch.zeros(batch, vocab, dtype=torch.float64, device=device)
+    path = [current]
+    for _ in range(_max_depth(tree)):
+        residual = _row_gather(target_probs, current).double()  # [B, V]
+        kids = _row_gather(children, current)  # [B, M]
+        chosen = torch.full_like(current, -1)
+        for rank in range(kids.shape[1]):
+            kid = kids[:, rank]
+            trying = (kid >= 0) & active & (chosen < 0)
+            token = tree.token_ids.gather(1, kid.clamp(min=0)[:, None])  # [B, 1]
+            if tree.draft_probs is None:
+                draft = torch.zeros_like(residual).scatter_(1, token, 1.0)
+            else:
+                draft = _row_gather(tree.draft_probs, kid.clamp(min=0)).double()
+            uniform = torch.rand(batch, dtype=torch.float64, device=device, generator=generator)
+            accept = trying & (uniform * draft.gather(1, token).squeeze(1) < residual.gather(1, token).squeeze(1))
+            chosen = torch.where(accept, kid, chosen)
+            leftover = (residual - draft).clamp_(min=0)
+            total = leftover.sum(dim=1, keepdim=True)
+            leftover = torch.where(total > 0, leftover / total.clamp(min=1e-300), residual)
+            residual = torch.where((trying & ~accept)[:, None], leftover, residual)
+        stopped = active & (chosen < 0)
+        final_probs = torch.where(stopped[:, None], residual, final_probs)
+        active &= chosen >= 0
+        current = torch.where(active, chosen, current)
+        num_accepted += active.long()
+        path.append(current)
+    final_probs = torch.where(active[:, None], _row_gather(target_probs, current).double(), final_probs)
+    final = torch.multinomial(final_probs.float(), 1, generator=generator).squeeze(1)
+    return _result(tree, path, num_accepted, final)

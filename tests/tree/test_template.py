@@ -1,0 +1,41 @@
+"""Tree templates from path lists: breadth-first layout and clear errors for anything that is not a tree."""
+
+import pytest
+
+from hf_specdec.tree import MAX_TREE_NODES, TreeTemplate
+
+
+def test_breadth_first_layout():
+    t = TreeTemplate.from_paths([(1, 0), (0,), (1,), (0, 0), (0, 1)])
+    assert t.parents == (-1, 0, 0, 1, 1, 2)
+    assert t.ranks == (-1, 0, 1, 0, 1, 0)
+    assert t.depths == (0, 1, 1, 2, 2, 2)
+    assert (t.num_nodes, t.max_depth, t.max_rank) == (6, 2, 1)
+
+
+def test_chain_and_full():
+    assert TreeTemplate.chain(3).parents == (-1, 0, 1, 2)
+    full = TreeTemplate.full(width=2, depth=3)
+    assert full.num_nodes == 1 + 2 + 4 + 8 and full.max_depth == 3
+
+
+@pytest.mark.parametrize(
+    ("paths", "match"),
+    [
+        ([(0,), (0, 1, 0)], r"\(0, 1, 0\) needs its prefix \(0, 1\)"),
+        ([(0,), (0,)], r"duplicate path \(0,\)"),
+        ([()], "the empty path is the root"),
+        ([], "at least one path"),
+        ([(0,), (-1,)], "non-negative int ranks"),
+        ([(i,) for i in range(MAX_TREE_NODES)], "exceed the budget"),
+    ],
+)
+def test_invalid_path_lists(paths, match):
+    with pytest.raises(ValueError, match=match):
+        TreeTemplate.from_paths(paths)
+
+
+@pytest.mark.parametrize(("width", "depth"), [(0, 2), (2, 0)])
+def test_full_tree_bounds(width, depth):
+    with pytest.raises(ValueError, match="expected >= 1"):
+        TreeTemplate.full(width=width, depth=depth)
