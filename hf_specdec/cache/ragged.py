@@ -137,27 +137,48 @@ class RaggedKVCache:
         self,
         # [B, W]: each row's real tokens first, then dummies
         input_ids: torch.Tensor,
-        # [B]: real tokens per row; dummies get positions after them and are invalidated after the forward
+        # [B]: real tokens per row; dummies are attended by nobody and invalidated after the forward
         num_real: torch.Tensor,
     ) -> torch.Tensor:
-        """Run the model on W new tokens per row; returns logits [B, W, V]."""
+        """Run the model on W new tokens per row, a chain after each row's tokens; returns logits [B, W, V]."""
         width = input_ids.shape[1]
         offsets = torch.arange(width, device=input_ids.device)
-        query_positions = self.next_position[:, None] + offsets  # [B, W]
-        first_new = self.num_slots
-        self.valid = torch.cat([self.valid, torch.ones_like(query_positions, dtype=torch.bool)], dim=1)
-        self.positions = torch.cat([self.positions, query_positions], dim=1)
-        logits = self.model(
+        chain = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
+        logits = self.forward_tree(
+            input_ids,
+            positions=self.next_position[:, None] + offsets,
+            real=offsets[None, :] < num_real[:, None],
+            region_start=self.num_slots,
+            visible=chain.expand(input_ids.shape[0], width, width),
+        )
+        self.next_position = self.next_position + num_real
+        return logits
+
+    def forward_tree(
+        self,
+        # [B, W]
+        input_ids: torch.Tensor,
+        # [B, W]: position id of each new token (the root's position plus its depth, for tree nodes)
+        positions: torch.Tensor,
+        # [B, W] bool: real tokens; the others attend only to themselves and stay invalid
+        real: torch.Tensor,
+        # slots from here on form the tree region: the new tokens see them only where `visible` says so
+        region_start: int,
+        # [B, W, R] bool, R = num_slots - region_start + W: the region slots each new token sees (its ancestors)
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the model on W new tokens per row; slots before the region are seen by position (causal, windowed).
+        Does not move `next_position` (`keep` does, and `forward` for chains). Returns logits [B, W, V]."""
+        self.valid = torch.cat([self.valid, real], dim=1)
+        self.positions = torch.cat([self.positions, positions], dim=1)
+        return self.model(
             input_ids=input_ids,
-            position_ids=query_positions,
-            attention_mask=self._attention_mask(query_positions, first_new),
+            position_ids=positions,
+            attention_mask=self._attention_mask(positions, region_start, visible),
             past_key_values=self.kv,
             use_cache=True,
             return_dict=True,
         ).logits
-        self.valid[:, first_new:] &= offsets[None, :] < num_real[:, None]
-        self.next_position = self.next_position + num_real
-        return logits
 
     def rollback(
         self,
@@ -165,34 +186,48 @@ class RaggedKVCache:
         # [B]: how many of the valid slots appended since `mark` each row keeps (the rest are dropped)
         num_kept: torch.Tensor,
     ) -> None:
-        """The one cache-rollback operation: keep a per-row prefix of what was appended since `mark`."""
+        """Keep a per-row prefix of the valid slots appended since `mark` (a chain's accepted tokens)."""
         appended = self.valid[:, mark.num_slots :]
-        keep = appended & (appended.long().cumsum(dim=1) <= num_kept[:, None])
-        self.valid[:, mark.num_slots :] = keep
-        self.next_position = mark.next_position + keep.sum(dim=1)
+        self.keep(mark, appended & (appended.long().cumsum(dim=1) <= num_kept[:, None]))
+
+    def keep(
+        self,
+        mark: CacheMark,
+        # [B, num_slots - mark.num_slots] bool: the slots appended since `mark` that each row keeps
+        kept: torch.Tensor,
+    ) -> None:
+        """The one cache-rollback operation: of what was appended since `mark`, keep exactly `kept`.
+        The kept slots must have consecutive positions from `mark.next_position` (a chain, or a root-to-node path
+        of a tree); their KV was computed by the forwards themselves, so nothing is recomputed."""
+        kept = kept & self.valid[:, mark.num_slots :]
+        self.valid[:, mark.num_slots :] = kept
+        self.next_position = mark.next_position + kept.sum(dim=1)
         self._crop_unused_tail()
         if self._num_holes() > max(MIN_HOLES_BEFORE_COMPACTION, self._longest_row()):
             self._compact()
 
-    def _attention_mask(self, query_positions: torch.Tensor, first_new: int):
-        """Additive mask(s) [B, 1, W, S]: valid slots at positions <= the query's (and inside its window)."""
-        kv_positions = self.positions[:, None, :]  # [B, 1, S]
+    def _attention_mask(self, query_positions: torch.Tensor, region_start: int, visible: torch.Tensor):
+        """Additive mask(s) [B, 1, W, S]: before the region, valid slots at positions <= the query's; in the
+        region, the valid slots `visible` names; always the query's own slot; sliding windows on positions."""
+        width = query_positions.shape[1]
         q = query_positions[:, :, None]  # [B, W, 1]
-        own_slot = torch.zeros_like(self.valid[:, None, :]).expand(-1, q.shape[1], -1).clone()
-        own_slot[:, :, first_new:] = torch.eye(q.shape[1], dtype=torch.bool, device=q.device)
-        causal = (self.valid[:, None, :] & (kv_positions <= q)) | own_slot  # a query always sees itself: no NaN rows
+        before = self.valid[:, None, :region_start] & (self.positions[:, None, :region_start] <= q)
+        own = torch.zeros_like(visible)
+        own[:, :, -width:] = torch.eye(width, dtype=torch.bool, device=visible.device)
+        allowed = torch.cat([before, (visible & self.valid[:, None, region_start:]) | own], dim=2)  # [B, W, S]
         dtype = self.model.dtype
 
-        def additive(allowed: torch.Tensor) -> torch.Tensor:
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        def additive(mask: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            return out.masked_fill_(~mask, torch.finfo(dtype).min)[:, None]
 
         window = self.layout.sliding_window
         if window is None:
-            return additive(causal)
-        windowed = additive(causal & ((kv_positions > q - window) | own_slot))
+            return additive(allowed)
+        own_slot = torch.cat([torch.zeros_like(before), own], dim=2)
+        windowed = additive(allowed & ((self.positions[:, None, :] > q - window) | own_slot))
         if self.layout.per_layer_type:
-            return {FULL_ATTENTION: additive(causal), SLIDING_ATTENTION: windowed}
+            return {FULL_ATTENTION: additive(allowed), SLIDING_ATTENTION: windowed}
         return windowed
 
     def _longest_row(self) -> int:

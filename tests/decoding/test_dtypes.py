@@ -29,7 +29,8 @@ def test_bfloat16_models_generate_valid_tokens_and_masks_follow_the_dtype():
     cache = RaggedKVCache(target)
     with torch.no_grad():
         cache.prefill(ids, mask)
-        mask4d = cache._attention_mask(cache.next_position[:, None], cache.num_slots)
+        visible = torch.ones(2, 1, 1, dtype=torch.bool)
+        mask4d = cache._attention_mask(cache.next_position[:, None], cache.num_slots, visible)
     assert mask4d.dtype == torch.bfloat16
 
 
