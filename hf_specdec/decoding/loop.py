@@ -3,12 +3,13 @@
 `speculative_generate` is handed to transformers' `generate(custom_generate=...)`, so generate's own preparation
 (generation-config merge, logits processors, stopping criteria, special tokens) is reused. Each step:
 
-1. propose: the proposer drafts up to k tokens per row;
-2. verify: one target forward over [last committed token, drafts] per row, on the ragged KV cache; the user's
-   logits processors score every position with its true prefix;
-3. accept: greedy argmax matching or lossless rejection sampling (`hf_specdec.verify.chain`);
+1. propose: the proposer drafts a chain of up to k tokens per row, or a token tree;
+2. verify: one target forward over each row's last committed token and its drafts (a chain, or the tree with a
+   tree-attention mask), on the ragged KV cache; the user's logits processors score every position with its true
+   prefix;
+3. accept: greedy argmax matching or lossless rejection sampling (`hf_specdec.verify.chain`, `.tree`);
 4. commit: each row emits its accepted drafts plus one recovered/bonus token, cut at its first stopping token;
-   the target cache and the proposer keep exactly what was accepted.
+   the target cache and the proposer keep exactly what was accepted (for a tree: the accepted path).
 
 Batch rows advance independently (see `hf_specdec.cache.ragged` for how the cache stays ragged and bounded).
 """
@@ -26,11 +27,12 @@ from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.decoding.scores import PositionScorer, prefix_free
-from hf_specdec.decoding.state import DecodeState, Proposal
+from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
 from hf_specdec.decoding.stopping import TokenStopper
 from hf_specdec.proposers import DraftSampling, build_proposer
 from hf_specdec.stats import SpecStats, SpecStatsRecorder
 from hf_specdec.verify.chain import VerificationResult, greedy_verify, rejection_sample
+from hf_specdec.verify.tree import TreeVerificationResult, greedy_tree_verify, tree_rejection_sample
 
 
 @dataclass
@@ -109,8 +111,7 @@ class SpeculativeDecoder:
             self.streamer.put(input_ids.cpu())
         logits = self.cache.prefill(input_ids, attention_mask)
         self.proposer.start(self.state, attention_mask)
-        empty = Proposal.empty(self.state.batch_size, input_ids.device)
-        self.accept_and_commit(empty, logits, mark=None)
+        self.accept_and_commit(Proposal.empty(self.state.batch_size, input_ids.device), logits, mark=None)
         while not bool(self.state.finished.all()):
             self.step()
         if self.streamer is not None:
@@ -123,33 +124,56 @@ class SpeculativeDecoder:
         logits = self.verify(proposal)
         self.accept_and_commit(proposal, logits, mark)
 
-    def verify(self, proposal: Proposal) -> torch.Tensor:
-        """One target forward over each row's last committed token and its drafts; returns logits [B, k+1, V]."""
+    def verify(self, proposal: Proposal | TreeProposal) -> torch.Tensor:
+        """One target forward over each row's last committed token and its drafts; returns logits [B, W, V]."""
+        if isinstance(proposal, TreeProposal):
+            tree = proposal.tree
+            return self.cache.forward_tree(
+                tree.token_ids,
+                positions=self.cache.next_position[:, None] + tree.depths(),
+                real=tree.valid & ~self.state.finished[:, None],
+                region_start=self.cache.num_slots,
+                visible=tree.ancestors(),
+            )
         block = torch.cat([self.state.last_tokens()[:, None], proposal.draft_token_ids], dim=1)
         num_real = torch.where(self.state.finished, 0, 1 + proposal.num_draft_tokens)
         return self.cache.forward(block, num_real)
 
-    def accept_and_commit(self, proposal: Proposal, logits: torch.Tensor, mark) -> None:
+    def accept_and_commit(self, proposal: Proposal | TreeProposal, logits: torch.Tensor, mark) -> None:
         state = self.state
         active = ~state.finished
-        state.write(proposal.draft_token_ids, proposal.num_draft_tokens)  # so processors see each true prefix
-        scores = self.scorer(state, logits)
+        scores = self.score(proposal, logits)
         result = self.accept(proposal, scores)
         num_emitted = torch.where(active, result.num_accepted + 1, 0)
         state.write(result.output_token_ids.clamp(min=0), num_emitted)
-        decision = self.stopper.check(state, result.output_token_ids, num_emitted, scores)
+        decision = self.stopper.check(state, result.output_token_ids, num_emitted, scores_of_emitted(result, scores))
         if self.stopper.pads_finished_rows:
             num_emitted = decision.num_emitted
         self.stop_lengths = torch.where(
             (self.stop_lengths < 0) & decision.stopped, state.lengths + decision.num_emitted, self.stop_lengths
         )
-        self.emit(result.output_token_ids, num_emitted, scores, logits)
-        self.stats.record(active, proposal.num_draft_tokens, result.num_accepted)
-        state.commit(num_emitted, scratch_width=proposal.width + 1)
+        self.emit(result, num_emitted, scores, logits)
+        num_drafted = num_draft_tokens(proposal)
+        self.stats.record(active, num_drafted, result.num_accepted)
+        state.commit(num_emitted, scratch_width=result.output_token_ids.shape[1])
         state.finished |= self.finished_rows()
-        if mark is not None:
+        if mark is None:
+            return
+        if isinstance(result, TreeVerificationResult):
+            self.cache.keep(mark, result.kept_nodes & ~state.finished[:, None])
+        else:
             self.cache.rollback(mark, torch.where(state.finished, 0, 1 + result.num_accepted))
-            self.proposer.commit(state, result.num_accepted)
+        self.proposer.commit(state, result.num_accepted)
+
+    def score(self, proposal: Proposal | TreeProposal, logits: torch.Tensor) -> torch.Tensor:
+        """Processed scores [B, W, V] of every verified position, each with its true prefix."""
+        if isinstance(proposal, TreeProposal):
+            path_tokens, depths = tree_paths(proposal.tree)
+        else:
+            width = proposal.width + 1
+            path_tokens = proposal.draft_token_ids[:, None, :].expand(-1, width, -1)
+            depths = torch.arange(width, device=logits.device).expand(logits.shape[0], -1)
+        return self.scorer(self.state, logits, path_tokens, depths)
 
     def finished_rows(self) -> torch.Tensor:
         """[B] bool. As in plain generate: with an EOS criterion a stopped row ends (and is padded); without one,
@@ -163,7 +187,13 @@ class SpeculativeDecoder:
     def output_length(self) -> int:
         return int(self.stop_lengths.max())
 
-    def accept(self, proposal: Proposal, scores: torch.Tensor) -> VerificationResult:
+    def accept(
+        self, proposal: Proposal | TreeProposal, scores: torch.Tensor
+    ) -> VerificationResult | TreeVerificationResult:
+        if isinstance(proposal, TreeProposal):
+            if not self.do_sample:
+                return greedy_tree_verify(proposal.tree, scores.argmax(dim=-1))
+            return tree_rejection_sample(proposal.tree, torch.softmax(scores, dim=-1), self.generator)
         if not self.do_sample:
             return greedy_verify(proposal.draft_token_ids, proposal.num_draft_tokens, scores.argmax(dim=-1))
         target_probs = torch.softmax(scores, dim=-1)
@@ -171,14 +201,46 @@ class SpeculativeDecoder:
             proposal.draft_token_ids, proposal.num_draft_tokens, proposal.draft_probs, target_probs, self.generator
         )
 
-    def emit(self, tokens: torch.Tensor, num_emitted: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> None:
+    def emit(self, result, num_emitted: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> None:
         if self.generation_config.output_scores:
-            self.score_log.add(scores, num_emitted)
+            self.score_log.add(scores_of_emitted(result, scores), num_emitted)
         if self.generation_config.output_logits:
-            self.logit_log.add(logits.float(), num_emitted)
+            self.logit_log.add(scores_of_emitted(result, logits.float()), num_emitted)
         if self.streamer is not None:
-            for token in tokens[0, : int(num_emitted[0])].tolist():
+            for token in result.output_token_ids[0, : int(num_emitted[0])].tolist():
                 self.streamer.put(torch.tensor([token]))
+
+
+def emitted_positions(result: VerificationResult | TreeVerificationResult) -> torch.Tensor:
+    """[B, D + 1]: the verified position (chain offset or tree node) each emitted token was scored at."""
+    if isinstance(result, TreeVerificationResult):
+        return result.path_nodes
+    steps = torch.arange(result.output_token_ids.shape[1], device=result.num_accepted.device)
+    return steps.expand(result.output_token_ids.shape[0], -1)
+
+
+def scores_of_emitted(result, scores: torch.Tensor) -> torch.Tensor:
+    """[B, D + 1, V]: the scores each emitted token was chosen under."""
+    positions = emitted_positions(result)
+    return scores.gather(1, positions[..., None].expand(-1, -1, scores.shape[2]))
+
+
+def num_draft_tokens(proposal: Proposal | TreeProposal) -> torch.Tensor:
+    if isinstance(proposal, TreeProposal):
+        return (proposal.tree.valid[:, 1:]).sum(dim=1)
+    return proposal.num_draft_tokens
+
+
+def tree_paths(tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, N, D] path tokens, [B, N] depths): the draft tokens from the root to every node, in depth order."""
+    depths = tree.depths()
+    longest = max(int(depths.max()), 1)
+    batch, nodes = tree.token_ids.shape
+    # ancestor a of node j (other than the root) at depth d goes to column d - 1; the rest to a spare column
+    column = torch.where(tree.ancestors() & (depths[:, None, :] > 0), depths[:, None, :] - 1, longest)
+    path = tree.token_ids.new_zeros(batch, nodes, longest + 1)
+    path.scatter_(2, column, tree.token_ids[:, None, :].expand(-1, nodes, -1))
+    return path[:, :, :longest], depths
 
 
 def speculative_generate(

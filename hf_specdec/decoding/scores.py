@@ -1,8 +1,8 @@
 """The user's logits processors, applied at every verified position with that position's true prefix.
 
-Plain `generate` runs the processor list once per token on `input_ids [B, L]`. A verify step scores k + 1
-positions of every row at once, and rows have different lengths, so position j of row b must see
-`sequences[b, :lengths[b] + j]` (its committed tokens and the first j drafts). Processors whose output does not
+Plain `generate` runs the processor list once per token on `input_ids [B, L]`. A verify step scores many
+positions of every row at once (k + 1 chain positions, or every node of a tree), and rows have different lengths,
+so each position must see its row's committed tokens followed by the draft tokens on its path. Processors whose output does not
 depend on the prefix (temperature, top-k, top-p, ...) run once over every position; any other processor runs
 once per distinct prefix length, on the rows that share it. A processor holding per-row state (a tensor whose
 first dimension is the batch, such as the repetition penalty's per-row `prompt_ignore_length`) is called on a
@@ -70,11 +70,15 @@ class PositionScorer:
     def __call__(
         self,
         state: DecodeState,
-        # [B, W, V] raw logits; position j of row b follows the row's committed tokens and its first j drafts,
-        # which the caller has written into state.sequences after lengths[b]
+        # [B, W, V] raw logits of the verified positions (chain positions or tree nodes)
         logits: torch.Tensor,
+        # [B, W, D]: the draft tokens between each row's committed text and each position (its path)
+        path_tokens: torch.Tensor,
+        # [B, W]: how many of those path tokens each position follows (its depth)
+        depths: torch.Tensor,
     ) -> torch.Tensor:
-        """Returns processed float32 scores [B, W, V]."""
+        """Returns processed float32 scores [B, W, V]: position (b, w) sees the prefix
+        sequences[b, :lengths[b]] + path_tokens[b, w, :depths[b, w]]."""
         batch, width, vocab = logits.shape
         scores = logits.to(torch.float32, copy=True)  # as plain generate: processors may work in place
         if len(self.logits_processor) == 0:
@@ -83,11 +87,16 @@ class PositionScorer:
             flat_ids = state.sequences.new_zeros((batch * width, 1))
             return self.logits_processor(flat_ids, scores.reshape(batch * width, vocab)).reshape(batch, width, vocab)
         out = torch.empty_like(scores)
-        prefix_lengths = state.lengths[:, None] + torch.arange(width, device=logits.device)[None, :]  # [B, W]
+        prefix_lengths = state.lengths[:, None] + depths  # [B, W]
         for length in prefix_lengths.unique().tolist():
             rows, cols = (prefix_lengths == length).nonzero(as_tuple=True)
+            committed = state.lengths[rows, None]  # [g, 1]
+            column = torch.arange(length, device=logits.device)[None, :]
+            along_path = (column - committed).clamp(min=0, max=max(path_tokens.shape[2] - 1, 0))
+            path = path_tokens[rows, cols].gather(1, along_path) if path_tokens.shape[2] else along_path
+            prefix = torch.where(column < committed, state.sequences[rows, :length], path)
             processors = LogitsProcessorList(_select_rows(p, rows, batch) for p in self.logits_processor)
-            out[rows, cols] = processors(state.sequences[rows, :length], scores[rows, cols])
+            out[rows, cols] = processors(prefix, scores[rows, cols])
         return out
 
 

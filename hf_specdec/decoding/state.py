@@ -1,10 +1,13 @@
-"""Per-step decoding state shared by the engine and the proposers, and the `Proposal` a proposer returns."""
+"""Per-step decoding state shared by the engine and the proposers, and what a proposer returns: a `Proposal`
+(a chain of draft tokens per row) or a `TreeProposal` (a token tree per row)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from hf_specdec.tree.tree import TokenTree
 
 
 @dataclass
@@ -94,7 +97,7 @@ class DecodeState:
 
 @dataclass(frozen=True)
 class Proposal:
-    """Draft tokens for one step: a chain per row (trees extend this in the tree issue)."""
+    """Draft tokens for one step: a chain per row."""
 
     # [B, k]: entries at or after num_draft_tokens[b] are padding
     draft_token_ids: torch.Tensor
@@ -114,3 +117,10 @@ class Proposal:
     @property
     def width(self) -> int:
         return self.draft_token_ids.shape[1]
+
+
+@dataclass(frozen=True)
+class TreeProposal:
+    """Draft tokens for one step: a token tree per row, node 0 being the row's last committed token."""
+
+    tree: TokenTree

@@ -35,6 +35,8 @@ class TreeVerificationResult:
     num_accepted: torch.Tensor
     # [B, N] bool: the root and the accepted nodes, whose KV the cache keeps
     kept_nodes: torch.Tensor
+    # [B, D + 1]: the node the walk stood on when it chose each output token (root first)
+    path_nodes: torch.Tensor
 
 
 def _row_gather(
@@ -55,7 +57,7 @@ def _result(tree: TokenTree, path: list[torch.Tensor], num_accepted: torch.Tenso
     out = torch.where(steps == num_accepted[:, None], final[:, None], out)
     kept = torch.zeros_like(tree.valid)
     kept.scatter_(1, torch.where(steps <= num_accepted[:, None], nodes, 0), True)
-    return TreeVerificationResult(output_token_ids=out, num_accepted=num_accepted, kept_nodes=kept)
+    return TreeVerificationResult(output_token_ids=out, num_accepted=num_accepted, kept_nodes=kept, path_nodes=nodes)
 
 
 def _max_depth(tree: TokenTree) -> int:
