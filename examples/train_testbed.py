@@ -30,7 +30,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokenizer-only", action="store_true",
                         help="only train the tokenizer, write the manifest and build the workloads")
     parser.add_argument("--target-steps", type=int, default=360, help="optimizer steps for the target")
-    parser.add_argument("--draft-steps", type=int, default=700, help="optimizer steps for the draft")
+    parser.add_argument("--draft-steps", type=int, default=320, help="optimizer steps for the draft")
     parser.add_argument("--target-lr", type=float, default=2e-3, help="peak learning rate of the target")
     parser.add_argument("--draft-lr", type=float, default=3e-3, help="peak learning rate of the draft")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per optimizer step")
