@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from hf_specdec.tree.template import MAX_TREE_NODES
+
 SpecMethod = Literal["draft", "ngram"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 
@@ -21,6 +23,13 @@ class SpeculativeConfig:
     num_speculative_tokens: int = field(default=5, metadata={"help": "draft tokens proposed per step (k)"})
     prompt_lookup_min: int = field(default=1, metadata={"help": "shortest n-gram the ngram proposer matches"})
     prompt_lookup_max: int = field(default=3, metadata={"help": "longest n-gram the ngram proposer matches"})
+    tree_width: int = field(
+        default=1,
+        metadata={
+            "help": "branches per step: 1 drafts a chain; w > 1 drafts a token tree (the draft model's top-w first "
+            "tokens, each continued for k tokens; or up to w matched continuations for ngram)"
+        },
+    )
     seed: int | None = field(
         default=None,
         metadata={"help": "seed of the torch.Generator used for sampling; None uses torch's global RNG"},
@@ -54,6 +63,13 @@ class SpeculativeConfig:
             raise ValueError(
                 f"SpeculativeConfig.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        _check_int("tree_width", self.tree_width, 1, MAX_TREE_NODES)
+        if 1 + self.tree_width * self.num_speculative_tokens > MAX_TREE_NODES:
+            raise ValueError(
+                f"SpeculativeConfig.tree_width: a tree of {self.tree_width} branches x {self.num_speculative_tokens} "
+                f"tokens has {1 + self.tree_width * self.num_speculative_tokens} nodes, over the budget of "
+                f"{MAX_TREE_NODES}"
             )
         if self.seed is not None:
             _check_int("seed", self.seed, 0, None)

@@ -163,7 +163,7 @@ class SpeculativeDecoder:
             self.cache.keep(mark, result.kept_nodes & ~state.finished[:, None])
         else:
             self.cache.rollback(mark, torch.where(state.finished, 0, 1 + result.num_accepted))
-        self.proposer.commit(state, result.num_accepted)
+        self.proposer.commit(state, result)
 
     def score(self, proposal: Proposal | TreeProposal, logits: torch.Tensor) -> torch.Tensor:
         """Processed scores [B, W, V] of every verified position, each with its true prefix."""

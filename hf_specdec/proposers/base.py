@@ -10,7 +10,9 @@ import torch
 from transformers import LogitsProcessorList
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState, Proposal
+from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
+from hf_specdec.verify.chain import VerificationResult
+from hf_specdec.verify.tree import TreeVerificationResult
 
 
 @dataclass(frozen=True)
@@ -39,16 +41,12 @@ class Proposer(ABC):
         """Called once with the prompt, before the first proposal."""
 
     @abstractmethod
-    def propose(self, state: DecodeState) -> Proposal:
-        """Up to `state.draft_budget()` draft tokens per row; finished rows get none."""
+    def propose(self, state: DecodeState) -> Proposal | TreeProposal:
+        """Up to `state.draft_budget()` draft tokens per row (per branch of a tree); finished rows get none."""
 
-    def commit(
-        self,
-        state: DecodeState,
-        # [B] draft tokens the target accepted
-        num_accepted: torch.Tensor,
-    ) -> None:
-        """Called after `state` took the step's tokens (finished rows are marked in `state.finished`)."""
+    def commit(self, state: DecodeState, result: VerificationResult | TreeVerificationResult) -> None:
+        """Called after `state` took the step's tokens (finished rows are marked in `state.finished`), with what
+        the target accepted (`result.num_accepted`; for a tree also the accepted path)."""
 
 
 ProposerFactory = Callable[[SpeculativeConfig, torch.nn.Module, DraftSampling], Proposer]

@@ -16,8 +16,9 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.decoding.scores import prefix_free
-from hf_specdec.decoding.state import DecodeState
+from hf_specdec.decoding.state import DecodeState, Proposal
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer
+from hf_specdec.verify.chain import VerificationResult
 
 
 class ProposerCandidateGenerator(CandidateGenerator):
@@ -58,6 +59,8 @@ class ProposerCandidateGenerator(CandidateGenerator):
             self.proposer.start(state, None)
             self._started = True
         proposal = self.proposer.propose(state)
+        if not isinstance(proposal, Proposal):
+            raise ValueError("transformers' assisted loop verifies chains only; use tree_width=1")
         count = int(proposal.num_draft_tokens[0])
         candidates = torch.cat([input_ids, proposal.draft_token_ids[:, :count].to(input_ids.device)], dim=1)
         if proposal.draft_probs is None:
@@ -66,4 +69,6 @@ class ProposerCandidateGenerator(CandidateGenerator):
         return candidates, proposal.draft_probs[:, :count].log()
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
-        self.proposer.commit(self._state(input_ids), torch.tensor([int(num_matches)], device=input_ids.device))
+        accepted = torch.tensor([int(num_matches)], device=input_ids.device)
+        outcome = VerificationResult(output_token_ids=input_ids[:, -int(num_matches) - 1 :], num_accepted=accepted)
+        self.proposer.commit(self._state(input_ids), outcome)

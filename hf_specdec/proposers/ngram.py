@@ -4,6 +4,10 @@ For each row, the last n tokens (n from `prompt_lookup_max` down to `prompt_look
 row's prompt and generated text; at the longest n that matches, the earliest match wins (vLLM's rule: it has the
 longest continuation) and up to k of the tokens that followed it become the draft. The draft is a point mass, so
 verification needs no draft probabilities. Matching runs in NumPy on the host, one row at a time.
+
+With `tree_width` w > 1 the proposer offers up to w different continuations (from different earlier matches of the
+longest matching n-gram) as the branches of a token tree: a trie, so continuations that share a prefix share
+nodes, and one forward verifies them all.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import numpy as np
 import torch
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState, Proposal
+from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
+from hf_specdec.tree.tree import TokenTree
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 
 
@@ -37,13 +42,71 @@ def find_ngram_continuation(
     return tokens[:0]
 
 
+def find_ngram_continuations(
+    # [L] the row's tokens (no padding)
+    tokens: np.ndarray,
+    min_n: int,
+    max_n: int,
+    max_tokens: int,
+    max_branches: int,
+) -> list[np.ndarray]:
+    """Up to `max_branches` distinct continuations of the longest matching suffix n-gram, earliest match first."""
+    length = tokens.shape[0]
+    if max_tokens <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size:
+            found: list[np.ndarray] = []
+            for start in hits + n:
+                continuation = tokens[start : start + max_tokens]
+                if not any(np.array_equal(continuation, c) for c in found):
+                    found.append(continuation)
+                if len(found) == max_branches:
+                    break
+            return found
+    return []
+
+
+def build_trie(
+    root_token: int,
+    continuations: list[np.ndarray],
+    num_nodes: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, parents, valid), each [num_nodes]: the continuations merged into a trie under the root; parents
+    precede children; unused nodes are padding (a child of the root, not valid)."""
+    tokens = np.zeros(num_nodes, dtype=np.int64)
+    parents = np.zeros(num_nodes, dtype=np.int64)
+    valid = np.zeros(num_nodes, dtype=bool)
+    tokens[0], parents[0], valid[0] = root_token, -1, True
+    children: dict[tuple[int, int], int] = {}
+    used = 1
+    for continuation in continuations:
+        node = 0
+        for token in continuation.tolist():
+            child = children.get((node, token))
+            if child is None:
+                if used == num_nodes:
+                    break
+                child = used
+                tokens[child], parents[child], valid[child] = token, node, True
+                children[(node, token)] = child
+                used += 1
+            node = child
+    return tokens, parents, valid
+
+
 class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self.tree_width = config.tree_width
 
-    def propose(self, state: DecodeState) -> Proposal:
+    def propose(self, state: DecodeState) -> Proposal | TreeProposal:
+        if self.tree_width > 1:
+            return self._propose_tree(state)
         budget = state.draft_budget().clamp(max=self.k).tolist()
         sequences = state.sequences.cpu().numpy()
         starts = state.pad_lengths.tolist()
@@ -61,6 +124,21 @@ class NgramProposer(Proposer):
             num_draft_tokens=torch.from_numpy(counts).to(device),
             draft_probs=None,
         )
+
+
+    def _propose_tree(self, state: DecodeState) -> TreeProposal:
+        budget = state.draft_budget().clamp(max=self.k).tolist()
+        sequences = state.sequences.cpu().numpy()
+        starts, ends = state.pad_lengths.tolist(), state.lengths.tolist()
+        num_nodes = 1 + self.tree_width * self.k
+        rows = []
+        for row in range(state.batch_size):
+            tokens = sequences[row, starts[row] : ends[row]]
+            found = find_ngram_continuations(tokens, self.min_n, self.max_n, budget[row], self.tree_width)
+            rows.append(build_trie(int(sequences[row, ends[row] - 1]), found, num_nodes))
+        device = state.sequences.device
+        tokens, parents, valid = (torch.from_numpy(np.stack(column)).to(device) for column in zip(*rows))
+        return TreeProposal(TokenTree(token_ids=tokens, parents=parents, valid=valid))
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:

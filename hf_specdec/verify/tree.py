@@ -53,7 +53,7 @@ def _result(tree: TokenTree, path: list[torch.Tensor], num_accepted: torch.Tenso
     steps = torch.arange(nodes.shape[1], device=nodes.device)[None, :]
     accepted_tokens = tree.token_ids.gather(1, nodes[:, 1:])  # [B, D]
     out = torch.where(steps[:, :-1] < num_accepted[:, None], accepted_tokens, PLACEHOLDER_TOKEN_ID)
-    out = torch.cat([out, torch.full_like(out[:, :1], PLACEHOLDER_TOKEN_ID)], dim=1)
+    out = torch.cat([out, out.new_full((out.shape[0], 1), PLACEHOLDER_TOKEN_ID)], dim=1)
     out = torch.where(steps == num_accepted[:, None], final[:, None], out)
     kept = torch.zeros_like(tree.valid)
     kept.scatter_(1, torch.where(steps <= num_accepted[:, None], nodes, 0), True)

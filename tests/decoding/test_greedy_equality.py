@@ -21,6 +21,11 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
         "random_draft": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=4),
         "same_draft": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=4),
         "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3),
+        "random_draft_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
+                                               tree_width=3),
+        "same_draft_tree": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3,
+                                             tree_width=2),
+        "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=4, tree_width=3),
     }
 
 
@@ -38,6 +43,9 @@ def test_greedy_matches_plain_generate(arch):
             assert stats.acceptance_rate == 1.0, f"{arch}: a copy of the target must always be accepted"
             # 1 prefill + ceil((NEW_TOKENS - 1) / 5) verify steps
             assert stats.target_forward_passes == 1 + -(-(NEW_TOKENS - 1) // 5)
+        if name == "same_draft_tree":
+            # the top branch is always accepted whole: 1 prefill + ceil((NEW_TOKENS - 1) / 4) verify steps
+            assert stats.target_forward_passes == 1 + -(-(NEW_TOKENS - 1) // 4), arch
         assert stats.num_draft_tokens > 0
 
 

@@ -88,6 +88,11 @@ PROPOSERS = {
     "random_draft": lambda target: SpeculativeConfig(method="draft", draft_model=_random_draft(), num_speculative_tokens=3, seed=1),
     "same_draft": lambda target: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3, seed=2),
     "ngram": lambda target: SpeculativeConfig(method="ngram", num_speculative_tokens=3, seed=3),
+    "random_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=_random_draft(),
+                                                          num_speculative_tokens=2, tree_width=3, seed=5),
+    "same_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
+                                                        num_speculative_tokens=2, tree_width=2, seed=6),
+    "ngram_tree": lambda target: SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2, seed=7),
 }
 
 
