@@ -45,14 +45,13 @@ class SpecStats(RowSpecStats):
 
 
 class SpecStatsRecorder:
-    """Accumulates per-row counts on the host during decoding."""
+    """Accumulates per-row counts on the decoding device (no host copy per step); read once at the end."""
 
-    def __init__(self, batch_size: int, num_speculative_tokens: int) -> None:
-        self.num_drafts = torch.zeros(batch_size, dtype=torch.long)
-        self.num_draft_tokens = torch.zeros(batch_size, dtype=torch.long)
-        self.num_accepted = torch.zeros(batch_size, dtype=torch.long)
-        self.accepted_per_position = torch.zeros(batch_size, num_speculative_tokens, dtype=torch.long)
-        self.forwards = torch.zeros(batch_size, dtype=torch.long)
+    def __init__(self, batch_size: int, num_speculative_tokens: int, device: torch.device) -> None:
+        # rows: num_drafts, num_draft_tokens, num_accepted, forwards
+        self.counts = torch.zeros(4, batch_size, dtype=torch.long, device=device)
+        self.accepted_per_position = torch.zeros(batch_size, num_speculative_tokens, dtype=torch.long, device=device)
+        self.positions = torch.arange(num_speculative_tokens, device=device)[None, :]
         self.total_forwards = 0
 
     def record(
@@ -64,33 +63,30 @@ class SpecStatsRecorder:
         # [B]
         num_accepted: torch.Tensor,
     ) -> None:
-        active, drafted, accepted = active.cpu(), num_draft_tokens.cpu(), num_accepted.cpu()
         self.total_forwards += 1
-        self.forwards += active.long()
-        drafted = torch.where(active, drafted, 0)
-        accepted = torch.where(active, accepted, 0)
-        self.num_drafts += (drafted > 0).long()
-        self.num_draft_tokens += drafted
-        self.num_accepted += accepted
-        positions = torch.arange(self.accepted_per_position.shape[1])[None, :]
-        self.accepted_per_position += (positions < accepted[:, None]).long()
+        drafted = num_draft_tokens * active
+        accepted = num_accepted * active
+        self.counts += torch.stack([(drafted > 0).long(), drafted, accepted, active.long()])
+        self.accepted_per_position += self.positions < accepted[:, None]
 
     def finish(self) -> SpecStats:
+        drafts, drafted, accepted, forwards = self.counts.cpu().tolist()
+        per_position = self.accepted_per_position.cpu()
         rows = tuple(
             RowSpecStats(
-                num_drafts=int(self.num_drafts[b]),
-                num_draft_tokens=int(self.num_draft_tokens[b]),
-                num_accepted_tokens=int(self.num_accepted[b]),
-                accepted_per_position=self.accepted_per_position[b].tolist(),
-                target_forward_passes=int(self.forwards[b]),
+                num_drafts=drafts[b],
+                num_draft_tokens=drafted[b],
+                num_accepted_tokens=accepted[b],
+                accepted_per_position=per_position[b].tolist(),
+                target_forward_passes=forwards[b],
             )
-            for b in range(self.num_drafts.shape[0])
+            for b in range(len(drafts))
         )
         return SpecStats(
-            num_drafts=int(self.num_drafts.sum()),
-            num_draft_tokens=int(self.num_draft_tokens.sum()),
-            num_accepted_tokens=int(self.num_accepted.sum()),
-            accepted_per_position=self.accepted_per_position.sum(dim=0).tolist(),
+            num_drafts=sum(drafts),
+            num_draft_tokens=sum(drafted),
+            num_accepted_tokens=sum(accepted),
+            accepted_per_position=per_position.sum(dim=0).tolist(),
             target_forward_passes=self.total_forwards,
             per_row=rows,
         )

@@ -104,7 +104,7 @@ class SpeculativeDecoder:
             extra_capacity=self.k + 1,
             pad_token_id=0 if pad is None else int(pad),
         )
-        self.stats = SpecStatsRecorder(input_ids.shape[0], self.k)
+        self.stats = SpecStatsRecorder(input_ids.shape[0], self.k, input_ids.device)
         self.stop_lengths = torch.full_like(self.state.lengths, -1)  # [B]: length at each row's first stop
         self.score_log, self.logit_log = ScoreLog(input_ids.shape[0]), ScoreLog(input_ids.shape[0])
         if self.streamer is not None:
@@ -146,7 +146,8 @@ class SpeculativeDecoder:
         result = self.accept(proposal, scores)
         num_emitted = torch.where(active, result.num_accepted + 1, 0)
         state.write(result.output_token_ids.clamp(min=0), num_emitted)
-        decision = self.stopper.check(state, result.output_token_ids, num_emitted, scores_of_emitted(result, scores))
+        emitted_scores = scores_of_emitted(result, scores) if self.stopper.needs_scores else None
+        decision = self.stopper.check(state, result.output_token_ids, num_emitted, emitted_scores)
         if self.stopper.pads_finished_rows:
             num_emitted = decision.num_emitted
         self.stop_lengths = torch.where(

@@ -40,6 +40,7 @@ class TokenStopper:
                 others.append(criterion)
         self.eos_token_ids = torch.tensor(sorted(set(eos)), dtype=torch.long, device=device)
         self.others = StoppingCriteriaList(others)
+        self.needs_scores = len(self.others) > 0  # custom criteria receive the scores
         # plain generate pads rows that stopped only when an EOS criterion is present
         self.pads_finished_rows = any(isinstance(c, EosTokenCriteria) for c in stopping_criteria)
 
@@ -50,8 +51,8 @@ class TokenStopper:
         tokens: torch.Tensor,
         # [B]: how many of them each row emits
         num_emitted: torch.Tensor,
-        # [B, W, V]: processed scores of those tokens (what custom criteria receive)
-        scores: torch.Tensor,
+        # [B, W, V]: processed scores of those tokens (what custom criteria receive); None when `needs_scores` is False
+        scores: torch.Tensor | None,
     ) -> StopDecision:
         width = tokens.shape[1]
         column = torch.arange(width, device=tokens.device)[None, :]

@@ -21,6 +21,29 @@ from hf_specdec.tree.tree import TokenTree
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 
 
+def _longest_match_ends(
+    # [L] the row's tokens (no padding)
+    tokens: np.ndarray,
+    min_n: int,
+    max_n: int,
+) -> np.ndarray:
+    """End indices (ascending) of the earlier occurrences of the longest suffix n-gram, n in [min_n, max_n].
+
+    Grows the match one token to the left at a time: the ends matching the last token, then those whose previous
+    token matches too, and so on; one pass over the text, then work proportional to the matches."""
+    length = tokens.shape[0]
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1]) if length > 1 else tokens[:0]
+    best = tokens[:0]
+    for n in range(1, max_n + 1):
+        if n >= min_n and ends.size:
+            best = ends
+        if n == max_n or not ends.size:
+            break
+        ends = ends[ends >= n]
+        ends = ends[tokens[ends - n] == tokens[length - 1 - n]]
+    return best
+
+
 def find_ngram_continuation(
     # [L] the row's tokens (no padding)
     tokens: np.ndarray,
@@ -29,17 +52,11 @@ def find_ngram_continuation(
     max_tokens: int,
 ) -> np.ndarray:
     """Tokens that followed the earliest occurrence of the longest matching suffix n-gram ([] when none)."""
-    length = tokens.shape[0]
-    if max_tokens <= 0:
+    ends = _longest_match_ends(tokens, min_n, max_n) if max_tokens > 0 else tokens[:0]
+    if not ends.size:
         return tokens[:0]
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # windows starting at 0 .. length-n-1: each is followed by at least one token
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return tokens[start : start + max_tokens]
-    return tokens[:0]
+    start = int(ends[0]) + 1
+    return tokens[start : start + max_tokens]
 
 
 def find_ngram_continuations(
@@ -51,22 +68,16 @@ def find_ngram_continuations(
     max_branches: int,
 ) -> list[np.ndarray]:
     """Up to `max_branches` distinct continuations of the longest matching suffix n-gram, earliest match first."""
-    length = tokens.shape[0]
+    found: list[np.ndarray] = []
     if max_tokens <= 0:
-        return []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-        if hits.size:
-            found: list[np.ndarray] = []
-            for start in hits + n:
-                continuation = tokens[start : start + max_tokens]
-                if not any(np.array_equal(continuation, c) for c in found):
-                    found.append(continuation)
-                if len(found) == max_branches:
-                    break
-            return found
-    return []
+        return found
+    for end in _longest_match_ends(tokens, min_n, max_n).tolist():
+        continuation = tokens[end + 1 : end + 1 + max_tokens]
+        if not any(np.array_equal(continuation, c) for c in found):
+            found.append(continuation)
+        if len(found) == max_branches:
+            break
+    return found
 
 
 def build_trie(

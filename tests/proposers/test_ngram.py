@@ -56,3 +56,21 @@ def test_left_padding_is_never_matched():
     state = DecodeState.start(ids, mask, max_length=20, extra_capacity=5, pad_token_id=0)
     proposal = NgramProposer(SpeculativeConfig(method="ngram")).propose(state)
     assert proposal.num_draft_tokens.tolist() == [0]
+
+
+def _brute_force(tokens, min_n, max_n, k):
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        for start in range(0, length - n):
+            if tokens[start : start + n] == tokens[length - n :]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_matcher_equals_brute_force_on_random_texts():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 40))).tolist()
+        min_n, max_n = sorted(rng.integers(1, 5, size=2).tolist())
+        k = int(rng.integers(1, 6))
+        assert _find(tokens, min_n, max_n, k) == _brute_force(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
