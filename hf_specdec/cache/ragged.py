@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from hf_specdec.kernels.tree_mask import ancestry_attention_mask
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -208,8 +210,26 @@ class RaggedKVCache:
 
     def _attention_mask(self, query_positions: torch.Tensor, region_start: int, visible: torch.Tensor):
         """Additive mask(s) [B, 1, W, S]: before the region, valid slots at positions <= the query's; in the
-        region, the valid slots `visible` names; always the query's own slot; sliding windows on positions."""
+        region, the valid slots `visible` names; always the query's own slot; sliding windows on positions.
+
+        When the region is just the new tokens (every verify step, chain or tree) the mask comes from
+        `hf_specdec.kernels.tree_mask` (the Triton kernel on CUDA); a region spanning several forwards
+        (a draft model drafting a tree depth by depth) is built here."""
         width = query_positions.shape[1]
+        window = self.layout.sliding_window
+        if visible.shape[2] == width:
+            cached_valid, cached_positions = self.valid[:, :region_start], self.positions[:, :region_start]
+
+            def tree_mask(window_size: int | None) -> torch.Tensor:
+                return ancestry_attention_mask(
+                    cached_valid, cached_positions, query_positions, visible, window_size, self.model.dtype
+                )
+
+            if window is None:
+                return tree_mask(None)
+            if self.layout.per_layer_type:
+                return {FULL_ATTENTION: tree_mask(None), SLIDING_ATTENTION: tree_mask(window)}
+            return tree_mask(window)
         q = query_positions[:, :, None]  # [B, W, 1]
         before = self.valid[:, None, :region_start] & (self.positions[:, None, :region_start] <= q)
         own = torch.zeros_like(visible)
@@ -221,7 +241,6 @@ class RaggedKVCache:
             out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
             return out.masked_fill_(~mask, torch.finfo(dtype).min)[:, None]
 
-        window = self.layout.sliding_window
         if window is None:
             return additive(allowed)
         own_slot = torch.cat([torch.zeros_like(before), own], dim=2)

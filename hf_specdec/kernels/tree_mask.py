@@ -85,6 +85,40 @@ def unpack_bits(
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def tree_attention_mask_from_ancestors(
+    # [B, S] bool
+    valid: torch.Tensor,
+    # [B, S] long
+    positions: torch.Tensor,
+    # [B, W] long
+    query_positions: torch.Tensor,
+    # [B, W, W] bool: entry (q, j) is True iff node j is an ancestor of node q (or q itself)
+    ancestors: torch.Tensor,
+    window: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The additive mask [B, 1, W, S + W] in `dtype`, in plain torch, from unpacked ancestry.
+
+    Memory traffic: reads B*S + B*S + B*W + B*W*W elements, materialises a few bool [B, W, S + W] tensors,
+    writes B*W*(S + W) elements of `dtype`.
+    """
+    num_nodes = query_positions.shape[1]
+    query = query_positions[:, :, None]  # [B, W, 1]
+    cached_positions = positions[:, None, :]  # [B, 1, S]
+    node_positions = query_positions[:, None, :]  # [B, 1, W]: positions of the key nodes j
+
+    cached = valid[:, None, :] & (cached_positions <= query)  # [B, W, S]
+    tree = ancestors.clone()
+    if window is not None:
+        cached &= cached_positions > query - window
+        tree &= node_positions > query - window
+    tree |= torch.eye(num_nodes, dtype=torch.bool, device=tree.device)  # a query always sees itself
+
+    allowed = torch.cat([cached, tree], dim=-1)  # [B, W, S + W]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
 def tree_attention_mask_reference(
     # [B, S] bool
     valid: torch.Tensor,
@@ -97,26 +131,9 @@ def tree_attention_mask_reference(
     window: int | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The additive mask [B, 1, W, S + W] in `dtype`, in plain torch: the ground truth for the kernel.
-
-    Memory traffic: reads B*S + B*S + B*W + B*W*words elements, materialises a few bool [B, W, S + W] tensors,
-    writes B*W*(S + W) elements of `dtype`.
-    """
-    num_nodes = query_positions.shape[1]
-    query = query_positions[:, :, None]  # [B, W, 1]
-    cached_positions = positions[:, None, :]  # [B, 1, S]
-    node_positions = query_positions[:, None, :]  # [B, 1, W]: positions of the key nodes j
-
-    cached = valid[:, None, :] & (cached_positions <= query)  # [B, W, S]
-    tree = unpack_bits(ancestor_bits, num_nodes)  # [B, W, W]
-    if window is not None:
-        cached &= cached_positions > query - window
-        tree &= node_positions > query - window
-    tree |= torch.eye(num_nodes, dtype=torch.bool, device=tree.device)  # a query always sees itself
-
-    allowed = torch.cat([cached, tree], dim=-1)  # [B, W, S + W]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    """The kernel's ground truth, with the kernel's signature: unpack the bits, then the torch construction."""
+    ancestors = unpack_bits(ancestor_bits, query_positions.shape[1])
+    return tree_attention_mask_from_ancestors(valid, positions, query_positions, ancestors, window, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,3 +304,22 @@ def tree_attention_mask(
                                "imported to run the kernel on CPU")
     fn = tree_attention_mask_triton if use_kernel else tree_attention_mask_reference
     return fn(valid, positions, query_positions, ancestor_bits, window, dtype)
+
+
+def ancestry_attention_mask(
+    # [B, S] bool
+    valid: torch.Tensor,
+    # [B, S] long
+    positions: torch.Tensor,
+    # [B, W] long
+    query_positions: torch.Tensor,
+    # [B, W, W] bool
+    ancestors: torch.Tensor,
+    window: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """What the engine calls: the kernel (bits packed for it) where it runs, else the torch construction
+    straight from the bool ancestry (no packing round trip on the CPU)."""
+    if triton is not None and (valid.is_cuda or triton_interpreter_enabled()):
+        return tree_attention_mask_triton(valid, positions, query_positions, pack_bits(ancestors), window, dtype)
+    return tree_attention_mask_from_ancestors(valid, positions, query_positions, ancestors, window, dtype)
