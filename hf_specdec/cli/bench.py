@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch sizes (default: 1 8)")
     parser.add_argument("--num-speculative-tokens", "-k", nargs="+", type=int, default=[5], dest="ks",
                         help="draft lengths k to try (default: 5)")
+    parser.add_argument("--tree-width", nargs="+", type=int, default=[1], dest="tree_widths",
+                        help="branches per step for draft and ngram (1 = chain; w > 1 = token tree); "
+                             "several values compare trees with chains (default: 1)")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts per batch size (default: the largest batch size)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
@@ -81,6 +84,7 @@ class Measurement:
     case: str
     batch_size: int
     k: int | None
+    tree_width: int = 1
     seconds: float = 0.0
     instrumented_seconds: float = 0.0
     calls: int = 0
@@ -128,12 +132,14 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
-def _generate_fn(case: str, target, draft, k: int | None) -> Callable[..., torch.Tensor]:
+def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1) -> Callable[..., torch.Tensor]:
     if case == "plain":
         return lambda ids, **kw: target.generate(ids, **kw)
     if case in ("draft", "ngram"):
-        config = (SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k) if case == "draft"
-                  else SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX))
+        config = (SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, tree_width=tree_width)
+                  if case == "draft" else
+                  SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX,
+                                    tree_width=tree_width))
         return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kw)
     if case == "hf-assistant":
         draft.generation_config.num_assistant_tokens = k
@@ -143,9 +149,10 @@ def _generate_fn(case: str, target, draft, k: int | None) -> Callable[..., torch
     return lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=k, max_matching_ngram_size=PROMPT_LOOKUP_MAX, **kw)
 
 
-def _measure(case: str, batch_size: int, k: int | None, batches, target, draft, kwargs, references, repeats: int):
-    generate = _generate_fn(case, target, draft, k)
-    m = Measurement(case=case, batch_size=batch_size, k=k)
+def _measure(case: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft, kwargs, references,
+             repeats: int):
+    generate = _generate_fn(case, target, draft, k, tree_width)
+    m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width)
     outputs = []
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft if case in NEEDS_DRAFT else None)
     start = time.perf_counter()
@@ -189,7 +196,8 @@ def _batches(tokenizer, prompts: list[str], batch_size: int, device: torch.devic
 
 def _merge(parts: list[Measurement]) -> Measurement:
     """Results of one case from every process: counts add up, wall time is the slowest process's."""
-    merged = Measurement(case=parts[0].case, batch_size=parts[0].batch_size, k=parts[0].k)
+    merged = Measurement(case=parts[0].case, batch_size=parts[0].batch_size, k=parts[0].k,
+                         tree_width=parts[0].tree_width)
     for part in parts:
         for name in ("calls", "new_tokens", "rows", "target_forwards", "target_forward_seconds", "draft_forwards",
                      "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens"):
@@ -209,7 +217,7 @@ def summarize(m: Measurement, plain: Measurement) -> dict[str, Any]:
     speedup = plain.seconds / m.seconds
     efficiency = (m.target_forward_seconds + m.draft_forward_seconds) / m.instrumented_seconds
     return {
-        "case": m.case, "batch_size": m.batch_size, "k": m.k,
+        "case": m.case, "batch_size": m.batch_size, "k": m.k, "tree_width": m.tree_width,
         "tokens_per_second": m.new_tokens / m.seconds,
         "speedup_vs_plain": speedup,
         # new tokens per row, per target forward of the generate call that produced them
@@ -230,11 +238,11 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'case':<13}{'batch':>6}{'k':>4}{'tok/s':>9}{'speedup':>9}{'tok/fwd':>9}{'accept':>8}{'eff.':>7}"
+    print(f"{'case':<13}{'batch':>6}{'k':>4}{'w':>3}{'tok/s':>9}{'speedup':>9}{'tok/fwd':>9}{'accept':>8}{'eff.':>7}"
           f"{'same':>6}  acceptance per position")
     for r in rows:
         per_pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"] or [])
-        print(f"{r['case']:<13}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tokens_per_second']:>9.1f}"
+        print(f"{r['case']:<13}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tree_width']:>3}{r['tokens_per_second']:>9.1f}"
               f"{r['speedup_vs_plain']:>8.2f}x{_fmt(r['tokens_per_target_forward'], '.2f'):>9}"
               f"{_fmt(r['acceptance_rate'], '.2f'):>8}{_fmt(r['efficiency'], '.2f'):>7}"
               f"{'yes' if r['identical_to_plain'] else 'NO':>6}  {per_pos}")
@@ -248,14 +256,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, (by_batch, by_k) = plt.subplots(1, 2, figsize=(10, 4))
     ks = sorted({r["k"] for r in rows if r["k"] is not None})
-    for case in sorted({r["case"] for r in rows} - {"plain"}):
-        mine = [r for r in rows if r["case"] == case]
+    for case, width in sorted({(r["case"], r["tree_width"]) for r in rows} - {("plain", 1)}):
+        mine = [r for r in rows if r["case"] == case and r["tree_width"] == width]
+        label = case if width == 1 else f"{case} (tree w={width})"
         at_k = sorted((r["batch_size"], r["speedup_vs_plain"]) for r in mine if r["k"] == ks[0])
         if at_k:
-            by_batch.plot(*zip(*at_k), marker="o", label=case)
+            by_batch.plot(*zip(*at_k), marker="o", label=label)
         at_b1 = sorted((r["k"], r["speedup_vs_plain"]) for r in mine if r["batch_size"] == min(r2["batch_size"] for r2 in rows))
         if at_b1:
-            by_k.plot(*zip(*at_b1), marker="o", label=case)
+            by_k.plot(*zip(*at_b1), marker="o", label=label)
     by_batch.set(xlabel="batch size", ylabel="speedup vs plain generate", title=f"k = {ks[0]}")
     by_k.set(xlabel="k (draft tokens per step)", ylabel="speedup vs plain generate", title="smallest batch size")
     for axis in (by_batch, by_k):
@@ -266,9 +275,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("batch_sizes", "ks"):
+    for name, flag in (("batch_sizes", "--batch-size"), ("ks", "--num-speculative-tokens"), ("tree_widths", "--tree-width")):
         if any(v < 1 for v in getattr(args, name)):
-            raise SystemExit(f"error: --{name.replace('_', '-').rstrip('s')} values must be >= 1")
+            raise SystemExit(f"error: {flag} values must be >= 1")
     if args.max_new_tokens < 1 or args.repeats < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise SystemExit("error: --max-new-tokens, --repeats and --num-prompts must be >= 1")
 
@@ -292,17 +301,20 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_workload(args.workload)[:num_prompts]
     measurements: list[Measurement] = []
     with state.split_between_processes(prompts) as mine:
-        plan = [(b, case, k) for b in args.batch_sizes for case in ["plain", *[c for c in args.methods if c != "plain"]]
-                for k in ([None] if case == "plain" else args.ks) if not (case in NATIVE_CASES and b > 1)]
+        plan = [(b, case, k, w) for b in args.batch_sizes for case in ["plain", *[c for c in args.methods if c != "plain"]]
+                for k in ([None] if case == "plain" else args.ks)
+                for w in (args.tree_widths if case in ("draft", "ngram") else [1])
+                if not (case in NATIVE_CASES and b > 1)]
         references: dict[int, list[torch.Tensor]] = {}
-        for batch_size, case, k in tqdm(plan, desc=f"bench (process {state.process_index})",
+        for batch_size, case, k, tree_width in tqdm(plan, desc=f"bench (process {state.process_index})",
                                         disable=not state.is_local_main_process):
             batches = list(_batches(tokenizer, mine, batch_size, state.device))
             if not batches:
                 continue
             generate = _generate_fn("plain", target, draft, None)
             generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
-            m, outputs = _measure(case, batch_size, k, batches, target, draft, kwargs, references.get(batch_size), args.repeats)
+            m, outputs = _measure(case, batch_size, k, tree_width, batches, target, draft, kwargs,
+                                  references.get(batch_size), args.repeats)
             if case == "plain":
                 references[batch_size] = outputs
             measurements.append(m)
@@ -311,9 +323,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     groups: dict[tuple, list[Measurement]] = {}
     for item in gathered:
-        groups.setdefault((item["case"], item["batch_size"], item["k"]), []).append(Measurement(**item))
+        key = (item["case"], item["batch_size"], item["k"], item["tree_width"])
+        groups.setdefault(key, []).append(Measurement(**item))
     merged = {key: _merge(parts) for key, parts in groups.items()}
-    rows = [summarize(m, merged[("plain", m.batch_size, None)]) for m in merged.values()]
+    rows = [summarize(m, merged[("plain", m.batch_size, None, 1)]) for m in merged.values()]
     print_table(rows)
     for r in rows:
         if r["efficiency"] is not None and r["efficiency"] < LOW_EFFICIENCY:

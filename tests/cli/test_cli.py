@@ -48,6 +48,8 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
 def test_bad_numbers_are_clear_errors(tmp_path, tiny_models):
     with pytest.raises(SystemExit, match="--batch-size values must be >= 1"):
         main(["bench", "--target", str(tiny_models / "target"), "--batch-size", "0"])
+    with pytest.raises(SystemExit, match="--tree-width values must be >= 1"):
+        main(["bench", "--target", str(tiny_models / "target"), "--tree-width", "0"])
     with pytest.raises(SystemExit):
         main(["bench", "--method", "medusa"])  # argparse: invalid choice
 
@@ -55,13 +57,15 @@ def test_bad_numbers_are_clear_errors(tmp_path, tiny_models):
 def test_bench_writes_table_json_and_plot(tmp_path, tiny_models, capsys):
     out = tmp_path / "results.json"
     code = main(["bench", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
-                 "--batch-size", "1", "2", "-k", "2", "3", "--num-prompts", "2", "--max-new-tokens", "6",
+                 "--batch-size", "1", "2", "-k", "2", "3", "--tree-width", "1", "2", "--num-prompts", "2",
+                 "--max-new-tokens", "6",
                  "--json", str(out), "--plot", str(tmp_path / "plot.png")])
     assert code == 0
     report = json.loads(out.read_text())
-    cases = {(r["case"], r["batch_size"], r["k"]) for r in report["results"]}
-    assert ("plain", 2, None) in cases and ("draft", 2, 3) in cases and ("hf-lookup", 1, 2) in cases
-    assert ("hf-assistant", 2, 2) not in cases  # transformers' own paths only run at batch 1
+    cases = {(r["case"], r["batch_size"], r["k"], r["tree_width"]) for r in report["results"]}
+    assert ("plain", 2, None, 1) in cases and ("draft", 2, 3, 2) in cases and ("hf-lookup", 1, 2, 1) in cases
+    assert ("ngram", 1, 2, 2) in cases and ("hf-lookup", 1, 2, 2) not in cases
+    assert ("hf-assistant", 2, 2, 1) not in cases  # transformers' own paths only run at batch 1
     assert all(r["identical_to_plain"] for r in report["results"])
     assert (tmp_path / "plot.png").stat().st_size > 1000
     assert "acceptance per position" in capsys.readouterr().out
