@@ -182,3 +182,23 @@ def test_draft_with_other_special_tokens_is_refused():
     draft.generation_config.eos_token_id = 7
     with pytest.raises(ValueError, match="eos_token_id \\[7\\] does not match the target's \\[1\\]"):
         hf_specdec.generate(target, torch.tensor([[4, 5]]), assistant=draft, max_new_tokens=3)
+
+
+def test_text_iterator_streamer_yields_the_same_text(enabled):
+    from threading import Thread
+
+    from transformers import AutoTokenizer, TextIteratorStreamer
+
+    from hf_specdec.testbed.loading import testbed_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(testbed_dir() / "tokenizer")
+    target = make_model("llama")
+    ids = torch.tensor([[70, 71, 72, 70, 71, 72, 70]])
+    texts = []
+    for spec in ({}, {"spec_method": "ngram"}):
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+        thread = Thread(target=target.generate, args=(ids,), kwargs=dict(streamer=streamer, **spec, **GREEDY))
+        thread.start()
+        texts.append("".join(streamer))
+        thread.join()
+    assert texts[0] == texts[1] and texts[0]
