@@ -30,6 +30,14 @@ class SpeculativeConfig:
             "tokens, each continued for k tokens; or up to w matched continuations for ngram)"
         },
     )
+    tree_total_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "draft model only: build a dynamic (EAGLE-2 style) tree instead of fixed branches: at each of "
+            "k depths expand the tree_width best nodes by cumulative log-probability, then keep the best "
+            "tree_total_tokens draft nodes"
+        },
+    )
     seed: int | None = field(
         default=None,
         metadata={"help": "seed of the torch.Generator used for sampling; None uses torch's global RNG"},
@@ -71,6 +79,13 @@ class SpeculativeConfig:
                 f"tokens has {1 + self.tree_width * self.num_speculative_tokens} nodes, over the budget of "
                 f"{MAX_TREE_NODES}"
             )
+        if self.tree_total_tokens is not None:
+            if self.method != "draft":
+                raise ValueError(
+                    f"SpeculativeConfig.tree_total_tokens: dynamic trees need method='draft', got {self.method!r}"
+                )
+            candidates = self.tree_width + (self.num_speculative_tokens - 1) * self.tree_width**2
+            _check_int("tree_total_tokens", self.tree_total_tokens, 1, min(candidates, MAX_TREE_NODES - 1))
         if self.seed is not None:
             _check_int("seed", self.seed, 0, None)
 

@@ -137,6 +137,11 @@ def test_transformers_version_range():
         (dict(method="ngram", prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min .4. must be <="),
         (dict(method="ngram", prompt_lookup_min=0), "prompt_lookup_min: expected an int >= 1"),
         (dict(method="ngram", seed=-1), "seed: expected an int >= 0"),
+        (dict(method="ngram", tree_width=0), r"tree_width: expected an int in \[1, 512\]"),
+        (dict(method="ngram", tree_width=200, num_speculative_tokens=5), "over the budget of 512"),
+        (dict(method="ngram", tree_width=2, tree_total_tokens=4), "dynamic trees need method='draft'"),
+        (dict(method="draft", draft_model=make_draft(), tree_width=2, num_speculative_tokens=2, tree_total_tokens=7),
+         r"tree_total_tokens: expected an int in \[1, 6\]"),
     ],
 )
 def test_bad_config(kwargs, match):

@@ -7,7 +7,11 @@ forward. After verification it keeps the drafts the target accepted and drops th
 
 With `tree_width` w > 1 it drafts a token tree: the w best first tokens (deterministic top-w candidates), each
 continued as a chain, one forward per depth for all branches at once; a branch's tokens see only their own branch
-(the cache's tree region). After verification the draft keeps the accepted branch's prefix and nothing else.
+(the cache's tree region). With `tree_total_tokens` it builds a dynamic tree instead (EAGLE-2, Li et al. 2024):
+at each depth the w frontier nodes with the best cumulative log-probability are fed and each offers its top-w
+children; at the end the best `tree_total_tokens` nodes by cumulative log-probability form the tree (closed under
+ancestry, since a child never scores above its parent). Either way, after verification the draft keeps the KV
+of the accepted path's nodes that it fed, and nothing else.
 
 Vocabularies that differ only by padded rows (32000 vs 32064) work on the shared ids: the draft never proposes an
 id the target lacks, and ids the draft lacks get draft probability 0.
@@ -71,6 +75,7 @@ class DraftModelProposer(Proposer):
         self.draft = config.draft_model
         self.k = config.num_speculative_tokens
         self.tree_width = config.tree_width
+        self.total_tokens = config.tree_total_tokens
         self.sampling = sampling
         self.target_vocab = vocab_size(target)
         self.cache = RaggedKVCache(self.draft)
@@ -79,6 +84,7 @@ class DraftModelProposer(Proposer):
         self._num_drafted = 0
         self._mark = None
         self._region_start = 0
+        self._node_slots: torch.Tensor | None = None  # [B, N]: draft-cache region slot of each tree node, or -1
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         # The last prompt token is left for the first proposal, so every proposal has a token to feed.
@@ -91,6 +97,8 @@ class DraftModelProposer(Proposer):
         budget = state.draft_budget().clamp(max=self.k)
         self._num_drafted = int(budget.max())
         logits = self._feed_unseen(state)
+        if self.total_tokens is not None:
+            return self._propose_dynamic_tree(state, budget, logits)
         if self.tree_width > 1:
             return self._propose_tree(state, budget, logits)
         tokens, probs = [], []
@@ -147,6 +155,9 @@ class DraftModelProposer(Proposer):
             level_probs.append(None if probs is None else probs.reshape(batch, width, -1).to(state.sequences.device))
         template = TreeTemplate.from_paths([(r,) + (0,) * d for d in range(depth) for r in range(width)])
         node_depths = torch.tensor(template.depths, device=state.sequences.device)
+        # node (depth d, branch r) = 1 + (d - 1) * w + r sits in region slot (d - 1) * w + r if it was fed (d < depth)
+        slots = torch.arange(template.num_nodes, device=state.sequences.device) - 1
+        self._node_slots = torch.where((node_depths >= 1) & (node_depths < depth), slots, -1).expand(batch, -1)
         root = state.last_tokens()[:, None]
         draft_probs = None
         if self.sampling.do_sample:
@@ -186,35 +197,129 @@ class DraftModelProposer(Proposer):
         missing = scores.new_full((scores.shape[0], self.target_vocab - draft_vocab), float("-inf"))
         return torch.cat([scores, missing], dim=-1)
 
+    def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> TreeProposal:
+        """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates."""
+        width, depth, batch = self.tree_width, max(self._num_drafted, 1), state.batch_size
+        device = self.draft.device
+        cum, tokens = self._log_probs(logits).topk(width, dim=-1)  # [B, w]: depth-1 candidates
+        all_tokens = [torch.zeros_like(tokens[:, :1]), tokens]  # node 0 = root placeholder
+        all_parents = [torch.full_like(tokens[:, :1], -1), torch.zeros_like(tokens)]
+        all_cum = [torch.zeros_like(cum[:, :1]), cum]
+        all_depths = [0] + [1] * width
+        frontier = torch.arange(1, width + 1, device=device).expand(batch, -1)  # node ids [B, w]
+        sees = torch.zeros(batch, 1 + width, 0, dtype=torch.bool, device=device)  # [B, nodes, region slots]
+        node_slots = torch.full((batch, 1 + width), -1, dtype=torch.long, device=device)
+        self._region_start = self.cache.num_slots
+        for d in range(1, depth):
+            region = sees.shape[2]
+            nodes_tokens, nodes_cum = torch.cat(all_tokens, dim=1), torch.cat(all_cum, dim=1)
+            visible = torch.cat([_rows(sees, frontier), sees.new_zeros(batch, width, width)], dim=2)
+            logits = self.cache.forward_tree(
+                nodes_tokens.gather(1, frontier),
+                positions=self.cache.next_position[:, None].expand(-1, width) + (d - 1),
+                real=torch.ones(batch, width, dtype=torch.bool, device=device),
+                region_start=self._region_start,
+                visible=visible,
+            )
+            own = torch.zeros(batch, sees.shape[1], width, dtype=torch.bool, device=device)
+            own.scatter_(1, frontier[:, :, None], torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1))
+            sees = torch.cat([sees, own], dim=2)  # fed frontier nodes now see their own slot too
+            node_slots.scatter_(1, frontier, region + torch.arange(width, device=device).expand(batch, -1))
+            child_cum, child_tokens = self._log_probs(logits.reshape(batch * width, -1)).reshape(batch, width, -1).add(
+                nodes_cum.gather(1, frontier)[:, :, None]).topk(width, dim=-1)  # [B, w, w]
+            first_id = nodes_tokens.shape[1]
+            parents = frontier[:, :, None].expand(-1, -1, width).reshape(batch, -1)
+            all_tokens.append(child_tokens.reshape(batch, -1))
+            all_parents.append(parents)
+            all_cum.append(child_cum.reshape(batch, -1))
+            all_depths += [d + 1] * width * width
+            sees = torch.cat([sees, _rows(sees, parents)], dim=1)
+            node_slots = torch.cat([node_slots, torch.full_like(parents, -1)], dim=1)
+            frontier = first_id + child_cum.reshape(batch, -1).topk(width, dim=-1).indices
+        return self._select_dynamic_tree(state, budget, torch.cat(all_tokens, 1), torch.cat(all_parents, 1),
+                                         torch.cat(all_cum, 1), all_depths, node_slots)
+
+    def _select_dynamic_tree(self, state, budget, tokens, parents, cum, depths: list[int], node_slots) -> TreeProposal:
+        """Keep the best `total_tokens` nodes by cumulative log-probability (ties: shallower first), re-indexed
+        so parents precede children."""
+        batch, count = tokens.shape
+        total = min(self.total_tokens, count - 1)
+        by_depth = torch.tensor(depths, device=tokens.device)
+        order = cum[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, :total] + 1  # node ids
+        chosen = order.sort(dim=1).values  # ids grow with depth: parents before children
+        new_index = torch.full((batch, count), -1, dtype=torch.long, device=tokens.device)
+        new_index[:, 0] = 0
+        new_index.scatter_(1, chosen, torch.arange(1, total + 1, device=tokens.device).expand(batch, -1))
+        tree_parents = torch.cat([parents[:, :1], new_index.gather(1, parents.gather(1, chosen))], dim=1)
+        tree_tokens = torch.cat([state.last_tokens()[:, None].to(tokens.device), tokens.gather(1, chosen)], dim=1)
+        tree_depths = torch.cat([by_depth[:1].expand(batch, 1), by_depth[chosen]], dim=1)
+        self._node_slots = torch.cat([torch.full_like(chosen[:, :1], -1), node_slots.gather(1, chosen)], dim=1)
+        target_device = state.sequences.device
+        tree_tokens = tree_tokens.to(target_device)
+        draft_probs = None
+        if self.sampling.do_sample:  # deterministic candidates: point masses (the root's row is unused)
+            draft_probs = _one_hot(tree_tokens, self.target_vocab)
+        return TreeProposal(TokenTree(
+            token_ids=tree_tokens,
+            parents=tree_parents.to(target_device),
+            valid=tree_depths.to(target_device) <= budget[:, None],
+            draft_probs=draft_probs,
+        ))
+
+    def _log_probs(
+        self,
+        # [B, V_draft]
+        logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Log-probabilities over the target vocabulary, after the sampling warpers when sampling."""
+        scores = self._to_target_vocab(logits.float())
+        if self.sampling.do_sample:
+            flat_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
+            scores = self.sampling.warpers(flat_ids, scores)
+        return torch.log_softmax(scores, dim=-1)
+
     def commit(self, state: DecodeState, result: VerificationResult | TreeVerificationResult) -> None:
-        kept_drafts = result.num_accepted.clamp(max=max(self._num_drafted - 1, 0))
-        kept = torch.where(state.finished, 0, self._fed + kept_drafts)
         device = self.draft.device
         if isinstance(result, TreeVerificationResult):
-            self.cache.keep(self._mark, self._kept_tree_slots(result, kept_drafts, state.finished).to(device))
+            kept_slots, kept_drafts = self._kept_tree_slots(result, state.finished)
+            self.cache.keep(self._mark, kept_slots.to(device))
         else:
+            kept_drafts = result.num_accepted.clamp(max=max(self._num_drafted - 1, 0))
+        kept = torch.where(state.finished, 0, self._fed + kept_drafts)
+        if not isinstance(result, TreeVerificationResult):
             self.cache.rollback(self._mark, kept.to(device))
         self.cached_lengths = self.cached_lengths + kept
 
     def _kept_tree_slots(
         self,
         result: TreeVerificationResult,
-        # [B]: accepted tokens whose draft KV exists (the deepest level is drafted but never fed)
-        kept_drafts: torch.Tensor,
         # [B] bool
         finished: torch.Tensor,
-    ) -> torch.Tensor:
-        """[B, slots since the mark] bool: the fed tokens, then the accepted branch's slots up to kept_drafts."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, slots since the mark] bool, [B] count): the fed tokens, then the draft KV of the accepted path's
+        leading nodes that the draft fed (a node it never fed ends what the draft can keep)."""
+        path = result.path_nodes[:, 1:]  # [B, D]: tree nodes along the walk
+        step = torch.arange(path.shape[1], device=path.device)[None, :]
+        slots = self._node_slots.to(path.device).gather(1, path)  # [B, D]: region slot or -1
+        has_kv = (step < result.num_accepted[:, None]) & (slots >= 0)
+        kept_drafts = has_kv.long().cumprod(dim=1).sum(dim=1)
         appended = self.cache.num_slots - self._mark.num_slots
         fed_slots = self._region_start - self._mark.num_slots
-        column = torch.arange(appended, device=kept_drafts.device)[None, :]
+        column = torch.arange(appended, device=path.device)[None, :]
         kept = column < self._fed[:, None]
-        first_node = result.path_nodes[:, min(1, result.path_nodes.shape[1] - 1)]  # depth-1 node of the path
-        branch = (first_node - 1).clamp(min=0) % self.tree_width  # [B]
-        region = column - fed_slots  # slot (d - 1) * w + r holds depth d of branch r
-        on_branch = (region >= 0) & (region % self.tree_width == branch[:, None])
-        kept |= on_branch & (region // self.tree_width < kept_drafts[:, None])
-        return kept & ~finished[:, None]
+        region_slots = torch.where(step < kept_drafts[:, None], fed_slots + slots, appended)  # `appended`: nowhere
+        kept |= (column[:, :, None] == region_slots[:, None, :]).any(dim=2)
+        return kept & ~finished[:, None], kept_drafts
+
+
+def _rows(
+    # [B, N, ...]
+    values: torch.Tensor,
+    # [B, K]
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """values[b, index[b, k]] for every b, k: [B, K, ...]."""
+    return values[torch.arange(values.shape[0], device=values.device)[:, None], index]
 
 
 def _one_hot(

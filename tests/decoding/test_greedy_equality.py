@@ -26,6 +26,8 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
         "same_draft_tree": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3,
                                              tree_width=2),
         "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=4, tree_width=3),
+        "random_draft_dynamic_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
+                                                       tree_width=2, tree_total_tokens=5),
     }
 
 
@@ -146,3 +148,19 @@ def test_stop_strings_stop_exactly_where_plain_generate_stops():
     with pytest.raises(ValueError, match="stop_strings: stopping on strings needs the tokenizer"):
         hf_specdec.generate(target, ids, speculative=same, stop_strings=["X"], max_new_tokens=3)
 
+
+
+def test_dynamic_tree_keeps_the_draft_cache_on_the_accepted_path():
+    """A peaked model drafting for itself: the greedy path always has the best cumulative log-probability, so
+    every step accepts the whole depth, but only if the draft kept exactly the accepted path's KV each time."""
+    target = make_model("llama")
+    with torch.no_grad():
+        target.lm_head.weight.mul_(80.0)
+    ids, mask = padded_batch([9, 6, 11], seed=4, repeat_period=4)
+    kwargs = dict(attention_mask=mask, max_new_tokens=25, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    config = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=4,
+                               tree_width=3, tree_total_tokens=8)
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.target_forward_passes == 1 + -(-(25 - 1) // 5)

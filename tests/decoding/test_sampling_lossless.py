@@ -93,6 +93,9 @@ PROPOSERS = {
     "same_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
                                                         num_speculative_tokens=2, tree_width=2, seed=6),
     "ngram_tree": lambda target: SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2, seed=7),
+    "random_draft_dynamic_tree": lambda target: SpeculativeConfig(
+        method="draft", draft_model=_random_draft(), num_speculative_tokens=2, tree_width=2, tree_total_tokens=4, seed=8
+    ),
 }
 
 
