@@ -1,7 +1,8 @@
 """`hf-specdec demo`: speculative decoding on the committed test bed, offline, on the CPU, in under a minute.
 
 For each workload (code completion, and "edit" prompts whose continuation repeats a passage of the prompt) it
-generates greedily with plain `generate` and with every proposer, shows a continuation, the acceptance statistics,
+generates greedily with plain `generate` and with every proposer (chains and token trees: a dynamic draft tree and
+an n-gram trie), shows a continuation, the acceptance statistics,
 the speedup over plain `generate`, and checks that every output is token-for-token plain generate's.
 """
 
@@ -29,7 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _configs(draft, k: int) -> dict[str, SpeculativeConfig]:
     return {
         "draft": SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k),
+        "draft-tree": SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, tree_width=2,
+                                        tree_total_tokens=2 * k),
         "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3),
+        "ngram-tree": SpeculativeConfig(method="ngram", num_speculative_tokens=k, tree_width=3),
     }
 
 
@@ -38,7 +42,7 @@ def _row(result: RunResult, plain: RunResult) -> str:
     accept = "-" if result.acceptance_rate is None else f"{result.acceptance_rate:.2f}"
     length = "-" if result.mean_acceptance_length is None else f"{result.mean_acceptance_length:.2f}"
     return (
-        f"  {result.name:<7} {result.tokens_per_second:>8.1f} {plain.seconds / result.seconds:>7.2f}x "
+        f"  {result.name:<10} {result.tokens_per_second:>8.1f} {plain.seconds / result.seconds:>7.2f}x "
         f"{result.tokens_per_forward:>8.2f} {accept:>8} {length:>8} {same:>10}"
     )
 
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         tail = "\n".join(prompts[0].rstrip("\n").split("\n")[-3:])
         continuation = tokenizer.decode(results[1].sequences[0, ids.shape[1] :], skip_special_tokens=True)
         print(f"-- prompt 1 (last lines) --\n{tail}\n-- continuation (draft method) --\n{continuation}\n--")
-        print(f"  {'method':<7} {'tok/s':>8} {'speedup':>8} {'tok/fwd':>8} {'accept':>8} {'mean len':>8} {'identical':>10}")
+        print(f"  {'method':<10} {'tok/s':>8} {'speedup':>8} {'tok/fwd':>8} {'accept':>8} {'mean len':>8} {'identical':>10}")
         for result in results:
             print(_row(result, plain))
             all_identical &= torch.equal(result.sequences, plain.sequences)
