@@ -330,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows)
     for r in rows:
         if r["efficiency"] is not None and r["efficiency"] < LOW_EFFICIENCY:
-            print(f"note: {r['case']} at batch {r['batch_size']}, k={r['k']}: efficiency {r['efficiency']:.2f} < "
+            print(f"note: {r['case']} at batch {r['batch_size']}, k={r['k']}, w={r['tree_width']}: "
+                  f"efficiency {r['efficiency']:.2f} < "
                   f"{LOW_EFFICIENCY}: time outside model forwards (host bookkeeping, per-call overhead) dominates")
     report = {
         "device": str(state.device) if state.device.type != "cuda" else torch.cuda.get_device_name(),
