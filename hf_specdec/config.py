@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from hf_specdec.tree.template import MAX_TREE_NODES
+from hf_specdec.tree.template import MAX_TREE_NODES, TreeTemplate
 
-SpecMethod = Literal["draft", "ngram"]
+SpecMethod = Literal["draft", "ngram", "medusa"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 
 # Beyond this many draft tokens per step the verify forward is mostly wasted work; vLLM caps at 128.
@@ -20,6 +20,11 @@ class SpeculativeConfig:
 
     method: SpecMethod = field(default="draft", metadata={"help": f"proposer, one of {SPEC_METHODS}"})
     draft_model: Any = field(default=None, metadata={"help": "the small model for method='draft' (same tokenizer)"})
+    heads: Any = field(default=None, metadata={"help": "draft heads for method='medusa' (hf_specdec.heads.MedusaHeads)"})
+    tree_paths: Any = field(
+        default=None,
+        metadata={"help": "method='medusa': a static tree as a list of rank paths (Medusa choices); None = chain"},
+    )
     num_speculative_tokens: int = field(default=5, metadata={"help": "draft tokens proposed per step (k)"})
     prompt_lookup_min: int = field(default=1, metadata={"help": "shortest n-gram the ngram proposer matches"})
     prompt_lookup_max: int = field(default=3, metadata={"help": "longest n-gram the ngram proposer matches"})
@@ -64,6 +69,18 @@ class SpeculativeConfig:
                 f"SpeculativeConfig.draft_model: method={self.method!r} does not use a draft model; "
                 "drop draft_model or use method='draft'"
             )
+        if self.method == "medusa":
+            if not callable(getattr(self.heads, "check_target", None)):
+                raise ValueError(
+                    "SpeculativeConfig.heads: method='medusa' needs heads (hf_specdec.heads.MedusaHeads), "
+                    f"got {type(self.heads).__name__}"
+                )
+        elif self.heads is not None or self.tree_paths is not None:
+            raise ValueError(
+                f"SpeculativeConfig.heads / tree_paths: only method='medusa' uses them, got method={self.method!r}"
+            )
+        if self.tree_paths is not None:
+            TreeTemplate.from_paths(self.tree_paths)  # validates: a tree, within the node budget
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, None)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, None)

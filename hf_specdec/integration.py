@@ -42,12 +42,16 @@ def resolve_config(
     """One SpeculativeConfig from the three spellings; conflicting values are an error, never a silent choice."""
     if speculative is None:
         method = spec_method if spec_method is not None else "draft"
-        if method == "draft" and assistant is None:
-            raise ValueError("spec_method='draft' needs assistant=<draft model> (or pass speculative=SpeculativeConfig)")
+        if method in ("draft", "medusa") and assistant is None:
+            raise ValueError(
+                f"spec_method={method!r} needs assistant=<draft model or heads> (or pass speculative=SpeculativeConfig)"
+            )
+        if method == "medusa":
+            return SpeculativeConfig(method=method, heads=assistant)
         return SpeculativeConfig(method=method, draft_model=assistant)
     if not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative: expected a hf_specdec.SpeculativeConfig, got {type(speculative).__name__}")
-    if assistant is not None and assistant is not speculative.draft_model:
+    if assistant is not None and assistant is not speculative.draft_model and assistant is not speculative.heads:
         raise ValueError("assistant: conflicts with speculative.draft_model; pass the draft model in one place only")
     if spec_method is not None and spec_method != speculative.method:
         raise ValueError(

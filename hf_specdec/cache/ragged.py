@@ -93,6 +93,9 @@ class RaggedKVCache:
         self.valid: torch.Tensor | None = None  # [B, S] bool
         self.positions: torch.Tensor | None = None  # [B, S] long
         self.next_position: torch.Tensor | None = None  # [B] long: position id of each row's next token
+        # when True, each forward keeps the final hidden states (after the last norm) of its new tokens
+        self.record_hidden_states = False
+        self.hidden_states: torch.Tensor | None = None  # [B, W, H] of the last forward, when recorded
 
     @property
     def num_slots(self) -> int:
@@ -126,7 +129,7 @@ class RaggedKVCache:
         if self.model._supports_logits_to_keep():
             model_kwargs["logits_to_keep"] = logits_to_keep
         inputs = self.model.prepare_inputs_for_generation(input_ids, **model_kwargs)
-        logits = self.model(**inputs, return_dict=True).logits
+        logits = self._call_model(inputs, keep_last=logits_to_keep)
         self.valid = attention_mask.bool()
         self.positions = position_ids
         self.next_position = attention_mask.long().sum(-1)
@@ -173,14 +176,20 @@ class RaggedKVCache:
         Does not move `next_position` (`keep` does, and `forward` for chains). Returns logits [B, W, V]."""
         self.valid = torch.cat([self.valid, real], dim=1)
         self.positions = torch.cat([self.positions, positions], dim=1)
-        return self.model(
+        inputs = dict(
             input_ids=input_ids,
             position_ids=positions,
             attention_mask=self._attention_mask(positions, region_start, visible),
             past_key_values=self.kv,
             use_cache=True,
-            return_dict=True,
-        ).logits
+        )
+        return self._call_model(inputs, keep_last=input_ids.shape[1])
+
+    def _call_model(self, inputs: dict, keep_last: int) -> torch.Tensor:
+        """The model's logits; also its final hidden states for the last `keep_last` tokens when recorded."""
+        out = self.model(**inputs, output_hidden_states=self.record_hidden_states, return_dict=True)
+        self.hidden_states = out.hidden_states[-1][:, -keep_last:] if self.record_hidden_states else None
+        return out.logits
 
     def rollback(
         self,

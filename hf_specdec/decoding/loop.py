@@ -81,6 +81,7 @@ class SpeculativeDecoder:
         sampling = DraftSampling(self.do_sample, prefix_free(logits_processor), self.generator)
         self.proposer = build_proposer(config, model, sampling)
         self.cache = RaggedKVCache(model)
+        self.cache.record_hidden_states = self.proposer.needs_target_hidden_states
         self.k = config.num_speculative_tokens
         self.streamer = streamer
         self.generation_config = generation_config
@@ -158,6 +159,10 @@ class SpeculativeDecoder:
         self.stats.record(active, num_drafted, result.num_accepted)
         state.commit(num_emitted, scratch_width=result.output_token_ids.shape[1])
         state.finished |= self.finished_rows()
+        if self.cache.hidden_states is not None:  # where each row's last token was chosen
+            position = emitted_positions(result).gather(1, result.num_accepted[:, None])
+            hidden = self.cache.hidden_states
+            state.target_hidden = hidden.gather(1, position[:, :, None].expand(-1, -1, hidden.shape[2])).squeeze(1)
         if mark is None:
             return
         if isinstance(result, TreeVerificationResult):

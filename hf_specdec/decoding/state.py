@@ -30,6 +30,9 @@ class DecodeState:
     prompt_length: int
     max_length: int
     pad_token_id: int
+    # [B, H]: the target's final hidden state at the position that produced each row's last committed token
+    # (kept only for proposers that read it, such as draft heads)
+    target_hidden: torch.Tensor | None = None
 
     @classmethod
     def start(

@@ -29,8 +29,11 @@ class Proposer(ABC):
     """Guesses the next tokens of every row.
 
     The engine calls `start` once after the target's prefill, then per step `propose` and, after verification,
-    `commit`, so a proposer with state (a KV cache) can keep what the target kept.
+    `commit`, so a proposer with state (a KV cache) can keep what the target kept. A proposer that sets
+    `needs_target_hidden_states` finds the target's last hidden state in `state.target_hidden` (no extra pass).
     """
+
+    needs_target_hidden_states: bool = False
 
     def start(
         self,

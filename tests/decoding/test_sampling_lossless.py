@@ -20,6 +20,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from tests.conftest import DECODER
+from tests.heads.test_medusa import heads_for
 
 VOCAB = 8
 N = 6_000
@@ -93,6 +94,10 @@ PROPOSERS = {
     "same_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
                                                         num_speculative_tokens=2, tree_width=2, seed=6),
     "ngram_tree": lambda target: SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2, seed=7),
+    "medusa": lambda target: SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=2,
+                                               seed=9),
+    "medusa_tree": lambda target: SpeculativeConfig(method="medusa", heads=heads_for(target), seed=10,
+                                                    tree_paths=[(0,), (1,), (0, 0), (1, 0)]),
     "random_draft_dynamic_tree": lambda target: SpeculativeConfig(
         method="draft", draft_model=_random_draft(), num_speculative_tokens=2, tree_width=2, tree_total_tokens=4, seed=8
     ),

@@ -1,0 +1,58 @@
+"""Medusa proposer: the heads read the target's hidden state at the position that produced the last committed
+token (kept from the verify forward: no extra target pass) and guess the tokens after it.
+
+Chain: each head's top-1. Tree: a static path list (`tree_paths`, Medusa's `choices`): path (r0, r1, ...) is head
+0's rank-r0 candidate, then head 1's rank-r1 candidate, and so on. Candidates are deterministic (point masses), so
+verification stays lossless under sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_specdec.config import SpeculativeConfig
+from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
+from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.tree.template import TreeTemplate
+from hf_specdec.tree.tree import TokenTree
+
+
+class MedusaProposer(Proposer):
+    needs_target_hidden_states = True
+
+    def __init__(self, config: SpeculativeConfig, target: torch.nn.Module) -> None:
+        self.heads = config.heads
+        self.heads.check_target(target)
+        self.k = min(config.num_speculative_tokens, self.heads.config.num_heads)
+        self.template = None if config.tree_paths is None else TreeTemplate.from_paths(config.tree_paths)
+        if self.template is not None and self.template.max_depth > self.heads.config.num_heads:
+            raise ValueError(
+                f"SpeculativeConfig.tree_paths: depth {self.template.max_depth} needs as many heads; "
+                f"the heads have {self.heads.config.num_heads}"
+            )
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState) -> Proposal | TreeProposal:
+        logits = self.heads(state.target_hidden.to(self.heads.heads[0][-1].weight.device)).float()  # [B, K, V]
+        logits = logits.to(state.sequences.device)
+        budget = state.draft_budget()
+        if self.template is None:
+            return Proposal(
+                draft_token_ids=logits[:, : self.k].argmax(dim=-1),
+                num_draft_tokens=budget.clamp(max=self.k),
+                draft_probs=None,
+            )
+        candidates = logits[:, : self.template.max_depth].topk(self.template.max_rank + 1, dim=-1).indices
+        depths = torch.tensor(self.template.depths[1:], device=logits.device)
+        ranks = torch.tensor(self.template.ranks[1:], device=logits.device)
+        nodes = candidates[:, depths - 1, ranks]  # [B, N - 1]: each node's head and rank
+        tokens = torch.cat([state.last_tokens()[:, None], nodes], dim=1)
+        all_depths = torch.cat([depths.new_zeros(1), depths])
+        return TreeProposal(TokenTree.from_template(self.template, tokens, valid=all_depths[None, :] <= budget[:, None]))
+
+
+def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:
+    return MedusaProposer(config, target)
+
+
+register_proposer("medusa", _build)
