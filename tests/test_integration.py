@@ -127,7 +127,7 @@ def test_transformers_version_range():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(method="medusa"), "SpeculativeConfig.method: unknown method 'medusa'"),
+        (dict(method="lookahead"), "SpeculativeConfig.method: unknown method 'lookahead'"),
         (dict(method="draft"), "SpeculativeConfig.draft_model: method='draft' needs a draft model"),
         (dict(method="draft", draft_model="gpt2"), "SpeculativeConfig.draft_model: expected a transformers"),
         (dict(method="ngram", draft_model=make_draft()), "does not use a draft model"),
