@@ -13,22 +13,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lossless speculative decoding for Hugging Face transformers: demo and benchmarks.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser(
-        "demo",
-        help="generate on the committed test bed with every method; show text, acceptance and speedup",
-        description=demo.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.run)
-    bench_parser = commands.add_parser(
-        "bench",
-        help="benchmark every method and transformers' own paths on the same prompts; table, JSON, plot",
-        description=bench.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench.add_arguments(bench_parser)
-    bench_parser.set_defaults(run=bench.run)
+    for name, module, summary in (
+        ("demo", demo, "generate on the committed test bed with every method; show text, acceptance and speedup"),
+        ("bench", bench, "benchmark every method and transformers' own paths on the same prompts; table, JSON, plot"),
+    ):
+        command = commands.add_parser(
+            name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
     return parser
 
 
