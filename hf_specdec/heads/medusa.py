@@ -78,3 +78,16 @@ class MedusaHeads(nn.Module):
                 f"SpeculativeConfig.heads: vocab_size {self.config.vocab_size} does not match the target's "
                 f"{text.vocab_size}; these heads were trained for another model"
             )
+
+    def save_pretrained(self, folder) -> None:
+        """Write the PEFT-style adapter folder (adapter_config.json + adapter_model.safetensors)."""
+        from hf_specdec.heads.files import save_medusa
+
+        save_medusa(self, folder)
+
+    @classmethod
+    def from_pretrained(cls, folder) -> MedusaHeads:
+        """Our adapter folder, or a published Medusa checkpoint folder (converted on load)."""
+        from hf_specdec.heads.files import load_medusa
+
+        return load_medusa(folder)

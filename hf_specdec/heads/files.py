@@ -1,0 +1,119 @@
+"""Head folders on disk: our PEFT-style adapter folder, and the published Medusa layouts converted on load.
+
+Ours: `adapter_config.json` (sorted keys: method, base_model_name_or_path, revision, task_type, head config,
+library version) and `adapter_model.safetensors`. Unknown config keys are warned about and ignored.
+
+Published layouts read (facts from the Medusa, TGI and vLLM repositories):
+- FasterDecoding Medusa v0.1/1.0: `config.json` with `medusa_num_heads` / `medusa_num_layers`, weights
+  `medusa_lm_head.safetensors` (or `.pt`, loaded with `torch.load(weights_only=True)`), keys
+  `{h}.{l}.linear.weight|bias` and `{h}.{num_layers}.weight`;
+- vLLM's converted layout: `config.json` with `model_type: "medusa"`, weights `blocks.{h}.layers.{l}.weight|bias`
+  and `lm_heads.{h}.weight` (the `medusa_heads.` prefix stripped).
+The "version 2" layout (no per-head projection: the base lm_head is shared) is recognised and refused clearly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_specdec
+from hf_specdec.heads.medusa import MedusaConfig, MedusaHeads
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+METHOD = "medusa"
+TASK_TYPE = "CAUSAL_LM"
+_CONFIG_FIELDS = ("hidden_size", "vocab_size", "num_heads", "num_layers", "base_model_name_or_path", "revision")
+
+
+def save_medusa(heads: MedusaHeads, folder: str | Path) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = heads.config.to_dict() | {"method": METHOD, "task_type": TASK_TYPE, "library_version": hf_specdec.__version__}
+    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file({name: t.detach().contiguous().cpu() for name, t in heads.state_dict().items()}, str(folder / WEIGHTS_NAME))
+
+
+def load_medusa(folder: str | Path) -> MedusaHeads:
+    folder = Path(folder)
+    if (folder / CONFIG_NAME).is_file():
+        return _load_ours(folder)
+    if (folder / "config.json").is_file():
+        config = json.loads((folder / "config.json").read_text())
+        if "medusa_num_heads" in config:
+            return _load_faster_decoding(folder, config)
+        if config.get("model_type") == "medusa":
+            return _load_vllm(folder, config)
+    raise ValueError(
+        f"{folder}: not a Medusa head folder (expected {CONFIG_NAME}, or a config.json with medusa_num_heads "
+        "(FasterDecoding) or model_type 'medusa' (vLLM))"
+    )
+
+
+def _load_ours(folder: Path) -> MedusaHeads:
+    raw = json.loads((folder / CONFIG_NAME).read_text())
+    if raw.get("method") != METHOD:
+        raise ValueError(f"{folder / CONFIG_NAME}: method {raw.get('method')!r} is not {METHOD!r}")
+    unknown = sorted(set(raw) - set(_CONFIG_FIELDS) - {"method", "task_type", "library_version"})
+    if unknown:
+        warnings.warn(f"{folder / CONFIG_NAME}: ignoring unknown keys {unknown}", stacklevel=3)
+    heads = MedusaHeads(MedusaConfig(**{k: raw[k] for k in _CONFIG_FIELDS if k in raw}))
+    heads.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
+    return heads.eval()
+
+
+def _read_weights(folder: Path, stem: str) -> dict[str, torch.Tensor]:
+    if (folder / f"{stem}.safetensors").is_file():
+        return load_file(str(folder / f"{stem}.safetensors"))
+    if (folder / f"{stem}.pt").is_file():
+        return torch.load(folder / f"{stem}.pt", map_location="cpu", weights_only=True)
+    raise ValueError(f"{folder}: no {stem}.safetensors or {stem}.pt")
+
+
+def _load_faster_decoding(folder: Path, config: dict) -> MedusaHeads:
+    weights = _read_weights(folder, "medusa_lm_head")
+    num_layers = int(config.get("medusa_num_layers", 1))
+    num_heads = int(config["medusa_num_heads"])
+    present = {int(k.split(".")[0]) for k in weights}
+    if f"0.{num_layers}.weight" not in weights:
+        raise ValueError(
+            f"{folder}: Medusa 'version 2' layout (heads share the base model's lm_head) is not supported yet; "
+            f"expected per-head projections '0.{num_layers}.weight'"
+        )
+    num_heads = min(num_heads, len(present))  # the loader of the original repo loads fewer heads than configured
+    hidden, vocab = weights[f"0.{num_layers}.weight"].shape[1], weights[f"0.{num_layers}.weight"].shape[0]
+    heads = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers,
+                                     base_model_name_or_path=config.get("base_model_name_or_path")))
+    mapped = {}
+    for h in range(num_heads):
+        for layer in range(num_layers):
+            for part in ("weight", "bias"):
+                mapped[f"heads.{h}.{layer}.linear.{part}"] = weights[f"{h}.{layer}.linear.{part}"]
+        mapped[f"heads.{h}.{num_layers}.weight"] = weights[f"{h}.{num_layers}.weight"]
+    heads.load_state_dict(mapped)
+    return heads.eval()
+
+
+def _load_vllm(folder: Path, config: dict) -> MedusaHeads:
+    weights = {re.sub(r"^medusa_heads\.", "", k): v for k, v in _read_weights(folder, "model").items()}
+    num_heads = int(config.get("num_heads", config.get("medusa_num_heads", 0)))
+    num_layers = int(config.get("num_hidden_layers", config.get("medusa_num_layers", 1)))
+    if "lm_heads.0.weight" not in weights or num_heads < 1:
+        raise ValueError(f"{folder}: vLLM Medusa layout without lm_heads.0.weight or num_heads; cannot convert")
+    vocab, hidden = weights["lm_heads.0.weight"].shape
+    heads = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers))
+    mapped = {}
+    for h in range(num_heads):
+        for layer in range(num_layers):
+            mapped[f"heads.{h}.{layer}.linear.weight"] = weights[f"blocks.{h}.layers.{layer}.weight"]
+            bias = weights.get(f"blocks.{h}.layers.{layer}.bias")
+            mapped[f"heads.{h}.{layer}.linear.bias"] = torch.zeros(hidden) if bias is None else bias
+        mapped[f"heads.{h}.{num_layers}.weight"] = weights[f"lm_heads.{h}.weight"]
+    heads.load_state_dict(mapped)
+    return heads.eval()

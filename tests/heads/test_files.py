@@ -1,0 +1,104 @@
+"""Head folders: our adapter round trip, and the published Medusa layouts built with their exact key names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hf_specdec.heads import MedusaConfig, MedusaHeads
+
+H, V = 8, 11
+
+
+def _random_heads(num_heads=3, num_layers=2) -> MedusaHeads:
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(hidden_size=H, vocab_size=V, num_heads=num_heads, num_layers=num_layers,
+                                     base_model_name_or_path="local/target", revision="abc"))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    return heads
+
+
+def _assert_same(a: MedusaHeads, b: MedusaHeads) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    hidden = torch.randn(2, H)
+    assert torch.equal(a(hidden), b(hidden))
+
+
+def test_adapter_round_trip(tmp_path):
+    heads = _random_heads()
+    heads.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert list(config) == sorted(config)
+    assert config["method"] == "medusa" and config["task_type"] == "CAUSAL_LM" and config["revision"] == "abc"
+    _assert_same(heads, MedusaHeads.from_pretrained(tmp_path))
+
+
+def test_unknown_config_keys_are_warned_and_ignored(tmp_path):
+    heads = _random_heads()
+    heads.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"future_option": 3}))
+    with pytest.warns(UserWarning, match="ignoring unknown keys \\['future_option'\\]"):
+        _assert_same(heads, MedusaHeads.from_pretrained(tmp_path))
+
+
+def _faster_decoding_weights(heads: MedusaHeads) -> dict[str, torch.Tensor]:
+    layers = heads.config.num_layers
+    out = {}
+    for h, head in enumerate(heads.heads):
+        for layer in range(layers):
+            out[f"{h}.{layer}.linear.weight"] = head[layer].linear.weight.detach().clone()
+            out[f"{h}.{layer}.linear.bias"] = head[layer].linear.bias.detach().clone()
+        out[f"{h}.{layers}.weight"] = head[layers].weight.detach().clone()
+    return out
+
+
+@pytest.mark.parametrize("suffix", ["safetensors", "pt"])
+def test_faster_decoding_layout(tmp_path, suffix):
+    heads = _random_heads()
+    weights = _faster_decoding_weights(heads)
+    if suffix == "safetensors":
+        save_file(weights, str(tmp_path / "medusa_lm_head.safetensors"))
+    else:
+        torch.save(weights, tmp_path / "medusa_lm_head.pt")
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 2,
+                                                      "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}))
+    loaded = MedusaHeads.from_pretrained(tmp_path)
+    assert loaded.config.base_model_name_or_path == "lmsys/vicuna-7b-v1.3"
+    _assert_same(heads, loaded)
+
+
+def test_version_2_layout_is_refused_clearly(tmp_path):
+    weights = {k: v for k, v in _faster_decoding_weights(_random_heads(num_layers=1)).items() if "linear" in k}
+    save_file(weights, str(tmp_path / "medusa_lm_head.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
+    with pytest.raises(ValueError, match="'version 2' layout"):
+        MedusaHeads.from_pretrained(tmp_path)
+
+
+def test_vllm_layout(tmp_path):
+    heads = _random_heads(num_layers=1)
+    weights = {}
+    for h, head in enumerate(heads.heads):
+        weights[f"medusa_heads.blocks.{h}.layers.0.weight"] = head[0].linear.weight.detach().clone()
+        weights[f"medusa_heads.blocks.{h}.layers.0.bias"] = head[0].linear.bias.detach().clone()
+        weights[f"medusa_heads.lm_heads.{h}.weight"] = head[1].weight.detach().clone()
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 3, "num_hidden_layers": 1,
+                                                      "medusa_fc_bias": True}))
+    _assert_same(heads, MedusaHeads.from_pretrained(tmp_path))
+
+
+def test_unrecognised_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="not a Medusa head folder"):
+        MedusaHeads.from_pretrained(tmp_path)
