@@ -86,8 +86,17 @@ class MedusaHeads(nn.Module):
         save_medusa(self, folder)
 
     @classmethod
-    def from_pretrained(cls, folder) -> MedusaHeads:
-        """Our adapter folder, or a published Medusa checkpoint folder (converted on load)."""
+    def from_pretrained(cls, path_or_repo_id, revision: str | None = None) -> MedusaHeads:
+        """Our adapter folder or a published Medusa checkpoint (converted on load): a local folder or a Hub id."""
         from hf_specdec.heads.files import load_medusa
+        from hf_specdec.heads.hub import resolve_folder
 
-        return load_medusa(folder)
+        return load_medusa(resolve_folder(path_or_repo_id, revision))
+
+    def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
+                    commit_message: str | None = None, measured: dict[str, float] | None = None):
+        """Upload the adapter folder with a model card (measured acceptance/speedup go in when given)."""
+        from hf_specdec.heads.hub import push_medusa
+
+        return push_medusa(self, repo_id, private=private, token=token, commit_message=commit_message,
+                           measured=measured)

@@ -1,0 +1,74 @@
+"""The Hub boundary: the exact upload calls and files, the model card's metadata, and offline resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+from huggingface_hub.errors import LocalEntryNotFoundError
+
+from hf_specdec.heads import MedusaHeads, hub
+from tests.heads.test_files import _assert_same, _random_heads
+
+
+def test_push_to_hub_uploads_adapter_and_card(monkeypatch, tmp_path):
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create_repo", repo_id, kwargs))
+
+        def upload_folder(self, **kwargs):
+            uploaded = tmp_path / "uploaded"
+            uploaded.mkdir()
+            for file in Path(kwargs["folder_path"]).iterdir():
+                (uploaded / file.name).write_bytes(file.read_bytes())
+            calls.append(("upload_folder", {k: v for k, v in kwargs.items() if k != "folder_path"}))
+            return "commit-info"
+
+    monkeypatch.setattr(hub, "HfApi", FakeApi)
+    heads = _random_heads()
+    result = heads.push_to_hub("user/heads", private=True, token="t0k", measured={"mean_acceptance_length": 2.31})
+    assert result == "commit-info"
+    assert calls == [
+        ("init", "t0k"),
+        ("create_repo", "user/heads", {"private": True, "exist_ok": True, "repo_type": "model"}),
+        ("upload_folder", {"repo_id": "user/heads", "repo_type": "model",
+                           "commit_message": "Upload Medusa heads (hf_specdec)"}),
+    ]
+    uploaded = tmp_path / "uploaded"
+    assert sorted(p.name for p in uploaded.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    card = ModelCard.load(uploaded / "README.md")
+    assert card.data.library_name == "hf-specdec"
+    assert card.data.base_model == "local/target"
+    assert card.data.pipeline_tag == "text-generation"
+    assert {"speculative-decoding", "medusa"} <= set(card.data.tags)
+    assert "| mean_acceptance_length | 2.31 |" in card.text
+    _assert_same(heads, MedusaHeads.from_pretrained(uploaded))
+
+
+def test_hub_id_resolves_through_snapshot_download(monkeypatch, tmp_path):
+    heads = _random_heads()
+    heads.save_pretrained(tmp_path / "snapshot")
+    asked = []
+
+    def fake_download(repo_id, revision=None):
+        asked.append((repo_id, revision))
+        return str(tmp_path / "snapshot")
+
+    monkeypatch.setattr(hub, "snapshot_download", fake_download)
+    _assert_same(heads, MedusaHeads.from_pretrained("user/heads", revision="v1"))
+    assert asked == [("user/heads", "v1")]
+
+
+def test_offline_miss_is_a_clear_error(monkeypatch):
+    def offline(repo_id, revision=None):
+        raise LocalEntryNotFoundError("offline")
+
+    monkeypatch.setattr(hub, "snapshot_download", offline)
+    with pytest.raises(ValueError, match="not a local folder, and the Hub repo is not in the local cache"):
+        MedusaHeads.from_pretrained("user/absent")
