@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from hf_specdec.tree.template import MAX_TREE_NODES, TreeTemplate
+from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
 
 SpecMethod = Literal["draft", "ngram", "medusa"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
@@ -23,7 +23,10 @@ class SpeculativeConfig:
     heads: Any = field(default=None, metadata={"help": "draft heads for method='medusa' (hf_specdec.heads.MedusaHeads)"})
     tree_paths: Any = field(
         default=None,
-        metadata={"help": "method='medusa': a static tree as a list of rank paths (Medusa choices); None = chain"},
+        metadata={
+            "help": "method='medusa': a static tree as a list of rank paths (Medusa choices), 'default' for the "
+            "built-in 34-node tree (4 heads), None for a chain"
+        },
     )
     num_speculative_tokens: int = field(default=5, metadata={"help": "draft tokens proposed per step (k)"})
     prompt_lookup_min: int = field(default=1, metadata={"help": "shortest n-gram the ngram proposer matches"})
@@ -79,6 +82,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"SpeculativeConfig.heads / tree_paths: only method='medusa' uses them, got method={self.method!r}"
             )
+        if self.tree_paths == "default":
+            self.tree_paths = DEFAULT_MEDUSA_TREE
         if self.tree_paths is not None:
             TreeTemplate.from_paths(self.tree_paths)  # validates: a tree, within the node budget
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)

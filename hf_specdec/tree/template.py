@@ -83,3 +83,18 @@ class TreeTemplate:
     def max_rank(self) -> int:
         """Largest candidate rank used (the proposer needs top-(max_rank + 1) candidates)."""
         return max(self.ranks)
+
+
+def rank_budget_paths(depth: int, rank_budget: int) -> list[tuple[int, ...]]:
+    """Every path up to `depth` whose ranks sum to at most `rank_budget`: candidates of combined rank r are
+    kept at every depth, and the list is prefix-closed by construction (a prefix never sums to more)."""
+    level: list[tuple[int, ...]] = [()]
+    paths: list[tuple[int, ...]] = []
+    for _ in range(depth):
+        level = [p + (r,) for p in level for r in range(rank_budget - sum(p) + 1)]
+        paths.extend(level)
+    return paths
+
+
+# 4 heads, ranks summing to <= 2: 3 + 6 + 10 + 15 = 34 draft nodes (Medusa's preset trees use about 60)
+DEFAULT_MEDUSA_TREE = tuple(rank_budget_paths(depth=4, rank_budget=2))

@@ -26,13 +26,15 @@ def heads_for(target: torch.nn.Module, num_heads: int = 3, seed: int = 0) -> Med
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2", "opt"])
-@pytest.mark.parametrize("tree", [None, TREE])
+@pytest.mark.parametrize("tree", [None, TREE, "default"])
 def test_medusa_greedy_matches_plain_generate(arch, tree):
     target = make_model(arch)
     ids, mask = padded_batch([12, 7, 10], seed=3, repeat_period=2)
     kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
     expected = target.generate(ids, **kwargs)
-    config = SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=3, tree_paths=tree)
+    num_heads = 4 if tree == "default" else 3
+    config = SpeculativeConfig(method="medusa", heads=heads_for(target, num_heads=num_heads), num_speculative_tokens=3,
+                               tree_paths=tree)
     out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, expected)
     assert out.spec_stats.num_draft_tokens > 0

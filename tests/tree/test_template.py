@@ -39,3 +39,11 @@ def test_invalid_path_lists(paths, match):
 def test_full_tree_bounds(width, depth):
     with pytest.raises(ValueError, match="expected >= 1"):
         TreeTemplate.full(width=width, depth=depth)
+
+
+def test_default_medusa_tree_is_a_prefix_closed_tree_of_34_nodes():
+    from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, rank_budget_paths
+
+    template = TreeTemplate.from_paths(DEFAULT_MEDUSA_TREE)
+    assert template.num_nodes == 35 and template.max_depth == 4 and template.max_rank == 2
+    assert rank_budget_paths(depth=2, rank_budget=1) == [(0,), (1,), (0, 0), (0, 1), (1, 0)]
