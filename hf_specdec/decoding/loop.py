@@ -131,10 +131,10 @@ class SpeculativeDecoder:
             tree = proposal.tree
             return self.cache.forward_tree(
                 tree.token_ids,
-                positions=self.cache.next_position[:, None] + tree.depths(),
+                positions=self.cache.next_position[:, None] + tree.depths,
                 real=tree.valid & ~self.state.finished[:, None],
                 region_start=self.cache.num_slots,
-                visible=tree.ancestors(),
+                visible=tree.ancestors,
             )
         block = torch.cat([self.state.last_tokens()[:, None], proposal.draft_token_ids], dim=1)
         num_real = torch.where(self.state.finished, 0, 1 + proposal.num_draft_tokens)
@@ -239,11 +239,11 @@ def num_draft_tokens(proposal: Proposal | TreeProposal) -> torch.Tensor:
 
 def tree_paths(tree) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, N, D] path tokens, [B, N] depths): the draft tokens from the root to every node, in depth order."""
-    depths = tree.depths()
+    depths = tree.depths
     longest = max(int(depths.max()), 1)
     batch, nodes = tree.token_ids.shape
     # ancestor a of node j (other than the root) at depth d goes to column d - 1; the rest to a spare column
-    column = torch.where(tree.ancestors() & (depths[:, None, :] > 0), depths[:, None, :] - 1, longest)
+    column = torch.where(tree.ancestors & (depths[:, None, :] > 0), depths[:, None, :] - 1, longest)
     path = tree.token_ids.new_zeros(batch, nodes, longest + 1)
     path.scatter_(2, column, tree.token_ids[:, None, :].expand(-1, nodes, -1))
     return path[:, :, :longest], depths

@@ -7,6 +7,7 @@ where every parent precedes its children; padding nodes (`valid` False) hang off
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -44,25 +45,26 @@ class TokenTree:
     def num_nodes(self) -> int:
         return self.token_ids.shape[1]
 
+    @cached_property
+    def ancestors(self) -> torch.Tensor:
+        """[B, N, N] bool: entry (q, j) is True iff node j is node q or one of its ancestors. Computed once per tree,
+        by iterating over depth: each pass adds every node's parent's ancestors."""
+        batch, n = self.parents.shape
+        ancestors = torch.eye(n, dtype=torch.bool, device=self.parents.device).expand(batch, n, n).clone()
+        has_parent = (self.parents >= 0)[..., None]
+        parent_rows = self.parents.clamp(min=0)[..., None].expand(batch, n, n)
+        while True:
+            grown = ancestors | (ancestors.gather(1, parent_rows) & has_parent)
+            if torch.equal(grown, ancestors):
+                return ancestors
+            ancestors = grown
+
+    @cached_property
     def depths(self) -> torch.Tensor:
         """[B, N]: distance of each node from the root."""
-        depths = torch.zeros_like(self.parents)
-        for node in range(1, self.num_nodes):
-            depths[:, node] = depths.gather(1, self.parents[:, node : node + 1].clamp(min=0)).squeeze(1) + 1
-        return depths
+        return self.ancestors.sum(dim=2) - 1
 
-    def ancestors(self) -> torch.Tensor:
-        """[B, N, N] bool: entry (q, j) is True iff node j is node q or one of its ancestors."""
-        batch, n = self.parents.shape
-        eye = torch.eye(n, dtype=torch.bool, device=self.parents.device).expand(batch, n, n)
-        rows = [eye[:, 0]]
-        for node in range(1, n):
-            parent_rows = torch.stack(rows, dim=1).gather(
-                1, self.parents[:, node, None, None].clamp(min=0).expand(batch, 1, n)
-            )
-            rows.append(parent_rows.squeeze(1) | eye[:, node])
-        return torch.stack(rows, dim=1)
-
+    @cached_property
     def children(self) -> torch.Tensor:
         """[B, N, M]: the valid children of every node in node order, padded with -1 (M = most children)."""
         batch, n = self.parents.shape

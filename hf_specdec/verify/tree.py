@@ -61,7 +61,7 @@ def _result(tree: TokenTree, path: list[torch.Tensor], num_accepted: torch.Tenso
 
 
 def _max_depth(tree: TokenTree) -> int:
-    depths = torch.where(tree.valid, tree.depths(), 0)
+    depths = torch.where(tree.valid, tree.depths, 0)
     return int(depths.max()) if depths.numel() else 0
 
 
@@ -70,7 +70,7 @@ def greedy_tree_verify(
     # [B, N]: argmax of the processed target scores at every node
     target_token_ids: torch.Tensor,
 ) -> TreeVerificationResult:
-    children = tree.children()  # [B, N, M]
+    children = tree.children  # [B, N, M]
     batch = target_token_ids.shape[0]
     current = torch.zeros(batch, dtype=torch.long, device=target_token_ids.device)
     active = torch.ones(batch, dtype=torch.bool, device=current.device)
@@ -95,7 +95,7 @@ def tree_rejection_sample(
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
 ) -> TreeVerificationResult:
-    children = tree.children()  # [B, N, M]
+    children = tree.children  # [B, N, M]
     batch, _, vocab = target_probs.shape
     device = target_probs.device
     current = torch.zeros(batch, dtype=torch.long, device=device)

@@ -52,7 +52,7 @@ def _law(generator):
 
 def _target_probs(tree: TokenTree, root, second):
     """[B, N, V]: the target at every node, a function of the node's context (depth-2 nodes: anything)."""
-    depths = tree.depths()
+    depths = tree.depths
     probs = torch.full((*tree.token_ids.shape, VOCAB), 1.0 / VOCAB)
     probs[:, 0] = root
     depth_one = depths == 1
