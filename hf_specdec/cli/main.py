@@ -1,10 +1,10 @@
-"""`hf-specdec` entry point: subcommands `demo` and `bench`."""
+"""`hf-specdec` entry point: subcommands `demo`, `bench` and `train`."""
 
 from __future__ import annotations
 
 import argparse
 
-from hf_specdec.cli import bench, demo
+from hf_specdec.cli import bench, demo, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, summary in (
         ("demo", demo, "generate on the committed test bed with every method; show text, acceptance and speedup"),
         ("bench", bench, "benchmark every method and transformers' own paths on the same prompts; table, JSON, plot"),
+        ("train", train, "train draft heads (medusa) on a frozen target, on accelerate"),
     ):
         command = commands.add_parser(
             name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -58,12 +58,12 @@ class MedusaHeads(nn.Module):
 
     def forward(
         self,
-        # [B, H]: the target's final hidden state (after its last norm)
+        # [..., H]: the target's final hidden state (after its last norm)
         hidden: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits [B, K, V]: head i's guess for the token i + 2 positions after `hidden`."""
+        """Logits [..., K, V]: head i's guess for the token i + 2 positions after `hidden`."""
         hidden = hidden.to(self.heads[0][-1].weight.dtype)
-        return torch.stack([head(hidden) for head in self.heads], dim=1)
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)
 
     def check_target(self, target: nn.Module) -> None:
         """Clear errors when the heads were made for another model shape."""

@@ -1,0 +1,1 @@
+"""Training draft heads (Medusa-1 now), on accelerate: one script for CPU, multi-process and multi-GPU."""
