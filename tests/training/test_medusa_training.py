@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_specdec.cli.main import main
 from hf_specdec.heads import MedusaHeads
-from hf_specdec.testbed.loading import testbed_dir
+from hf_specdec.testbed import loading
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ DATA = [Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"]
 
 
 def _args(base: Path, out: Path, steps: int, extra: list[str] = ()) -> list[str]:
-    return ["train", "medusa", "--base", str(base), "--tokenizer", str(testbed_dir() / "tokenizer"),
+    return ["train", "medusa", "--base", str(base), "--tokenizer", str(loading.testbed_dir() / "tokenizer"),
             "--data", *map(str, DATA), "--out", str(out), "--steps", str(steps), "--batch-size", "4",
             "--seq-len", "64", "--num-heads", "2", "--learning-rate", "3e-3", "--save-every", "10", *extra]
 
