@@ -38,10 +38,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.runs import count_new_tokens
+from hf_specdec.heads import MedusaHeads
 from hf_specdec.testbed.loading import testbed_dir
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "draft", "ngram", "hf-assistant", "hf-lookup")
+CASES = ("plain", "draft", "ngram", "medusa", "hf-assistant", "hf-lookup")
 NATIVE_CASES = ("hf-assistant", "hf-lookup")
 NEEDS_DRAFT = ("draft", "hf-assistant")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,10 +53,12 @@ LOW_EFFICIENCY = 0.8
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, default=None, help="target model folder (default: the test bed's)")
     parser.add_argument("--draft", type=Path, default=None, help="draft model folder (default: the test bed's)")
+    parser.add_argument("--heads", type=Path, default=None,
+                        help="Medusa heads folder for the medusa case (default: the test bed's medusa/ if present)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer folder (default: the target folder if it has one, else the test bed's)")
     parser.add_argument("--method", nargs="+", default=list(CASES), choices=CASES, dest="methods",
-                        help="cases to run (default: all); plain always runs as the reference")
+                        help="cases to run (default: all; medusa when heads are found); plain always runs as the reference")
     parser.add_argument("--workload", default="edit", choices=("completion", "edit", "long"),
                         help="test-bed prompts (default: edit, where lookup shines)")
     parser.add_argument("--batch-size", nargs="+", type=int, default=[1, 8], dest="batch_sizes",
@@ -132,9 +135,13 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
-def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1) -> Callable[..., torch.Tensor]:
+def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads=None) -> Callable[..., torch.Tensor]:
     if case == "plain":
         return lambda ids, **kw: target.generate(ids, **kw)
+    if case == "medusa":  # tree_width > 1: the default Medusa tree
+        config = SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=k,
+                                   tree_paths="default" if tree_width > 1 else None)
+        return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kw)
     if case in ("draft", "ngram"):
         config = (SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, tree_width=tree_width)
                   if case == "draft" else
@@ -150,8 +157,8 @@ def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1) -
 
 
 def _measure(case: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft, kwargs, references,
-             repeats: int):
-    generate = _generate_fn(case, target, draft, k, tree_width)
+             repeats: int, heads=None):
+    generate = _generate_fn(case, target, draft, k, tree_width, heads)
     m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width)
     outputs = []
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft if case in NEEDS_DRAFT else None)
@@ -296,6 +303,12 @@ def run(args: argparse.Namespace) -> int:
     target = _load(target_path, dtype, state.device)
     needs_draft = any(case in NEEDS_DRAFT for case in args.methods)
     draft = _load(draft_path, dtype, state.device) if needs_draft else None
+    heads_path = args.heads or testbed_dir() / "medusa"
+    heads = MedusaHeads.from_pretrained(heads_path).to(state.device) if (heads_path / "adapter_config.json").is_file() else None
+    if heads is None and "medusa" in args.methods:
+        if args.heads is not None:
+            raise SystemExit(f"error: no Medusa heads at {args.heads} (expected adapter_config.json)")
+        args.methods = [m for m in args.methods if m != "medusa"]
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     num_prompts = args.num_prompts or max(args.batch_sizes)
     prompts = load_workload(args.workload)[:num_prompts]
@@ -303,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
     with state.split_between_processes(prompts) as mine:
         plan = [(b, case, k, w) for b in args.batch_sizes for case in ["plain", *[c for c in args.methods if c != "plain"]]
                 for k in ([None] if case == "plain" else args.ks)
-                for w in (args.tree_widths if case in ("draft", "ngram") else [1])
+                for w in (args.tree_widths if case in ("draft", "ngram", "medusa") else [1])
                 if not (case in NATIVE_CASES and b > 1)]
         references: dict[int, list[torch.Tensor]] = {}
         for batch_size, case, k, tree_width in tqdm(plan, desc=f"bench (process {state.process_index})",
@@ -314,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
             generate = _generate_fn("plain", target, draft, None)
             generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
             m, outputs = _measure(case, batch_size, k, tree_width, batches, target, draft, kwargs,
-                                  references.get(batch_size), args.repeats)
+                                  references.get(batch_size), args.repeats, heads)
             if case == "plain":
                 references[batch_size] = outputs
             measurements.append(m)

@@ -97,7 +97,8 @@ def medusa_loss(
 def train_medusa(config: MedusaTrainConfig) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.base, local_files_only=True)
-    base = AutoModelForCausalLM.from_pretrained(config.base, use_safetensors=True, local_files_only=True)
+    dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32  # CPUs are slow in bf16
+    base = AutoModelForCausalLM.from_pretrained(config.base, dtype=dtype, use_safetensors=True, local_files_only=True)
     base.requires_grad_(False).eval().to(accelerator.device)
     text = base.config.get_text_config(decoder=True)
     torch.manual_seed(config.seed)

@@ -51,12 +51,18 @@ def test_bad_numbers_are_clear_errors(tmp_path, tiny_models):
     with pytest.raises(SystemExit, match="--tree-width values must be >= 1"):
         main(["bench", "--target", str(tiny_models / "target"), "--tree-width", "0"])
     with pytest.raises(SystemExit):
-        main(["bench", "--method", "medusa"])  # argparse: invalid choice
+        main(["bench", "--method", "eagle"])  # argparse: invalid choice
+    with pytest.raises(SystemExit, match="no Medusa heads at"):
+        main(["bench", "--target", str(tiny_models / "target"), "--method", "medusa", "--heads", str(tmp_path)])
 
 
 def test_bench_writes_table_json_and_plot(tmp_path, tiny_models, capsys):
+    from hf_specdec.heads import MedusaConfig, MedusaHeads
+
+    MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=4096, num_heads=4)).save_pretrained(tmp_path / "heads")
     out = tmp_path / "results.json"
     code = main(["bench", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--heads", str(tmp_path / "heads"),
                  "--batch-size", "1", "2", "-k", "2", "3", "--tree-width", "1", "2", "--num-prompts", "2",
                  "--max-new-tokens", "6",
                  "--json", str(out), "--plot", str(tmp_path / "plot.png")])
@@ -65,6 +71,7 @@ def test_bench_writes_table_json_and_plot(tmp_path, tiny_models, capsys):
     cases = {(r["case"], r["batch_size"], r["k"], r["tree_width"]) for r in report["results"]}
     assert ("plain", 2, None, 1) in cases and ("draft", 2, 3, 2) in cases and ("hf-lookup", 1, 2, 1) in cases
     assert ("ngram", 1, 2, 2) in cases and ("hf-lookup", 1, 2, 2) not in cases
+    assert ("medusa", 2, 3, 1) in cases and ("medusa", 1, 2, 2) in cases
     assert ("hf-assistant", 2, 2, 1) not in cases  # transformers' own paths only run at batch 1
     assert all(r["identical_to_plain"] for r in report["results"])
     assert (tmp_path / "plot.png").stat().st_size > 1000
