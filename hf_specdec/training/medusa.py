@@ -90,7 +90,7 @@ def medusa_loss(
             head_logits[:, :-shift, i].reshape(-1, head_logits.shape[-1]).float(), input_ids[:, shift:].reshape(-1)
         )
         total = total + decay**i * loss
-        per_head.append(float(loss))
+        per_head.append(float(loss.detach()))
     return total, per_head
 
 
@@ -130,8 +130,8 @@ def train_medusa(config: MedusaTrainConfig) -> dict:
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        history.append(float(loss))
-        progress.set_postfix(loss=f"{float(loss):.3f}")
+        history.append(float(loss.detach()))
+        progress.set_postfix(loss=f"{history[-1]:.3f}")
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
             accelerator.wait_for_everyone()
             accelerator.save_state(str(checkpoint))
