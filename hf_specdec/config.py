@@ -46,6 +46,16 @@ class SpeculativeConfig:
             "tree_total_tokens draft nodes"
         },
     )
+    lossy_typical_acceptance: bool = field(
+        default=False,
+        metadata={
+            "help": "LOSSY, opt-in: Medusa's typical acceptance when sampling (accept a draft token when its target "
+            "probability exceeds min(posterior_threshold, posterior_alpha * exp(-entropy))); outputs then no longer "
+            "follow the target's distribution"
+        },
+    )
+    posterior_threshold: float = field(default=0.09, metadata={"help": "typical acceptance: probability cap"})
+    posterior_alpha: float = field(default=0.3, metadata={"help": "typical acceptance: entropy scale"})
     seed: int | None = field(
         default=None,
         metadata={"help": "seed of the torch.Generator used for sampling; None uses torch's global RNG"},
@@ -108,6 +118,12 @@ class SpeculativeConfig:
                 )
             candidates = self.tree_width + (self.num_speculative_tokens - 1) * self.tree_width**2
             _check_int("tree_total_tokens", self.tree_total_tokens, 1, min(candidates, MAX_TREE_NODES - 1))
+        for name in ("posterior_threshold", "posterior_alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"SpeculativeConfig.{name}: expected a number in (0, 1], got {value!r}")
+        if not isinstance(self.lossy_typical_acceptance, bool):
+            raise ValueError("SpeculativeConfig.lossy_typical_acceptance: expected True or False")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, None)
 

@@ -33,6 +33,7 @@ from hf_specdec.proposers import DraftSampling, build_proposer
 from hf_specdec.stats import SpecStats, SpecStatsRecorder
 from hf_specdec.verify.chain import VerificationResult, greedy_verify, rejection_sample
 from hf_specdec.verify.tree import TreeVerificationResult, greedy_tree_verify, tree_rejection_sample
+from hf_specdec.verify.typical import typical_chain_verify_lossy, typical_tree_verify_lossy
 
 
 @dataclass
@@ -73,6 +74,12 @@ class SpeculativeDecoder:
     ) -> None:
         self.model = model
         self.do_sample = bool(generation_config.do_sample)
+        if config.lossy_typical_acceptance and not self.do_sample:
+            raise ValueError(
+                "SpeculativeConfig.lossy_typical_acceptance: only applies when sampling (do_sample=True); greedy "
+                "decoding is exact already; drop the option or sample"
+            )
+        self.config = config
         self.generator = None
         if config.seed is not None:
             self.generator = torch.Generator(device=model.device).manual_seed(config.seed)
@@ -199,10 +206,18 @@ class SpeculativeDecoder:
         if isinstance(proposal, TreeProposal):
             if not self.do_sample:
                 return greedy_tree_verify(proposal.tree, scores.argmax(dim=-1))
+            if self.config.lossy_typical_acceptance:
+                return typical_tree_verify_lossy(proposal.tree, torch.softmax(scores, dim=-1),
+                                                 self.config.posterior_threshold, self.config.posterior_alpha,
+                                                 self.generator)
             return tree_rejection_sample(proposal.tree, torch.softmax(scores, dim=-1), self.generator)
         if not self.do_sample:
             return greedy_verify(proposal.draft_token_ids, proposal.num_draft_tokens, scores.argmax(dim=-1))
         target_probs = torch.softmax(scores, dim=-1)
+        if self.config.lossy_typical_acceptance:
+            return typical_chain_verify_lossy(proposal.draft_token_ids, proposal.num_draft_tokens, target_probs,
+                                              self.config.posterior_threshold, self.config.posterior_alpha,
+                                              self.generator)
         return rejection_sample(
             proposal.draft_token_ids, proposal.num_draft_tokens, proposal.draft_probs, target_probs, self.generator
         )

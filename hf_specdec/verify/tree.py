@@ -65,27 +65,39 @@ def _max_depth(tree: TokenTree) -> int:
     return int(depths.max()) if depths.numel() else 0
 
 
-def greedy_tree_verify(
+def follow_acceptable(
     tree: TokenTree,
-    # [B, N]: argmax of the processed target scores at every node
-    target_token_ids: torch.Tensor,
-) -> TreeVerificationResult:
+    # [B, N] bool: whether each node would be accepted once the walk stands on its parent
+    acceptable: torch.Tensor,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Walk from the root into the first acceptable child, as deep as it goes: (path [B] per step, num_accepted
+    [B], the node each row stopped on [B])."""
     children = tree.children  # [B, N, M]
-    batch = target_token_ids.shape[0]
-    current = torch.zeros(batch, dtype=torch.long, device=target_token_ids.device)
+    batch = acceptable.shape[0]
+    current = torch.zeros(batch, dtype=torch.long, device=acceptable.device)
     active = torch.ones(batch, dtype=torch.bool, device=current.device)
     num_accepted = torch.zeros_like(current)
     path = [current]
     for _ in range(_max_depth(tree)):
         kids = _row_gather(children, current)  # [B, M]
-        kid_tokens = tree.token_ids.gather(1, kids.clamp(min=0))
-        match = (kids >= 0) & (kid_tokens == _row_gather(target_token_ids, current)[:, None]) & active[:, None]
+        match = (kids >= 0) & acceptable.gather(1, kids.clamp(min=0)) & active[:, None]
         found = match.any(dim=1)
         chosen = kids.gather(1, match.long().argmax(dim=1, keepdim=True)).squeeze(1)
         current = torch.where(found, chosen, current)
         num_accepted += found.long()
         active &= found
         path.append(current)
+    return path, num_accepted, current
+
+
+def greedy_tree_verify(
+    tree: TokenTree,
+    # [B, N]: argmax of the processed target scores at every node
+    target_token_ids: torch.Tensor,
+) -> TreeVerificationResult:
+    parent_argmax = target_token_ids.gather(1, tree.parents.clamp(min=0))  # [B, N]: the target's pick before each node
+    acceptable = (tree.token_ids == parent_argmax) & tree.valid
+    path, num_accepted, current = follow_acceptable(tree, acceptable)
     return _result(tree, path, num_accepted, _row_gather(target_token_ids, current))
 
 
