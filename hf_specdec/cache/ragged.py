@@ -220,43 +220,21 @@ class RaggedKVCache:
     def _attention_mask(self, query_positions: torch.Tensor, region_start: int, visible: torch.Tensor):
         """Additive mask(s) [B, 1, W, S]: before the region, valid slots at positions <= the query's; in the
         region, the valid slots `visible` names; always the query's own slot; sliding windows on positions.
+        Built by `hf_specdec.kernels.tree_mask` (the Triton kernel on CUDA for verify steps)."""
 
-        When the region is just the new tokens (every verify step, chain or tree) the mask comes from
-        `hf_specdec.kernels.tree_mask` (the Triton kernel on CUDA); a region spanning several forwards
-        (a draft model drafting a tree depth by depth) is built here."""
-        width = query_positions.shape[1]
+        def mask(window: int | None) -> torch.Tensor:
+            return ancestry_attention_mask(
+                self.valid[:, :region_start], self.positions[:, :region_start], query_positions,
+                visible & self.valid[:, None, region_start:], window, self.model.dtype,
+                self.positions[:, region_start:],
+            )
+
         window = self.layout.sliding_window
-        if visible.shape[2] == width:
-            cached_valid, cached_positions = self.valid[:, :region_start], self.positions[:, :region_start]
-
-            def tree_mask(window_size: int | None) -> torch.Tensor:
-                return ancestry_attention_mask(
-                    cached_valid, cached_positions, query_positions, visible, window_size, self.model.dtype
-                )
-
-            if window is None:
-                return tree_mask(None)
-            if self.layout.per_layer_type:
-                return {FULL_ATTENTION: tree_mask(None), SLIDING_ATTENTION: tree_mask(window)}
-            return tree_mask(window)
-        q = query_positions[:, :, None]  # [B, W, 1]
-        before = self.valid[:, None, :region_start] & (self.positions[:, None, :region_start] <= q)
-        own = torch.zeros_like(visible)
-        own[:, :, -width:] = torch.eye(width, dtype=torch.bool, device=visible.device)
-        allowed = torch.cat([before, (visible & self.valid[:, None, region_start:]) | own], dim=2)  # [B, W, S]
-        dtype = self.model.dtype
-
-        def additive(mask: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-            return out.masked_fill_(~mask, torch.finfo(dtype).min)[:, None]
-
         if window is None:
-            return additive(allowed)
-        own_slot = torch.cat([torch.zeros_like(before), own], dim=2)
-        windowed = additive(allowed & ((self.positions[:, None, :] > q - window) | own_slot))
+            return mask(None)
         if self.layout.per_layer_type:
-            return {FULL_ATTENTION: additive(allowed), SLIDING_ATTENTION: windowed}
-        return windowed
+            return {FULL_ATTENTION: mask(None), SLIDING_ATTENTION: mask(window)}
+        return mask(window)
 
     def _longest_row(self) -> int:
         return int(self.valid.sum(dim=1).max())

@@ -92,29 +92,32 @@ def tree_attention_mask_from_ancestors(
     positions: torch.Tensor,
     # [B, W] long
     query_positions: torch.Tensor,
-    # [B, W, W] bool: entry (q, j) is True iff node j is an ancestor of node q (or q itself)
+    # [B, W, R] bool: entry (q, j) is True iff region slot j is an ancestor of query q (the last W region slots
+    # are the queries themselves; R = W unless the region spans earlier forwards)
     ancestors: torch.Tensor,
     window: int | None,
     dtype: torch.dtype,
+    # [B, R] long: positions of the region slots; None means the region is the queries (R = W)
+    region_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The additive mask [B, 1, W, S + W] in `dtype`, in plain torch, from unpacked ancestry.
+    """The additive mask [B, 1, W, S + R] in `dtype`, in plain torch, from unpacked ancestry.
 
-    Memory traffic: reads B*S + B*S + B*W + B*W*W elements, materialises a few bool [B, W, S + W] tensors,
-    writes B*W*(S + W) elements of `dtype`.
+    Memory traffic: reads B*S + B*S + B*W + B*W*R elements, materialises a few bool [B, W, S + R] tensors,
+    writes B*W*(S + R) elements of `dtype`.
     """
     num_nodes = query_positions.shape[1]
     query = query_positions[:, :, None]  # [B, W, 1]
     cached_positions = positions[:, None, :]  # [B, 1, S]
-    node_positions = query_positions[:, None, :]  # [B, 1, W]: positions of the key nodes j
+    key_positions = (query_positions if region_positions is None else region_positions)[:, None, :]  # [B, 1, R]
 
     cached = valid[:, None, :] & (cached_positions <= query)  # [B, W, S]
     tree = ancestors.clone()
     if window is not None:
         cached &= cached_positions > query - window
-        tree &= node_positions > query - window
-    tree |= torch.eye(num_nodes, dtype=torch.bool, device=tree.device)  # a query always sees itself
+        tree &= key_positions > query - window
+    tree[:, :, -num_nodes:] |= torch.eye(num_nodes, dtype=torch.bool, device=tree.device)  # a query sees itself
 
-    allowed = torch.cat([cached, tree], dim=-1)  # [B, W, S + W]
+    allowed = torch.cat([cached, tree], dim=-1)  # [B, W, S + R]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
@@ -293,7 +296,7 @@ def tree_attention_mask(
     `use_kernel=None` picks the Triton kernel when triton imports and the tensors are on CUDA (or the Triton
     interpreter is on), the torch reference otherwise; True forces the kernel, False the reference.
     """
-    kernel_can_run = valid.is_cuda or triton_interpreter_enabled()
+    kernel_can_run = _kernel_can_run(valid)
     if use_kernel is None:
         use_kernel = triton is not None and kernel_can_run
     elif use_kernel:
@@ -306,6 +309,10 @@ def tree_attention_mask(
     return fn(valid, positions, query_positions, ancestor_bits, window, dtype)
 
 
+def _kernel_can_run(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda or triton_interpreter_enabled()
+
+
 def ancestry_attention_mask(
     # [B, S] bool
     valid: torch.Tensor,
@@ -313,13 +320,18 @@ def ancestry_attention_mask(
     positions: torch.Tensor,
     # [B, W] long
     query_positions: torch.Tensor,
-    # [B, W, W] bool
+    # [B, W, R] bool
     ancestors: torch.Tensor,
     window: int | None,
     dtype: torch.dtype,
+    # [B, R] long
+    region_positions: torch.Tensor,
 ) -> torch.Tensor:
-    """What the engine calls: the kernel (bits packed for it) where it runs, else the torch construction
-    straight from the bool ancestry (no packing round trip on the CPU)."""
-    if triton is not None and (valid.is_cuda or triton_interpreter_enabled()):
+    """What the engine calls. When the region is just the queries (every verify step) and the kernel can run,
+    the kernel (bits packed for it); otherwise the torch construction straight from the bool ancestry (no
+    packing round trip on the CPU; a region spanning several forwards, as a draft model drafting a tree depth by
+    depth makes, is only handled here)."""
+    if triton is not None and _kernel_can_run(valid) and ancestors.shape[2] == query_positions.shape[1]:
         return tree_attention_mask_triton(valid, positions, query_positions, pack_bits(ancestors), window, dtype)
-    return tree_attention_mask_from_ancestors(valid, positions, query_positions, ancestors, window, dtype)
+    return tree_attention_mask_from_ancestors(valid, positions, query_positions, ancestors, window, dtype,
+                                              region_positions)
