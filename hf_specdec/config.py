@@ -128,6 +128,14 @@ class SpeculativeConfig:
             _check_int("seed", self.seed, 0, None)
 
 
+    @property
+    def max_draft_depth(self) -> int:
+        """The deepest draft token a step can propose: k, or the depth of a static tree (`tree_paths`)."""
+        if self.tree_paths is None:
+            return self.num_speculative_tokens
+        return max(self.num_speculative_tokens, TreeTemplate.from_paths(self.tree_paths).max_depth)
+
+
 def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"SpeculativeConfig.{name}: expected an int, got {type(value).__name__} {value!r}")

@@ -89,7 +89,7 @@ class SpeculativeDecoder:
         self.proposer = build_proposer(config, model, sampling)
         self.cache = RaggedKVCache(model)
         self.cache.record_hidden_states = self.proposer.needs_target_hidden_states
-        self.k = config.num_speculative_tokens
+        self.max_depth = config.max_draft_depth
         self.streamer = streamer
         self.generation_config = generation_config
         self.score_log = ScoreLog(0)
@@ -109,10 +109,10 @@ class SpeculativeDecoder:
             input_ids,
             attention_mask,
             max_length=self.stopper.max_length or self.generation_config.max_length,
-            extra_capacity=self.k + 1,
+            extra_capacity=self.max_depth + 1,
             pad_token_id=0 if pad is None else int(pad),
         )
-        self.stats = SpecStatsRecorder(input_ids.shape[0], self.k, input_ids.device)
+        self.stats = SpecStatsRecorder(input_ids.shape[0], self.max_depth, input_ids.device)
         self.stop_lengths = torch.full_like(self.state.lengths, -1)  # [B]: length at each row's first stop
         self.score_log, self.logit_log = ScoreLog(input_ids.shape[0]), ScoreLog(input_ids.shape[0])
         if self.streamer is not None:

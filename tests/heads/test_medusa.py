@@ -38,6 +38,9 @@ def test_medusa_greedy_matches_plain_generate(arch, tree):
     out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, expected)
     assert out.spec_stats.num_draft_tokens > 0
+    # per-position counts span the whole tree depth (the default tree is 4 deep, deeper than k = 3)
+    assert len(out.spec_stats.accepted_per_position) == (4 if tree == "default" else 3)
+    assert sum(out.spec_stats.accepted_per_position) == out.spec_stats.num_accepted_tokens
 
 
 def test_heads_read_the_hidden_state_that_produced_the_last_token(monkeypatch):
