@@ -19,6 +19,8 @@ id the target lacks, and ids the draft lacks get draft probability 0.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hf_specdec.cache.ragged import RaggedKVCache
@@ -136,8 +138,7 @@ class DraftModelProposer(Proposer):
         """Top-w first tokens, each continued as a chain: one draft forward per depth for all branches."""
         width, depth, batch = self.tree_width, max(self._num_drafted, 1), state.batch_size
         device = self.draft.device
-        scores = self._to_target_vocab(logits.float())
-        first = scores.topk(width, dim=-1).indices  # [B, w]
+        first = self._scores(logits).topk(width, dim=-1).indices  # [B, w]
         levels = [first.to(state.sequences.device)]
         level_probs = [None if not self.sampling.do_sample else _one_hot(levels[0], self.target_vocab)]
         self._region_start = self.cache.num_slots
@@ -153,7 +154,7 @@ class DraftModelProposer(Proposer):
             tokens, probs = self._draw(logits.reshape(batch * width, -1))
             levels.append(tokens.reshape(batch, width).to(state.sequences.device))
             level_probs.append(None if probs is None else probs.reshape(batch, width, -1).to(state.sequences.device))
-        template = TreeTemplate.from_paths([(r,) + (0,) * d for d in range(depth) for r in range(width)])
+        template = _branch_template(width, depth)
         node_depths = torch.tensor(template.depths, device=state.sequences.device)
         # node (depth d, branch r) = 1 + (d - 1) * w + r sits in region slot (d - 1) * w + r if it was fed (d < depth)
         slots = torch.arange(template.num_nodes, device=state.sequences.device) - 1
@@ -170,17 +171,28 @@ class DraftModelProposer(Proposer):
             draft_probs=draft_probs,
         ))
 
+    def _scores(
+        self,
+        # [B, V_draft]
+        logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """[B, V_target] float scores: the draft's logits on the target vocabulary, warped when sampling."""
+        scores = self._to_target_vocab(logits.float())
+        if not self.sampling.do_sample:
+            return scores
+        flat_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
+        return self.sampling.warpers(flat_ids, scores)
+
     def _draw(
         self,
         # [B, V_draft]
         logits: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row on the target's device, and its distribution over the target vocabulary."""
-        scores = self._to_target_vocab(logits.float())
+        scores = self._scores(logits)
         if not self.sampling.do_sample:
             return scores.argmax(dim=-1), None
-        flat_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-        probs = torch.softmax(self.sampling.warpers(flat_ids, scores), dim=-1)
+        probs = torch.softmax(scores, dim=-1)
         generator = self.sampling.generator
         if generator is not None:
             probs = probs.to(generator.device)
@@ -272,21 +284,17 @@ class DraftModelProposer(Proposer):
         logits: torch.Tensor,
     ) -> torch.Tensor:
         """Log-probabilities over the target vocabulary, after the sampling warpers when sampling."""
-        scores = self._to_target_vocab(logits.float())
-        if self.sampling.do_sample:
-            flat_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-            scores = self.sampling.warpers(flat_ids, scores)
-        return torch.log_softmax(scores, dim=-1)
+        return torch.log_softmax(self._scores(logits), dim=-1)
 
     def commit(self, state: DecodeState, result: VerificationResult | TreeVerificationResult) -> None:
         device = self.draft.device
         if isinstance(result, TreeVerificationResult):
             kept_slots, kept_drafts = self._kept_tree_slots(result, state.finished)
             self.cache.keep(self._mark, kept_slots.to(device))
+            kept = torch.where(state.finished, 0, self._fed + kept_drafts)
         else:
             kept_drafts = result.num_accepted.clamp(max=max(self._num_drafted - 1, 0))
-        kept = torch.where(state.finished, 0, self._fed + kept_drafts)
-        if not isinstance(result, TreeVerificationResult):
+            kept = torch.where(state.finished, 0, self._fed + kept_drafts)
             self.cache.rollback(self._mark, kept.to(device))
         self.cached_lengths = self.cached_lengths + kept
 
@@ -320,6 +328,12 @@ def _rows(
 ) -> torch.Tensor:
     """values[b, index[b, k]] for every b, k: [B, K, ...]."""
     return values[torch.arange(values.shape[0], device=values.device)[:, None], index]
+
+
+@functools.lru_cache(maxsize=16)
+def _branch_template(width: int, depth: int) -> TreeTemplate:
+    """w chains of `depth` tokens under the root, node (d, r) = 1 + (d - 1) * w + r (built once per shape)."""
+    return TreeTemplate.from_paths([(r,) + (0,) * d for d in range(depth) for r in range(width)])
 
 
 def _one_hot(
