@@ -214,8 +214,9 @@ class RaggedKVCache:
         self.valid[:, mark.num_slots :] = kept
         self.next_position = mark.next_position + kept.sum(dim=1)
         self._crop_unused_tail()
-        if self._num_holes() > max(MIN_HOLES_BEFORE_COMPACTION, self._longest_row()):
-            self._compact()
+        longest = self._longest_row()
+        if self.num_slots - longest > max(MIN_HOLES_BEFORE_COMPACTION, longest):  # holes outnumber the longest row
+            self._compact(longest)
 
     def _attention_mask(self, query_positions: torch.Tensor, region_start: int, visible: torch.Tensor):
         """Additive mask(s) [B, 1, W, S]: before the region, valid slots at positions <= the query's; in the
@@ -239,9 +240,6 @@ class RaggedKVCache:
     def _longest_row(self) -> int:
         return int(self.valid.sum(dim=1).max())
 
-    def _num_holes(self) -> int:
-        return self.num_slots - self._longest_row()
-
     def _crop_unused_tail(self) -> None:
         used = self.valid.any(dim=0).nonzero()
         new_len = int(used.max()) + 1 if used.numel() else 0
@@ -251,10 +249,9 @@ class RaggedKVCache:
             self.valid = self.valid[:, :new_len]
             self.positions = self.positions[:, :new_len]
 
-    def _compact(self) -> None:
+    def _compact(self, longest: int) -> None:
         """Move each row's valid slots to the front, in order; one gather per layer."""
         num_slots = self.num_slots
-        longest = self._longest_row()
         slot = torch.arange(num_slots, device=self.valid.device)
         order = torch.where(self.valid, slot, slot + num_slots).argsort(dim=1)[:, :longest]  # [B, longest]
         for layer in self.kv.layers:
