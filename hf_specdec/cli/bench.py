@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.cli.runs import count_new_tokens
+from hf_specdec.cli.runs import ForwardTimer, count_new_tokens
 from hf_specdec.heads import MedusaHeads
 from hf_specdec.testbed.loading import testbed_dir
 from hf_specdec.testbed.workloads import load_workload
@@ -102,30 +102,6 @@ class Measurement:
     num_draft_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     identical: bool = True
-
-
-class ForwardTimer:
-    """Counts a module's forward calls and the time spent inside them."""
-
-    def __init__(self, module: torch.nn.Module | None) -> None:
-        self.calls, self.seconds, self._start = 0, 0.0, 0.0
-        self.handles = []
-        if module is not None:
-            self.sync = torch.cuda.synchronize if module.device.type == "cuda" else (lambda: None)
-            self.handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
-
-    def _pre(self, *_: Any) -> None:
-        self.sync()
-        self._start = time.perf_counter()
-
-    def _post(self, *_: Any) -> None:
-        self.sync()
-        self.calls += 1
-        self.seconds += time.perf_counter() - self._start
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 def _load(path: Path, dtype: torch.dtype, device: torch.device):

@@ -35,6 +35,30 @@ class RunResult:
         return self.new_tokens / rows / self.target_forward_passes
 
 
+class ForwardTimer:
+    """Counts a module's forward calls and the time spent inside them."""
+
+    def __init__(self, module: torch.nn.Module | None) -> None:
+        self.calls, self.seconds, self._start = 0, 0.0, 0.0
+        self.handles = []
+        if module is not None:
+            self.sync = torch.cuda.synchronize if module.device.type == "cuda" else (lambda: None)
+            self.handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _pre(self, *_: Any) -> None:
+        self.sync()
+        self._start = time.perf_counter()
+
+    def _post(self, *_: Any) -> None:
+        self.sync()
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._start
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 def count_new_tokens(sequences: torch.Tensor, prompt_length: int, pad_token_id: int | None) -> int:
     new = sequences[:, prompt_length:]
     return int(new.numel() if pad_token_id is None else (new != pad_token_id).sum())
@@ -51,8 +75,7 @@ def timed_generate(
     speculative: SpeculativeConfig | None = None,
 ) -> RunResult:
     """Plain `generate` when speculative is None, else hf_specdec; greedy settings come from generate_kwargs."""
-    forwards = []
-    handle = target.register_forward_hook(lambda *_: forwards.append(1))
+    forwards = ForwardTimer(target)
     try:
         start = time.perf_counter()
         if speculative is None:
@@ -66,14 +89,14 @@ def timed_generate(
             stats = out.spec_stats
         seconds = time.perf_counter() - start
     finally:
-        handle.remove()
+        forwards.close()
     pad = generate_kwargs.get("pad_token_id", target.generation_config.pad_token_id)
     return RunResult(
         name=name,
         sequences=out.sequences,
         seconds=seconds,
         new_tokens=count_new_tokens(out.sequences, input_ids.shape[1], pad),
-        target_forward_passes=len(forwards),
+        target_forward_passes=forwards.calls,
         acceptance_rate=None if stats is None else stats.acceptance_rate,
         mean_acceptance_length=None if stats is None else stats.mean_acceptance_length,
         accepted_per_position=None if stats is None else stats.accepted_per_position,

@@ -94,3 +94,11 @@ def test_accelerate_two_cpu_processes_split_and_gather(tmp_path, tiny_models):
     plain = next(r for r in report["results"] if r["case"] == "plain")
     assert plain["new_tokens"] == 4 * 4  # both processes' prompts were gathered
     assert all(r["identical_to_plain"] for r in report["results"])
+
+
+def test_demo_runs_on_the_committed_test_bed(capsys):
+    assert main(["demo", "--num-prompts", "2", "--max-new-tokens", "6", "-k", "3"]) == 0
+    text = capsys.readouterr().out
+    for method in ("plain", "draft", "draft-tree", "ngram", "ngram-tree"):
+        assert f"  {method} " in text
+    assert "All outputs identical to plain generate." in text
