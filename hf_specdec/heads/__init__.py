@@ -1,5 +1,6 @@
-"""Draft heads that read the target's hidden state: Medusa (EAGLE follows)."""
+"""Draft heads that read the target's hidden states: Medusa and EAGLE."""
 
+from hf_specdec.heads.eagle import EagleConfig, EagleHead
 from hf_specdec.heads.medusa import MedusaConfig, MedusaHeads
 
-__all__ = ["MedusaConfig", "MedusaHeads"]
+__all__ = ["EagleConfig", "EagleHead", "MedusaConfig", "MedusaHeads"]
