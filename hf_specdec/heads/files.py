@@ -33,11 +33,17 @@ _CONFIG_FIELDS = ("hidden_size", "vocab_size", "num_heads", "num_layers", "base_
 
 
 def save_medusa(heads: MedusaHeads, folder: str | Path) -> None:
+    write_adapter(folder, METHOD, heads.config.to_dict(), heads.state_dict())
+
+
+def write_adapter(folder: str | Path, method: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Our adapter folder, for any head: the config plus method, task type and library version (sorted keys), and
+    the tensors as safetensors."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = heads.config.to_dict() | {"method": METHOD, "task_type": TASK_TYPE, "library_version": hf_specdec.__version__}
+    config = config | {"method": method, "task_type": TASK_TYPE, "library_version": hf_specdec.__version__}
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({name: t.detach().contiguous().cpu() for name, t in heads.state_dict().items()}, str(folder / WEIGHTS_NAME))
+    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(folder / WEIGHTS_NAME))
 
 
 def load_medusa(folder: str | Path) -> MedusaHeads:
@@ -57,23 +63,35 @@ def load_medusa(folder: str | Path) -> MedusaHeads:
 
 
 def _load_ours(folder: Path) -> MedusaHeads:
-    raw = json.loads((folder / CONFIG_NAME).read_text())
-    if raw.get("method") != METHOD:
-        raise ValueError(f"{folder / CONFIG_NAME}: method {raw.get('method')!r} is not {METHOD!r}")
-    unknown = sorted(set(raw) - set(_CONFIG_FIELDS) - {"method", "task_type", "library_version"})
-    if unknown:
-        warnings.warn(f"{folder / CONFIG_NAME}: ignoring unknown keys {unknown}", stacklevel=3)
-    heads = MedusaHeads(MedusaConfig(**{k: raw[k] for k in _CONFIG_FIELDS if k in raw}))
-    heads.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
+    _, values, weights = read_adapter(folder, (METHOD,), _CONFIG_FIELDS)
+    heads = MedusaHeads(MedusaConfig(**values))
+    heads.load_state_dict(weights)
     return heads.eval()
 
 
-def _read_weights(folder: Path, stem: str) -> dict[str, torch.Tensor]:
+def read_adapter(
+    folder: Path, methods: tuple[str, ...], config_fields: tuple[str, ...]
+) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    """Our adapter folder: its method, the values of `config_fields` it holds, and its tensors. Unknown config
+    keys are warned about and ignored."""
+    raw = json.loads((folder / CONFIG_NAME).read_text())
+    if raw.get("method") not in methods:
+        expected = " or ".join(repr(m) for m in methods)
+        raise ValueError(f"{folder / CONFIG_NAME}: method {raw.get('method')!r} is not {expected}")
+    unknown = sorted(set(raw) - set(config_fields) - {"method", "task_type", "library_version"})
+    if unknown:
+        warnings.warn(f"{folder / CONFIG_NAME}: ignoring unknown keys {unknown}", stacklevel=4)
+    return raw["method"], {k: raw[k] for k in config_fields if k in raw}, load_file(str(folder / WEIGHTS_NAME))
+
+
+def _read_weights(folder: Path, stem: str, pickle_name: str | None = None) -> dict[str, torch.Tensor]:
+    """`{stem}.safetensors`, else the pickle `pickle_name` (default `{stem}.pt`), loaded with weights_only=True."""
+    pickled = pickle_name or f"{stem}.pt"
     if (folder / f"{stem}.safetensors").is_file():
         return load_file(str(folder / f"{stem}.safetensors"))
-    if (folder / f"{stem}.pt").is_file():
-        return torch.load(folder / f"{stem}.pt", map_location="cpu", weights_only=True)
-    raise ValueError(f"{folder}: no {stem}.safetensors or {stem}.pt")
+    if (folder / pickled).is_file():
+        return torch.load(folder / pickled, map_location="cpu", weights_only=True)
+    raise ValueError(f"{folder}: no {stem}.safetensors or {pickled}")
 
 
 def _load_faster_decoding(folder: Path, config: dict) -> MedusaHeads:
