@@ -7,9 +7,11 @@ Published layouts read (facts from the Medusa, TGI and vLLM repositories):
 - FasterDecoding Medusa v0.1/1.0: `config.json` with `medusa_num_heads` / `medusa_num_layers`, weights
   `medusa_lm_head.safetensors` (or `.pt`, loaded with `torch.load(weights_only=True)`), keys
   `{h}.{l}.linear.weight|bias` and `{h}.{num_layers}.weight`;
+- the "version 2" layout (legacy Medusa PR #97, TGI's MedusaHeadV2): the same files, keys `{h}.0.linear.weight|bias`
+  only, one block per head; the target's lm_head projects every head (loaded with `shared_lm_head=True`);
 - vLLM's converted layout: `config.json` with `model_type: "medusa"`, weights `blocks.{h}.layers.{l}.weight|bias`
   and `lm_heads.{h}.weight` (the `medusa_heads.` prefix stripped).
-The "version 2" layout (no per-head projection: the base lm_head is shared) is recognised and refused clearly.
+Anything else is refused with the keys that were expected.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -27,9 +30,10 @@ from hf_specdec.heads.medusa import MedusaConfig, MedusaHeads
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+LORA_FOLDER = "lora"  # Medusa-2: the peft LoRA adapter of the target, beside the heads
 METHOD = "medusa"
 TASK_TYPE = "CAUSAL_LM"
-_CONFIG_FIELDS = ("hidden_size", "vocab_size", "num_heads", "num_layers", "base_model_name_or_path", "revision")
+_CONFIG_FIELDS = tuple(f.name for f in fields(MedusaConfig))
 
 
 def save_medusa(heads: MedusaHeads, folder: str | Path) -> None:
@@ -97,24 +101,26 @@ def _read_weights(folder: Path, stem: str, pickle_name: str | None = None) -> di
 def _load_faster_decoding(folder: Path, config: dict) -> MedusaHeads:
     weights = _read_weights(folder, "medusa_lm_head")
     num_layers = int(config.get("medusa_num_layers", 1))
-    num_heads = int(config["medusa_num_heads"])
-    present = {int(k.split(".")[0]) for k in weights}
-    if f"0.{num_layers}.weight" not in weights:
+    # the original loader loads fewer heads than configured when the file holds fewer
+    num_heads = min(int(config["medusa_num_heads"]), len({k.split(".")[0] for k in weights}))
+    blocks = {f"{h}.{layer}.linear.{part}" for h in range(num_heads) for layer in range(num_layers)
+              for part in ("weight", "bias")}
+    projections = {f"{h}.{num_layers}.weight" for h in range(num_heads)}
+    shared = set(weights) == blocks
+    if not shared and not blocks | projections <= set(weights):
         raise ValueError(
-            f"{folder}: Medusa 'version 2' layout (heads share the base model's lm_head) is not supported yet; "
-            f"expected per-head projections '0.{num_layers}.weight'"
+            f"{folder}: unrecognised Medusa weights: expected keys '{{h}}.{{l}}.linear.weight|bias' for "
+            f"{num_heads} heads x {num_layers} layers, plus '{{h}}.{num_layers}.weight' (v0.1/1.0) or nothing more "
+            f"('version 2'); missing {sorted(blocks | projections - set(weights))[:4]}"
         )
-    num_heads = min(num_heads, len(present))  # the loader of the original repo loads fewer heads than configured
-    hidden, vocab = weights[f"0.{num_layers}.weight"].shape[1], weights[f"0.{num_layers}.weight"].shape[0]
+    if shared and num_layers != 1:
+        raise ValueError(f"{folder}: Medusa 'version 2' layout: expected medusa_num_layers 1, got {num_layers}")
+    hidden = weights["0.0.linear.weight"].shape[1]
+    vocab = None if shared else weights[f"0.{num_layers}.weight"].shape[0]
     heads = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers,
+                                     shared_lm_head=shared,
                                      base_model_name_or_path=config.get("base_model_name_or_path")))
-    mapped = {}
-    for h in range(num_heads):
-        for layer in range(num_layers):
-            for part in ("weight", "bias"):
-                mapped[f"heads.{h}.{layer}.linear.{part}"] = weights[f"{h}.{layer}.linear.{part}"]
-        mapped[f"heads.{h}.{num_layers}.weight"] = weights[f"{h}.{num_layers}.weight"]
-    heads.load_state_dict(mapped)
+    heads.load_state_dict({f"heads.{key}": weights[key] for key in blocks | (set() if shared else projections)})
     return heads.eval()
 
 

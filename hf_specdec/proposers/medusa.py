@@ -1,7 +1,7 @@
 """Medusa proposer: the heads read the target's hidden state at the position that produced the last committed
 token (kept from the verify forward: no extra target pass) and guess the tokens after it.
 
-Chain: each head's top-1. Tree: a static path list (`tree_paths`, Medusa's `choices`): path (r0, r1, ...) is head
+Heads that share the target's lm_head ("version 2") are given it at every proposal. Chain: each head's top-1. Tree: a static path list (`tree_paths`, Medusa's `choices`): path (r0, r1, ...) is head
 0's rank-r0 candidate, then head 1's rank-r1 candidate, and so on. Candidates are deterministic (point masses), so
 verification stays lossless under sampling.
 """
@@ -23,6 +23,7 @@ class MedusaProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module) -> None:
         self.heads = config.heads
         self.heads.check_target(target)
+        self.lm_head = target.get_output_embeddings()
         self.k = min(config.num_speculative_tokens, self.heads.config.num_heads)
         self.template = None if config.tree_paths is None else TreeTemplate.from_paths(config.tree_paths)
         if self.template is not None and self.template.max_depth > self.heads.config.num_heads:
@@ -33,7 +34,7 @@ class MedusaProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal | TreeProposal:
-        logits = self.heads(state.target_hidden.to(self.heads.heads[0][-1].weight.device)).float()  # [B, K, V]
+        logits = self.heads(state.target_hidden.to(self.heads.device), self.lm_head).float()  # [B, K, V]
         logits = logits.to(state.sequences.device)
         budget = state.draft_budget()
         if self.template is None:
