@@ -93,9 +93,12 @@ class RaggedKVCache:
         self.valid: torch.Tensor | None = None  # [B, S] bool
         self.positions: torch.Tensor | None = None  # [B, S] long
         self.next_position: torch.Tensor | None = None  # [B] long: position id of each row's next token
-        # when True, each forward keeps the final hidden states (after the last norm) of its new tokens
-        self.record_hidden_states = False
-        self.hidden_states: torch.Tensor | None = None  # [B, W, H] of the last forward, when recorded
+        # entries of the model's `hidden_states` each forward keeps for its new tokens, concatenated (-1: the final
+        # one, after the last norm; i < num_layers: the residual stream entering layer i); None keeps nothing
+        self.feature_layers: tuple[int, ...] | None = None
+        # when True (and feature_layers is set), the prefill keeps the features of every prompt position
+        self.record_prompt_features = False
+        self.hidden_states: torch.Tensor | None = None  # [B, W, F] of the last forward, when recorded
 
     @property
     def num_slots(self) -> int:
@@ -129,7 +132,8 @@ class RaggedKVCache:
         if self.model._supports_logits_to_keep():
             model_kwargs["logits_to_keep"] = logits_to_keep
         inputs = self.model.prepare_inputs_for_generation(input_ids, **model_kwargs)
-        logits = self._call_model(inputs, keep_last=logits_to_keep)
+        keep = input_ids.shape[1] if self.record_prompt_features else logits_to_keep
+        logits = self._call_model(inputs, keep_hidden=keep)
         self.valid = attention_mask.bool()
         self.positions = position_ids
         self.next_position = attention_mask.long().sum(-1)
@@ -144,8 +148,10 @@ class RaggedKVCache:
         input_ids: torch.Tensor,
         # [B]: real tokens per row; dummies are attended by nobody and invalidated after the forward
         num_real: torch.Tensor,
+        **model_inputs,
     ) -> torch.Tensor:
-        """Run the model on W new tokens per row, a chain after each row's tokens; returns logits [B, W, V]."""
+        """Run the model on W new tokens per row, a chain after each row's tokens; returns logits [B, W, V].
+        `model_inputs` go to the model as they are (a draft head's features)."""
         width = input_ids.shape[1]
         offsets = torch.arange(width, device=input_ids.device)
         chain = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
@@ -155,6 +161,7 @@ class RaggedKVCache:
             real=offsets[None, :] < num_real[:, None],
             region_start=self.num_slots,
             visible=chain.expand(input_ids.shape[0], width, width),
+            **model_inputs,
         )
         self.next_position = self.next_position + num_real
         return logits
@@ -171,6 +178,7 @@ class RaggedKVCache:
         region_start: int,
         # [B, W, R] bool, R = num_slots - region_start + W: the region slots each new token sees (its ancestors)
         visible: torch.Tensor,
+        **model_inputs,
     ) -> torch.Tensor:
         """Run the model on W new tokens per row; slots before the region are seen by position (causal, windowed).
         Does not move `next_position` (`keep` does, and `forward` for chains). Returns logits [B, W, V]."""
@@ -182,13 +190,18 @@ class RaggedKVCache:
             attention_mask=self._attention_mask(positions, region_start, visible),
             past_key_values=self.kv,
             use_cache=True,
+            **model_inputs,
         )
-        return self._call_model(inputs, keep_last=input_ids.shape[1])
+        return self._call_model(inputs, keep_hidden=input_ids.shape[1])
 
-    def _call_model(self, inputs: dict, keep_last: int) -> torch.Tensor:
-        """The model's logits; also its final hidden states for the last `keep_last` tokens when recorded."""
-        out = self.model(**inputs, output_hidden_states=self.record_hidden_states, return_dict=True)
-        self.hidden_states = out.hidden_states[-1][:, -keep_last:] if self.record_hidden_states else None
+    def _call_model(self, inputs: dict, keep_hidden: int) -> torch.Tensor:
+        """The model's logits; also its features (`feature_layers`) of the last `keep_hidden` tokens."""
+        record = self.feature_layers is not None
+        out = self.model(**inputs, output_hidden_states=record, return_dict=True)
+        self.hidden_states = None
+        if record:
+            layers = [out.hidden_states[i][:, -keep_hidden:] for i in self.feature_layers]
+            self.hidden_states = layers[0] if len(layers) == 1 else torch.cat(layers, dim=-1)
         return out.logits
 
     def rollback(

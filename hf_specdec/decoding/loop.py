@@ -88,7 +88,8 @@ class SpeculativeDecoder:
         sampling = DraftSampling(self.do_sample, prefix_free(logits_processor), self.generator)
         self.proposer = build_proposer(config, model, sampling)
         self.cache = RaggedKVCache(model)
-        self.cache.record_hidden_states = self.proposer.needs_target_hidden_states
+        self.cache.feature_layers = self.proposer.feature_layers
+        self.cache.record_prompt_features = self.proposer.needs_prompt_features
         self.max_depth = config.max_draft_depth
         self.streamer = streamer
         self.generation_config = generation_config
@@ -118,6 +119,7 @@ class SpeculativeDecoder:
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
         logits = self.cache.prefill(input_ids, attention_mask)
+        self.state.target_features = self.cache.hidden_states
         self.proposer.start(self.state, attention_mask)
         self.accept_and_commit(Proposal.empty(self.state.batch_size, input_ids.device), logits, mark=None)
         while not bool(self.state.finished.all()):
@@ -166,10 +168,8 @@ class SpeculativeDecoder:
         self.stats.record(active, num_drafted, result.num_accepted)
         state.commit(num_emitted, scratch_width=result.output_token_ids.shape[1])
         state.finished |= self.finished_rows()
-        if self.cache.hidden_states is not None:  # where each row's last token was chosen
-            position = emitted_positions(result).gather(1, result.num_accepted[:, None])
-            hidden = self.cache.hidden_states
-            state.target_hidden = hidden.gather(1, position[:, :, None].expand(-1, -1, hidden.shape[2])).squeeze(1)
+        if self.cache.hidden_states is not None:
+            self.keep_target_features(result, logits.shape[1])
         if mark is None:
             return
         if isinstance(result, TreeVerificationResult):
@@ -177,6 +177,16 @@ class SpeculativeDecoder:
         else:
             self.cache.rollback(mark, torch.where(state.finished, 0, 1 + result.num_accepted))
         self.proposer.commit(state, result)
+
+    def keep_target_features(self, result, num_verified: int) -> None:
+        """The target's features where this step's tokens were chosen (`DecodeState.target_features`), and where
+        each row's last token was chosen (`target_hidden`)."""
+        hidden = self.cache.hidden_states[:, -num_verified:]  # the prefill may have kept the whole prompt
+        positions = emitted_positions(result)
+        features = hidden.gather(1, positions[:, :, None].expand(-1, -1, hidden.shape[2]))
+        self.state.target_features = features
+        last = features.gather(1, result.num_accepted[:, None, None].expand(-1, 1, features.shape[2])).squeeze(1)
+        self.state.target_hidden = last
 
     def score(self, proposal: Proposal | TreeProposal, logits: torch.Tensor) -> torch.Tensor:
         """Processed scores [B, W, V] of every verified position, each with its true prefix."""

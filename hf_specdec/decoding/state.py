@@ -30,9 +30,13 @@ class DecodeState:
     prompt_length: int
     max_length: int
     pad_token_id: int
-    # [B, H]: the target's final hidden state at the position that produced each row's last committed token
-    # (kept only for proposers that read it, such as draft heads)
+    # [B, F]: the target's features (final hidden state, for Medusa) at the position that produced each row's last
+    # committed token (kept only for proposers that read them, such as draft heads)
     target_hidden: torch.Tensor | None = None
+    # [B, T, F]: the target's features (the proposer's `target_feature_layers`) at the positions that produced the
+    # tokens the last step committed: entry j produced the step's j-th token. Before the first proposal it holds
+    # the prompt's features instead (entry j produced prompt token j + 1; the last one, the first new token).
+    target_features: torch.Tensor | None = None
 
     @classmethod
     def start(

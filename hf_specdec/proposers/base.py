@@ -29,11 +29,25 @@ class Proposer(ABC):
     """Guesses the next tokens of every row.
 
     The engine calls `start` once after the target's prefill, then per step `propose` and, after verification,
-    `commit`, so a proposer with state (a KV cache) can keep what the target kept. A proposer that sets
-    `needs_target_hidden_states` finds the target's last hidden state in `state.target_hidden` (no extra pass).
+    `commit`, so a proposer with state (a KV cache) can keep what the target kept.
+
+    Proposers that read the target's hidden states get them from the verify forward (no extra pass): with
+    `target_feature_layers` set, `state.target_features` holds those entries of the target's `hidden_states` for
+    the step's committed tokens, and `state.target_hidden` those of the last committed token;
+    `needs_target_hidden_states` is shorthand for the final layer only. With `needs_prompt_features`, `start`
+    finds the prompt's features in `state.target_features`.
     """
 
     needs_target_hidden_states: bool = False
+    target_feature_layers: tuple[int, ...] | None = None
+    needs_prompt_features: bool = False
+
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """The target `hidden_states` entries the engine must record (None: none)."""
+        if self.target_feature_layers is not None:
+            return self.target_feature_layers
+        return (-1,) if self.needs_target_hidden_states else None
 
     def start(
         self,
