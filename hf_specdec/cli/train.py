@@ -1,4 +1,6 @@
-"""`hf-specdec train medusa`: train Medusa heads on a frozen target (Medusa-1), on accelerate.
+"""`hf-specdec train medusa`: train Medusa heads on accelerate. Stage 1 (default): heads on a frozen target.
+Stage 2 (`--stage 2`): heads plus a peft LoRA on the target (`--self-distillation`: the LoRA model is kept close
+to the target by a KL loss instead of the next-token loss); load the result with `hf_specdec.heads.load_medusa2`.
 
 Single process: `hf-specdec train medusa --base PATH --data FILES --out DIR`; several processes or GPUs:
 `accelerate launch --multi_gpu --num_processes N -m hf_specdec.cli train medusa ...` (on a machine without CUDA
@@ -8,35 +10,55 @@ the processes run on the CPU over gloo). Checkpoints land in DIR/checkpoint and 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 
-from hf_specdec.training.medusa import MedusaTrainConfig, train_medusa
+from hf_specdec.training.medusa import LLAMA_LORA_MODULES, MedusaTrainConfig, train_medusa
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("head", choices=["medusa"], help="which heads to train")
-    parser.add_argument("--base", type=Path, required=True, help="target model folder (kept frozen)")
-    parser.add_argument("--data", type=Path, nargs="+", required=True, help="text files, or .jsonl with 'text'")
+    parser.add_argument("--base", type=Path, required=True, help="target model folder")
+    parser.add_argument("--data", type=Path, nargs="+", required=True,
+                        help="text files, or .jsonl with a 'text' or 'input_ids' field")
     parser.add_argument("--out", type=Path, required=True, help="output folder for the adapter and checkpoints")
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: --base)")
+    parser.add_argument("--stage", type=int, default=1, choices=(1, 2),
+                        help="1: heads on a frozen target (Medusa-1, default); 2: heads plus a LoRA (Medusa-2)")
     parser.add_argument("--num-heads", type=int, default=4, help="heads to train (default 4)")
     parser.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default 1)")
+    parser.add_argument("--shared-lm-head", action="store_true",
+                        help="heads project with the target's lm_head (small files) instead of their own")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per step and process (default 8)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
-    parser.add_argument("--learning-rate", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    parser.add_argument("--learning-rate", type=float, default=1e-3,
+                        help="AdamW learning rate (default 1e-3; stage 2: the LoRA's)")
     parser.add_argument("--decay", type=float, default=0.8, help="loss weight decay per head (default 0.8)")
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="seed for initialisation and sampling (default 0)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--distill-samples", type=int, default=0,
+                        help="first let the target continue this many windows of the data greedily and train on "
+                             "its own output (default 0: train on the data)")
+    parser.add_argument("--distill-new-tokens", type=int, default=128, help="tokens per continuation (default 128)")
+    parser.add_argument("--tree-nodes", type=int, default=32,
+                        help="fit a static tree of this many nodes to the trained heads (default 32; 0: none)")
+    parser.add_argument("--lora-r", type=int, default=8, help="stage 2: LoRA rank (default 8)")
+    parser.add_argument("--lora-alpha", type=int, default=16, help="stage 2: LoRA alpha (default 16)")
+    parser.add_argument("--lora-dropout", type=float, default=0.05, help="stage 2: LoRA dropout (default 0.05)")
+    parser.add_argument("--lora-target-modules", nargs="+", default=list(LLAMA_LORA_MODULES),
+                        help="stage 2: modules the LoRA wraps (default: q,k,v,o,gate,up,down projections)")
+    parser.add_argument("--self-distillation", action="store_true",
+                        help="stage 2: loss_0 = KL from the target with the LoRA disabled, not next-token CE")
+    parser.add_argument("--heads-coef", type=float, default=0.2, help="stage 2: weight of the heads' loss (default 0.2)")
+    parser.add_argument("--medusa-lr-multiplier", type=float, default=4.0,
+                        help="stage 2: heads' learning rate / the LoRA's (default 4)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = MedusaTrainConfig(
-            base=args.base, data=args.data, out=args.out, tokenizer=args.tokenizer, num_heads=args.num_heads,
-            num_layers=args.num_layers, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-            learning_rate=args.learning_rate, decay=args.decay, save_every=args.save_every, seed=args.seed,
-        )
+        config = MedusaTrainConfig(**{f.name: getattr(args, f.name) for f in fields(MedusaTrainConfig)})
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
     result = train_medusa(config)

@@ -141,3 +141,19 @@ def _load_vllm(folder: Path, config: dict) -> MedusaHeads:
         mapped[f"heads.{h}.{num_layers}.weight"] = weights[f"lm_heads.{h}.weight"]
     heads.load_state_dict(mapped)
     return heads.eval()
+
+
+def load_medusa2(folder: str | Path, base_model: torch.nn.Module) -> tuple[torch.nn.Module, MedusaHeads]:
+    """A Medusa-2 folder (heads + `lora/`, as `hf-specdec train medusa --stage 2` writes it) on `base_model`: the
+    LoRA is applied through peft and merged, so `generate` runs on a plain transformers model; returns
+    (merged model, heads). `base_model` is changed in place (merging writes into its weights)."""
+    from peft import PeftModel
+
+    folder = Path(folder)
+    if not (folder / LORA_FOLDER / CONFIG_NAME).is_file():
+        raise ValueError(f"load_medusa2: folder: no LoRA adapter at {folder / LORA_FOLDER} (expected {CONFIG_NAME}); "
+                         "for Medusa-1 heads use MedusaHeads.from_pretrained")
+    heads = load_medusa(folder)
+    model = PeftModel.from_pretrained(base_model, folder / LORA_FOLDER).merge_and_unload()
+    heads.check_target(model)
+    return model.eval(), heads
