@@ -321,3 +321,29 @@ class EagleHead(nn.Module):
     def target_feature_layers(self) -> tuple[int, ...]:
         """The entries of the target's `hidden_states` the head reads (-1: the final, normed one)."""
         return (-1,) if self.config.version == "eagle" else self.config.feature_layers
+
+    def save_pretrained(self, folder) -> None:
+        """Write the PEFT-style adapter folder (adapter_config.json + adapter_model.safetensors)."""
+        from hf_specdec.heads.eagle_files import save_eagle
+
+        save_eagle(self, folder)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id, revision: str | None = None, num_target_layers: int | None = None,
+                        feature_layers: tuple[int, ...] | None = None) -> EagleHead:
+        """Our adapter folder, or a SafeAILab EAGLE-1 / EAGLE-3 or speculators checkpoint (converted on load): a
+        local folder or a Hub id. SafeAILab EAGLE-3 files do not say which target layers they fuse: pass
+        `num_target_layers` (the target's `num_hidden_layers`; layers 2, L // 2, L - 3) or `feature_layers`."""
+        from hf_specdec.heads.eagle_files import load_eagle
+        from hf_specdec.heads.hub import resolve_folder
+
+        return load_eagle(resolve_folder(path_or_repo_id, revision), num_target_layers=num_target_layers,
+                          feature_layers=feature_layers)
+
+    def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
+                    commit_message: str | None = None, measured: dict[str, float] | None = None):
+        """Upload the adapter folder with a model card (measured acceptance/speedup go in when given)."""
+        from hf_specdec.heads.hub import push_eagle
+
+        return push_eagle(self, repo_id, private=private, token=token, commit_message=commit_message,
+                          measured=measured)

@@ -1,38 +1,92 @@
-"""Heads on the Hugging Face Hub: upload with a model card, download by repo id (offline mode honoured)."""
+"""Heads on the Hugging Face Hub: upload with a model card, download by repo id (offline mode honoured).
+
+Every head kind shares the upload (`push_folder`) and the card renderer (`render_card`, over a template in
+`model_cards/`); `push_medusa` and `push_eagle` only say what their folder and card hold.
+"""
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
 
+from hf_specdec.heads.eagle import EagleHead
+from hf_specdec.heads.eagle_files import save_eagle
 from hf_specdec.heads.files import save_medusa
 from hf_specdec.heads.medusa import MedusaHeads
 
-CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "medusa.md"
-TAGS = ["speculative-decoding", "medusa", "hf-specdec"]
+CARD_TEMPLATES = Path(__file__).resolve().parents[2] / "model_cards"
+LIBRARY_TAG = "hf-specdec"
 
 
-def render_card(heads: MedusaHeads, repo_id: str, measured: dict[str, float] | None = None) -> ModelCard:
-    """The model card: metadata (library, base model, tags, pipeline) and the measured numbers when known."""
-    config = heads.config
-    base = config.base_model_name_or_path
-    metadata = {"library_name": "hf-specdec", "tags": TAGS, "pipeline_tag": "text-generation"}
-    if base:
-        metadata["base_model"] = base
+def render_card(
+    template: str,
+    repo_id: str,
+    base_model: str | None,
+    tags: list[str],
+    measured: dict[str, float] | None = None,
+    **fields,
+) -> ModelCard:
+    """The card from `model_cards/<template>`: metadata (library, base model, tags, pipeline), the repo id, the
+    measured numbers when known (else "Not measured yet."), and the template's own `fields`."""
+    metadata = {"library_name": LIBRARY_TAG, "pipeline_tag": "text-generation",
+                "tags": ["speculative-decoding", *tags, LIBRARY_TAG]}
+    if base_model:
+        metadata["base_model"] = base_model
     metadata_lines = "\n".join(
         f"{key}: {value}" if not isinstance(value, list) else f"{key}:\n" + "\n".join(f"- {v}" for v in value)
         for key, value in sorted(metadata.items())
     )
     rows = "\n".join(f"| {name} | {value:.3g} |" for name, value in sorted((measured or {}).items()))
-    text = CARD_TEMPLATE.read_text().format(
-        metadata=metadata_lines, base_model=base or "an unnamed base model", num_heads=config.num_heads,
-        num_layers=config.num_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size, repo_id=repo_id,
-        measured=f"| metric | value |\n|---|---|\n{rows}" if rows else "Not measured yet.",
+    text = (CARD_TEMPLATES / template).read_text().format(
+        metadata=metadata_lines, base_model=base_model or "an unnamed base model", repo_id=repo_id,
+        measured=f"| metric | value |\n|---|---|\n{rows}" if rows else "Not measured yet.", **fields,
     )
     return ModelCard(text)
+
+
+def medusa_card(heads: MedusaHeads, repo_id: str, measured: dict[str, float] | None = None) -> ModelCard:
+    config = heads.config
+    return render_card("medusa.md", repo_id, config.base_model_name_or_path, ["medusa"], measured,
+                       num_heads=config.num_heads, num_layers=config.num_layers, hidden_size=config.hidden_size,
+                       vocab_size=config.vocab_size)
+
+
+def eagle_card(head: EagleHead, repo_id: str, measured: dict[str, float] | None = None) -> ModelCard:
+    config = head.config
+    if config.version == "eagle":
+        title = "EAGLE-1/2"
+        reads = "the target's final hidden state"
+        vocabulary = "the target's lm_head and vocabulary"
+    else:
+        title = "EAGLE-3"
+        reads = f"the target's hidden states entering layers {list(config.feature_layers)} (fused)"
+        vocabulary = f"its own lm_head over a draft vocabulary of {config.draft_vocab_size or config.vocab_size} tokens"
+    return render_card("eagle.md", repo_id, config.base_model_name_or_path, [config.version], measured,
+                       title=title, reads=reads, vocabulary=vocabulary, hidden_size=config.hidden_size,
+                       vocab_size=config.vocab_size)
+
+
+def push_folder(
+    repo_id: str,
+    save: Callable[[Path], None],
+    card: ModelCard,
+    default_message: str,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+):
+    """Create the repo if needed and upload the folder `save` writes plus README.md (the card)."""
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    with tempfile.TemporaryDirectory() as folder:
+        save(Path(folder))
+        card.save(Path(folder) / "README.md")
+        return api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
+                                 commit_message=commit_message or default_message)
 
 
 def push_medusa(
@@ -43,16 +97,20 @@ def push_medusa(
     commit_message: str | None = None,
     measured: dict[str, float] | None = None,
 ):
-    """Create the repo if needed and upload the adapter folder plus README.md (the model card)."""
-    api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    with tempfile.TemporaryDirectory() as folder:
-        save_medusa(heads, folder)
-        render_card(heads, repo_id, measured).save(Path(folder) / "README.md")
-        return api.upload_folder(
-            repo_id=repo_id, folder_path=folder, repo_type="model",
-            commit_message=commit_message or "Upload Medusa heads (hf_specdec)",
-        )
+    return push_folder(repo_id, lambda folder: save_medusa(heads, folder), medusa_card(heads, repo_id, measured),
+                       "Upload Medusa heads (hf_specdec)", private, token, commit_message)
+
+
+def push_eagle(
+    head: EagleHead,
+    repo_id: str,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+    measured: dict[str, float] | None = None,
+):
+    return push_folder(repo_id, lambda folder: save_eagle(head, folder), eagle_card(head, repo_id, measured),
+                       "Upload EAGLE head (hf_specdec)", private, token, commit_message)
 
 
 def resolve_folder(path_or_repo_id: str | Path, revision: str | None = None) -> Path:

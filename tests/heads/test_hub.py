@@ -12,7 +12,8 @@ from hf_specdec.heads import MedusaHeads, hub
 from tests.heads.test_files import _assert_same, _random_heads
 
 
-def test_push_to_hub_uploads_adapter_and_card(monkeypatch, tmp_path):
+def fake_hf_api(monkeypatch, uploaded: Path) -> list[tuple]:
+    """Replaces HfApi in hub.py: records its calls (returned) and copies the uploaded folder to `uploaded`."""
     calls = []
 
     class FakeApi:
@@ -23,7 +24,6 @@ def test_push_to_hub_uploads_adapter_and_card(monkeypatch, tmp_path):
             calls.append(("create_repo", repo_id, kwargs))
 
         def upload_folder(self, **kwargs):
-            uploaded = tmp_path / "uploaded"
             uploaded.mkdir()
             for file in Path(kwargs["folder_path"]).iterdir():
                 (uploaded / file.name).write_bytes(file.read_bytes())
@@ -31,6 +31,11 @@ def test_push_to_hub_uploads_adapter_and_card(monkeypatch, tmp_path):
             return "commit-info"
 
     monkeypatch.setattr(hub, "HfApi", FakeApi)
+    return calls
+
+
+def test_push_to_hub_uploads_adapter_and_card(monkeypatch, tmp_path):
+    calls = fake_hf_api(monkeypatch, tmp_path / "uploaded")
     heads = _random_heads()
     result = heads.push_to_hub("user/heads", private=True, token="t0k", measured={"mean_acceptance_length": 2.31})
     assert result == "commit-info"
