@@ -92,9 +92,10 @@ def export_speculators(
     speculative_tokens: int = 3,
     verifier_architectures: Sequence[str] = (),
 ) -> None:
-    """Write `config.json` and `model.safetensors` in the speculators format (`vllm serve <folder>` loads it with
-    its verifier). The verifier defaults to the head's base model; `speculative_tokens` is the greedy proposal's
-    draft length. Our `revision` has no place in the format and is not written."""
+    """Write `config.json` and `model.safetensors` in the speculators format. EAGLE-3 heads become an "eagle3"
+    speculator, which vLLM serves with its verifier; EAGLE-1/2 heads become speculators' older "eagle" model
+    (speculators 0.4), which vLLM's speculators loader does not take. The verifier defaults to the head's base model;
+    `speculative_tokens` is the greedy proposal's draft length. Our `revision` has no place in the format."""
     config = head.config
     verifier = verifier_name_or_path or config.base_model_name_or_path
     if not verifier:

@@ -124,6 +124,15 @@ def test_safeailab_eagle1_layout(tmp_path, name, bias):
     assert_same(head, EagleHead.from_pretrained(tmp_path))
 
 
+def test_half_precision_checkpoints_load_in_float32(tmp_path):
+    head = random_head("eagle")
+    write(tmp_path, llama_dict(), {k: v.half() for k, v in head.state_dict().items()})
+    loaded = EagleHead.from_pretrained(tmp_path)
+    assert loaded.dtype == torch.float32
+    for key, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], tensor.half().float()), key
+
+
 def eagle3_safeailab_weights(head: EagleHead) -> dict[str, torch.Tensor]:
     weights = head.state_dict() | {"embed_tokens.weight": torch.randn(V, H)}
     assert sorted(weights) == sorted(
