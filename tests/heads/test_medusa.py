@@ -8,6 +8,7 @@ import torch
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import MedusaConfig, MedusaHeads
+from hf_specdec.heads.medusa import fit_tree
 from tests.conftest import make_model, padded_batch
 
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
@@ -88,3 +89,46 @@ def test_medusa_spelling_and_bad_input():
         SpeculativeConfig(method="medusa", heads=heads, tree_paths=[(0, 1)])
     with pytest.raises(ValueError, match="MedusaConfig.num_heads: expected an int >= 1"):
         MedusaConfig(hidden_size=8, vocab_size=8, num_heads=0)
+
+
+def test_fit_tree_keeps_the_likeliest_paths_as_a_tree():
+    accuracy = torch.tensor([[0.6, 0.2, 0.1], [0.5, 0.3, 0.0], [0.4, 0.0, 0.0]])  # [K = 3 heads, R = 3 ranks]
+    # path chances: (0,) .6, (0,0) .3, (1,) .2, (0,1) .18, (0,0,0) .12, (1,0) .1, (2,) .1, ...
+    assert fit_tree(accuracy, 5) == [[0], [0, 0], [1], [0, 1], [0, 0, 0]]
+    assert fit_tree(accuracy, 7) == [[0], [0, 0], [1], [0, 1], [0, 0, 0], [2], [1, 0]]  # ties: shorter first
+    ones = torch.ones(2, 2)  # every chance 1: ties everywhere, still prefix-closed
+    assert fit_tree(ones, 4) == [[0], [1], [0, 0], [0, 1]]
+    with pytest.raises(ValueError, match="fit_tree: num_nodes: expected an int >= 1"):
+        fit_tree(accuracy, 0)
+
+
+def test_medusa_config_checks_shared_lm_head_and_tree():
+    with pytest.raises(ValueError, match="MedusaConfig.vocab_size: expected an int >= 1, got None"):
+        MedusaConfig(hidden_size=8, vocab_size=None)
+    assert MedusaConfig(hidden_size=8, vocab_size=None, shared_lm_head=True).vocab_size is None
+    with pytest.raises(ValueError, match="MedusaConfig.shared_lm_head: expected a bool"):
+        MedusaConfig(hidden_size=8, vocab_size=8, shared_lm_head="yes")
+    with pytest.raises(ValueError, match="MedusaConfig.tree_paths: depth 3 needs as many heads, num_heads is 2"):
+        MedusaConfig(hidden_size=8, vocab_size=8, num_heads=2, tree_paths=[[0], [0, 0], [0, 0, 0]])
+    with pytest.raises(ValueError, match="MedusaConfig.tree_paths: expected a list of rank paths forming a tree"):
+        MedusaConfig(hidden_size=8, vocab_size=8, tree_paths=[[0, 1]])
+    assert MedusaConfig(hidden_size=8, vocab_size=8, tree_paths=[(0,), (0, 0)]).tree_paths == [[0], [0, 0]]
+
+
+@pytest.mark.parametrize("tree", [None, TREE])
+def test_shared_lm_head_heads_are_lossless_and_checked(tree):
+    target = make_model("llama")
+    torch.manual_seed(2)
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=128, num_heads=3, shared_lm_head=True)).eval()
+    assert sorted(heads.state_dict()) == sorted(f"heads.{h}.0.linear.{p}" for h in range(3) for p in ("weight", "bias"))
+    ids, mask = padded_batch([12, 7, 10], seed=3, repeat_period=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    config = SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=3, tree_paths=tree)
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, target.generate(ids, **kwargs))
+    assert out.spec_stats.num_draft_tokens > 0
+    wrong = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=100, shared_lm_head=True))
+    with pytest.raises(ValueError, match="vocab_size 100 does not match the target's 128"):
+        hf_specdec.generate(target, ids[:1], assistant=wrong, spec_method="medusa", max_new_tokens=2)
+    with pytest.raises(ValueError, match="lm_head: expected the target's lm_head"):
+        heads(torch.zeros(1, 32))

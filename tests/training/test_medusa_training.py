@@ -1,4 +1,5 @@
-"""Medusa-1 training: the loss goes down on CPU, checkpoints resume, the result loads, and 2 processes run."""
+"""Medusa-1 training: the loss goes down on CPU, checkpoints resume, the result loads, and 2 processes run (both
+stages)."""
 
 from __future__ import annotations
 
@@ -63,11 +64,14 @@ def test_bad_training_input(base, tmp_path):
         main(["train", "medusa", "--base", str(tmp_path), "--data", *map(str, DATA), "--out", str(tmp_path)])
 
 
-def test_two_cpu_processes_under_accelerate(base, tmp_path):
+@pytest.mark.parametrize("stage", [["--stage", "1"], ["--stage", "2", "--self-distillation", "--lora-r", "2"]])
+def test_two_cpu_processes_under_accelerate(base, tmp_path, stage):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "hf_specdec.cli", *_args(base, tmp_path, steps=3)]
+               "-m", "hf_specdec.cli", *_args(base, tmp_path, steps=2, extra=[*stage, "--tree-nodes", "4"])]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file() == ("2" in stage)
+    assert len(MedusaHeads.from_pretrained(tmp_path).config.tree_paths) == 4
