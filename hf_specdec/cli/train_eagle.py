@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from random weights instead of the target's last layer")
     parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data, initialisation and sampling (default 0)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             ttt_steps=args.ttt_steps, decay=args.decay, draft_vocab_size=args.draft_vocab_size,
             feature_layers=args.feature_layers, intermediate_size=args.intermediate_size,
             init_from_target=args.init_from_target, save_every=args.save_every, seed=args.seed,
+            threads=args.threads,
         )
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error

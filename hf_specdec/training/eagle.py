@@ -78,6 +78,7 @@ class EagleTrainConfig:
     init_from_target: bool = field(default=True, metadata={"help": "start from the target's last layer"})
     save_every: int = 100
     seed: int = 0
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (None: torch's choice)"})
 
     def __post_init__(self) -> None:
         self.base, self.out = Path(self.base), Path(self.out)
@@ -100,7 +101,7 @@ class EagleTrainConfig:
                      "ttt_steps", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EagleTrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
-        for name in ("draft_vocab_size", "intermediate_size"):
+        for name in ("draft_vocab_size", "intermediate_size", "threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EagleTrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
         if self.data_source == "generated" and self.prompt_len >= self.seq_len:
@@ -350,6 +351,8 @@ def _save_head(head: EagleHead, folder: Path) -> None:
 
 
 def train_eagle(config: EagleTrainConfig) -> dict:
+    if config.threads:
+        torch.set_num_threads(config.threads)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.base, local_files_only=True)
     dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32  # CPUs are slow in bf16
