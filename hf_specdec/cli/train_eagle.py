@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-clip", type=float, default=0.5, help="gradient norm clip (default 0.5)")
     parser.add_argument("--noise", type=float, default=0.2, help="eagle: uniform feature noise width (default 0.2)")
     parser.add_argument("--ce-weight", type=float, default=0.1, help="eagle: cross-entropy weight (default 0.1)")
-    parser.add_argument("--ttt-steps", type=int, default=7, help="eagle3: unrolled training-time-test steps (default 7)")
+    parser.add_argument("--ttt-steps", type=int, default=7, help="eagle3: unrolled test steps (default 7)")
     parser.add_argument("--decay", type=float, default=0.8, help="eagle3: loss weight decay per step (default 0.8)")
     parser.add_argument("--draft-vocab-size", type=int, default=None,
                         help="eagle3: keep the N most frequent tokens of the training data (default: all)")

@@ -43,8 +43,6 @@ from hf_specdec.training.medusa import STATE_FILE, _token_stream, _windows
 
 DataSource = Literal["generated", "text"]
 GENERATED_FILE = "generated_data.safetensors"
-HEAD_CONFIG_FILE = "config.json"
-HEAD_WEIGHTS_FILE = "model.safetensors"
 
 
 @dataclass
@@ -92,7 +90,9 @@ class EagleTrainConfig:
         if not self.data or missing:
             raise ValueError(f"EagleTrainConfig.data: expected existing files, missing {missing or 'all'}")
         if self.version not in get_args(EagleVersion):
-            raise ValueError(f"EagleTrainConfig.version: expected one of {get_args(EagleVersion)}, got {self.version!r}")
+            raise ValueError(
+                f"EagleTrainConfig.version: expected one of {get_args(EagleVersion)}, got {self.version!r}"
+            )
         if self.data_source not in get_args(DataSource):
             raise ValueError(
                 f"EagleTrainConfig.data_source: expected one of {get_args(DataSource)}, got {self.data_source!r}"
@@ -343,13 +343,6 @@ def _target_inputs(
         return states[0], features, target.lm_head(output.last_hidden_state)
 
 
-def _save_head(head: EagleHead, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / HEAD_CONFIG_FILE).write_text(json.dumps(head.config.to_dict(), indent=2, sort_keys=True) + "\n")
-    state = {name: tensor.contiguous() for name, tensor in head.state_dict().items()}
-    save_file(state, str(folder / HEAD_WEIGHTS_FILE))
-
-
 def train_eagle(config: EagleTrainConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -408,7 +401,7 @@ def train_eagle(config: EagleTrainConfig) -> dict:
     result = {"steps": config.steps, "loss_history": history, "metrics_history": metrics_history,
               "config": {k: str(v) for k, v in asdict(config).items()}}
     if accelerator.is_main_process:
-        _save_head(accelerator.unwrap_model(objective).head, config.out)
+        accelerator.unwrap_model(objective).head.save_pretrained(config.out)
         (config.out / "train_metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))
     return result
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_specdec.cli.train_eagle import main
-from hf_specdec.heads.eagle import EagleConfig, EagleHead
+from hf_specdec.heads.eagle import EagleHead
 from hf_specdec.testbed import loading
 from hf_specdec.training.eagle import GENERATED_FILE, build_draft_vocab, ttt_attention_mask
 
@@ -53,12 +53,10 @@ def test_training_lowers_the_loss(base, tmp_path, version, drop):
     history = _history(tmp_path)
     assert len(history) == 20
     assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 - drop
-    config = EagleConfig(**json.loads((tmp_path / "config.json").read_text()))
-    head = EagleHead(config)
-    head.load_state_dict(load_file(tmp_path / "model.safetensors"))
-    assert config.version == version and config.vocab_size == 4096
+    head = EagleHead.from_pretrained(tmp_path)
+    assert head.config.version == version and head.config.vocab_size == 4096
     if version == "eagle3":
-        assert config.draft_vocab_size == 1024 and int(head.t2d.sum()) == 1024
+        assert head.config.draft_vocab_size == 1024 and int(head.t2d.sum()) == 1024
 
 
 def test_generated_data_is_cached_and_training_resumes(base, tmp_path):
@@ -113,4 +111,4 @@ def test_two_cpu_processes_under_accelerate(base, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert load_file(tmp_path / GENERATED_FILE)["input_ids"].shape == (3, 32)
-    assert (tmp_path / "model.safetensors").is_file()
+    assert EagleHead.from_pretrained(tmp_path).config.version == "eagle3"
