@@ -39,7 +39,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.runs import ForwardTimer, count_new_tokens
 from hf_specdec.heads import MedusaHeads
-from hf_specdec.testbed.loading import testbed_dir
+from hf_specdec.testbed.loading import medusa_heads_dir, testbed_dir
 from hf_specdec.testbed.workloads import load_workload
 
 CASES = ("plain", "draft", "ngram", "medusa", "hf-assistant", "hf-lookup")
@@ -54,11 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, default=None, help="target model folder (default: the test bed's)")
     parser.add_argument("--draft", type=Path, default=None, help="draft model folder (default: the test bed's)")
     parser.add_argument("--heads", type=Path, default=None,
-                        help="Medusa heads folder for the medusa case (default: the test bed's medusa/ if present)")
+                        help="Medusa heads folder for the medusa case (default: the committed examples/heads/medusa)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer folder (default: the target folder if it has one, else the test bed's)")
-    parser.add_argument("--method", nargs="+", default=list(CASES), choices=CASES, dest="methods",
-                        help="cases to run (default: all; medusa when heads are found); plain always runs as the reference")
+    parser.add_argument("--method", nargs="+", default=None, choices=CASES, dest="methods",
+                        help="cases to run (default: all; medusa only with --heads or on the test-bed target); plain "
+                             "always runs as the reference")
     parser.add_argument("--workload", default="edit", choices=("completion", "edit", "long"),
                         help="test-bed prompts (default: edit, where lookup shines)")
     parser.add_argument("--batch-size", nargs="+", type=int, default=[1, 8], dest="batch_sizes",
@@ -111,12 +112,34 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
+def _methods(args: argparse.Namespace) -> list[str]:
+    """--method, or every case (medusa needs heads: --heads, or the committed ones, which fit the test-bed target)."""
+    if args.methods is None:
+        return [c for c in CASES if c != "medusa" or args.heads is not None or args.target is None]
+    if "medusa" in args.methods and args.heads is None and args.target is not None:
+        raise SystemExit("error: --method medusa with --target needs --heads (the committed heads fit the test-bed "
+                         "target only)")
+    return args.methods
+
+
+def _load_heads(path: Path | None, device: torch.device) -> MedusaHeads:
+    """--heads, or the committed test-bed heads."""
+    if path is None:
+        try:
+            path = medusa_heads_dir()
+        except FileNotFoundError as error:
+            raise SystemExit(f"error: {error}; or pass --heads") from error
+    if not (path / "adapter_config.json").is_file():
+        raise SystemExit(f"error: no Medusa heads at {path} (expected adapter_config.json)")
+    return MedusaHeads.from_pretrained(path).to(device)
+
+
 def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads=None) -> Callable[..., torch.Tensor]:
     if case == "plain":
         return lambda ids, **kw: target.generate(ids, **kw)
-    if case == "medusa":  # tree_width > 1: the default Medusa tree
+    if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default)
         config = SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=k,
-                                   tree_paths="default" if tree_width > 1 else None)
+                                   tree_paths=heads.tree() if tree_width > 1 else None)
         return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kw)
     if case in ("draft", "ngram"):
         config = (SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, tree_width=tree_width)
@@ -267,6 +290,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    args.methods = _methods(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     state = PartialState(cpu=not torch.cuda.is_available())
@@ -279,12 +303,7 @@ def run(args: argparse.Namespace) -> int:
     target = _load(target_path, dtype, state.device)
     needs_draft = any(case in NEEDS_DRAFT for case in args.methods)
     draft = _load(draft_path, dtype, state.device) if needs_draft else None
-    heads_path = args.heads or testbed_dir() / "medusa"
-    heads = MedusaHeads.from_pretrained(heads_path).to(state.device) if (heads_path / "adapter_config.json").is_file() else None
-    if heads is None and "medusa" in args.methods:
-        if args.heads is not None:
-            raise SystemExit(f"error: no Medusa heads at {args.heads} (expected adapter_config.json)")
-        args.methods = [m for m in args.methods if m != "medusa"]
+    heads = _load_heads(args.heads, state.device) if "medusa" in args.methods else None
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     num_prompts = args.num_prompts or max(args.batch_sizes)
     prompts = load_workload(args.workload)[:num_prompts]

@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from hf_specdec.tree.template import TreeTemplate
+from hf_specdec.tree.template import TreeTemplate, rank_budget_paths
+
+MAX_DEFAULT_TREE_DEPTH = 4
 
 
 @dataclass
@@ -104,6 +106,13 @@ class MedusaHeads(nn.Module):
         if lm_head is None:
             raise ValueError("MedusaHeads.forward: lm_head: expected the target's lm_head (these heads share it)")
         return lm_head(outputs.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype))
+
+    def tree(self) -> list[list[int]]:
+        """The static tree for these heads: the one fitted to them in training, else every path over the first
+        (up to 4) heads whose ranks sum to at most 2 (for 4 heads: the built-in 34-node default tree)."""
+        if self.config.tree_paths is not None:
+            return self.config.tree_paths
+        return [list(p) for p in rank_budget_paths(depth=min(self.config.num_heads, MAX_DEFAULT_TREE_DEPTH), rank_budget=2)]
 
     def check_target(self, target: nn.Module) -> None:
         """Clear errors when the heads were made for another model shape."""

@@ -45,3 +45,14 @@ def load_testbed(
         )
         models.append(model.to(device).eval())
     return tokenizer, models[0], models[1]
+
+
+def medusa_heads_dir() -> Path:
+    """The committed Medusa heads for the test-bed target: ``heads/medusa`` beside the test-bed folder."""
+    path = testbed_dir().parent / "heads" / "medusa"
+    if not (path / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"no Medusa heads at {path} (expected adapter_config.json); train them with `hf-specdec train medusa` "
+            "(see examples/heads/medusa/README.md)"
+        )
+    return path

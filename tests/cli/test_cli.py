@@ -54,6 +54,17 @@ def test_bad_numbers_are_clear_errors(tmp_path, tiny_models):
         main(["bench", "--method", "eagle"])  # argparse: invalid choice
     with pytest.raises(SystemExit, match="no Medusa heads at"):
         main(["bench", "--target", str(tiny_models / "target"), "--method", "medusa", "--heads", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--method medusa with --target needs --heads"):
+        main(["bench", "--target", str(tiny_models / "target"), "--method", "medusa"])
+
+
+def test_bench_medusa_uses_the_committed_heads_on_the_test_bed(tmp_path):
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "medusa", "--batch-size", "1", "-k", "3", "--tree-width", "1", "2",
+                 "--num-prompts", "1", "--max-new-tokens", "8", "--workload", "completion", "--json", str(out)]) == 0
+    rows = {(r["case"], r["tree_width"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {("plain", 1), ("medusa", 1), ("medusa", 2)}
+    assert all(r["identical_to_plain"] for r in rows.values())
 
 
 def test_bench_writes_table_json_and_plot(tmp_path, tiny_models, capsys):
@@ -99,6 +110,6 @@ def test_accelerate_two_cpu_processes_split_and_gather(tmp_path, tiny_models):
 def test_demo_runs_on_the_committed_test_bed(capsys):
     assert main(["demo", "--num-prompts", "2", "--max-new-tokens", "6", "-k", "3"]) == 0
     text = capsys.readouterr().out
-    for method in ("plain", "draft", "draft-tree", "ngram", "ngram-tree"):
+    for method in ("plain", "draft", "draft-tree", "ngram", "ngram-tree", "medusa", "medusa-tree"):
         assert f"  {method} " in text
     assert "All outputs identical to plain generate." in text

@@ -132,3 +132,13 @@ def test_shared_lm_head_heads_are_lossless_and_checked(tree):
         hf_specdec.generate(target, ids[:1], assistant=wrong, spec_method="medusa", max_new_tokens=2)
     with pytest.raises(ValueError, match="lm_head: expected the target's lm_head"):
         heads(torch.zeros(1, 32))
+
+
+def test_heads_tree_is_the_fitted_one_else_the_default():
+    from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE
+
+    four = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=8, num_heads=4))
+    assert four.tree() == [list(p) for p in DEFAULT_MEDUSA_TREE]
+    assert max(map(len, MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=8, num_heads=2)).tree())) == 2
+    fitted = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=8, num_heads=2, tree_paths=[[0], [1], [0, 0]]))
+    assert fitted.tree() == [[0], [1], [0, 0]]
