@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_specdec.cli.main import main
 from hf_specdec.heads import MedusaHeads
 from hf_specdec.testbed import loading
+from hf_specdec.training.medusa import DISTILL_PROMPT_TOKENS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,7 +65,8 @@ def test_bad_training_input(base, tmp_path):
         main(["train", "medusa", "--base", str(tmp_path), "--data", *map(str, DATA), "--out", str(tmp_path)])
 
 
-@pytest.mark.parametrize("stage", [["--stage", "1"], ["--stage", "2", "--self-distillation", "--lora-r", "2"]])
+@pytest.mark.parametrize("stage", [["--stage", "1", "--distill-samples", "4", "--distill-new-tokens", "4"],
+                                   ["--stage", "2", "--self-distillation", "--lora-r", "2"]])
 def test_two_cpu_processes_under_accelerate(base, tmp_path, stage):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
@@ -75,3 +77,19 @@ def test_two_cpu_processes_under_accelerate(base, tmp_path, stage):
     assert (tmp_path / "adapter_model.safetensors").is_file()
     assert (tmp_path / "lora" / "adapter_model.safetensors").is_file() == ("2" in stage)
     assert len(MedusaHeads.from_pretrained(tmp_path).config.tree_paths) == 4
+    if "--distill-samples" in stage:  # both processes' continuations were gathered
+        assert len((tmp_path / "self_distillation.jsonl").read_text().splitlines()) == 4
+
+
+def test_self_distillation_data_is_the_targets_greedy_output(base, tmp_path):
+    assert main(_args(base, tmp_path, steps=1, extra=["--distill-samples", "3", "--distill-new-tokens", "6"])) == 0
+    records = [json.loads(line) for line in (tmp_path / "self_distillation.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    target = LlamaForCausalLM.from_pretrained(base)
+    for record in records:
+        ids = torch.tensor([record["input_ids"]])
+        prompt = ids[:, :DISTILL_PROMPT_TOKENS]
+        expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                                   pad_token_id=1, eos_token_id=0)
+        new = expected[0, DISTILL_PROMPT_TOKENS:].tolist()
+        assert record["input_ids"] == prompt[0].tolist() + (new[: new.index(0)] if 0 in new else new)
