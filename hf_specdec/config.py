@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Literal, get_args
 
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
 
-SpecMethod = Literal["draft", "ngram", "medusa"]
+SpecMethod = Literal["draft", "ngram", "medusa", "eagle"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 
 # Beyond this many draft tokens per step the verify forward is mostly wasted work; vLLM caps at 128.
@@ -20,7 +20,10 @@ class SpeculativeConfig:
 
     method: SpecMethod = field(default="draft", metadata={"help": f"proposer, one of {SPEC_METHODS}"})
     draft_model: Any = field(default=None, metadata={"help": "the small model for method='draft' (same tokenizer)"})
-    heads: Any = field(default=None, metadata={"help": "draft heads for method='medusa' (hf_specdec.heads.MedusaHeads)"})
+    heads: Any = field(
+        default=None,
+        metadata={"help": "draft heads: hf_specdec.heads.MedusaHeads for method='medusa', EagleHead for 'eagle'"},
+    )
     tree_paths: Any = field(
         default=None,
         metadata={
@@ -41,7 +44,7 @@ class SpeculativeConfig:
     tree_total_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "draft model only: build a dynamic (EAGLE-2 style) tree instead of fixed branches: at each of "
+            "help": "draft model or EAGLE head: build a dynamic (EAGLE-2) tree instead of fixed branches: at each of "
             "k depths expand the tree_width best nodes by cumulative log-probability, then keep the best "
             "tree_total_tokens draft nodes"
         },
@@ -60,8 +63,24 @@ class SpeculativeConfig:
         default=None,
         metadata={"help": "seed of the torch.Generator used for sampling; None uses torch's global RNG"},
     )
+    # EAGLE's names for the dynamic tree, accepted as aliases: top_k = tree_width, depth = num_speculative_tokens,
+    # total_tokens = tree_total_tokens
+    top_k: InitVar[int | None] = None
+    depth: InitVar[int | None] = None
+    total_tokens: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, top_k: int | None, depth: int | None, total_tokens: int | None) -> None:
+        for alias, name, value, default in (("top_k", "tree_width", top_k, 1),
+                                            ("depth", "num_speculative_tokens", depth, 5),
+                                            ("total_tokens", "tree_total_tokens", total_tokens, None)):
+            if value is None:
+                continue
+            if getattr(self, name) not in (default, value):
+                raise ValueError(
+                    f"SpeculativeConfig.{alias}: an alias of {name}, given both ({value} and {getattr(self, name)}); "
+                    f"give one"
+                )
+            setattr(self, name, value)
         if self.method not in SPEC_METHODS:
             raise ValueError(
                 f"SpeculativeConfig.method: unknown method {self.method!r}; expected one of {list(SPEC_METHODS)}"
@@ -88,9 +107,21 @@ class SpeculativeConfig:
                     "SpeculativeConfig.heads: method='medusa' needs heads (hf_specdec.heads.MedusaHeads), "
                     f"got {type(self.heads).__name__}"
                 )
-        elif self.heads is not None or self.tree_paths is not None:
+        elif self.method == "eagle":
+            from hf_specdec.heads.eagle import EagleHead
+
+            if not isinstance(self.heads, EagleHead):
+                raise ValueError(
+                    "SpeculativeConfig.heads: method='eagle' needs an EAGLE head (hf_specdec.heads.EagleHead), "
+                    f"got {type(self.heads).__name__}"
+                )
+        elif self.heads is not None:
             raise ValueError(
-                f"SpeculativeConfig.heads / tree_paths: only method='medusa' uses them, got method={self.method!r}"
+                f"SpeculativeConfig.heads: only methods 'medusa' and 'eagle' use heads, got method={self.method!r}"
+            )
+        if self.tree_paths is not None and self.method != "medusa":
+            raise ValueError(
+                f"SpeculativeConfig.tree_paths: static trees; only method='medusa' uses them, got method={self.method!r}"
             )
         if self.tree_paths == "default":
             self.tree_paths = DEFAULT_MEDUSA_TREE
@@ -112,9 +143,10 @@ class SpeculativeConfig:
                 f"{MAX_TREE_NODES}"
             )
         if self.tree_total_tokens is not None:
-            if self.method != "draft":
+            if self.method not in ("draft", "eagle"):
                 raise ValueError(
-                    f"SpeculativeConfig.tree_total_tokens: dynamic trees need method='draft', got {self.method!r}"
+                    f"SpeculativeConfig.tree_total_tokens: dynamic trees need method 'draft' or 'eagle', got "
+                    f"{self.method!r}"
                 )
             candidates = self.tree_width + (self.num_speculative_tokens - 1) * self.tree_width**2
             _check_int("tree_total_tokens", self.tree_total_tokens, 1, min(candidates, MAX_TREE_NODES - 1))

@@ -42,11 +42,11 @@ def resolve_config(
     """One SpeculativeConfig from the three spellings; conflicting values are an error, never a silent choice."""
     if speculative is None:
         method = spec_method if spec_method is not None else "draft"
-        if method in ("draft", "medusa") and assistant is None:
+        if method in ("draft", "medusa", "eagle") and assistant is None:
             raise ValueError(
                 f"spec_method={method!r} needs assistant=<draft model or heads> (or pass speculative=SpeculativeConfig)"
             )
-        if method == "medusa":
+        if method in ("medusa", "eagle"):
             return SpeculativeConfig(method=method, heads=assistant)
         return SpeculativeConfig(method=method, draft_model=assistant)
     if not isinstance(speculative, SpeculativeConfig):

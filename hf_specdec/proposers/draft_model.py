@@ -72,9 +72,11 @@ def _special_ids(model: torch.nn.Module, name: str) -> set[int]:
 
 
 class DraftModelProposer(Proposer):
+    """Drafts with a causal LM on its own ragged KV cache. Subclasses drafting with another model (EAGLE heads)
+    override `_drafter` and give each forward extra inputs through `_feed_inputs` / `_draft_inputs`."""
+
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
-        check_draft_compatible(target, config.draft_model)
-        self.draft = config.draft_model
+        self.draft = self._drafter(config, target)
         self.k = config.num_speculative_tokens
         self.tree_width = config.tree_width
         self.total_tokens = config.tree_total_tokens
@@ -87,6 +89,23 @@ class DraftModelProposer(Proposer):
         self._mark = None
         self._region_start = 0
         self._node_slots: torch.Tensor | None = None  # [B, N]: draft-cache region slot of each tree node, or -1
+        self._root_hidden: torch.Tensor | None = None  # [B, F]: the drafter's output after the fed tokens, if kept
+
+    def _drafter(self, config: SpeculativeConfig, target: torch.nn.Module) -> torch.nn.Module:
+        check_draft_compatible(target, config.draft_model)
+        return config.draft_model
+
+    def _feed_inputs(self, state: DecodeState, width: int) -> dict:
+        """Extra inputs of the forward that feeds each row's unseen committed tokens (`width` per row)."""
+        return {}
+
+    def _draft_inputs(
+        self,
+        # [B, W, F]: the drafter's output at each new token's parent (None when the drafter keeps none)
+        parent_hidden: torch.Tensor | None,
+    ) -> dict:
+        """Extra inputs of a drafting forward."""
+        return {}
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         # The last prompt token is left for the first proposal, so every proposal has a token to feed.
@@ -105,9 +124,13 @@ class DraftModelProposer(Proposer):
             return self._propose_tree(state, budget, logits)
         tokens, probs = [], []
         ones = torch.ones_like(self._fed, device=self.draft.device)
+        hidden = self._root_hidden
         for step in range(self._num_drafted):
             if step > 0:
-                logits = self.cache.forward(tokens[-1].to(self.draft.device)[:, None], ones)[:, 0]
+                parent = None if hidden is None else hidden[:, None]
+                logits = self.cache.forward(tokens[-1].to(self.draft.device)[:, None], ones,
+                                            **self._draft_inputs(parent))[:, 0]
+                hidden = None if self.cache.hidden_states is None else self.cache.hidden_states[:, 0]
             token, token_probs = self._draw(logits)
             tokens.append(token)
             probs.append(token_probs)
@@ -130,9 +153,11 @@ class DraftModelProposer(Proposer):
         unseen = state.sequences.gather(1, index)
         device = self.draft.device
         self._mark, self._fed = self.cache.mark(), fed
-        logits = self.cache.forward(unseen.to(device), fed.to(device))
-        last = (fed.clamp(min=1) - 1).to(device)[:, None, None].expand(-1, 1, logits.shape[-1])
-        return logits.gather(1, last)[:, 0]
+        logits = self.cache.forward(unseen.to(device), fed.to(device), **self._feed_inputs(state, width))
+        last = (fed.clamp(min=1) - 1).to(device)[:, None, None]
+        hidden = self.cache.hidden_states
+        self._root_hidden = None if hidden is None else hidden.gather(1, last.expand(-1, 1, hidden.shape[-1]))[:, 0]
+        return logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0]
 
     def _propose_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> TreeProposal:
         """Top-w first tokens, each continued as a chain: one draft forward per depth for all branches."""
@@ -143,6 +168,7 @@ class DraftModelProposer(Proposer):
         level_probs = [None if not self.sampling.do_sample else _one_hot(levels[0], self.target_vocab)]
         self._region_start = self.cache.num_slots
         branch = torch.eye(width, dtype=torch.bool, device=device)
+        hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
         for d in range(1, depth):
             logits = self.cache.forward_tree(
                 levels[-1].to(device),
@@ -150,7 +176,9 @@ class DraftModelProposer(Proposer):
                 real=torch.ones(batch, width, dtype=torch.bool, device=device),
                 region_start=self._region_start,
                 visible=branch.repeat(1, d).expand(batch, -1, -1),  # a branch sees its own earlier tokens
+                **self._draft_inputs(hidden),
             )
+            hidden = self.cache.hidden_states
             tokens, probs = self._draw(logits.reshape(batch * width, -1))
             levels.append(tokens.reshape(batch, width).to(state.sequences.device))
             level_probs.append(None if probs is None else probs.reshape(batch, width, -1).to(state.sequences.device))
@@ -222,6 +250,8 @@ class DraftModelProposer(Proposer):
         sees = torch.zeros(batch, 1 + width, 0, dtype=torch.bool, device=device)  # [B, nodes, region slots]
         node_slots = torch.full((batch, 1 + width), -1, dtype=torch.long, device=device)
         self._region_start = self.cache.num_slots
+        # [B, w, F]: the drafter's output at each frontier node's parent (None when the drafter keeps none)
+        frontier_parent_hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
         for d in range(1, depth):
             region = sees.shape[2]
             nodes_tokens, nodes_cum = torch.cat(all_tokens, dim=1), torch.cat(all_cum, dim=1)
@@ -232,6 +262,7 @@ class DraftModelProposer(Proposer):
                 real=torch.ones(batch, width, dtype=torch.bool, device=device),
                 region_start=self._region_start,
                 visible=visible,
+                **self._draft_inputs(frontier_parent_hidden),
             )
             own = torch.zeros(batch, sees.shape[1], width, dtype=torch.bool, device=device)
             own.scatter_(1, frontier[:, :, None], torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1))
@@ -247,7 +278,10 @@ class DraftModelProposer(Proposer):
             all_depths += [d + 1] * width * width
             sees = torch.cat([sees, _rows(sees, parents)], dim=1)
             node_slots = torch.cat([node_slots, torch.full_like(parents, -1)], dim=1)
-            frontier = first_id + child_cum.reshape(batch, -1).topk(width, dim=-1).indices
+            best_children = child_cum.reshape(batch, -1).topk(width, dim=-1).indices  # [B, w] of the w * w children
+            frontier = first_id + best_children
+            if self.cache.hidden_states is not None:  # a child's parent is the frontier node it came from
+                frontier_parent_hidden = _rows(self.cache.hidden_states, best_children // width)
         return self._select_dynamic_tree(state, budget, torch.cat(all_tokens, 1), torch.cat(all_parents, 1),
                                          torch.cat(all_cum, 1), all_depths, node_slots)
 

@@ -1,10 +1,13 @@
 """Sampling through `generate` with speculation draws from exactly the target's law.
 
-A tiny Llama with 8 tokens and peaked logits; two new tokens under temperature 0.7 and top-k 4. The exact joint
-law of the two tokens is computed from the target itself; a batch of N identical prompts gives N independent
-draws per proposer (and for plain `generate`, which checks the harness). A chi-square test must accept the law,
-and the same test must reject it when the temperature is off by 0.1 (the power check, done two ways: measured on
-draws, and computed from the non-central chi-square distribution).
+A tiny Llama with 8 tokens and peaked logits; four new tokens under temperature 0.7 and top-k 4. The prefill
+emits the first; the next step drafts the second and third (k >= 2) and, when both are accepted, adds the fourth
+as a bonus, so every acceptance, rejection and bonus path of one speculative step shapes tokens 2-4. The exact
+joint law of the four tokens is computed from the target itself; a batch of N identical prompts gives N
+independent draws per proposer (and for plain `generate`, which checks the harness). Chi-square tests of the
+marginal laws of tokens (2, 3) and (3, 4) must accept; the same tests must reject a temperature off by 0.1 and a
+verifier that forgets the residual distribution (power computed from the non-central chi-square distribution,
+and measured on draws).
 """
 
 from __future__ import annotations
@@ -18,13 +21,19 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
 import hf_specdec
+import hf_specdec.decoding.loop as loop
 from hf_specdec import SpeculativeConfig
+from hf_specdec.heads import EagleConfig, EagleHead
+from hf_specdec.verify.chain import rejection_sample
 from tests.conftest import DECODER
 from tests.heads.test_medusa import heads_for
 
 VOCAB = 8
 N = 6_000
-ALPHA = 1e-3
+NEW_TOKENS = 4
+MARGINALS = ((1, 2), (2, 3))  # positions among the new tokens: tokens 2-3 and 3-4
+ALPHA = 1e-3  # per test; each marginal is tested at ALPHA / len(MARGINALS)
+MIN_EXPECTED = 5  # cells expected fewer times are pooled into one
 TEMPERATURE, TOP_K = 0.7, 4
 PROMPT = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])  # repeats, so the n-gram proposer has something to propose
 
@@ -41,55 +50,102 @@ def target():
 
 
 def exact_law(model, temperature: float) -> torch.Tensor:
-    """[VOCAB * VOCAB]: P(t1, t2) after temperature and top-k, computed from the target's logits."""
+    """[VOCAB] * NEW_TOKENS float64: P(t1, ..., t4) after temperature and top-k, from the target's logits."""
     warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(TOP_K)])
-    with torch.no_grad():
-        first = torch.softmax(warpers(PROMPT, model(PROMPT).logits[:, -1].float()), dim=-1)[0]
-        joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-        for t1 in range(VOCAB):
-            if first[t1] > 0:
-                prefix = torch.cat([PROMPT, torch.tensor([[t1]])], dim=1)
-                second = torch.softmax(warpers(prefix, model(prefix).logits[:, -1].float()), dim=-1)[0]
-                joint[t1] = first[t1].double() * second.double()
-    return (joint / joint.sum()).flatten()
+    law = torch.ones((), dtype=torch.float64)
+    prefixes = PROMPT
+    for _ in range(NEW_TOKENS):
+        with torch.no_grad():
+            probs = torch.softmax(warpers(prefixes, model(prefixes).logits[:, -1].float()), dim=-1).double()
+        law = law[..., None] * probs.reshape(*law.shape, VOCAB)
+        tokens = torch.arange(VOCAB).repeat(prefixes.shape[0])
+        prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, dim=0), tokens[:, None]], dim=1)
+    return law / law.sum()
+
+
+def marginal(law: torch.Tensor, pair: tuple[int, int]) -> torch.Tensor:
+    """[VOCAB * VOCAB]: the joint law of the new tokens at the two positions."""
+    others = tuple(i for i in range(NEW_TOKENS) if i not in pair)
+    return law.sum(dim=others).flatten()
 
 
 def draws(model, temperature: float, speculative: SpeculativeConfig | None) -> torch.Tensor:
+    """[N, NEW_TOKENS]"""
     prompts = PROMPT.expand(N, -1)
-    kwargs = dict(max_new_tokens=2, do_sample=True, temperature=temperature, top_k=TOP_K, top_p=1.0)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=temperature, top_k=TOP_K, top_p=1.0)
     if speculative is None:
         torch.manual_seed(5)
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **kwargs)
     else:
         out = hf_specdec.generate(model, prompts, attention_mask=torch.ones_like(prompts), speculative=speculative, **kwargs)
-    new = out[:, PROMPT.shape[1] :]
-    return new[:, 0] * VOCAB + new[:, 1]
+    return out[:, PROMPT.shape[1] :]
 
 
-def chi_square_pvalue(samples: torch.Tensor, law: torch.Tensor) -> float:
-    counts = torch.bincount(samples, minlength=law.numel()).double()
-    support = law > 0
-    if counts[~support].sum() > 0:
-        return 0.0  # a draw the law forbids
-    expected = law[support] * counts.sum()
-    return float(stats.chisquare(counts[support].numpy(), expected.numpy()).pvalue)
+def _cells(law: torch.Tensor) -> torch.Tensor:
+    """[VOCAB * VOCAB] bin of every cell: cells expected at least MIN_EXPECTED times keep their own, the rest (and
+    the impossible ones, kept apart) are pooled."""
+    expected = law * N
+    big = expected >= MIN_EXPECTED
+    bins = torch.full_like(law, -1, dtype=torch.long)
+    bins[big] = torch.arange(int(big.sum()))
+    bins[~big & (law > 0)] = int(big.sum())
+    return bins
 
 
-def _random_draft():
-    torch.manual_seed(12)
-    config = LlamaConfig(vocab_size=VOCAB, **{**DECODER, "hidden_size": 16, "num_hidden_layers": 1}, pad_token_id=0)
-    draft = LlamaForCausalLM(config).eval()
+def chi_square_pvalues(samples: torch.Tensor, law: torch.Tensor) -> list[float]:
+    """One p-value per marginal (0 when a draw falls where the law has no mass)."""
+    pvalues = []
+    for pair in MARGINALS:
+        cell_law = marginal(law, pair)
+        cells = samples[:, pair[0]] * VOCAB + samples[:, pair[1]]
+        bins = _cells(cell_law)
+        if bool((bins[cells] < 0).any()):
+            pvalues.append(0.0)
+            continue
+        size = int(bins.max()) + 1
+        observed = torch.bincount(bins[cells], minlength=size).double()
+        expected = torch.zeros(size, dtype=torch.float64).index_add_(0, bins[bins >= 0], cell_law[bins >= 0]) * N
+        pvalues.append(float(stats.chisquare(observed.numpy(), expected.numpy()).pvalue))
+    return pvalues
+
+
+def accepted(pvalues: list[float]) -> bool:
+    return min(pvalues) > ALPHA / len(MARGINALS)
+
+
+def _noisy_draft(target):
+    """The target with noise on its lm_head: drafts close enough to be accepted often (at depth 2 too) and wrong
+    often enough to be rejected."""
+    draft = copy.deepcopy(target)
     with torch.no_grad():
-        draft.lm_head.weight.mul_(30.0)
+        noise = torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(3))
+        draft.lm_head.weight.add_(noise)
     return draft
+
+
+def _eagle_head(target, version: str) -> EagleHead:
+    """A random head with damped outputs: its drafts are spread over many tokens, so the target accepts some and
+    rejects others (EAGLE-1: small fc and a pass-through layer before the target's lm_head; EAGLE-3: a zero
+    lm_head)."""
+    torch.manual_seed(15)
+    head = EagleHead(EagleConfig.for_target(target, version)).eval()
+    with torch.no_grad():
+        if version == "eagle":
+            head.fc.weight.mul_(0.01)
+            head.fc.bias.zero_()
+            head.layers[0].self_attn.o_proj.weight.zero_()
+            head.layers[0].mlp.down_proj.weight.zero_()
+        else:
+            head.lm_head.weight.zero_()  # uniform over the draft vocabulary before the warpers
+    return head
 
 
 PROPOSERS = {
     "plain_generate": lambda target: None,
-    "random_draft": lambda target: SpeculativeConfig(method="draft", draft_model=_random_draft(), num_speculative_tokens=3, seed=1),
+    "noisy_draft": lambda target: SpeculativeConfig(method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=3, seed=1),
     "same_draft": lambda target: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3, seed=2),
     "ngram": lambda target: SpeculativeConfig(method="ngram", num_speculative_tokens=3, seed=3),
-    "random_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=_random_draft(),
+    "noisy_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=_noisy_draft(target),
                                                           num_speculative_tokens=2, tree_width=3, seed=5),
     "same_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
                                                         num_speculative_tokens=2, tree_width=2, seed=6),
@@ -98,28 +154,89 @@ PROPOSERS = {
                                                seed=9),
     "medusa_tree": lambda target: SpeculativeConfig(method="medusa", heads=heads_for(target), seed=10,
                                                     tree_paths=[(0,), (1,), (0, 0), (1, 0)]),
-    "random_draft_dynamic_tree": lambda target: SpeculativeConfig(
-        method="draft", draft_model=_random_draft(), num_speculative_tokens=2, tree_width=2, tree_total_tokens=4, seed=8
+    "eagle": lambda target: SpeculativeConfig(method="eagle", heads=_eagle_head(target, "eagle"),
+                                              num_speculative_tokens=2, seed=13),
+    "eagle3": lambda target: SpeculativeConfig(method="eagle", heads=_eagle_head(target, "eagle3"),
+                                               num_speculative_tokens=2, seed=15),
+    "eagle_dynamic_tree": lambda target: SpeculativeConfig(method="eagle", heads=_eagle_head(target, "eagle"),
+                                                           top_k=3, depth=2, total_tokens=4, seed=14),
+    "noisy_draft_dynamic_tree": lambda target: SpeculativeConfig(
+        method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=2, tree_width=2, tree_total_tokens=4, seed=8
     ),
 }
+
+
+# n-gram drafts rarely survive two sampled tokens; an EAGLE tree of an untrained head rarely holds the target's
+# second token: their depth-2 paths are covered by the greedy tests
+SHALLOW = {"ngram", "ngram_tree", "eagle_dynamic_tree"}
 
 
 @pytest.mark.parametrize("name", sorted(PROPOSERS))
 def test_sampling_matches_exact_target_law(target, name):
     law = exact_law(target, TEMPERATURE)
-    assert int((law > 0).sum()) >= 6
-    pvalue = chi_square_pvalue(draws(target, TEMPERATURE, PROPOSERS[name](target)), law)
-    assert pvalue > ALPHA, f"{name}: p = {pvalue:.2e}"
+    assert all(int((marginal(law, pair) > 0).sum()) >= 6 for pair in MARGINALS)
+    pvalues = chi_square_pvalues(draws(target, TEMPERATURE, PROPOSERS[name](target)), law)
+    assert accepted(pvalues), f"{name}: p = {pvalues}"
+
+
+def test_every_proposer_drafts_and_is_both_accepted_and_rejected(target):
+    """The law test exercises the verifier: each proposer drafts in the second step, at depth 2 too, and its
+    drafts are accepted in some rows and rejected in others."""
+    prompts = PROMPT.expand(300, -1)
+    for name, make in sorted(PROPOSERS.items()):
+        config = make(target)
+        if config is None:
+            continue
+        out = hf_specdec.generate(target, prompts, attention_mask=torch.ones_like(prompts), speculative=config,
+                                  max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                                  return_dict_in_generate=True)
+        spec = out.spec_stats
+        assert spec.num_draft_tokens > 100, name
+        assert 0 < spec.num_accepted_tokens, name
+        assert spec.num_accepted_tokens < spec.num_draft_tokens or name.startswith("same_draft"), name
+        if name not in SHALLOW:
+            assert spec.accepted_per_position[1] > 0, f"{name}: {spec.accepted_per_position}"
+
+
+def _power(law: torch.Tensor, wrong: torch.Tensor) -> float:
+    """Probability that the marginal tests reject draws from `wrong` (the larger of the two marginals' powers)."""
+    powers = []
+    for pair in MARGINALS:
+        cell_law, cell_wrong = marginal(law, pair), marginal(wrong, pair)
+        bins = _cells(cell_law)
+        size = int(bins.max()) + 1
+        pooled_law = torch.zeros(size, dtype=torch.float64).index_add_(0, bins[bins >= 0], cell_law[bins >= 0])
+        pooled_wrong = torch.zeros(size, dtype=torch.float64).index_add_(0, bins[bins >= 0], cell_wrong[bins >= 0])
+        noncentrality = N * float(((pooled_wrong - pooled_law) ** 2 / pooled_law).sum())
+        critical = stats.chi2.ppf(1 - ALPHA / len(MARGINALS), size - 1)
+        powers.append(1 - stats.ncx2.cdf(critical, size - 1, noncentrality))
+    return max(powers)
 
 
 def test_power_temperature_off_by_a_tenth_is_caught(target):
     """The test above would fail an engine whose temperature were 0.1 off."""
     law = exact_law(target, TEMPERATURE)
-    wrong = exact_law(target, TEMPERATURE + 0.1)
-    support = law > 0
-    noncentrality = N * float((((wrong - law) ** 2)[support] / law[support]).sum())
-    df = int(support.sum()) - 1
-    power = 1 - stats.ncx2.cdf(stats.chi2.ppf(1 - ALPHA, df), df, noncentrality)
-    assert power > 0.99, f"power {power:.3f} (noncentrality {noncentrality:.1f})"
+    power = _power(law, exact_law(target, TEMPERATURE + 0.1))
+    assert power > 0.99, f"power {power:.4f}"
     biased = SpeculativeConfig(method="ngram", num_speculative_tokens=3, seed=4)
-    assert chi_square_pvalue(draws(target, TEMPERATURE + 0.1, biased), law) < ALPHA
+    assert not accepted(chi_square_pvalues(draws(target, TEMPERATURE + 0.1, biased), law))
+
+
+def test_power_verifier_without_residual_is_caught(target, monkeypatch):
+    """A verifier that draws the token after a rejection from the target itself instead of the residual
+    max(0, target - draft) is biased (the rejected token comes back too often); the law test catches it."""
+
+    def without_residual(draft_token_ids, num_draft_tokens, draft_probs, target_probs, generator):
+        result = rejection_sample(draft_token_ids, num_draft_tokens, draft_probs, target_probs, generator)
+        rejected = result.num_accepted < num_draft_tokens
+        at = result.num_accepted[:, None, None].expand(-1, 1, target_probs.shape[2])
+        fresh = torch.multinomial(target_probs.gather(1, at).squeeze(1), 1, generator=generator).squeeze(1)
+        tokens = result.output_token_ids.clone()
+        rows = torch.arange(tokens.shape[0])
+        tokens[rows, result.num_accepted] = torch.where(rejected, fresh, tokens[rows, result.num_accepted])
+        return type(result)(output_token_ids=tokens, num_accepted=result.num_accepted)
+
+    monkeypatch.setattr(loop, "rejection_sample", without_residual)
+    law = exact_law(target, TEMPERATURE)
+    config = SpeculativeConfig(method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=3, seed=1)
+    assert not accepted(chi_square_pvalues(draws(target, TEMPERATURE, config), law))

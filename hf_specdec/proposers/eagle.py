@@ -1,0 +1,122 @@
+"""EAGLE proposer: an EAGLE head (`hf_specdec.heads.EagleHead`) drafts from the target's own features.
+
+The head is a one-layer model with its own ragged KV cache, driven exactly like a draft model
+(`DraftModelProposer`): a chain, top-w branches, or an EAGLE-2 dynamic tree (`tree_width` = top_k,
+`num_speculative_tokens` = depth, `tree_total_tokens` = total_tokens). What differs is what each forward reads:
+
+* committed tokens are fed with the target's features at the position before each of them, which the verify
+  forward already computed (`DecodeState.target_features`; the prompt's come from the prefill): no extra target
+  pass;
+* drafted tokens are fed with the head's own output at their parent node, which stands in for the target feature
+  the head cannot see yet.
+
+After verification the head keeps only the committed tokens' KV: the drafted entries were built on its own
+guesses, and the tokens the target accepted are fed again next step with the target's true features (as EAGLE
+does). Candidates are deterministic in trees and sampled from the head's distribution in chains, so verification
+stays lossless either way.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from hf_specdec.config import SpeculativeConfig
+from hf_specdec.decoding.state import DecodeState
+from hf_specdec.heads.eagle import EagleHead
+from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.proposers.draft_model import DraftModelProposer
+from hf_specdec.verify.chain import VerificationResult
+from hf_specdec.verify.tree import TreeVerificationResult
+
+
+class EagleDrafter(nn.Module):
+    """An EAGLE head with the target's embeddings and lm_head, called like a causal LM so a `RaggedKVCache` can
+    drive it; `features` (and whether they are the target's) come as extra model inputs."""
+
+    def __init__(self, head: EagleHead, target: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.config = head.llama_config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.device
+
+    def forward(
+        self,
+        # [B, W]
+        input_ids: torch.Tensor,
+        # [B, W]
+        position_ids: torch.Tensor,
+        # [B, 1, W, S] additive
+        attention_mask: torch.Tensor,
+        past_key_values,
+        # [B, W, F]: the feature before each token (the target's, or the head's own output at the parent)
+        features: torch.Tensor,
+        from_target: bool,
+        use_cache: bool = True,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+    ) -> SimpleNamespace:
+        embeds = self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))
+        hidden = self.head(embeds.to(self.device), features.to(self.device), position_ids.to(self.device),
+                           attention_mask, past_key_values, from_target=from_target)
+        return SimpleNamespace(logits=self.head.logits(hidden, self.lm_head), hidden_states=(hidden,))
+
+
+class EagleProposer(DraftModelProposer):
+    needs_prompt_features = True
+
+    def __init__(self, config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> None:
+        super().__init__(config, target, sampling)
+        self.target_feature_layers = config.heads.target_feature_layers
+        self.cache.feature_layers = (-1,)  # the head's outputs: the features its drafted tokens are fed with
+
+    def _drafter(self, config: SpeculativeConfig, target: nn.Module) -> nn.Module:
+        config.heads.check_target(target)
+        return EagleDrafter(config.heads, target)
+
+    def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
+        """Feed prompt token p with the target's feature at p - 1 (p >= 1; a row's first real token has no feature
+        before it, so it is never fed)."""
+        prompt = state.sequences[:, : state.prompt_length]
+        device = self.draft.device
+        self.cache.prefill(prompt[:, :0].to(device), None)
+        self.cached_lengths = state.lengths.clone()
+        if state.prompt_length < 2:
+            return
+        real = torch.ones_like(prompt[:, 1:], dtype=torch.bool)
+        if attention_mask is not None:
+            real = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+        order = (~real).long().argsort(dim=1, stable=True)  # each row's real pairs first, in order
+        features = state.target_features[:, :-1]
+        features = features.gather(1, order[:, :, None].to(features.device).expand(-1, -1, features.shape[2]))
+        self.cache.forward(prompt[:, 1:].gather(1, order).to(device), real.sum(dim=1).to(device),
+                           features=features, from_target=True)
+
+    def _feed_inputs(self, state: DecodeState, width: int) -> dict:
+        return {"features": state.target_features[:, :width], "from_target": True}
+
+    def _draft_inputs(self, parent_hidden: torch.Tensor | None) -> dict:
+        return {"features": parent_hidden, "from_target": False}
+
+    def commit(self, state: DecodeState, result: VerificationResult | TreeVerificationResult) -> None:
+        kept = torch.where(state.finished, 0, self._fed)  # the committed tokens fed this step; no drafts
+        self.cache.rollback(self._mark, kept.to(self.draft.device))
+        self.cached_lengths = self.cached_lengths + kept
+
+
+def _build(config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> Proposer:
+    return EagleProposer(config, target, sampling)
+
+
+register_proposer("eagle", _build)

@@ -1,0 +1,205 @@
+"""EAGLE heads inside generate: lossless with chains, branch trees and dynamic trees on several architectures, and
+fed exactly the target features EAGLE defines (the feature before each token, from the verify forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.heads import EagleConfig, EagleHead
+from hf_specdec.proposers.eagle import EagleDrafter
+from tests.conftest import make_model, padded_batch
+
+SHAPES = {
+    "chain": dict(num_speculative_tokens=3),
+    "branches": dict(num_speculative_tokens=3, tree_width=2),
+    "dynamic": dict(top_k=3, depth=3, total_tokens=6),
+}
+
+
+def eagle_head(target: torch.nn.Module, version: str = "eagle", seed: int = 0, **overrides) -> EagleHead:
+    """A random head: its drafts are almost never accepted."""
+    torch.manual_seed(seed)
+    return EagleHead(EagleConfig.for_target(target, version, **overrides)).eval()
+
+
+def trained_head(
+    target: torch.nn.Module,
+    version: str,
+    # [B, L]: sequences the head learns to continue (the test's own expected outputs: drafts are then often right)
+    sequences: torch.Tensor,
+    steps: int = 60,
+) -> EagleHead:
+    """A head fitted for a few steps to the target's choices on `sequences`, teacher-forced with the target's
+    features as EAGLE is trained, so drafts are accepted often, rejected sometimes, and span several tokens."""
+    head = eagle_head(target, version).train()
+    with torch.no_grad():
+        hidden_states = target(sequences, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden_states[i] for i in head.target_feature_layers], dim=-1)
+    embeds = target.get_input_embeddings()(sequences[:, 1:]).detach()
+    positions = torch.arange(sequences.shape[1] - 1).expand(sequences.shape[0], -1)
+    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(steps):
+        logits = head.logits(head(embeds, features[:, :-1], positions, None), target.get_output_embeddings())
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), sequences[:, 2:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.eval()
+
+
+def _generate(target, ids, mask, config, **kwargs):
+    return hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, return_dict_in_generate=True,
+                               max_new_tokens=20, do_sample=False, eos_token_id=None, **kwargs)
+
+
+@pytest.mark.parametrize("version", ["eagle", "eagle3"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_eagle_greedy_matches_plain_generate(version, shape):
+    target = make_model("llama")
+    ids, mask = padded_batch([12, 5, 9], seed=4, repeat_period=2)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    for head in (eagle_head(target, version), trained_head(target, version, expected)):
+        out = _generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=head, **SHAPES[shape]))
+        assert torch.equal(out.sequences, expected)
+        stats = out.spec_stats
+        assert stats.num_draft_tokens > 0
+    assert stats.accepted_per_position[1] > 0  # the trained head's drafts are accepted, several at a time
+    assert stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma2", "phi3"])
+def test_eagle_dynamic_tree_matches_plain_generate_on_other_architectures(arch):
+    target = make_model(arch)
+    ids, mask = padded_batch([11, 6, 9], seed=2, repeat_period=3)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    for version in ("eagle", "eagle3"):
+        head = trained_head(target, version, expected)
+        out = _generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=head, **SHAPES["dynamic"]))
+        assert torch.equal(out.sequences, expected), version
+        assert out.spec_stats.num_accepted_tokens > 0
+
+
+def test_eagle3_draft_vocabulary_maps_to_target_ids():
+    """A 40-token draft vocabulary scattered over the target's 128 ids: drafts are only ever mapped ids, and the
+    output is still plain generate's."""
+    target = make_model("llama")
+    head = eagle_head(target, "eagle3", draft_vocab_size=40)
+    target_ids = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:40].sort().values
+    with torch.no_grad():
+        head.d2t.copy_(target_ids - torch.arange(40))
+        head.t2d.zero_()
+        head.t2d[target_ids] = True
+    drafted: list[torch.Tensor] = []
+    original = EagleDrafter.forward
+
+    def recording(self, input_ids, *args, **kwargs):
+        out = original(self, input_ids, *args, **kwargs)
+        drafted.append(out.logits.argmax(dim=-1).flatten())
+        return out
+
+    ids, mask = padded_batch([9, 6], seed=1)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EagleDrafter, "forward", recording)
+        out = _generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=head, **SHAPES["dynamic"]))
+    assert torch.equal(out.sequences, expected)
+    assert bool(head.t2d[torch.cat(drafted)].all())
+
+
+@pytest.mark.parametrize("version", ["eagle", "eagle3"])
+def test_head_is_fed_the_target_feature_before_each_token(version):
+    """Every committed token reaches the head with the target's features at the position before it, equal to what
+    a fresh forward over the final sequence computes (for EAGLE-3, the fused layers' inputs)."""
+    target = make_model("gemma2")  # 4 layers: EAGLE-3 fuses the inputs of layers 2, 2 and 1
+    ids = torch.tensor([[5, 9, 5, 9, 5, 9, 5, 7, 3]])
+    head = trained_head(target, version, target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
+    fed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    original = EagleDrafter.forward
+
+    def recording(self, input_ids, position_ids, attention_mask, past_key_values, features, from_target, **kwargs):
+        if from_target:
+            fed.append((input_ids[0].clone(), position_ids[0].clone(), features[0].clone()))
+        return original(self, input_ids, position_ids, attention_mask, past_key_values, features, from_target, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EagleDrafter, "forward", recording)
+        out = _generate(target, ids, None, SpeculativeConfig(method="eagle", heads=head, **SHAPES["dynamic"]))
+    assert out.spec_stats.accepted_per_position[1] > 0  # some steps commit several tokens
+    with torch.no_grad():
+        hidden_states = target(out.sequences, output_hidden_states=True).hidden_states
+    layers = head.target_feature_layers
+    expected = torch.cat([hidden_states[i][0] for i in layers], dim=-1)  # [L, F]
+    sequence = out.sequences[0]
+    covered = set()
+    for tokens, positions, features in fed:
+        for token, position, feature in zip(tokens, positions, features):
+            index = int(position) + 1  # pair i: token i + 1 with the feature at i
+            if index >= len(sequence) - 1:
+                continue  # the last step's features: the token after them was never verified
+            assert int(token) == int(sequence[index])
+            torch.testing.assert_close(feature, expected[index - 1], atol=1e-4, rtol=1e-4)
+            covered.add(index)
+    # every token but the first, once the target verified it (the last step's tokens are never fed: it commits at
+    # most depth + 1 of them)
+    assert covered == set(range(1, max(covered) + 1))
+    assert max(covered) >= len(sequence) - 2 - SHAPES["dynamic"]["depth"]
+
+
+def test_prompt_features_skip_left_padding():
+    """The prefill pairs exactly the real tokens after each row's first one with the features before them."""
+    target = make_model("llama")
+    ids, mask = padded_batch([8, 4, 6], seed=7)
+    calls = []
+    original = EagleDrafter.forward
+
+    def recording(self, input_ids, position_ids, attention_mask, past_key_values, features, from_target, **kwargs):
+        calls.append((input_ids.clone(), features.clone()))
+        return original(self, input_ids, position_ids, attention_mask, past_key_values, features, from_target, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EagleDrafter, "forward", recording)
+        _generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=eagle_head(target), num_speculative_tokens=2))
+    tokens, features = calls[0]  # the prefill
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        final = target(ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=True).hidden_states[-1]
+    for row, length in enumerate(mask.sum(dim=1).tolist()):
+        start = ids.shape[1] - length
+        assert torch.equal(tokens[row, : length - 1], ids[row, start + 1 :])
+        torch.testing.assert_close(features[row, : length - 1], final[row, start:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_eagle_spellings_and_bad_input():
+    target = make_model("llama")
+    head = eagle_head(target)
+    ids, mask = padded_batch([6, 4], seed=0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    assert torch.equal(hf_specdec.generate(target, ids, assistant=head, spec_method="eagle", **kwargs), expected)
+    config = SpeculativeConfig(method="eagle", heads=head, top_k=4, depth=5, total_tokens=12)
+    assert (config.tree_width, config.num_speculative_tokens, config.tree_total_tokens) == (4, 5, 12)
+    with pytest.raises(ValueError, match="SpeculativeConfig.top_k: an alias of tree_width"):
+        SpeculativeConfig(method="eagle", heads=head, top_k=4, tree_width=3)
+    with pytest.raises(ValueError, match="method='eagle' needs an EAGLE head"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="method='eagle' needs an EAGLE head"):
+        SpeculativeConfig(method="eagle", heads=object())
+    with pytest.raises(ValueError, match="tree_paths: static trees; only method='medusa'"):
+        SpeculativeConfig(method="eagle", heads=head, tree_paths=[(0,)])
+    other = make_model("gemma2")
+    with pytest.raises(ValueError, match="vocab_size 128 does not match|hidden_size"):
+        hf_specdec.generate(target, ids, assistant=eagle_head(make_model("llama"), hidden_size=16,
+                                                             num_attention_heads=2, num_key_value_heads=2,
+                                                             head_dim=8), spec_method="eagle", **kwargs)
+    deep = EagleHead(EagleConfig.for_target(other, "eagle3"))  # fuses layer 2: the 2-layer llama has none
+    with pytest.raises(ValueError, match=r"feature_layers \(2, 2, 1\) need a target with more than 2 layers"):
+        hf_specdec.generate(target, ids, assistant=deep, spec_method="eagle", **kwargs)
+    with pytest.raises(ValueError, match="EagleConfig.version: expected one of"):
+        EagleConfig.for_target(target, "eagle2")
+    with pytest.raises(ValueError, match="EagleConfig.feature_layers: only for version 'eagle3'"):
+        EagleConfig.for_target(target, "eagle", feature_layers=(0,))
+    with pytest.raises(ValueError, match="EagleConfig.draft_vocab_size: expected at most vocab_size 128"):
+        EagleConfig.for_target(target, "eagle3", draft_vocab_size=500)
