@@ -10,6 +10,7 @@ import torch
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.ragged import RaggedKVCache
+from hf_specdec.heads import EagleConfig, EagleHead
 from tests.conftest import make_draft, make_model, padded_batch
 
 
@@ -20,6 +21,11 @@ def test_bfloat16_models_generate_valid_tokens_and_masks_follow_the_dtype():
     for config in (
         SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3),
         SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+        # a float32 head on a bf16 target, and a bf16 one: features and logits convert both ways
+        SpeculativeConfig(method="eagle", heads=EagleHead(EagleConfig.for_target(target, "eagle")), top_k=2,
+                          depth=2, total_tokens=3),
+        SpeculativeConfig(method="eagle", heads=EagleHead(EagleConfig.for_target(target, "eagle3")).to(torch.bfloat16),
+                          num_speculative_tokens=2),
     ):
         for sample in (False, True):
             out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, max_new_tokens=10,
@@ -43,9 +49,11 @@ def test_cuda_half_precision_self_draft_and_ngram(dtype):
     ids, mask = ids.cuda(), mask.cuda()
     kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
     expected = target.generate(ids, **kwargs)
+    eagle = EagleHead(EagleConfig.for_target(target, "eagle3")).to("cuda", dtype)
     for config in (
         SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=4),
         SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        SpeculativeConfig(method="eagle", heads=eagle, top_k=3, depth=3, total_tokens=8),
     ):
         out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
         assert out.sequences.device.type == "cuda"
