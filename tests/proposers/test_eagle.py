@@ -3,12 +3,16 @@ fed exactly the target features EAGLE defines (the feature before each token, fr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import EagleConfig, EagleHead
+from hf_specdec.heads.eagle_files import export_speculators
 from hf_specdec.proposers.eagle import EagleDrafter
 from tests.conftest import make_model, padded_batch
 
@@ -203,3 +207,45 @@ def test_eagle_spellings_and_bad_input():
         EagleConfig.for_target(target, "eagle", feature_layers=(0,))
     with pytest.raises(ValueError, match="EagleConfig.draft_vocab_size: expected at most vocab_size 128"):
         EagleConfig.for_target(target, "eagle3", draft_vocab_size=500)
+
+
+def _write_safeailab(head: EagleHead, target: torch.nn.Module, folder) -> None:
+    """SafeAILab's layout: the draft layer's Llama config.json ("bias" for EAGLE-1, "draft_vocab_size" for
+    EAGLE-3) and model.safetensors with a copy of the target's embeddings."""
+    config = head.config
+    values = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.hidden_size,
+              "intermediate_size": config.intermediate_size, "num_attention_heads": config.num_attention_heads,
+              "num_key_value_heads": config.num_key_value_heads, "num_hidden_layers": 1,
+              "vocab_size": config.vocab_size, "rms_norm_eps": config.rms_norm_eps, "rope_theta": 10000.0,
+              "max_position_embeddings": config.max_position_embeddings, "hidden_act": "silu"}
+    values |= {"bias": config.fc_bias} if config.version == "eagle" else {"draft_vocab_size": config.vocab_size}
+    (folder / "config.json").write_text(json.dumps(values))
+    weights = {k: v.detach().clone().contiguous() for k, v in head.state_dict().items()}
+    weights["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone()
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("layout", ["ours", "safeailab", "speculators"])
+@pytest.mark.parametrize("version", ["eagle", "eagle3"])
+def test_saved_and_published_layouts_load_and_run(tmp_path, layout, version):
+    """A trained head written in each layout loads back and drafts exactly as before, losslessly."""
+    target = make_model("llama")
+    ids, mask = padded_batch([10, 6, 8], seed=5, repeat_period=2)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    head = trained_head(target, version, expected)
+    load_options = {}
+    if layout == "ours":
+        head.save_pretrained(tmp_path)
+    elif layout == "speculators":
+        export_speculators(head, tmp_path, verifier_name_or_path="local/target")
+    else:
+        _write_safeailab(head, target, tmp_path)
+        if version == "eagle3":  # SafeAILab's files do not say which target layers they fuse
+            load_options["num_target_layers"] = target.config.num_hidden_layers
+    loaded = EagleHead.from_pretrained(tmp_path, **load_options)
+    runs = [_generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=h, **SHAPES["dynamic"]))
+            for h in (head, loaded)]
+    for out in runs:
+        assert torch.equal(out.sequences, expected)
+    assert runs[0].spec_stats.accepted_per_position == runs[1].spec_stats.accepted_per_position
+    assert runs[0].spec_stats.num_accepted_tokens > 0
