@@ -225,6 +225,30 @@ def _with_lora(base, config: MedusaTrainConfig):
     return get_peft_model(base, lora)
 
 
+def _step_loss(
+    config: MedusaTrainConfig,
+    model: torch.nn.Module,
+    heads: MedusaHeads,
+    lm_head: torch.nn.Module,
+    # [B, L]
+    input_ids: torch.Tensor,
+    accelerator: Accelerator,
+) -> tuple[torch.Tensor, list[float]]:
+    """Stage 1: the heads' loss on the frozen target's hidden states. Stage 2: loss_0 + heads_coef * heads' loss,
+    through the LoRA model (`model`)."""
+    if config.stage == 1:
+        with torch.no_grad():
+            hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]
+        return medusa_loss(heads(hidden, lm_head), input_ids, config.decay)
+    out = model(input_ids, output_hidden_states=True)
+    teacher = None
+    if config.self_distillation:
+        with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
+            teacher = model(input_ids).logits
+    heads_loss, per_head = medusa_loss(heads(out.hidden_states[-1], lm_head), input_ids, config.decay)
+    return backbone_loss(out.logits, input_ids, teacher) + config.heads_coef * heads_loss, per_head
+
+
 def train_medusa(config: MedusaTrainConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -272,18 +296,7 @@ def train_medusa(config: MedusaTrainConfig) -> dict:
     for step in progress:
         generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
         input_ids = _windows(stream, config.batch_size, config.seq_len, generator).to(accelerator.device)
-        if config.stage == 1:
-            with torch.no_grad():
-                hidden = base(input_ids, output_hidden_states=True).hidden_states[-1]
-            loss, per_head = medusa_loss(heads(hidden, lm_head), input_ids, config.decay)
-        else:
-            out = model(input_ids, output_hidden_states=True)
-            teacher = None
-            if config.self_distillation:
-                with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
-                    teacher = model(input_ids).logits
-            heads_loss, per_head = medusa_loss(heads(out.hidden_states[-1], lm_head), input_ids, config.decay)
-            loss = backbone_loss(out.logits, input_ids, teacher) + config.heads_coef * heads_loss
+        loss, per_head = _step_loss(config, model, heads, lm_head, input_ids, accelerator)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
