@@ -37,7 +37,8 @@ def _configs(draft, heads: MedusaHeads, k: int) -> dict[str, SpeculativeConfig]:
         "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3),
         "ngram-tree": SpeculativeConfig(method="ngram", num_speculative_tokens=k, tree_width=3),
         "medusa": SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=k),
-        "medusa-tree": SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=k, tree_paths=heads.tree()),
+        "medusa-tree": SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=k,
+                                         tree_paths=heads.tree()),
     }
 
 
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     print(
         f"target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M parameters, "
-        f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M, {heads.config.num_heads} Medusa heads; greedy, "
+        f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M, "
+        f"{heads.config.num_heads} Medusa heads; greedy, "
         f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, k={args.num_speculative_tokens}\n"
     )
     all_identical = True

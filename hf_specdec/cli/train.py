@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stage 2: modules the LoRA wraps (default: q,k,v,o,gate,up,down projections)")
     parser.add_argument("--self-distillation", action="store_true",
                         help="stage 2: loss_0 = KL from the target with the LoRA disabled, not next-token CE")
-    parser.add_argument("--heads-coef", type=float, default=0.2, help="stage 2: weight of the heads' loss (default 0.2)")
+    parser.add_argument("--heads-coef", type=float, default=0.2,
+                        help="stage 2: weight of the heads' loss (default 0.2)")
     parser.add_argument("--medusa-lr-multiplier", type=float, default=4.0,
                         help="stage 2: heads' learning rate / the LoRA's (default 4)")
 

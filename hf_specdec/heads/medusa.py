@@ -48,9 +48,13 @@ class MedusaConfig:
             try:
                 depth = TreeTemplate.from_paths(self.tree_paths).max_depth
             except (TypeError, ValueError) as error:
-                raise ValueError(f"MedusaConfig.tree_paths: expected a list of rank paths forming a tree: {error}") from None
+                raise ValueError(
+                    f"MedusaConfig.tree_paths: expected a list of rank paths forming a tree: {error}"
+                ) from None
             if depth > self.num_heads:
-                raise ValueError(f"MedusaConfig.tree_paths: depth {depth} needs as many heads, num_heads is {self.num_heads}")
+                raise ValueError(
+                    f"MedusaConfig.tree_paths: depth {depth} needs as many heads, num_heads is {self.num_heads}"
+                )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,7 +116,8 @@ class MedusaHeads(nn.Module):
         (up to 4) heads whose ranks sum to at most 2 (for 4 heads: the built-in 34-node default tree)."""
         if self.config.tree_paths is not None:
             return self.config.tree_paths
-        return [list(p) for p in rank_budget_paths(depth=min(self.config.num_heads, MAX_DEFAULT_TREE_DEPTH), rank_budget=2)]
+        depth = min(self.config.num_heads, MAX_DEFAULT_TREE_DEPTH)
+        return [list(p) for p in rank_budget_paths(depth=depth, rank_budget=2)]
 
     def check_target(self, target: nn.Module) -> None:
         """Clear errors when the heads were made for another model shape."""

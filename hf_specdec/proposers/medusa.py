@@ -1,7 +1,9 @@
 """Medusa proposer: the heads read the target's hidden state at the position that produced the last committed
 token (kept from the verify forward: no extra target pass) and guess the tokens after it.
 
-Heads that share the target's lm_head ("version 2") are given it at every proposal. Chain: each head's top-1. Tree: a static path list (`tree_paths`, Medusa's `choices`): path (r0, r1, ...) is head
+Heads that share the target's lm_head ("version 2") are given it at every proposal.
+
+Chain: each head's top-1. Tree: a static path list (`tree_paths`, Medusa's `choices`): path (r0, r1, ...) is head
 0's rank-r0 candidate, then head 1's rank-r1 candidate, and so on. Candidates are deterministic (point masses), so
 verification stays lossless under sampling.
 """

@@ -140,8 +140,8 @@ def _self_distillation_records(model, tokenizer, stream: torch.Tensor, config: M
     with accelerator.split_between_processes(prompts) as mine:
         for batch in tqdm(mine.split(DISTILL_BATCH_SIZE), desc="self-distillation data",
                           disable=not accelerator.is_local_main_process):
-            out = model.generate(batch.to(accelerator.device), attention_mask=torch.ones_like(batch).to(accelerator.device),
-                                 max_new_tokens=config.distill_new_tokens, do_sample=False,
+            batch = batch.to(accelerator.device)
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=config.distill_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             for row in out.cpu().tolist():
                 new = row[DISTILL_PROMPT_TOKENS:]
@@ -180,7 +180,9 @@ def backbone_loss(
     """Medusa-2's loss_0: next-token cross-entropy, or KL(target || LoRA model) per position (self-distillation)."""
     vocab = logits.shape[-1]
     if teacher_logits is None:
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), input_ids[:, 1:].reshape(-1))
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, vocab).float(), input_ids[:, 1:].reshape(-1)
+        )
     return torch.nn.functional.kl_div(
         logits.reshape(-1, vocab).float().log_softmax(-1), teacher_logits.reshape(-1, vocab).float().log_softmax(-1),
         log_target=True, reduction="batchmean",

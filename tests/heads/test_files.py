@@ -96,7 +96,8 @@ def test_version_2_layout_shares_the_target_lm_head_and_stays_lossless(tmp_path)
     assert sorted(heads.state_dict()) == sorted(f"heads.{k}" for k in weights)
     hidden = torch.randn(2, 32)
     lm_head = target.get_output_embeddings()
-    expected = lm_head(hidden + torch.nn.functional.silu(hidden @ weights["1.0.linear.weight"].T + weights["1.0.linear.bias"]))
+    block = hidden @ weights["1.0.linear.weight"].T + weights["1.0.linear.bias"]
+    expected = lm_head(hidden + torch.nn.functional.silu(block))
     torch.testing.assert_close(heads(hidden, lm_head)[:, 1], expected)
 
     ids, mask = padded_batch([9, 12], seed=5, repeat_period=3)

@@ -16,7 +16,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.main import main
 from hf_specdec.heads import MedusaHeads, load_medusa2
-from hf_specdec.training.medusa import MedusaTrainConfig
+from hf_specdec.training.medusa import LLAMA_LORA_MODULES, MedusaTrainConfig
 from tests.training.test_medusa_training import DATA, _args, base  # noqa: F401  (base is a fixture)
 
 STAGE_2 = ["--stage", "2", "--lora-r", "4", "--lora-alpha", "8", "--lora-dropout", "0.0"]
@@ -38,7 +38,7 @@ def test_stage_2_lowers_the_loss_and_writes_heads_and_peft_adapter(trained):
         "README.md", "adapter_config.json", "adapter_model.safetensors"]
     lora = json.loads((trained / "lora" / "adapter_config.json").read_text())
     assert lora["peft_type"] == "LORA" and lora["r"] == 4
-    assert sorted(lora["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert sorted(lora["target_modules"]) == sorted(LLAMA_LORA_MODULES)
 
 
 def test_load_medusa2_merges_the_saved_lora_and_stays_lossless(base, trained):  # noqa: F811
