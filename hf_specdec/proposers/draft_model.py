@@ -265,7 +265,9 @@ class DraftModelProposer(Proposer):
                 **self._draft_inputs(frontier_parent_hidden),
             )
             own = torch.zeros(batch, sees.shape[1], width, dtype=torch.bool, device=device)
-            own.scatter_(1, frontier[:, :, None], torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1))
+            # frontier node i sees the region slot it was just fed in (column i)
+            own.scatter_(1, frontier[:, :, None].expand(-1, -1, width),
+                         torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1))
             sees = torch.cat([sees, own], dim=2)  # fed frontier nodes now see their own slot too
             node_slots.scatter_(1, frontier, region + torch.arange(width, device=device).expand(batch, -1))
             child_cum, child_tokens = self._log_probs(logits.reshape(batch * width, -1)).reshape(batch, width, -1).add(
