@@ -1,6 +1,9 @@
 """`hf-specdec bench`: every method and transformers' own paths, on the same prompts, in one run.
 
-Cases: `plain` (model.generate), hf_specdec `draft` and `ngram`, and transformers' native `hf-assistant`
+Cases: `plain` (model.generate), hf_specdec `draft`, `ngram`, `medusa`, `eagle` (EAGLE-1/2) and `eagle3` (the
+head cases use the committed test-bed heads unless a folder is given; with --tree-width w > 1 Medusa uses the tree
+fitted to its heads and EAGLE an EAGLE-2 dynamic tree of top_k w, depth k and k * w nodes), and transformers' native
+`hf-assistant`
 (`assistant_model=`, drafting exactly k tokens a round) and `hf-lookup` (`prompt_lookup_num_tokens=k`); the
 native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is checked
 against plain generate's.
@@ -38,11 +41,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.runs import ForwardTimer, count_new_tokens
-from hf_specdec.heads import MedusaHeads
-from hf_specdec.testbed.loading import medusa_heads_dir, testbed_dir
+from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.testbed.loading import heads_dir, testbed_dir
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "draft", "ngram", "medusa", "hf-assistant", "hf-lookup")
+CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "hf-assistant", "hf-lookup")
+# cases drafting with heads, and the option naming their folder
+HEAD_CASES = {"medusa": "heads", "eagle": "eagle_head", "eagle3": "eagle3_head"}
 NATIVE_CASES = ("hf-assistant", "hf-lookup")
 NEEDS_DRAFT = ("draft", "hf-assistant")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,10 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", type=Path, default=None, help="draft model folder (default: the test bed's)")
     parser.add_argument("--heads", type=Path, default=None,
                         help="Medusa heads folder for the medusa case (default: the committed examples/heads/medusa)")
+    parser.add_argument("--eagle-head", type=Path, default=None,
+                        help="EAGLE-1/2 head folder for the eagle case (default: the committed examples/heads/eagle)")
+    parser.add_argument("--eagle3-head", type=Path, default=None,
+                        help="EAGLE-3 head folder for the eagle3 case (default: the committed examples/heads/eagle3)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer folder (default: the target folder if it has one, else the test bed's)")
     parser.add_argument("--method", nargs="+", default=None, choices=CASES, dest="methods",
-                        help="cases to run (default: all; medusa only with --heads or on the test-bed target); plain "
+                        help="cases to run (default: all; head cases only with their folder or on the test-bed target); plain "
                              "always runs as the reference")
     parser.add_argument("--workload", default="edit", choices=("completion", "edit", "long"),
                         help="test-bed prompts (default: edit, where lookup shines)")
@@ -67,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", "-k", nargs="+", type=int, default=[5], dest="ks",
                         help="draft lengths k to try (default: 5)")
     parser.add_argument("--tree-width", nargs="+", type=int, default=[1], dest="tree_widths",
-                        help="branches per step for draft and ngram (1 = chain; w > 1 = token tree); "
+                        help="branches per step for draft, ngram and the head cases (1 = chain; w > 1 = token tree); "
                              "several values compare trees with chains (default: 1)")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts per batch size (default: the largest batch size)")
@@ -113,33 +122,45 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device):
 
 
 def _methods(args: argparse.Namespace) -> list[str]:
-    """--method, or every case (medusa needs heads: --heads, or the committed ones, which fit the test-bed target)."""
+    """--method, or every case (head cases need heads: their folder, or the committed ones, which fit the test-bed
+    target only)."""
+    def has_heads(case: str) -> bool:
+        return getattr(args, HEAD_CASES[case]) is not None or args.target is None
+
     if args.methods is None:
-        return [c for c in CASES if c != "medusa" or args.heads is not None or args.target is None]
-    if "medusa" in args.methods and args.heads is None and args.target is not None:
-        raise SystemExit("error: --method medusa with --target needs --heads (the committed heads fit the test-bed "
-                         "target only)")
+        return [c for c in CASES if c not in HEAD_CASES or has_heads(c)]
+    for case in args.methods:
+        if case in HEAD_CASES and not has_heads(case):
+            option = "--" + HEAD_CASES[case].replace("_", "-")
+            raise SystemExit(f"error: --method {case} with --target needs {option} (the committed heads fit the "
+                             "test-bed target only)")
     return args.methods
 
 
-def _load_heads(path: Path | None, device: torch.device) -> MedusaHeads:
-    """--heads, or the committed test-bed heads."""
+def _load_heads(case: str, path: Path | None, device: torch.device) -> MedusaHeads | EagleHead:
+    """The case's heads folder, or the committed test-bed heads."""
     if path is None:
         try:
-            path = medusa_heads_dir()
+            path = heads_dir(case)
         except FileNotFoundError as error:
-            raise SystemExit(f"error: {error}; or pass --heads") from error
-    if not (path / "adapter_config.json").is_file():
-        raise SystemExit(f"error: no Medusa heads at {path} (expected adapter_config.json)")
-    return MedusaHeads.from_pretrained(path).to(device)
+            raise SystemExit(f"error: {error}; or pass --{HEAD_CASES[case].replace('_', '-')}") from error
+    if not (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        raise SystemExit(f"error: no {case} heads at {path} (expected adapter_config.json or config.json)")
+    kind = MedusaHeads if case == "medusa" else EagleHead
+    return kind.from_pretrained(path).to(device).eval()
 
 
-def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads=None) -> Callable[..., torch.Tensor]:
+def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1,
+                 heads: dict | None = None) -> Callable[..., torch.Tensor]:
     if case == "plain":
         return lambda ids, **kw: target.generate(ids, **kw)
     if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default)
-        config = SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=k,
-                                   tree_paths=heads.tree() if tree_width > 1 else None)
+        config = SpeculativeConfig(method="medusa", heads=heads[case], num_speculative_tokens=k,
+                                   tree_paths=heads[case].tree() if tree_width > 1 else None)
+        return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kw)
+    if case in ("eagle", "eagle3"):  # tree_width > 1: an EAGLE-2 dynamic tree
+        tree = dict(top_k=tree_width, total_tokens=k * tree_width) if tree_width > 1 else {}
+        config = SpeculativeConfig(method="eagle", heads=heads[case], num_speculative_tokens=k, **tree)
         return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kw)
     if case in ("draft", "ngram"):
         config = (SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, tree_width=tree_width)
@@ -303,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
     target = _load(target_path, dtype, state.device)
     needs_draft = any(case in NEEDS_DRAFT for case in args.methods)
     draft = _load(draft_path, dtype, state.device) if needs_draft else None
-    heads = _load_heads(args.heads, state.device) if "medusa" in args.methods else None
+    heads = {case: _load_heads(case, getattr(args, option), state.device)
+             for case, option in HEAD_CASES.items() if case in args.methods}
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     num_prompts = args.num_prompts or max(args.batch_sizes)
     prompts = load_workload(args.workload)[:num_prompts]
@@ -311,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     with state.split_between_processes(prompts) as mine:
         plan = [(b, case, k, w) for b in args.batch_sizes for case in ["plain", *[c for c in args.methods if c != "plain"]]
                 for k in ([None] if case == "plain" else args.ks)
-                for w in (args.tree_widths if case in ("draft", "ngram", "medusa") else [1])
+                for w in (args.tree_widths if case in ("draft", "ngram", *HEAD_CASES) else [1])
                 if not (case in NATIVE_CASES and b > 1)]
         references: dict[int, list[torch.Tensor]] = {}
         for batch_size, case, k, tree_width in tqdm(plan, desc=f"bench (process {state.process_index})",

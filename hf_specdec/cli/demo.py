@@ -2,9 +2,10 @@
 
 For each workload (code completion, and "edit" prompts whose continuation repeats a passage of the prompt) it
 generates greedily with plain `generate` and with every proposer (chains and token trees: a dynamic draft tree, an
-n-gram trie, and the committed Medusa heads (`examples/heads/medusa`) as a chain and with the tree fitted to them),
-shows a continuation, the acceptance statistics,
-the speedup over plain `generate`, and checks that every output is token-for-token plain generate's.
+n-gram trie, the committed Medusa heads (`examples/heads/medusa`) as a chain and with the tree fitted to them, and
+the committed EAGLE-1/2 head as a chain and an EAGLE-2 dynamic tree and EAGLE-3 head as a chain), shows a
+continuation, the acceptance statistics, the speedup over plain `generate`, and checks that every output is
+token-for-token plain generate's.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.runs import RunResult, timed_generate
-from hf_specdec.heads import MedusaHeads
-from hf_specdec.testbed.loading import load_testbed, medusa_heads_dir
+from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.testbed.loading import heads_dir, load_testbed
 from hf_specdec.testbed.workloads import load_workload
 
 DEMO_WORKLOADS = ("completion", "edit")
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
-def _configs(draft, heads: MedusaHeads, k: int) -> dict[str, SpeculativeConfig]:
+def _configs(draft, heads: MedusaHeads, eagle: EagleHead, eagle3: EagleHead, k: int) -> dict[str, SpeculativeConfig]:
     return {
         "draft": SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k),
         "draft-tree": SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, tree_width=2,
@@ -39,6 +40,9 @@ def _configs(draft, heads: MedusaHeads, k: int) -> dict[str, SpeculativeConfig]:
         "medusa": SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=k),
         "medusa-tree": SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=k,
                                          tree_paths=heads.tree()),
+        "eagle": SpeculativeConfig(method="eagle", heads=eagle, num_speculative_tokens=k),
+        "eagle-tree": SpeculativeConfig(method="eagle", heads=eagle, top_k=2, depth=k, total_tokens=2 * k),
+        "eagle3": SpeculativeConfig(method="eagle", heads=eagle3, num_speculative_tokens=k),
     }
 
 
@@ -57,15 +61,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--num-prompts and --max-new-tokens must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    print("Loading the test bed (tokenizer, target, draft, Medusa heads) ...", flush=True)
+    print("Loading the test bed (tokenizer, target, draft, Medusa and EAGLE heads) ...", flush=True)
     tokenizer, target, draft = load_testbed()
-    heads = MedusaHeads.from_pretrained(medusa_heads_dir())
+    heads = MedusaHeads.from_pretrained(heads_dir("medusa"))
+    eagle, eagle3 = (EagleHead.from_pretrained(heads_dir(kind)).eval() for kind in ("eagle", "eagle3"))
     tokenizer.padding_side = "left"
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     print(
         f"target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M parameters, "
         f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M, "
-        f"{heads.config.num_heads} Medusa heads; greedy, "
+        f"{heads.config.num_heads} Medusa heads, an EAGLE-1/2 and an EAGLE-3 head; greedy, "
         f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, k={args.num_speculative_tokens}\n"
     )
     all_identical = True
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         plain = timed_generate("plain", target, ids, mask, kwargs)
         results = [plain] + [
             timed_generate(name, target, ids, mask, kwargs, config)
-            for name, config in _configs(draft, heads, args.num_speculative_tokens).items()
+            for name, config in _configs(draft, heads, eagle, eagle3, args.num_speculative_tokens).items()
         ]
         print(f"== workload '{workload}': {len(prompts)} prompts")
         tail = "\n".join(prompts[0].rstrip("\n").split("\n")[-3:])

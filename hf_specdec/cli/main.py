@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hf_specdec.cli import bench, demo, train
+from hf_specdec.cli import bench, demo, train, train_eagle
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,14 +16,21 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, summary in (
         ("demo", demo, "generate on the committed test bed with every method; show text, acceptance and speedup"),
         ("bench", bench, "benchmark every method and transformers' own paths on the same prompts; table, JSON, plot"),
-        ("train", train, "train draft heads (medusa) on a frozen target, on accelerate"),
     ):
-        command = commands.add_parser(
-            name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-        )
-        module.add_arguments(command)
-        command.set_defaults(run=module.run)
+        _add_command(commands, name, module, summary)
+    heads = commands.add_parser("train", help="train draft heads (medusa, eagle) on a target, on accelerate")
+    kinds = heads.add_subparsers(dest="head", required=True)
+    _add_command(kinds, "medusa", train, "Medusa-1 heads on a frozen target, or Medusa-2 (heads plus a LoRA)")
+    _add_command(kinds, "eagle", train_eagle, "an EAGLE-1/2 or EAGLE-3 head on a frozen target")
     return parser
+
+
+def _add_command(commands, name: str, module, summary: str) -> None:
+    command = commands.add_parser(
+        name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    module.add_arguments(command)
+    command.set_defaults(run=module.run)
 
 
 def main(argv: list[str] | None = None) -> int:

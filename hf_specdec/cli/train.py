@@ -17,7 +17,6 @@ from hf_specdec.training.medusa import LLAMA_LORA_MODULES, MedusaTrainConfig, tr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("head", choices=["medusa"], help="which heads to train")
     parser.add_argument("--base", type=Path, required=True, help="target model folder")
     parser.add_argument("--data", type=Path, nargs="+", required=True,
                         help="text files, or .jsonl with a 'text' or 'input_ids' field")

@@ -1,7 +1,7 @@
 """`hf-specdec train eagle`: train an EAGLE-1/2 or EAGLE-3 head on a frozen target, on accelerate.
 
-Single process: `python -m hf_specdec.cli.train_eagle --base PATH --data FILES --out DIR [--version eagle3]`;
-several processes or GPUs: `accelerate launch --multi_gpu --num_processes N -m hf_specdec.cli.train_eagle ...` (on
+Single process: `hf-specdec train eagle --base PATH --data FILES --out DIR [--version eagle3]`;
+several processes or GPUs: `accelerate launch --multi_gpu --num_processes N -m hf_specdec.cli train eagle ...` (on
 a machine without CUDA the processes run on the CPU over gloo). The target first generates the training windows
 (cached in DIR), checkpoints land in DIR/checkpoint, and a rerun resumes from them.
 """
@@ -9,7 +9,6 @@ a machine without CUDA the processes run on the CPU over gloo). The target first
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from hf_specdec.training.eagle import EagleTrainConfig, train_eagle
@@ -73,13 +72,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"trained {len(history)} steps: loss {history[0]:.3f} -> {history[-1]:.3f}; "
               f"{config.version} head in {config.out}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-specdec train eagle", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -47,12 +47,19 @@ def load_testbed(
     return tokenizer, models[0], models[1]
 
 
-def medusa_heads_dir() -> Path:
-    """The committed Medusa heads for the test-bed target: ``heads/medusa`` beside the test-bed folder."""
-    path = testbed_dir().parent / "heads" / "medusa"
+COMMITTED_HEADS = ("medusa", "eagle", "eagle3")
+
+
+def heads_dir(kind: str) -> Path:
+    """The committed heads of one kind (Medusa, EAGLE-1/2, EAGLE-3) for the test-bed target: ``heads/<kind>``
+    beside the test-bed folder."""
+    if kind not in COMMITTED_HEADS:
+        raise ValueError(f"kind: expected one of {COMMITTED_HEADS}, got {kind!r}")
+    path = testbed_dir().parent / "heads" / kind
     if not (path / "adapter_config.json").is_file():
+        command = "hf-specdec train medusa" if kind == "medusa" else "hf-specdec train eagle"
         raise FileNotFoundError(
-            f"no Medusa heads at {path} (expected adapter_config.json); train them with `hf-specdec train medusa` "
-            "(see examples/heads/medusa/README.md)"
+            f"no {kind} heads at {path} (expected adapter_config.json); train them with `{command}` "
+            f"(see examples/heads/{kind}/README.md)"
         )
     return path

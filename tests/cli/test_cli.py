@@ -51,11 +51,13 @@ def test_bad_numbers_are_clear_errors(tmp_path, tiny_models):
     with pytest.raises(SystemExit, match="--tree-width values must be >= 1"):
         main(["bench", "--target", str(tiny_models / "target"), "--tree-width", "0"])
     with pytest.raises(SystemExit):
-        main(["bench", "--method", "eagle"])  # argparse: invalid choice
-    with pytest.raises(SystemExit, match="no Medusa heads at"):
+        main(["bench", "--method", "suffix"])  # argparse: invalid choice
+    with pytest.raises(SystemExit, match="no medusa heads at"):
         main(["bench", "--target", str(tiny_models / "target"), "--method", "medusa", "--heads", str(tmp_path)])
     with pytest.raises(SystemExit, match="--method medusa with --target needs --heads"):
         main(["bench", "--target", str(tiny_models / "target"), "--method", "medusa"])
+    with pytest.raises(SystemExit, match="--method eagle3 with --target needs --eagle3-head"):
+        main(["bench", "--target", str(tiny_models / "target"), "--method", "eagle3"])
 
 
 def test_bench_medusa_uses_the_committed_heads_on_the_test_bed(tmp_path):
@@ -64,6 +66,15 @@ def test_bench_medusa_uses_the_committed_heads_on_the_test_bed(tmp_path):
                  "--num-prompts", "1", "--max-new-tokens", "8", "--workload", "completion", "--json", str(out)]) == 0
     rows = {(r["case"], r["tree_width"]): r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {("plain", 1), ("medusa", 1), ("medusa", 2)}
+    assert all(r["identical_to_plain"] for r in rows.values())
+
+
+def test_bench_eagle_uses_the_committed_heads_on_the_test_bed(tmp_path):
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "eagle", "eagle3", "--batch-size", "1", "-k", "3", "--tree-width", "1",
+                 "2", "--num-prompts", "1", "--max-new-tokens", "8", "--workload", "completion", "--json", str(out)]) == 0
+    rows = {(r["case"], r["tree_width"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {("plain", 1), ("eagle", 1), ("eagle", 2), ("eagle3", 1), ("eagle3", 2)}
     assert all(r["identical_to_plain"] for r in rows.values())
 
 

@@ -12,14 +12,14 @@ from safetensors import safe_open
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import MedusaHeads
-from hf_specdec.testbed.loading import load_testbed, medusa_heads_dir
+from hf_specdec.testbed.loading import load_testbed, heads_dir
 from hf_specdec.testbed.workloads import load_workload
 
 MAX_BYTES = 13 * 1024 * 1024
 
 
 def test_committed_heads_files():
-    folder = medusa_heads_dir()
+    folder = heads_dir("medusa")
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     assert sum(p.stat().st_size for p in folder.iterdir()) <= MAX_BYTES
     with safe_open(str(folder / "adapter_model.safetensors"), "pt") as weights:
@@ -32,7 +32,7 @@ def test_committed_heads_files():
 def testbed():
     tokenizer, target, _ = load_testbed()
     tokenizer.padding_side = "left"
-    return tokenizer, target, MedusaHeads.from_pretrained(medusa_heads_dir())
+    return tokenizer, target, MedusaHeads.from_pretrained(heads_dir("medusa"))
 
 
 @pytest.mark.parametrize("tree", [False, True])

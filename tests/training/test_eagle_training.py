@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_specdec.cli.train_eagle import main
+from hf_specdec.cli.main import main as cli_main
 from hf_specdec.heads.eagle import EagleHead
 from hf_specdec.testbed import loading
 from hf_specdec.training.eagle import GENERATED_FILE, build_draft_vocab, ttt_attention_mask
@@ -40,6 +40,10 @@ def _args(base: Path, out: Path, version: str, steps: int, extra: list[str] = ()
     return ["--base", str(base), "--tokenizer", str(loading.testbed_dir() / "tokenizer"), "--data", *map(str, DATA),
             "--out", str(out), "--version", version, "--steps", str(steps), "--batch-size", "4", "--seq-len", "32",
             "--learning-rate", "3e-3", "--warmup-steps", "0", "--save-every", "5", "--ttt-steps", "3", *extra]
+
+
+def main(argv: list[str]) -> int:
+    return cli_main(["train", "eagle", *argv])
 
 
 def _history(out: Path) -> list[float]:
@@ -105,7 +109,7 @@ def test_bad_training_input(base, tmp_path):
 def test_two_cpu_processes_under_accelerate(base, tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "hf_specdec.cli.train_eagle",
+               "-m", "hf_specdec.cli", "train", "eagle",
                *_args(base, tmp_path, "eagle3", steps=2, extra=["--num-samples", "3", "--prompt-len", "24"])]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
