@@ -39,7 +39,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_specdec.heads.eagle import EagleConfig, EagleHead, EagleVersion
-from hf_specdec.training.medusa import STATE_FILE, _token_stream, _windows
+from hf_specdec.training import checkpoints
+from hf_specdec.training.data import token_stream, windows
 
 DataSource = Literal["generated", "text"]
 GENERATED_FILE = "generated_data.safetensors"
@@ -172,7 +173,7 @@ def training_windows(config: EagleTrainConfig, accelerator: Accelerator, target:
         return stream.unfold(0, config.seq_len, config.seq_len)
     key, path = _generation_key(config, stream, accelerator.num_processes), config.generated_path
     if not path.is_file() or _read_generation_key(path) != key:
-        prompts = _windows(stream, config.num_samples, config.prompt_len, torch.Generator().manual_seed(config.seed))
+        prompts = windows(stream, config.num_samples, config.prompt_len, torch.Generator().manual_seed(config.seed))
         with accelerator.split_between_processes(prompts) as mine:  # [N / processes, P]
             rows = generate_continuations(
                 target, mine, config.seq_len - config.prompt_len, config.temperature,
@@ -352,14 +353,14 @@ def train_eagle(config: EagleTrainConfig) -> dict:
     target = AutoModelForCausalLM.from_pretrained(config.base, dtype=dtype, use_safetensors=True,
                                                   local_files_only=True)
     target.requires_grad_(False).eval().to(accelerator.device)
-    stream = _token_stream(tokenizer, config.data, config.seq_len + 1)
-    windows = training_windows(config, accelerator, target, stream)  # [N, seq_len]
+    stream = token_stream(tokenizer, config.data, config.seq_len + 1, "EagleTrainConfig.data")
+    data_windows = training_windows(config, accelerator, target, stream)  # [N, seq_len]
 
     torch.manual_seed(config.seed)
     head_config = _head_config(config, target)
     head = EagleHead(head_config)
     if config.version == "eagle3" and head_config.draft_vocab_size is not None:
-        d2t, t2d = build_draft_vocab(windows, head_config.vocab_size, head_config.draft_vocab_size)
+        d2t, t2d = build_draft_vocab(data_windows, head_config.vocab_size, head_config.draft_vocab_size)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
     if config.init_from_target:
@@ -370,18 +371,15 @@ def train_eagle(config: EagleTrainConfig) -> dict:
     objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
 
     checkpoint = config.out / "checkpoint"
-    start = 0
-    if (checkpoint / STATE_FILE).is_file():
-        accelerator.load_state(str(checkpoint))
-        start = json.loads((checkpoint / STATE_FILE).read_text())["step"]
+    start = checkpoints.resume(accelerator, checkpoint)
     generator = torch.Generator()
     history, metrics_history = [], []
     progress = tqdm(range(start, config.steps), desc=f"{config.version} head",
                     disable=not accelerator.is_local_main_process)
     for step in progress:
         generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
-        rows = torch.randint(0, len(windows), (config.batch_size,), generator=generator)
-        input_ids = windows[rows].to(accelerator.device)  # [B, L]
+        rows = torch.randint(0, len(data_windows), (config.batch_size,), generator=generator)
+        input_ids = data_windows[rows].to(accelerator.device)  # [B, L]
         embeds, features, target_logits = _target_inputs(target, head_config, input_ids)
         loss, metrics = objective(input_ids, embeds, features, target_logits, target.lm_head)
         accelerator.backward(loss)
@@ -393,10 +391,7 @@ def train_eagle(config: EagleTrainConfig) -> dict:
         metrics_history.append(metrics)
         progress.set_postfix(loss=f"{history[-1]:.3f}", acc=f"{metrics['accuracy']:.2f}")
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
-            accelerator.wait_for_everyone()
-            accelerator.save_state(str(checkpoint))
-            if accelerator.is_main_process:
-                (checkpoint / STATE_FILE).write_text(json.dumps({"step": step + 1}, sort_keys=True))
+            checkpoints.save(accelerator, checkpoint, step + 1)
     accelerator.wait_for_everyone()
     result = {"steps": config.steps, "loss_history": history, "metrics_history": metrics_history,
               "config": {k: str(v) for k, v in asdict(config).items()}}

@@ -29,8 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_specdec.heads.files import LORA_FOLDER
 from hf_specdec.heads.medusa import MedusaConfig, MedusaHeads, fit_tree
+from hf_specdec.training import checkpoints
+from hf_specdec.training.data import token_stream, windows
 
-STATE_FILE = "training_state.json"
 DISTILLATION_FILE = "self_distillation.jsonl"
 LLAMA_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TREE_MAX_RANK = 10  # candidates per head considered when fitting the tree
@@ -102,39 +103,11 @@ class MedusaTrainConfig:
             raise ValueError("MedusaTrainConfig.self_distillation: only stage 2 trains the backbone; use stage=2")
 
 
-def _token_stream(tokenizer, paths: list[Path], min_length: int) -> torch.Tensor:
-    ids: list[int] = []
-    for path in paths:
-        if path.suffix == ".jsonl":
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        else:
-            records = [{"text": path.read_text()}]
-        for record in records:
-            tokens = record["input_ids"] if "input_ids" in record else tokenizer(
-                record["text"], add_special_tokens=False)["input_ids"]
-            ids += tokens + [tokenizer.eos_token_id]
-    if len(ids) < min_length:
-        raise ValueError(f"MedusaTrainConfig.data: {len(ids)} tokens, need at least {min_length} (seq_len + heads + 2)")
-    return torch.tensor(ids)
-
-
-def _windows(
-    # [N] the token stream
-    stream: torch.Tensor,
-    count: int,
-    length: int,
-    generator: torch.Generator,
-) -> torch.Tensor:
-    """[count, length]: windows of the stream at seeded random offsets."""
-    starts = torch.randint(0, len(stream) - length, (count,), generator=generator)
-    return torch.stack([stream[s : s + length] for s in starts.tolist()])
-
-
 @torch.no_grad()
 def _self_distillation_records(model, tokenizer, stream: torch.Tensor, config: MedusaTrainConfig,
                                accelerator: Accelerator) -> list[dict]:
     """The target's greedy continuations of seeded windows of the data (prompt tokens included)."""
-    prompts = _windows(stream, config.distill_samples, DISTILL_PROMPT_TOKENS,
+    prompts = windows(stream, config.distill_samples, DISTILL_PROMPT_TOKENS,
                        torch.Generator().manual_seed(config.seed + 17))
     records = []
     with accelerator.split_between_processes(prompts) as mine:
@@ -259,7 +232,7 @@ def train_medusa(config: MedusaTrainConfig) -> dict:
     dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32  # CPUs are slow in bf16
     base = AutoModelForCausalLM.from_pretrained(config.base, dtype=dtype, use_safetensors=True, local_files_only=True)
     base.requires_grad_(False).eval().to(accelerator.device)
-    stream = _token_stream(tokenizer, config.data, config.seq_len + config.num_heads + 2)
+    stream = token_stream(tokenizer, config.data, config.seq_len + config.num_heads + 2, "MedusaTrainConfig.data")
     if config.distill_samples:
         distilled = config.out / DISTILLATION_FILE
         if not distilled.is_file():
@@ -268,7 +241,7 @@ def train_medusa(config: MedusaTrainConfig) -> dict:
                 config.out.mkdir(parents=True, exist_ok=True)
                 distilled.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
             accelerator.wait_for_everyone()
-        stream = _token_stream(tokenizer, [distilled], config.seq_len + config.num_heads + 2)
+        stream = token_stream(tokenizer, [distilled], config.seq_len + config.num_heads + 2, "MedusaTrainConfig.data")
 
     torch.manual_seed(config.seed)
     heads = _heads_for(base, config)
@@ -287,17 +260,14 @@ def train_medusa(config: MedusaTrainConfig) -> dict:
     lm_head = base.get_output_embeddings()
 
     checkpoint = config.out / "checkpoint"
-    start = 0
-    if (checkpoint / STATE_FILE).is_file():
-        accelerator.load_state(str(checkpoint))
-        start = json.loads((checkpoint / STATE_FILE).read_text())["step"]
+    start = checkpoints.resume(accelerator, checkpoint)
     generator = torch.Generator()
     history = []
     progress = tqdm(range(start, config.steps), desc=f"medusa-{config.stage}",
                     disable=not accelerator.is_local_main_process)
     for step in progress:
         generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
-        input_ids = _windows(stream, config.batch_size, config.seq_len, generator).to(accelerator.device)
+        input_ids = windows(stream, config.batch_size, config.seq_len, generator).to(accelerator.device)
         loss, per_head = _step_loss(config, model, heads, lm_head, input_ids, accelerator)
         accelerator.backward(loss)
         optimizer.step()
@@ -305,10 +275,7 @@ def train_medusa(config: MedusaTrainConfig) -> dict:
         history.append(float(loss.detach()))
         progress.set_postfix(loss=f"{history[-1]:.3f}", heads=" ".join(f"{x:.2f}" for x in per_head))
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
-            accelerator.wait_for_everyone()
-            accelerator.save_state(str(checkpoint))
-            if accelerator.is_main_process:
-                (checkpoint / STATE_FILE).write_text(json.dumps({"step": step + 1}, sort_keys=True))
+            checkpoints.save(accelerator, checkpoint, step + 1)
     accelerator.wait_for_everyone()
     result = {"steps": config.steps, "loss_history": history, "config": {k: str(v) for k, v in asdict(config).items()}}
     if accelerator.is_main_process:
@@ -332,7 +299,7 @@ def _measure_rank_accuracy(model, heads: MedusaHeads, lm_head, stream: torch.Ten
     generator = torch.Generator().manual_seed(config.seed + 29)
     total = 0
     for _ in range(TREE_FIT_BATCHES):
-        input_ids = _windows(stream, config.batch_size, config.seq_len, generator).to(device)
+        input_ids = windows(stream, config.batch_size, config.seq_len, generator).to(device)
         hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]
         total = total + rank_accuracy(heads(hidden, lm_head), input_ids, TREE_MAX_RANK)
     return total / TREE_FIT_BATCHES
