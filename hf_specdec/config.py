@@ -27,8 +27,9 @@ class SpeculativeConfig:
     tree_paths: Any = field(
         default=None,
         metadata={
-            "help": "method='medusa': a static tree as a list of rank paths (Medusa choices), 'default' for the "
-            "built-in 34-node tree (4 heads), None for a chain"
+            "help": "method='medusa': a static tree as a list of rank paths (Medusa choices); 'default' for the "
+            "heads' own tree (fitted to them in training, else the built-in 34-node tree for 4 heads, or its "
+            "rank-sum <= 2 paths over fewer heads); None for a chain"
         },
     )
     num_speculative_tokens: int = field(default=5, metadata={"help": "draft tokens proposed per step (k)"})
@@ -123,8 +124,9 @@ class SpeculativeConfig:
             raise ValueError(
                 f"SpeculativeConfig.tree_paths: static trees; only method='medusa' uses them, got method={self.method!r}"
             )
-        if self.tree_paths == "default":
-            self.tree_paths = DEFAULT_MEDUSA_TREE
+        if self.tree_paths == "default":  # the heads' own tree: fitted to them in training, else the built-in one
+            own_tree = getattr(self.heads, "tree", None)
+            self.tree_paths = own_tree() if callable(own_tree) else DEFAULT_MEDUSA_TREE
         if self.tree_paths is not None:
             TreeTemplate.from_paths(self.tree_paths)  # validates: a tree, within the node budget
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)

@@ -46,3 +46,10 @@ def test_committed_heads_are_lossless_on_the_test_bed(testbed, tree):
     out = hf_specdec.generate(target, batch["input_ids"], speculative=config, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, target.generate(batch["input_ids"], **kwargs))
     assert out.spec_stats.num_accepted_tokens > 0
+
+
+def test_default_tree_is_the_heads_own(testbed):
+    """tree_paths="default" takes the tree fitted to the heads (3 heads: the built-in 4-deep tree would not fit)."""
+    _, _, heads = testbed
+    config = SpeculativeConfig(method="medusa", heads=heads, tree_paths="default")
+    assert config.tree_paths == heads.tree() == heads.config.tree_paths
