@@ -6,6 +6,7 @@ reports `num_matches` through `update_candidate_strategy`, which is exactly our 
 transformers 5.23 has no public argument that takes a candidate generator; the loop builds its own in the private
 `GenerationMixin._get_candidate_generator`. To use one, override that method on the model to return this object
 and switch assisted mode on (e.g. with `prompt_lookup_num_tokens`); `hf_specdec.generate` needs none of this.
+Draft heads (Medusa, EAGLE) read the target's hidden states, which that loop does not hand over: refused up front.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from hf_specdec.verify.chain import VerificationResult
 
 class ProposerCandidateGenerator(CandidateGenerator):
     def __init__(self, proposer: Proposer, max_length: int, pad_token_id: int = 0) -> None:
+        if proposer.feature_layers is not None:
+            raise ValueError(
+                f"{type(proposer).__name__} reads the target's hidden states from hf_specdec's verify forward, which "
+                "transformers' assisted loop does not pass to a candidate generator; use hf_specdec.generate (or "
+                "model.generate(..., speculative=...) after hf_specdec.enable()) for draft heads"
+            )
         self.proposer = proposer
         self.max_length = max_length
         self.pad_token_id = pad_token_id

@@ -37,3 +37,18 @@ def test_candidate_generator_in_transformers_assisted_loop(method, forward_count
     if method == "draft_same":
         # transformers verifies the prompt and the first drafts in one forward: k + 1 tokens in every forward
         assert count() == -(-20 // 5), "a copy of the target must always be accepted"
+
+
+def test_draft_heads_are_refused_up_front():
+    """Medusa and EAGLE read the target's hidden states, which transformers' loop never hands to a candidate
+    generator: a clear error when the generator is built, not a crash mid-generation."""
+    from transformers import GenerationConfig
+
+    from hf_specdec.heads import EagleConfig, EagleHead
+    from tests.heads.test_medusa import heads_for
+
+    target = make_model("llama")
+    for config in (SpeculativeConfig(method="medusa", heads=heads_for(target)),
+                   SpeculativeConfig(method="eagle", heads=EagleHead(EagleConfig.for_target(target)))):
+        with pytest.raises(ValueError, match="transformers' assisted loop does not pass to a candidate generator"):
+            ProposerCandidateGenerator.from_config(config, target, GenerationConfig(max_length=30))
