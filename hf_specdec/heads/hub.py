@@ -50,9 +50,11 @@ def render_card(
 
 def medusa_card(heads: MedusaHeads, repo_id: str, measured: dict[str, float] | None = None) -> ModelCard:
     config = heads.config
+    projection = ("the target's own lm_head" if config.shared_lm_head
+                  else f"its own lm_head over {config.vocab_size} tokens")
     return render_card("medusa.md", repo_id, config.base_model_name_or_path, ["medusa"], measured,
                        num_heads=config.num_heads, num_layers=config.num_layers, hidden_size=config.hidden_size,
-                       vocab_size=config.vocab_size)
+                       projection=projection)
 
 
 def eagle_card(head: EagleHead, repo_id: str, measured: dict[str, float] | None = None) -> ModelCard:

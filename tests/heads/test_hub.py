@@ -8,7 +8,7 @@ import pytest
 from huggingface_hub import ModelCard
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from hf_specdec.heads import MedusaHeads, hub
+from hf_specdec.heads import MedusaConfig, MedusaHeads, hub
 from tests.heads.test_files import _assert_same, _random_heads
 
 
@@ -53,7 +53,16 @@ def test_push_to_hub_uploads_adapter_and_card(monkeypatch, tmp_path):
     assert card.data.pipeline_tag == "text-generation"
     assert {"speculative-decoding", "medusa"} <= set(card.data.tags)
     assert "| mean_acceptance_length | 2.31 |" in card.text
+    assert "each projected by its own lm_head over" in card.text
     _assert_same(heads, MedusaHeads.from_pretrained(uploaded))
+
+
+def test_card_of_shared_lm_head_heads_says_so():
+    from hf_specdec.heads.hub import medusa_card
+
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=None, num_heads=2, shared_lm_head=True))
+    text = medusa_card(heads, "user/heads").text
+    assert "each projected by the target's own lm_head" in text and "None" not in text
 
 
 def test_hub_id_resolves_through_snapshot_download(monkeypatch, tmp_path):
