@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
@@ -71,12 +71,12 @@ class SpeculativeConfig:
     total_tokens: InitVar[int | None] = None
 
     def __post_init__(self, top_k: int | None, depth: int | None, total_tokens: int | None) -> None:
-        for alias, name, value, default in (("top_k", "tree_width", top_k, 1),
-                                            ("depth", "num_speculative_tokens", depth, 5),
-                                            ("total_tokens", "tree_total_tokens", total_tokens, None)):
+        defaults = {f.name: f.default for f in fields(self)}
+        for alias, name, value in (("top_k", "tree_width", top_k), ("depth", "num_speculative_tokens", depth),
+                                   ("total_tokens", "tree_total_tokens", total_tokens)):
             if value is None:
                 continue
-            if getattr(self, name) not in (default, value):
+            if getattr(self, name) not in (defaults[name], value):
                 raise ValueError(
                     f"SpeculativeConfig.{alias}: an alias of {name}, given both ({value} and {getattr(self, name)}); "
                     f"give one"

@@ -88,7 +88,7 @@ class SpeculativeDecoder:
         sampling = DraftSampling(self.do_sample, prefix_free(logits_processor), self.generator)
         self.proposer = build_proposer(config, model, sampling)
         self.cache = RaggedKVCache(model)
-        self.cache.feature_layers = self.proposer.feature_layers
+        self.cache.feature_layers = self.proposer.target_feature_layers
         self.cache.record_prompt_features = self.proposer.needs_prompt_features
         self.max_depth = config.max_draft_depth
         self.streamer = streamer

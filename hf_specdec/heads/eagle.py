@@ -130,6 +130,11 @@ class EagleConfig:
         return cls(**values)
 
     @property
+    def target_feature_layers(self) -> tuple[int, ...]:
+        """The entries of the target's `hidden_states` the head reads (-1: the final, normed one)."""
+        return (-1,) if self.version == "eagle" else self.feature_layers
+
+    @property
     def num_feature_layers(self) -> int:
         return 1 if self.feature_layers is None else len(self.feature_layers)
 
@@ -283,8 +288,6 @@ class EagleHead(nn.Module):
             weight = target_lm_head.weight
             return target_lm_head(hidden.to(weight.dtype)).float()
         draft_logits = self.lm_head(self.norm(hidden)).float()
-        if draft_logits.shape[-1] == self.config.vocab_size and not bool(self.d2t.any()):
-            return draft_logits
         full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
         target_ids = torch.arange(draft_logits.shape[-1], device=self.d2t.device) + self.d2t
         return full.index_copy(-1, target_ids.to(full.device), draft_logits)
@@ -320,7 +323,7 @@ class EagleHead(nn.Module):
     @property
     def target_feature_layers(self) -> tuple[int, ...]:
         """The entries of the target's `hidden_states` the head reads (-1: the final, normed one)."""
-        return (-1,) if self.config.version == "eagle" else self.config.feature_layers
+        return self.config.target_feature_layers
 
     def save_pretrained(self, folder) -> None:
         """Write the PEFT-style adapter folder (adapter_config.json + adapter_model.safetensors)."""
@@ -343,7 +346,7 @@ class EagleHead(nn.Module):
     def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
                     commit_message: str | None = None, measured: dict[str, float] | None = None):
         """Upload the adapter folder with a model card (measured acceptance/speedup go in when given)."""
-        from hf_specdec.heads.hub import push_eagle
+        from hf_specdec.heads.hub import eagle_card, push_folder
 
-        return push_eagle(self, repo_id, private=private, token=token, commit_message=commit_message,
-                          measured=measured)
+        return push_folder(repo_id, self.save_pretrained, eagle_card(self, repo_id, measured),
+                           "Upload EAGLE head (hf_specdec)", private, token, commit_message)

@@ -1,7 +1,7 @@
 """Heads on the Hugging Face Hub: upload with a model card, download by repo id (offline mode honoured).
 
 Every head kind shares the upload (`push_folder`) and the card renderer (`render_card`, over a template in
-`model_cards/`); `push_medusa` and `push_eagle` only say what their folder and card hold.
+`model_cards/`); each head class's `push_to_hub` names its folder writer, its card and its commit message.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from huggingface_hub import HfApi, ModelCard, snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
 
 from hf_specdec.heads.eagle import EagleHead
-from hf_specdec.heads.eagle_files import save_eagle
-from hf_specdec.heads.files import save_medusa
 from hf_specdec.heads.medusa import MedusaHeads
 
 CARD_TEMPLATES = Path(__file__).resolve().parents[2] / "model_cards"
@@ -89,30 +87,6 @@ def push_folder(
         card.save(Path(folder) / "README.md")
         return api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
                                  commit_message=commit_message or default_message)
-
-
-def push_medusa(
-    heads: MedusaHeads,
-    repo_id: str,
-    private: bool | None = None,
-    token: str | None = None,
-    commit_message: str | None = None,
-    measured: dict[str, float] | None = None,
-):
-    return push_folder(repo_id, lambda folder: save_medusa(heads, folder), medusa_card(heads, repo_id, measured),
-                       "Upload Medusa heads (hf_specdec)", private, token, commit_message)
-
-
-def push_eagle(
-    head: EagleHead,
-    repo_id: str,
-    private: bool | None = None,
-    token: str | None = None,
-    commit_message: str | None = None,
-    measured: dict[str, float] | None = None,
-):
-    return push_folder(repo_id, lambda folder: save_eagle(head, folder), eagle_card(head, repo_id, measured),
-                       "Upload EAGLE head (hf_specdec)", private, token, commit_message)
 
 
 def resolve_folder(path_or_repo_id: str | Path, revision: str | None = None) -> Path:

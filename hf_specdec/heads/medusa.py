@@ -153,10 +153,10 @@ class MedusaHeads(nn.Module):
     def push_to_hub(self, repo_id: str, private: bool | None = None, token: str | None = None,
                     commit_message: str | None = None, measured: dict[str, float] | None = None):
         """Upload the adapter folder with a model card (measured acceptance/speedup go in when given)."""
-        from hf_specdec.heads.hub import push_medusa
+        from hf_specdec.heads.hub import medusa_card, push_folder
 
-        return push_medusa(self, repo_id, private=private, token=token, commit_message=commit_message,
-                           measured=measured)
+        return push_folder(repo_id, self.save_pretrained, medusa_card(self, repo_id, measured),
+                           "Upload Medusa heads (hf_specdec)", private, token, commit_message)
 
 
 def fit_tree(

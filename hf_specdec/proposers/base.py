@@ -32,22 +32,14 @@ class Proposer(ABC):
     `commit`, so a proposer with state (a KV cache) can keep what the target kept.
 
     Proposers that read the target's hidden states get them from the verify forward (no extra pass): with
-    `target_feature_layers` set, `state.target_features` holds those entries of the target's `hidden_states` for
-    the step's committed tokens, and `state.target_hidden` those of the last committed token;
-    `needs_target_hidden_states` is shorthand for the final layer only. With `needs_prompt_features`, `start`
-    finds the prompt's features in `state.target_features`.
+    `target_feature_layers` set (entries of the target's `hidden_states`; -1 is the final one),
+    `state.target_features` holds them for the step's committed tokens, and `state.target_hidden` those of the
+    last committed token. With `needs_prompt_features`, `start` finds the prompt's features in
+    `state.target_features`.
     """
 
-    needs_target_hidden_states: bool = False
     target_feature_layers: tuple[int, ...] | None = None
     needs_prompt_features: bool = False
-
-    @property
-    def feature_layers(self) -> tuple[int, ...] | None:
-        """The target `hidden_states` entries the engine must record (None: none)."""
-        if self.target_feature_layers is not None:
-            return self.target_feature_layers
-        return (-1,) if self.needs_target_hidden_states else None
 
     def start(
         self,

@@ -24,7 +24,7 @@ from hf_specdec.verify.chain import VerificationResult
 
 class ProposerCandidateGenerator(CandidateGenerator):
     def __init__(self, proposer: Proposer, max_length: int, pad_token_id: int = 0) -> None:
-        if proposer.feature_layers is not None:
+        if proposer.target_feature_layers is not None:
             raise ValueError(
                 f"{type(proposer).__name__} reads the target's hidden states from hf_specdec's verify forward, which "
                 "transformers' assisted loop does not pass to a candidate generator; use hf_specdec.generate (or "

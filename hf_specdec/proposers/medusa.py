@@ -20,7 +20,7 @@ from hf_specdec.tree.tree import TokenTree
 
 
 class MedusaProposer(Proposer):
-    needs_target_hidden_states = True
+    target_feature_layers = (-1,)  # the final hidden state
 
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module) -> None:
         self.heads = config.heads
