@@ -10,33 +10,20 @@ the processes run on the CPU over gloo). Checkpoints land in DIR/checkpoint and 
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
-from pathlib import Path
 
+from hf_specdec.cli.train_common import add_common_arguments, run_trainer
 from hf_specdec.training.medusa import LLAMA_LORA_MODULES, MedusaTrainConfig, train_medusa
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base", type=Path, required=True, help="target model folder")
-    parser.add_argument("--data", type=Path, nargs="+", required=True,
-                        help="text files, or .jsonl with a 'text' or 'input_ids' field")
-    parser.add_argument("--out", type=Path, required=True, help="output folder for the adapter and checkpoints")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: --base)")
+    add_common_arguments(parser, out_help="output folder for the adapter and checkpoints")
     parser.add_argument("--stage", type=int, default=1, choices=(1, 2),
                         help="1: heads on a frozen target (Medusa-1, default); 2: heads plus a LoRA (Medusa-2)")
     parser.add_argument("--num-heads", type=int, default=4, help="heads to train (default 4)")
     parser.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default 1)")
     parser.add_argument("--shared-lm-head", action="store_true",
                         help="heads project with the target's lm_head (small files) instead of their own")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per step and process (default 8)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
-    parser.add_argument("--learning-rate", type=float, default=1e-3,
-                        help="AdamW learning rate (default 1e-3; stage 2: the LoRA's)")
     parser.add_argument("--decay", type=float, default=0.8, help="loss weight decay per head (default 0.8)")
-    parser.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for initialisation and sampling (default 0)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--distill-samples", type=int, default=0,
                         help="first let the target continue this many windows of the data greedily and train on "
                              "its own output (default 0: train on the data)")
@@ -57,12 +44,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = MedusaTrainConfig(**{f.name: getattr(args, f.name) for f in fields(MedusaTrainConfig)})
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from error
-    result = train_medusa(config)
-    history = result["loss_history"]
-    if history:
-        print(f"trained {len(history)} steps: loss {history[0]:.3f} -> {history[-1]:.3f}; heads in {config.out}")
-    return 0
+    return run_trainer(MedusaTrainConfig, train_medusa, args, trained="heads in {config.out}")
