@@ -8,6 +8,20 @@ from pathlib import Path
 import torch
 
 
+def check_inputs(config) -> None:
+    """Normalise and check the fields every trainer config has: `base` (a model folder), `data` (existing files),
+    `out` and `tokenizer`; errors name the config class and the field."""
+    owner = type(config).__name__
+    config.base, config.out = Path(config.base), Path(config.out)
+    config.data = [Path(p) for p in config.data]
+    config.tokenizer = None if config.tokenizer is None else Path(config.tokenizer)
+    if not (config.base / "config.json").is_file():
+        raise ValueError(f"{owner}.base: no model at {config.base} (expected config.json)")
+    missing = [str(p) for p in config.data if not p.is_file()]
+    if not config.data or missing:
+        raise ValueError(f"{owner}.data: expected existing files, missing {missing or 'all'}")
+
+
 def token_stream(tokenizer, paths: list[Path], min_length: int, field: str) -> torch.Tensor:
     """[N]: every file's tokens followed by EOS. Files: text (.txt, .py, ...), or .jsonl records with a "text" or an
     "input_ids" field. `field` names the config field in the error when the stream is shorter than `min_length`."""

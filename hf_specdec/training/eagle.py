@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_specdec.heads.eagle import EagleConfig, EagleHead, EagleVersion
 from hf_specdec.training import checkpoints
-from hf_specdec.training.data import token_stream, windows
+from hf_specdec.training.data import check_inputs, token_stream, windows
 
 DataSource = Literal["generated", "text"]
 GENERATED_FILE = "generated_data.safetensors"
@@ -80,16 +80,9 @@ class EagleTrainConfig:
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads (None: torch's choice)"})
 
     def __post_init__(self) -> None:
-        self.base, self.out = Path(self.base), Path(self.out)
-        self.data = [Path(p) for p in self.data]
-        self.tokenizer = None if self.tokenizer is None else Path(self.tokenizer)
+        check_inputs(self)
         self.generated_data = None if self.generated_data is None else Path(self.generated_data)
         self.feature_layers = None if self.feature_layers is None else tuple(int(i) for i in self.feature_layers)
-        if not (self.base / "config.json").is_file():
-            raise ValueError(f"EagleTrainConfig.base: no model at {self.base} (expected config.json)")
-        missing = [str(p) for p in self.data if not p.is_file()]
-        if not self.data or missing:
-            raise ValueError(f"EagleTrainConfig.data: expected existing files, missing {missing or 'all'}")
         if self.version not in get_args(EagleVersion):
             raise ValueError(
                 f"EagleTrainConfig.version: expected one of {get_args(EagleVersion)}, got {self.version!r}"

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_specdec.heads.files import LORA_FOLDER
 from hf_specdec.heads.medusa import MedusaConfig, MedusaHeads, fit_tree
 from hf_specdec.training import checkpoints
-from hf_specdec.training.data import token_stream, windows
+from hf_specdec.training.data import check_inputs, token_stream, windows
 
 DISTILLATION_FILE = "self_distillation.jsonl"
 LLAMA_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -71,14 +71,7 @@ class MedusaTrainConfig:
     medusa_lr_multiplier: float = field(default=4.0, metadata={"help": "stage 2: heads' learning rate / the LoRA's"})
 
     def __post_init__(self) -> None:
-        self.base, self.out = Path(self.base), Path(self.out)
-        self.data = [Path(p) for p in self.data]
-        self.tokenizer = None if self.tokenizer is None else Path(self.tokenizer)
-        if not (self.base / "config.json").is_file():
-            raise ValueError(f"MedusaTrainConfig.base: no model at {self.base} (expected config.json)")
-        missing = [str(p) for p in self.data if not p.is_file()]
-        if not self.data or missing:
-            raise ValueError(f"MedusaTrainConfig.data: expected existing files, missing {missing or 'all'}")
+        check_inputs(self)
         if self.stage not in (1, 2):
             raise ValueError(f"MedusaTrainConfig.stage: expected 1 or 2, got {self.stage!r}")
         for name in ("num_heads", "num_layers", "steps", "batch_size", "seq_len", "save_every", "distill_new_tokens",
