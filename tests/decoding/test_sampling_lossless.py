@@ -92,6 +92,17 @@ def _cells(law: torch.Tensor) -> torch.Tensor:
     return bins
 
 
+def _pool(
+    # [VOCAB * VOCAB]
+    cell_values: torch.Tensor,
+    # [VOCAB * VOCAB] from _cells
+    bins: torch.Tensor,
+) -> torch.Tensor:
+    """[bins]: the values summed per bin (impossible cells left out)."""
+    size = int(bins.max()) + 1
+    return torch.zeros(size, dtype=cell_values.dtype).index_add_(0, bins[bins >= 0], cell_values[bins >= 0])
+
+
 def chi_square_pvalues(samples: torch.Tensor, law: torch.Tensor) -> list[float]:
     """One p-value per marginal (0 when a draw falls where the law has no mass)."""
     pvalues = []
@@ -102,9 +113,8 @@ def chi_square_pvalues(samples: torch.Tensor, law: torch.Tensor) -> list[float]:
         if bool((bins[cells] < 0).any()):
             pvalues.append(0.0)
             continue
-        size = int(bins.max()) + 1
-        observed = torch.bincount(bins[cells], minlength=size).double()
-        expected = torch.zeros(size, dtype=torch.float64).index_add_(0, bins[bins >= 0], cell_law[bins >= 0]) * N
+        observed = torch.bincount(bins[cells], minlength=int(bins.max()) + 1).double()
+        expected = _pool(cell_law, bins) * N
         pvalues.append(float(stats.chisquare(observed.numpy(), expected.numpy()).pvalue))
     return pvalues
 
@@ -204,9 +214,8 @@ def _power(law: torch.Tensor, wrong: torch.Tensor) -> float:
     for pair in MARGINALS:
         cell_law, cell_wrong = marginal(law, pair), marginal(wrong, pair)
         bins = _cells(cell_law)
-        size = int(bins.max()) + 1
-        pooled_law = torch.zeros(size, dtype=torch.float64).index_add_(0, bins[bins >= 0], cell_law[bins >= 0])
-        pooled_wrong = torch.zeros(size, dtype=torch.float64).index_add_(0, bins[bins >= 0], cell_wrong[bins >= 0])
+        pooled_law, pooled_wrong = _pool(cell_law, bins), _pool(cell_wrong, bins)
+        size = len(pooled_law)
         noncentrality = N * float(((pooled_wrong - pooled_law) ** 2 / pooled_law).sum())
         critical = stats.chi2.ppf(1 - ALPHA / len(MARGINALS), size - 1)
         powers.append(1 - stats.ncx2.cdf(critical, size - 1, noncentrality))
