@@ -5,8 +5,8 @@ transformers' assisted generation gives up here (batch size 1 only); this module
 
 Design
 ------
-* The keys and values live in one transformers `DynamicCache` whose layers are all full-attention layers.
-  All rows share one slot axis of length S.
+* The keys and values live in one `GrowableCache` (a transformers `DynamicCache` that appends in place, see
+  `hf_specdec.cache.growable`) whose layers are all full-attention layers. All rows share one slot axis of length S.
 * `valid [B, S]` says which slots a row may attend to; `positions [B, S]` holds the position id of each slot.
 * A forward appends the same number of slots W to every row (for a verify step: the last committed token and k
   drafts). `rollback` then keeps, per row, only the first `num_kept` of the slots appended since a `CacheMark`
@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
+from hf_specdec.cache.growable import GrowableCache
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
 
 FULL_ATTENTION = "full_attention"
@@ -89,7 +89,7 @@ class RaggedKVCache:
     def __init__(self, model) -> None:
         self.model = model
         self.layout = AttentionLayout.from_model(model)
-        self.kv = DynamicCache()
+        self.kv = GrowableCache()
         self.valid: torch.Tensor | None = None  # [B, S] bool
         self.positions: torch.Tensor | None = None  # [B, S] long
         self.next_position: torch.Tensor | None = None  # [B] long: position id of each row's next token
@@ -270,8 +270,7 @@ class RaggedKVCache:
         for layer in self.kv.layers:
             if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
                 continue
-            layer.keys = _gather_slots(layer.keys, order)
-            layer.values = _gather_slots(layer.values, order)
+            layer.replace(_gather_slots(layer.keys, order), _gather_slots(layer.values, order))
         self.positions = self.positions.gather(1, order)
         self.valid = slot[None, :longest] < self.valid.sum(dim=1, keepdim=True)
 
