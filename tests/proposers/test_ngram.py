@@ -19,8 +19,14 @@ def test_longest_match_wins_over_shorter_later_match():
     assert _find([7, 8, 9, 1, 2, 5, 8, 9, 3, 7, 8, 9]) == [1, 2, 5, 8]
 
 
-def test_earliest_occurrence_among_equal_lengths():
-    assert _find([4, 5, 1, 4, 5, 2, 4, 5], max_n=2) == [1, 4, 5, 2]
+def test_most_recent_occurrence_among_equal_lengths():
+    # [4, 5] ends at 1 and at 4: the later one wins; its continuation [2, 4, 5] then repeats
+    assert _find([4, 5, 1, 4, 5, 2, 4, 5], max_n=2) == [2, 4, 5, 2]
+
+
+def test_copy_runs_past_the_end_of_the_text():
+    assert _find([3, 7, 7], k=4) == [7, 7, 7, 7]  # a run goes on
+    assert _find([9, 1, 2, 1, 2], k=5) == [1, 2, 1, 2, 1]  # so does an alternation
 
 
 def test_no_match_and_too_short():
@@ -31,7 +37,7 @@ def test_no_match_and_too_short():
 
 def test_min_n_is_respected():
     assert _find([1, 2, 9, 3, 2], min_n=2) == []
-    assert _find([1, 2, 9, 3, 2], min_n=1) == [9, 3, 2]
+    assert _find([1, 2, 9, 3, 2], min_n=1) == [9, 3, 2, 9]
 
 
 def test_continuation_is_capped_at_k():
@@ -59,11 +65,15 @@ def test_left_padding_is_never_matched():
 
 
 def _brute_force(tokens, min_n, max_n, k):
+    """The latest earlier occurrence of the longest suffix n-gram, then LZ77-style copying one token at a time."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        for start in range(0, length - n):
+        for start in range(length - n - 1, -1, -1):
             if tokens[start : start + n] == tokens[length - n :]:
-                return tokens[start + n : start + n + k]
+                text = list(tokens)
+                for source in range(start + n, start + n + k):
+                    text.append(text[source])
+                return text[length:]
     return []
 
 
