@@ -18,6 +18,8 @@ Design
 * Attention gets a 4-D additive mask built from `valid` and `positions`. Causality and sliding windows are
   computed on positions (token distance), never on slot indices, so a window covers exactly the tokens it covers
   in plain `generate`. Sliding-window layers therefore keep their whole history here; the mask applies the window.
+* While no row has padding, holes or dummies (batch 1, say) and there is no sliding window, a chain needs only a
+  plain causal mask, or none for one query per row; `forward` skips the general construction then.
 * Positions follow plain `generate`: the first real token of a left-padded row has position 0.
 
 The prefill goes through the model's own mask preparation (a 2-D mask), as plain `generate` does, so the prompt
@@ -154,15 +156,24 @@ class RaggedKVCache:
         `model_inputs` go to the model as they are (a draft head's features)."""
         width = input_ids.shape[1]
         offsets = torch.arange(width, device=input_ids.device)
-        chain = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
-        logits = self.forward_tree(
-            input_ids,
-            positions=self.next_position[:, None] + offsets,
-            real=offsets[None, :] < num_real[:, None],
-            region_start=self.num_slots,
-            visible=chain.expand(input_ids.shape[0], width, width),
-            **model_inputs,
-        )
+        positions = self.next_position[:, None] + offsets
+        real = offsets[None, :] < num_real[:, None]
+        if self.layout.sliding_window is None and bool(real.all()) and bool(self.valid.all()):
+            # No padding, holes or dummies: every query sees every earlier slot, so the mask is plain causal.
+            self._extend(positions, real)
+            mask = None if width == 1 else _causal_tail_mask(input_ids.shape[0], width, self.num_slots,
+                                                             self.model.dtype, input_ids.device)
+            logits = self._run(input_ids, positions, attention_mask=mask, **model_inputs)
+        else:
+            chain = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
+            logits = self.forward_tree(
+                input_ids,
+                positions=positions,
+                real=real,
+                region_start=self.num_slots,
+                visible=chain.expand(input_ids.shape[0], width, width),
+                **model_inputs,
+            )
         self.next_position = self.next_position + num_real
         return logits
 
@@ -182,12 +193,34 @@ class RaggedKVCache:
     ) -> torch.Tensor:
         """Run the model on W new tokens per row; slots before the region are seen by position (causal, windowed).
         Does not move `next_position` (`keep` does, and `forward` for chains). Returns logits [B, W, V]."""
+        self._extend(positions, real)
+        mask = self._attention_mask(positions, region_start, visible)
+        return self._run(input_ids, positions, attention_mask=mask, **model_inputs)
+
+    def _extend(
+        self,
+        # [B, W]
+        positions: torch.Tensor,
+        # [B, W] bool
+        real: torch.Tensor,
+    ) -> None:
+        """Append W slots per row (their KV is written by the forward that follows)."""
         self.valid = torch.cat([self.valid, real], dim=1)
         self.positions = torch.cat([self.positions, positions], dim=1)
+
+    def _run(
+        self,
+        # [B, W]
+        input_ids: torch.Tensor,
+        # [B, W]
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | dict | None,
+        **model_inputs,
+    ) -> torch.Tensor:
         inputs = dict(
             input_ids=input_ids,
             position_ids=positions,
-            attention_mask=self._attention_mask(positions, region_start, visible),
+            attention_mask=attention_mask,
             past_key_values=self.kv,
             use_cache=True,
             **model_inputs,
@@ -283,3 +316,12 @@ def _gather_slots(
 ) -> torch.Tensor:
     index = order.to(states.device)[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
     return states.gather(2, index)
+
+
+def _causal_tail_mask(batch: int, width: int, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [B, 1, W, S] for W queries in the last W of S slots, all of them valid: each query sees every
+    slot up to its own."""
+    mask = torch.zeros(width, num_slots, dtype=dtype, device=device)
+    mask[:, num_slots - width :] = torch.full((width, width), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    return mask.expand(batch, 1, width, num_slots)
+

@@ -69,3 +69,27 @@ def test_flash_attention_is_refused_with_an_actionable_error():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         AttentionLayout.from_model(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
+def test_unpadded_chains_skip_the_ancestry_mask_and_match_fresh_forward(arch, monkeypatch):
+    """With no padding, holes or dummies the cache builds a plain causal mask (or none for one query per row)
+    instead of the ancestry mask; every position's logits still equal a fresh forward's."""
+    model = make_model(arch)
+    built = []
+    monkeypatch.setattr(ragged, "ancestry_attention_mask", lambda *args: built.append(args))
+    generator = torch.Generator().manual_seed(3)
+    kept = torch.randint(3, 100, (2, 7), generator=generator)
+    cache = RaggedKVCache(model)
+    with torch.no_grad():
+        cache.prefill(kept, None)
+        for width, num_kept in [(1, 1), (4, 2), (1, 0), (5, 5), (3, 1)]:
+            block = torch.randint(3, 100, (2, width), generator=generator)
+            mark = cache.mark()
+            logits = cache.forward(block, torch.full((2,), width))
+            full = torch.cat([kept, block], dim=1)
+            expect = model(input_ids=full, position_ids=torch.arange(full.shape[1])[None].expand(2, -1)).logits
+            torch.testing.assert_close(logits, expect[:, -width:], rtol=1e-4, atol=1e-4)
+            cache.rollback(mark, torch.full((2,), num_kept))
+            kept = torch.cat([kept, block[:, :num_kept]], dim=1)
+    assert not built
