@@ -50,6 +50,19 @@ class GrowableLayer(DynamicLayer):
         if self.is_initialized and self._key_buffer is not None:
             self._set_length(self.keys.shape[-2])
 
+    def batch_select_indices(
+        self,
+        # [B'] long: the rows to keep, in order
+        indices: torch.Tensor,
+    ) -> None:
+        """Keep only these batch rows (one copy of their used slots; the buffers keep their capacity)."""
+        if not self.is_initialized or self._key_buffer is None:
+            return
+        keys, values = self.keys[indices], self.values[indices]
+        self._key_buffer = self._key_buffer.new_empty(indices.shape[0], *self._key_buffer.shape[1:])
+        self._value_buffer = self._value_buffer.new_empty(indices.shape[0], *self._value_buffer.shape[1:])
+        self.replace(keys, values)
+
     def replace(
         self,
         # [B, H, S, D]

@@ -18,6 +18,8 @@ Design
 * Attention gets a 4-D additive mask built from `valid` and `positions`. Causality and sliding windows are
   computed on positions (token distance), never on slot indices, so a window covers exactly the tokens it covers
   in plain `generate`. Sliding-window layers therefore keep their whole history here; the mask applies the window.
+* Rows that finished can be dropped (`select_rows`), so they stop costing compute; the engine maps the rows the
+  cache holds to batch rows.
 * While no row has padding, holes or dummies (batch 1, say) and there is no sliding window, a chain needs only a
   plain causal mask, or none for one query per row; `forward` skips the general construction then.
 * Positions follow plain `generate`: the first real token of a left-padded row has position 0.
@@ -263,6 +265,17 @@ class RaggedKVCache:
         longest = self._longest_row()
         if self.num_slots - longest > max(MIN_HOLES_BEFORE_COMPACTION, longest):  # holes outnumber the longest row
             self._compact(longest)
+
+    def select_rows(
+        self,
+        # [B'] long: indices of the rows to keep, in order
+        rows: torch.Tensor,
+    ) -> None:
+        """Keep only these rows (the others, finished, stop costing compute): one copy of the cache."""
+        self.kv.batch_select_indices(rows.to(self.valid.device))
+        self.valid, self.positions = self.valid[rows], self.positions[rows]
+        self.next_position = self.next_position[rows]
+        self._crop_unused_tail()
 
     def _attention_mask(self, query_positions: torch.Tensor, region_start: int, visible: torch.Tensor):
         """Additive mask(s) [B, 1, W, S]: before the region, valid slots at positions <= the query's; in the

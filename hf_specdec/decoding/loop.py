@@ -12,6 +12,8 @@
    the target cache and the proposer keep exactly what was accepted (for a tree: the accepted path).
 
 Batch rows advance independently (see `hf_specdec.cache.ragged` for how the cache stays ragged and bounded).
+Once enough rows have finished, the target's cache drops them (`drop_finished_rows`): the verify forward then
+runs on the rows still generating, and its logits are put back in batch order.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ from hf_specdec.stats import SpecStats, SpecStatsRecorder
 from hf_specdec.verify.chain import VerificationResult, greedy_verify, rejection_sample
 from hf_specdec.verify.tree import TreeVerificationResult, greedy_tree_verify, tree_rejection_sample
 from hf_specdec.verify.typical import typical_chain_verify_lossy, typical_tree_verify_lossy
+
+
+# Finished rows leave the target's cache once they are this share of the rows it holds: dropping copies the cache
+# once, and every later verify forward computes that many rows fewer.
+DROP_FINISHED_SHARE = 0.25
 
 
 @dataclass
@@ -95,6 +102,7 @@ class SpeculativeDecoder:
         self.generation_config = generation_config
         self.score_log = ScoreLog(0)
         self.logit_log = ScoreLog(0)
+        self.rows: torch.Tensor | None = None  # [B_held]: the batch row of each row the target cache holds; None: all
 
     def run(
         self,
@@ -129,25 +137,60 @@ class SpeculativeDecoder:
         return self.state, self.stats.finish()
 
     def step(self) -> None:
+        self.drop_finished_rows()
         proposal = self.proposer.propose(self.state)
         mark = self.cache.mark()
         logits = self.verify(proposal)
         self.accept_and_commit(proposal, logits, mark)
 
     def verify(self, proposal: Proposal | TreeProposal) -> torch.Tensor:
-        """One target forward over each row's last committed token and its drafts; returns logits [B, W, V]."""
+        """One target forward over each held row's last committed token and its drafts; returns logits [B, W, V]
+        (zeros for rows the cache dropped)."""
+        held = self.held
         if isinstance(proposal, TreeProposal):
             tree = proposal.tree
-            return self.cache.forward_tree(
-                tree.token_ids,
-                positions=self.cache.next_position[:, None] + tree.depths,
-                real=tree.valid & ~self.state.finished[:, None],
+            logits = self.cache.forward_tree(
+                held(tree.token_ids),
+                positions=self.cache.next_position[:, None] + held(tree.depths),
+                real=held(tree.valid & ~self.state.finished[:, None]),
                 region_start=self.cache.num_slots,
-                visible=tree.ancestors,
+                visible=held(tree.ancestors),
             )
-        block = torch.cat([self.state.last_tokens()[:, None], proposal.draft_token_ids], dim=1)
-        num_real = torch.where(self.state.finished, 0, 1 + proposal.num_draft_tokens)
-        return self.cache.forward(block, num_real)
+        else:
+            block = torch.cat([self.state.last_tokens()[:, None], proposal.draft_token_ids], dim=1)
+            num_real = torch.where(self.state.finished, 0, 1 + proposal.num_draft_tokens)
+            logits = self.cache.forward(held(block), held(num_real))
+        return self.unheld(logits)
+
+    def drop_finished_rows(self) -> None:
+        """Drop finished rows from the target's cache once they are DROP_FINISHED_SHARE of the rows it holds."""
+        rows = torch.arange(self.state.batch_size, device=self.state.finished.device) if self.rows is None else self.rows
+        finished = self.state.finished[rows]
+        if int(finished.sum()) < max(1.0, DROP_FINISHED_SHARE * rows.shape[0]):
+            return
+        keep = (~finished).nonzero().squeeze(1)
+        self.cache.select_rows(keep)
+        self.rows = rows[keep]
+
+    def held(
+        self,
+        # [B, ...]
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        """[B_held, ...]: the entries of the rows the target cache holds."""
+        return values if self.rows is None else values[self.rows.to(values.device)]
+
+    def unheld(
+        self,
+        # [B_held, ...]
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        """[B, ...]: entries of held rows put back in batch order, zeros for dropped rows."""
+        if self.rows is None:
+            return values
+        full = values.new_zeros(self.state.batch_size, *values.shape[1:])
+        full[self.rows.to(values.device)] = values
+        return full
 
     def accept_and_commit(self, proposal: Proposal | TreeProposal, logits: torch.Tensor, mark) -> None:
         state = self.state
@@ -173,15 +216,15 @@ class SpeculativeDecoder:
         if mark is None:
             return
         if isinstance(result, TreeVerificationResult):
-            self.cache.keep(mark, result.kept_nodes & ~state.finished[:, None])
+            self.cache.keep(mark, self.held(result.kept_nodes & ~state.finished[:, None]))
         else:
-            self.cache.rollback(mark, torch.where(state.finished, 0, 1 + result.num_accepted))
+            self.cache.rollback(mark, self.held(torch.where(state.finished, 0, 1 + result.num_accepted)))
         self.proposer.commit(state, result)
 
     def keep_target_features(self, result, num_verified: int) -> None:
         """The target's features where this step's tokens were chosen (`DecodeState.target_features`), and where
         each row's last token was chosen (`target_hidden`)."""
-        hidden = self.cache.hidden_states[:, -num_verified:]  # the prefill may have kept the whole prompt
+        hidden = self.unheld(self.cache.hidden_states[:, -num_verified:])  # the prefill may have kept the whole prompt
         positions = emitted_positions(result)
         features = hidden.gather(1, positions[:, :, None].expand(-1, -1, hidden.shape[2]))
         self.state.target_features = features

@@ -62,3 +62,19 @@ def test_replace_and_dtype_follow_the_states():
     big_keys, big_values = _states(generator, 3 * MIN_CAPACITY, torch.bfloat16)
     layer.replace(big_keys, big_values)
     torch.testing.assert_close(layer.values, big_values, rtol=0, atol=0)
+
+
+def test_batch_select_indices_keeps_rows_and_goes_on_appending():
+    generator = torch.Generator().manual_seed(3)
+    growable, dynamic = GrowableCache(), DynamicCache()
+    for width in (9, 6):
+        states = _states(generator, width)
+        growable.update(*states, 0)
+        dynamic.update(*states, 0)
+    rows = torch.tensor([2, 0])
+    growable.batch_select_indices(rows)
+    dynamic.batch_select_indices(rows)
+    keys, values = (tensor[:2] for tensor in _states(generator, 4))
+    got, want = growable.update(keys, values, 0), dynamic.update(keys, values, 0)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)

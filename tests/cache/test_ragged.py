@@ -93,3 +93,25 @@ def test_unpadded_chains_skip_the_ancestry_mask_and_match_fresh_forward(arch, mo
             cache.rollback(mark, torch.full((2,), num_kept))
             kept = torch.cat([kept, block[:, :num_kept]], dim=1)
     assert not built
+
+
+def test_selected_rows_go_on_as_if_alone():
+    model = make_model("llama")
+    ids, mask = padded_batch([9, 4, 7], seed=2)
+    kept = [ids[b, mask[b].bool()].tolist() for b in range(3)]
+    cache = RaggedKVCache(model)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        cache.prefill(ids, mask)
+        block = torch.randint(3, 100, (3, 3), generator=generator)
+        mark = cache.mark()
+        cache.forward(block, torch.tensor([3, 1, 2]))
+        cache.rollback(mark, torch.tensor([1, 1, 2]))
+        kept = [kept[b] + block[b, :count].tolist() for b, count in enumerate([1, 1, 2])]
+        cache.select_rows(torch.tensor([2, 0]))
+        kept = [kept[2], kept[0]]
+        assert cache.next_position.tolist() == [len(r) for r in kept]
+        block = torch.randint(3, 100, (2, 2), generator=generator)
+        logits = cache.forward(block, torch.tensor([2, 2]))
+        expect = _reference_next_logits(model, [kept[b] + block[b].tolist() for b in range(2)])
+        torch.testing.assert_close(logits[:, -1], expect, rtol=1e-4, atol=1e-4)

@@ -164,3 +164,43 @@ def test_dynamic_tree_keeps_the_draft_cache_on_the_accepted_path():
     out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, expected)
     assert out.spec_stats.target_forward_passes == 1 + -(-(25 - 1) // 5)
+
+
+def test_finished_rows_leave_the_target_cache(monkeypatch):
+    """Rows that end early (EOS) are dropped from the target's cache; the others go on, exactly as plain generate,
+    for chains, trees and the heads that read the target's features."""
+    from hf_specdec.cache.ragged import RaggedKVCache
+    from tests.heads.test_medusa import heads_for
+    from tests.proposers.test_eagle import eagle_head, trained_head
+
+    held_rows = []
+    select_rows = RaggedKVCache.select_rows
+
+    def spy(cache, rows):
+        held_rows.append(rows.shape[0])
+        select_rows(cache, rows)
+
+    monkeypatch.setattr(RaggedKVCache, "select_rows", spy)
+    target = make_model("llama")
+    ids, mask = padded_batch([9, 6, 11, 4, 8, 7], seed=5, repeat_period=3)
+    ids, mask = ids.flip(0), mask.flip(0)  # with this EOS the last rows finish first: now the first ones do
+    base = dict(attention_mask=mask, max_new_tokens=30, do_sample=False)
+    free = target.generate(ids, eos_token_id=None, **base)[:, ids.shape[1] :]
+    # the token that plain decoding emits mid-sequence in the most rows: they stop at different steps
+    early = free[:, 2:20]
+    eos = max(early.unique().tolist(), key=lambda token: int((early == token).any(dim=1).sum()))
+    expected = target.generate(ids, eos_token_id=eos, **base)
+    assert (expected[:, -1] == 0).sum() >= 3, "rows should end early"
+    configs = {
+        **_proposers(target),
+        "medusa": SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=3),
+        "eagle_tree": SpeculativeConfig(method="eagle", heads=trained_head(target, "eagle", free), top_k=2, depth=3,
+                                        total_tokens=5),
+        "eagle3": SpeculativeConfig(method="eagle", heads=eagle_head(target, "eagle3"), num_speculative_tokens=3),
+    }
+    for name, config in configs.items():
+        held_rows.clear()
+        out = hf_specdec.generate(target, ids, speculative=config, eos_token_id=eos, **base)
+        assert torch.equal(out, expected), name
+        assert held_rows and held_rows[-1] < ids.shape[0], f"{name}: no finished row left the cache"
+    assert (expected[0, -1] == 0) and (expected[-1, -1] != 0), "a row before a held row should leave the cache"
