@@ -54,4 +54,4 @@ def test_quick_run_reports_every_case_equal_to_plain(tmp_path: Path, monkeypatch
             assert record["tokens_per_target_forward"] == 1.0
     assert {type(goal["passed"]) for goal in results["goals"]} == {bool}
     for goal in results["goals"]:  # a goal passes only by both statistics
-        assert goal["passed"] == (min(goal["ratio"], goal["ratio_best"]) >= goal["target"])
+        assert goal["passed"] == (min(goal["ratio_paired"], goal["ratio_best"]) >= goal["target"])
