@@ -160,22 +160,16 @@ class RaggedKVCache:
         offsets = torch.arange(width, device=input_ids.device)
         positions = self.next_position[:, None] + offsets
         real = offsets[None, :] < num_real[:, None]
-        if self.layout.sliding_window is None and bool(real.all()) and bool(self.valid.all()):
-            # No padding, holes or dummies: every query sees every earlier slot, so the mask is plain causal.
-            self._extend(positions, real)
-            mask = None if width == 1 else _causal_tail_mask(input_ids.shape[0], width, self.num_slots,
-                                                             self.model.dtype, input_ids.device)
-            logits = self._run(input_ids, positions, attention_mask=mask, **model_inputs)
-        else:
+        plain_causal = self.layout.sliding_window is None and bool(real.all()) and bool(self.valid.all())
+        self._extend(positions, real)
+        if not plain_causal:
             chain = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
-            logits = self.forward_tree(
-                input_ids,
-                positions=positions,
-                real=real,
-                region_start=self.num_slots,
-                visible=chain.expand(input_ids.shape[0], width, width),
-                **model_inputs,
-            )
+            mask = self._attention_mask(positions, self.num_slots - width, chain.expand(input_ids.shape[0], -1, -1))
+        elif width > 1:  # no padding, holes or dummies: every query sees every earlier slot
+            mask = _causal_tail_mask(input_ids.shape[0], width, self.num_slots, self.model.dtype, input_ids.device)
+        else:  # one query per row that sees every slot: no mask at all
+            mask = None
+        logits = self._run(input_ids, positions, attention_mask=mask, **model_inputs)
         self.next_position = self.next_position + num_real
         return logits
 
