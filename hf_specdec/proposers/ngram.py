@@ -8,9 +8,10 @@ point mass, so verification needs no draft probabilities. Matching runs in NumPy
 
 Why not vLLM's rule (the earliest match, for its longer continuation)? With overlapping copies every match
 continues for k tokens, and on repetitive text (runs, alternations, the lines of a list) the most recent match is
-the better guess. Replaying the targets' own greedy output under both rules (k = 5, n in [1, 3]), tokens per
-target forward went from 3.35 to 4.05 on the random-Llama prompts of `benchmarks/bench_engine.py` and from 3.25 /
-3.37 / 2.36 to 3.44 / 3.56 / 2.72 on the test bed's completion / edit / long workloads.
+the better guess. Measured at k = 5: tokens per target forward at batch 1 went from 2.98 (the earliest-match rule,
+which transformers' prompt lookup also uses) to 3.76 in `benchmarks/bench_engine.py`, and from 2.72 to 2.96 on the
+test bed's edit workload (`hf-specdec bench --workload edit`; `benchmarks/results/testbed_cpu.json` before,
+`testbed_ngram_cpu.json` after).
 
 With `tree_width` w > 1 the proposer offers up to w different continuations (from different earlier matches of the
 longest matching n-gram, most recent first) as the branches of a token tree: a trie, so continuations that share a
