@@ -68,8 +68,10 @@ def make_draft(seed: int = 1, vocab: int = VOCAB) -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
-def padded_batch(lengths: list[int], seed: int = 0, repeat_period: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts of the given lengths; with repeat_period the text repeats (n-gram matches)."""
+def padded_batch(
+    lengths: list[int], seed: int = 0, repeat_period: int | None = None, side: str = "left"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of the given lengths, padded on `side`; with repeat_period the text repeats (n-gram matches)."""
     generator = torch.Generator().manual_seed(seed)
     width = max(lengths)
     ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
@@ -80,8 +82,9 @@ def padded_batch(lengths: list[int], seed: int = 0, repeat_period: int | None = 
             tokens = phrase.repeat(length // repeat_period + 1)[:length]
         else:
             tokens = torch.randint(3, VOCAB, (length,), generator=generator)
-        ids[row, width - length :] = tokens
-        mask[row, width - length :] = 1
+        start = width - length if side == "left" else 0
+        ids[row, start : start + length] = tokens
+        mask[row, start : start + length] = 1
     return ids, mask
 
 

@@ -15,14 +15,18 @@ Design
   accepted) are squeezed out by `_compact`, which runs only when the holes outnumber the longest row's valid
   slots: one gather per layer, amortised O(1) per generated token, so memory stays within about twice the
   longest row.
-* Attention gets a 4-D additive mask built from `valid` and `positions`. Causality and sliding windows are
-  computed on positions (token distance), never on slot indices, so a window covers exactly the tokens it covers
-  in plain `generate`. Sliding-window layers therefore keep their whole history here; the mask applies the window.
+* Each slot also has an *order* (`orders [B, S]`): its index in the cache plain `generate` would have built for
+  that row (prompt padding included). Attention gets a 4-D additive mask built from `valid` and `orders`:
+  causality and sliding windows are computed on orders, never on slot indices (which holes and compaction move),
+  so a window covers exactly the tokens it covers in plain `generate`. Sliding-window layers therefore keep their
+  whole history here; the mask applies the window. Position ids (`positions`) only go to the model: they equal
+  orders minus the left padding, but differ after right padding, whose trailing pads carry position 0.
 * Rows that finished can be dropped (`select_rows`), so they stop costing compute; the engine maps the rows the
   cache holds to batch rows.
 * While no row has padding, holes or dummies (batch 1, say) and there is no sliding window, a chain needs only a
   plain causal mask, or none for one query per row; `forward` skips the general construction then.
-* Positions follow plain `generate`: the first real token of a left-padded row has position 0.
+* Positions follow plain `generate`: the first real token of a left-padded row has position 0, and the first new
+  token of a row goes at its last prompt position + 1 (also when the prompt ends in right padding).
 
 The prefill goes through the model's own mask preparation (a 2-D mask), as plain `generate` does, so the prompt
 is encoded with the same kernels and gives the same numbers.
@@ -85,6 +89,8 @@ class CacheMark:
     num_slots: int
     # [B]
     next_position: torch.Tensor
+    # [B]
+    next_order: torch.Tensor
 
 
 class RaggedKVCache:
@@ -95,8 +101,10 @@ class RaggedKVCache:
         self.layout = AttentionLayout.from_model(model)
         self.kv = GrowableCache()
         self.valid: torch.Tensor | None = None  # [B, S] bool
-        self.positions: torch.Tensor | None = None  # [B, S] long
+        self.positions: torch.Tensor | None = None  # [B, S] long: position ids
+        self.orders: torch.Tensor | None = None  # [B, S] long: index in plain generate's cache (masks use these)
         self.next_position: torch.Tensor | None = None  # [B] long: position id of each row's next token
+        self.next_order: torch.Tensor | None = None  # [B] long: order of each row's next token
         # entries of the model's `hidden_states` each forward keeps for its new tokens, concatenated (-1: the final
         # one, after the last norm; i < num_layers: the residual stream entering layer i); None keeps nothing
         self.feature_layers: tuple[int, ...] | None = None
@@ -112,20 +120,26 @@ class RaggedKVCache:
         self,
         # [B, P]
         input_ids: torch.Tensor,
-        # [B, P] (1 = real token, 0 = left padding); None when nothing is padded
+        # [B, P] (1 = real token, 0 = padding, left or right); None when nothing is padded
         attention_mask: torch.Tensor | None,
         logits_to_keep: int = 1,
+        # [B, P] or None: the position ids `generate` prepared (None: from the mask, as `generate` computes them)
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Encode the prompt through the model's own input preparation; returns logits [B, logits_to_keep, V]
         (None for an empty prompt, which just starts an empty cache)."""
-        if input_ids.shape[1] == 0:
+        batch, length = input_ids.shape
+        self.orders = torch.arange(length, device=input_ids.device).expand(batch, -1)
+        self.next_order = input_ids.new_full((batch,), length)
+        if length == 0:
             self.valid = torch.zeros_like(input_ids, dtype=torch.bool)
             self.positions = torch.zeros_like(input_ids)
-            self.next_position = input_ids.new_zeros(input_ids.shape[0])
+            self.next_position = input_ids.new_zeros(batch)
             return None
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         has_padding = bool((attention_mask == 0).any())
         model_kwargs = {
             "attention_mask": attention_mask if has_padding else None,
@@ -140,11 +154,13 @@ class RaggedKVCache:
         logits = self._call_model(inputs, keep_hidden=keep)
         self.valid = attention_mask.bool()
         self.positions = position_ids
-        self.next_position = attention_mask.long().sum(-1)
+        self.next_position = position_ids[:, -1] + 1  # as `generate` continues positions, right padding or not
         return logits
 
     def mark(self) -> CacheMark:
-        return CacheMark(num_slots=self.num_slots, next_position=self.next_position.clone())
+        return CacheMark(
+            num_slots=self.num_slots, next_position=self.next_position.clone(), next_order=self.next_order.clone()
+        )
 
     def forward(
         self,
@@ -159,18 +175,20 @@ class RaggedKVCache:
         width = input_ids.shape[1]
         offsets = torch.arange(width, device=input_ids.device)
         positions = self.next_position[:, None] + offsets
+        orders = self.next_order[:, None] + offsets
         real = offsets[None, :] < num_real[:, None]
         plain_causal = self.layout.sliding_window is None and bool(real.all()) and bool(self.valid.all())
-        self._extend(positions, real)
+        self._extend(positions, orders, real)
         if not plain_causal:
             chain = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
-            mask = self._attention_mask(positions, self.num_slots - width, chain.expand(input_ids.shape[0], -1, -1))
+            mask = self._attention_mask(orders, self.num_slots - width, chain.expand(input_ids.shape[0], -1, -1))
         elif width > 1:  # no padding, holes or dummies: every query sees every earlier slot
             mask = _causal_tail_mask(input_ids.shape[0], width, self.num_slots, self.model.dtype, input_ids.device)
         else:  # one query per row that sees every slot: no mask at all
             mask = None
         logits = self._run(input_ids, positions, attention_mask=mask, **model_inputs)
         self.next_position = self.next_position + num_real
+        self.next_order = self.next_order + num_real
         return logits
 
     def forward_tree(
@@ -187,22 +205,26 @@ class RaggedKVCache:
         visible: torch.Tensor,
         **model_inputs,
     ) -> torch.Tensor:
-        """Run the model on W new tokens per row; slots before the region are seen by position (causal, windowed).
+        """Run the model on W new tokens per row; slots before the region are seen by order (causal, windowed).
         Does not move `next_position` (`keep` does, and `forward` for chains). Returns logits [B, W, V]."""
-        self._extend(positions, real)
-        mask = self._attention_mask(positions, region_start, visible)
+        orders = positions - self.next_position[:, None] + self.next_order[:, None]  # same offset from the row's next
+        self._extend(positions, orders, real)
+        mask = self._attention_mask(orders, region_start, visible)
         return self._run(input_ids, positions, attention_mask=mask, **model_inputs)
 
     def _extend(
         self,
         # [B, W]
         positions: torch.Tensor,
+        # [B, W]
+        orders: torch.Tensor,
         # [B, W] bool
         real: torch.Tensor,
     ) -> None:
         """Append W slots per row (their KV is written by the forward that follows)."""
         self.valid = torch.cat([self.valid, real], dim=1)
         self.positions = torch.cat([self.positions, positions], dim=1)
+        self.orders = torch.cat([self.orders, orders], dim=1)
 
     def _run(
         self,
@@ -255,6 +277,7 @@ class RaggedKVCache:
         kept = kept & self.valid[:, mark.num_slots :]
         self.valid[:, mark.num_slots :] = kept
         self.next_position = mark.next_position + kept.sum(dim=1)
+        self.next_order = mark.next_order + kept.sum(dim=1)
         self._crop_unused_tail()
         longest = self._longest_row()
         if self.num_slots - longest > max(MIN_HOLES_BEFORE_COMPACTION, longest):  # holes outnumber the longest row
@@ -267,20 +290,28 @@ class RaggedKVCache:
     ) -> None:
         """Keep only these rows (the others, finished, stop costing compute): one copy of the cache."""
         self.kv.batch_select_indices(rows.to(self.valid.device))
-        self.valid, self.positions = self.valid[rows], self.positions[rows]
-        self.next_position = self.next_position[rows]
+        self.valid, self.positions, self.orders = self.valid[rows], self.positions[rows], self.orders[rows]
+        self.next_position, self.next_order = self.next_position[rows], self.next_order[rows]
         self._crop_unused_tail()
 
-    def _attention_mask(self, query_positions: torch.Tensor, region_start: int, visible: torch.Tensor):
-        """Additive mask(s) [B, 1, W, S]: before the region, valid slots at positions <= the query's; in the
-        region, the valid slots `visible` names; always the query's own slot; sliding windows on positions.
-        Built by `hf_specdec.kernels.tree_mask` (the Triton kernel on CUDA for verify steps)."""
+    def _attention_mask(
+        self,
+        # [B, W] long: the queries' orders
+        query_orders: torch.Tensor,
+        region_start: int,
+        # [B, W, R] bool
+        visible: torch.Tensor,
+    ):
+        """Additive mask(s) [B, 1, W, S]: before the region, valid slots at orders <= the query's; in the
+        region, the valid slots `visible` names; always the query's own slot; sliding windows on orders.
+        Built by `hf_specdec.kernels.tree_mask` (the Triton kernel on CUDA for verify steps), which names orders
+        positions."""
 
         def mask(window: int | None) -> torch.Tensor:
             return ancestry_attention_mask(
-                self.valid[:, :region_start], self.positions[:, :region_start], query_positions,
+                self.valid[:, :region_start], self.orders[:, :region_start], query_orders,
                 visible & self.valid[:, None, region_start:], window, self.model.dtype,
-                self.positions[:, region_start:],
+                self.orders[:, region_start:],
             )
 
         window = self.layout.sliding_window
@@ -301,6 +332,7 @@ class RaggedKVCache:
             self.kv.crop(-excess)
             self.valid = self.valid[:, :new_len]
             self.positions = self.positions[:, :new_len]
+            self.orders = self.orders[:, :new_len]
 
     def _compact(self, longest: int) -> None:
         """Move each row's valid slots to the front, in order; one gather per layer."""
@@ -312,6 +344,7 @@ class RaggedKVCache:
                 continue
             layer.replace(_gather_slots(layer.keys, order), _gather_slots(layer.values, order))
         self.positions = self.positions.gather(1, order)
+        self.orders = self.orders.gather(1, order)
         self.valid = slot[None, :longest] < self.valid.sum(dim=1, keepdim=True)
 
 

@@ -110,6 +110,8 @@ class SpeculativeDecoder:
         input_ids: torch.Tensor,
         # [B, P] or None
         attention_mask: torch.Tensor | None,
+        # [B, P] or None: the position ids `generate` prepared
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[DecodeState, SpecStats]:
         pad = self.generation_config._pad_token_tensor
         if pad is None and input_ids.shape[0] > 1:
@@ -126,7 +128,7 @@ class SpeculativeDecoder:
         self.score_log, self.logit_log = ScoreLog(input_ids.shape[0]), ScoreLog(input_ids.shape[0])
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
-        logits = self.cache.prefill(input_ids, attention_mask)
+        logits = self.cache.prefill(input_ids, attention_mask, position_ids=position_ids)
         self.state.target_features = self.cache.hidden_states
         self.proposer.start(self.state, attention_mask)
         self.accept_and_commit(Proposal.empty(self.state.batch_size, input_ids.device), logits, mark=None)
@@ -335,7 +337,7 @@ def speculative_generate(
     decoder = SpeculativeDecoder(
         model, speculative_config, logits_processor, stopping_criteria, generation_config, spec_streamer
     )
-    state, stats = decoder.run(input_ids, model_kwargs.get("attention_mask"))
+    state, stats = decoder.run(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
     length = decoder.output_length()
     sequences = state.sequences[:, :length]
     if not generation_config.return_dict_in_generate:

@@ -14,8 +14,8 @@ from hf_specdec.tree.tree import TokenTree
 class DecodeState:
     """The committed tokens of every row.
 
-    Row b holds its left padding, its prompt and its committed tokens in `sequences[b, :lengths[b]]`, exactly the
-    row plain `generate` would have built (padding included). The columns after `lengths[b]` hold `pad_token_id`,
+    Row b holds its prompt (with its padding, left or right) and its committed tokens in `sequences[b, :lengths[b]]`,
+    exactly the row plain `generate` would have built (padding included). The columns after `lengths[b]` hold `pad_token_id`,
     except while a step writes draft tokens there so the logits processors can see each position's true prefix.
     """
 
@@ -56,7 +56,7 @@ class DecodeState:
         if attention_mask is None:
             pad_lengths = input_ids.new_zeros(batch)
         else:
-            pad_lengths = (attention_mask == 0).long().sum(dim=1)
+            pad_lengths = attention_mask.long().cumsum(dim=1).eq(0).sum(dim=1)  # leading zeros only
         return cls(
             sequences=sequences,
             lengths=input_ids.new_full((batch,), prompt_length),
