@@ -9,9 +9,12 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from hf_specdec.cache.ragged import AttentionLayout
 
-# model_kwargs that `generate` prepares and the engine understands; anything else (pixel_values,
-# token_type_ids, inputs_embeds, ...) would be silently dropped, so it is refused.
-KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep", "cache_position"}
+# model_kwargs that `generate` prepares and the engine understands; anything else (pixel_values, ...) would be
+# silently dropped, so it is refused.
+KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+                      "cache_position", "token_type_ids", "inputs_embeds"}
+# Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` does not have.
+NEEDS_PROMPT_IDS = ("draft", "eagle")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic")
 
 
@@ -20,6 +23,7 @@ def check_generation_supported(
     generation_config: GenerationConfig,
     model_kwargs: dict[str, Any],
     synced_gpus: bool,
+    method: str,
 ) -> None:
     if model.config.is_encoder_decoder:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_specdec supports decoder-only LMs")
@@ -28,19 +32,12 @@ def check_generation_supported(
             f"num_beams={generation_config.num_beams}: beam search cannot be combined with speculative decoding; "
             "use num_beams=1 or drop the speculative config"
         )
-    if generation_config.num_return_sequences != 1:
-        raise ValueError(
-            f"num_return_sequences={generation_config.num_return_sequences}: speculative decoding returns one "
-            "sequence per prompt; repeat the prompt in the batch instead"
-        )
     mode = generation_config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(
             f"generation mode {mode.value!r} cannot be combined with speculative decoding; it supports greedy "
             "decoding and sampling (drop penalty_alpha, dola_layers, ...)"
         )
-    if not generation_config.use_cache:
-        raise ValueError("use_cache=False: speculative decoding needs the KV cache; drop use_cache=False")
     if synced_gpus:
         raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by speculative decoding")
     if generation_config.output_attentions or generation_config.output_hidden_states:
@@ -58,6 +55,11 @@ def check_generation_supported(
         raise ValueError(
             "past_key_values: speculative decoding starts from an empty cache and manages its own; "
             "continuing from a filled or non-dynamic cache is not supported"
+        )
+    if model_kwargs.get("inputs_embeds") is not None and method in NEEDS_PROMPT_IDS:
+        raise ValueError(
+            f"inputs_embeds: method={method!r} drafts from the prompt's token ids, which a prompt given as "
+            "embeddings does not have; pass input_ids, or use method='ngram' or 'medusa' with inputs_embeds"
         )
     unknown = sorted(k for k, v in model_kwargs.items() if k not in KNOWN_MODEL_KWARGS and v is not None)
     if unknown:

@@ -156,9 +156,7 @@ NGRAM = SpeculativeConfig(method="ngram")
     ("call", "match"),
     [
         (dict(speculative=NGRAM, num_beams=2), "num_beams=2: beam search cannot be combined"),
-        (dict(speculative=NGRAM, num_return_sequences=2, do_sample=True), "num_return_sequences=2"),
         (dict(speculative=NGRAM, penalty_alpha=0.6, top_k=4), "generation mode 'contrastive_search'"),
-        (dict(speculative=NGRAM, use_cache=False), "use_cache=False"),
         (dict(speculative=NGRAM, cache_implementation="static"), "cache_implementation='static'"),
         (dict(speculative=NGRAM, prefix_allowed_tokens_fn=lambda b, ids: [3]), "prefix_allowed_tokens_fn"),
         (dict(speculative=NGRAM, assistant=make_draft()), "assistant: conflicts with speculative.draft_model"),

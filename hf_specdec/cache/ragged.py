@@ -111,6 +111,8 @@ class RaggedKVCache:
         # when True (and feature_layers is set), the prefill keeps the features of every prompt position
         self.record_prompt_features = False
         self.hidden_states: torch.Tensor | None = None  # [B, W, F] of the last forward, when recorded
+        # per-row model inputs every new token repeats ({name: [B]}, e.g. the row's last token_type_ids)
+        self.row_inputs: dict[str, torch.Tensor] = {}
 
     @property
     def num_slots(self) -> int:
@@ -125,10 +127,18 @@ class RaggedKVCache:
         logits_to_keep: int = 1,
         # [B, P] or None: the position ids `generate` prepared (None: from the mask, as `generate` computes them)
         position_ids: torch.Tensor | None = None,
+        # [B, P] or None: segment ids; every later token of a row gets the row's last one (as `generate` does)
+        token_type_ids: torch.Tensor | None = None,
+        # [B, P, H] or None: the prompt as embeddings; `input_ids` is then [B, 0]
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Encode the prompt through the model's own input preparation; returns logits [B, logits_to_keep, V]
         (None for an empty prompt, which just starts an empty cache)."""
         batch, length = input_ids.shape
+        if inputs_embeds is not None:
+            length = inputs_embeds.shape[1]
+        if token_type_ids is not None:
+            self.row_inputs["token_type_ids"] = token_type_ids[:, -1]
         self.orders = torch.arange(length, device=input_ids.device).expand(batch, -1)
         self.next_order = input_ids.new_full((batch,), length)
         if length == 0:
@@ -137,7 +147,7 @@ class RaggedKVCache:
             self.next_position = input_ids.new_zeros(batch)
             return None
         if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+            attention_mask = torch.ones(batch, length, dtype=torch.long, device=input_ids.device)
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         has_padding = bool((attention_mask == 0).any())
@@ -146,11 +156,16 @@ class RaggedKVCache:
             "position_ids": position_ids,
             "past_key_values": self.kv,
             "use_cache": True,
+            "is_first_iteration": True,
         }
+        if token_type_ids is not None:
+            model_kwargs["token_type_ids"] = token_type_ids
+        if inputs_embeds is not None:
+            model_kwargs["inputs_embeds"] = inputs_embeds
         if self.model._supports_logits_to_keep():
             model_kwargs["logits_to_keep"] = logits_to_keep
         inputs = self.model.prepare_inputs_for_generation(input_ids, **model_kwargs)
-        keep = input_ids.shape[1] if self.record_prompt_features else logits_to_keep
+        keep = length if self.record_prompt_features else logits_to_keep
         logits = self._call_model(inputs, keep_hidden=keep)
         self.valid = attention_mask.bool()
         self.positions = position_ids
@@ -235,12 +250,14 @@ class RaggedKVCache:
         attention_mask: torch.Tensor | dict | None,
         **model_inputs,
     ) -> torch.Tensor:
+        width = input_ids.shape[1]
         inputs = dict(
             input_ids=input_ids,
             position_ids=positions,
             attention_mask=attention_mask,
             past_key_values=self.kv,
             use_cache=True,
+            **{name: value[:, None].expand(-1, width) for name, value in self.row_inputs.items()},
             **model_inputs,
         )
         return self._call_model(inputs, keep_hidden=input_ids.shape[1])
@@ -292,6 +309,7 @@ class RaggedKVCache:
         self.kv.batch_select_indices(rows.to(self.valid.device))
         self.valid, self.positions, self.orders = self.valid[rows], self.positions[rows], self.orders[rows]
         self.next_position, self.next_order = self.next_position[rows], self.next_order[rows]
+        self.row_inputs = {name: value[rows.to(value.device)] for name, value in self.row_inputs.items()}
         self._crop_unused_tail()
 
     def _attention_mask(

@@ -29,7 +29,7 @@ from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.decoding.scores import PositionScorer, prefix_free
-from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
+from hf_specdec.decoding.state import DecodeState, PromptInputs, Proposal, TreeProposal
 from hf_specdec.decoding.stopping import TokenStopper
 from hf_specdec.proposers import DraftSampling, build_proposer
 from hf_specdec.stats import SpecStats, SpecStatsRecorder
@@ -106,19 +106,17 @@ class SpeculativeDecoder:
 
     def run(
         self,
-        # [B, P]
+        # [B, P] ([B, 0] when the prompt comes as `prompt.inputs_embeds`)
         input_ids: torch.Tensor,
-        # [B, P] or None
-        attention_mask: torch.Tensor | None,
-        # [B, P] or None: the position ids `generate` prepared
-        position_ids: torch.Tensor | None = None,
+        prompt: PromptInputs,
     ) -> tuple[DecodeState, SpecStats]:
         pad = self.generation_config._pad_token_tensor
         if pad is None and input_ids.shape[0] > 1:
             raise ValueError("pad_token_id is not set: batched generation needs it to pad finished rows")
+        attention_mask = prompt.attention_mask
         self.state = DecodeState.start(
             input_ids,
-            attention_mask,
+            None if prompt.inputs_embeds is not None else attention_mask,  # the mask then covers no token ids
             max_length=self.stopper.max_length or self.generation_config.max_length,
             extra_capacity=self.max_depth + 1,
             pad_token_id=0 if pad is None else int(pad),
@@ -128,7 +126,8 @@ class SpeculativeDecoder:
         self.score_log, self.logit_log = ScoreLog(input_ids.shape[0]), ScoreLog(input_ids.shape[0])
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
-        logits = self.cache.prefill(input_ids, attention_mask, position_ids=position_ids)
+        logits = self.cache.prefill(input_ids, attention_mask, position_ids=prompt.position_ids,
+                                    token_type_ids=prompt.token_type_ids, inputs_embeds=prompt.inputs_embeds)
         self.state.target_features = self.cache.hidden_states
         self.proposer.start(self.state, attention_mask)
         self.accept_and_commit(Proposal.empty(self.state.batch_size, input_ids.device), logits, mark=None)
@@ -333,11 +332,17 @@ def speculative_generate(
     """The `custom_generate` callable: transformers has prepared everything, this runs the speculative loop."""
     if speculative_config is None:
         raise ValueError("speculative_config: hf_specdec's custom_generate needs a SpeculativeConfig")
-    check_generation_supported(model, generation_config, model_kwargs, synced_gpus)
+    check_generation_supported(model, generation_config, model_kwargs, synced_gpus, speculative_config.method)
     decoder = SpeculativeDecoder(
         model, speculative_config, logits_processor, stopping_criteria, generation_config, spec_streamer
     )
-    state, stats = decoder.run(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
+    prompt = PromptInputs(
+        attention_mask=model_kwargs.get("attention_mask"),
+        position_ids=model_kwargs.get("position_ids"),
+        token_type_ids=model_kwargs.get("token_type_ids"),
+        inputs_embeds=model_kwargs.get("inputs_embeds"),
+    )
+    state, stats = decoder.run(input_ids, prompt)
     length = decoder.output_length()
     sequences = state.sequences[:, :length]
     if not generation_config.return_dict_in_generate:

@@ -103,6 +103,20 @@ class DecodeState:
 
 
 @dataclass(frozen=True)
+class PromptInputs:
+    """What `generate` prepared for the prompt besides its token ids."""
+
+    # [B, P] or None (1 = real token, 0 = padding)
+    attention_mask: torch.Tensor | None = None
+    # [B, P] or None
+    position_ids: torch.Tensor | None = None
+    # [B, P] or None: segment ids (GPT-2 style models); new tokens take each row's last one, as in `generate`
+    token_type_ids: torch.Tensor | None = None
+    # [B, P, H] or None: the prompt as embeddings (the token ids are then [B, 0])
+    inputs_embeds: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class Proposal:
     """Draft tokens for one step: a chain per row."""
 

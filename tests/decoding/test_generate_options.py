@@ -1,0 +1,88 @@
+"""transformers' `generate` options beyond plain token prompts: each gives exactly plain `generate`'s output."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from tests.conftest import make_draft, make_model, padded_batch
+from tests.heads.test_medusa import heads_for
+
+GREEDY = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+
+
+def _configs(target) -> dict[str, SpeculativeConfig]:
+    return {
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2),
+        "same_draft": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3),
+        "random_draft_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=2,
+                                               tree_width=2),
+    }
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_token_type_ids_match_plain_generate(side):
+    """GPT-2 style segment ids: new tokens take each row's last segment id, as in plain generate."""
+    target = make_model("gpt2")
+    ids, mask = padded_batch([9, 6, 8], seed=1, repeat_period=3, side=side)
+    segments = torch.randint(0, 2, ids.shape, generator=torch.Generator().manual_seed(0))
+    kwargs = dict(attention_mask=mask, token_type_ids=segments, **GREEDY)
+    expected = target.generate(ids, **kwargs)
+    assert not torch.equal(expected, target.generate(ids, attention_mask=mask, **GREEDY)), "segments must matter"
+    for name, config in _configs(target).items():
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected), name
+        assert out.spec_stats.num_draft_tokens > 0, name
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_inputs_embeds_match_plain_generate(arch):
+    """A prompt given as embeddings: the output holds the new tokens only, as plain generate's does."""
+    target = make_model(arch)
+    ids, mask = padded_batch([9, 6, 8], seed=2, repeat_period=3)
+    embeds = target.get_input_embeddings()(ids).detach() + 0.01  # not the embeddings of any token id
+    kwargs = dict(inputs_embeds=embeds, attention_mask=mask, **GREEDY)
+    expected = target.generate(**kwargs)
+    assert expected.shape == (3, GREEDY["max_new_tokens"])
+    for config in (SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+                   SpeculativeConfig(method="ngram", tree_width=2, num_speculative_tokens=3),
+                   SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=2)):
+        out = hf_specdec.generate(target, speculative=config, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected), config.method
+        assert out.spec_stats.num_draft_tokens > 0
+
+
+def test_inputs_embeds_refused_for_proposers_that_read_prompt_ids():
+    target = make_model("llama")
+    ids, mask = padded_batch([5, 4], seed=3)
+    embeds = target.get_input_embeddings()(ids).detach()
+    config = SpeculativeConfig(method="draft", draft_model=make_draft())
+    with pytest.raises(ValueError, match="inputs_embeds: method='draft' drafts from the prompt's token ids"):
+        hf_specdec.generate(target, inputs_embeds=embeds, attention_mask=mask, speculative=config, **GREEDY)
+
+
+def test_use_cache_false_gives_the_same_output():
+    """Speculation keeps its own cache whatever `use_cache` says; the tokens are plain generate's."""
+    target = make_model("qwen2")
+    ids, mask = padded_batch([7, 10], seed=4, repeat_period=4)
+    kwargs = dict(attention_mask=mask, use_cache=False, **GREEDY)
+    expected = target.generate(ids, **kwargs)
+    for name, config in _configs(target).items():
+        assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), expected), name
+
+
+def test_num_return_sequences_samples_each_prompt_n_times():
+    """generate repeats each prompt n times before the loop; every copy is sampled independently."""
+    target = make_model("llama")
+    ids, mask = padded_batch([6, 8], seed=5, repeat_period=3)
+    out = hf_specdec.generate(target, ids, attention_mask=mask, spec_method="ngram", num_return_sequences=3,
+                              do_sample=True, max_new_tokens=16, eos_token_id=None, return_dict_in_generate=True)
+    assert out.sequences.shape == (6, ids.shape[1] + 16)
+    assert torch.equal(out.sequences[:, : ids.shape[1]], ids.repeat_interleave(3, dim=0))
+    assert len({tuple(row.tolist()) for row in out.sequences[:3]}) > 1, "copies of a prompt are sampled apart"
+    assert out.spec_stats.num_draft_tokens > 0
