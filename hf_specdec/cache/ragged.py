@@ -59,6 +59,7 @@ class AttentionLayout:
     @classmethod
     def from_model(cls, model) -> AttentionLayout:
         config = model.config.get_text_config(decoder=True)
+        _check_positions_come_from_the_mask(model, config)
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in SUPPORTED_ATTENTION:
             raise ValueError(
@@ -80,6 +81,24 @@ class AttentionLayout:
                 return cls(sliding_window=int(window), per_layer_type=True)
             return cls(sliding_window=None, per_layer_type=False)
         return cls(sliding_window=None if window is None else int(window), per_layer_type=False)
+
+
+def _check_positions_come_from_the_mask(model, config) -> None:
+    """Refuse models that place tokens by cache slot or by a 2-D mask inside their own code: slots here have holes
+    and rows roll back on their own, so such a model would see the wrong distances (wrong output, or a crash)."""
+    name = type(model).__name__
+    if config.model_type == "bloom" or getattr(config, "alibi", False):
+        raise ValueError(
+            f"{name}: its ALiBi biases are built inside the model from a 2-D attention mask, which cannot describe "
+            "per-row speculation (rows accept different numbers of tokens); hf_specdec does not support ALiBi models "
+            "that do this (MPT-style ALiBi works); use plain generate for this model"
+        )
+    if "local" in (getattr(config, "attention_layers", None) or ()):
+        raise ValueError(
+            f"{name}: its local-attention layers apply their window by cache slot inside the model, and slots here "
+            "stop matching token distances once batch rows accept different numbers of tokens; hf_specdec supports "
+            "this model only without local layers (config.attention_types all 'global'); use plain generate"
+        )
 
 
 @dataclass(frozen=True)

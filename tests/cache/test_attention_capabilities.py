@@ -1,0 +1,44 @@
+"""Models that place tokens by cache slot or by a 2-D mask inside their own code are refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import BloomConfig, BloomForCausalLM, GPTNeoConfig, GPTNeoForCausalLM
+
+import hf_specdec
+
+PROMPT = torch.tensor([[5, 6, 7, 5, 6, 7]])
+
+
+def _neo(types) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, attention_types=types, num_heads=4,
+                          window_size=4, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    return GPTNeoForCausalLM(config).eval()
+
+
+def test_bloom_refused_up_front(forward_counter):
+    torch.manual_seed(0)
+    model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)).eval()
+    count = forward_counter(model)
+    with pytest.raises(ValueError, match="BloomForCausalLM: its ALiBi biases are built inside the model"):
+        hf_specdec.generate(model, PROMPT, spec_method="ngram", max_new_tokens=4)
+    assert count() == 0
+
+
+def test_gpt_neo_local_layers_refused_up_front(forward_counter):
+    model = _neo([[["global", "local"], 1]])
+    count = forward_counter(model)
+    with pytest.raises(ValueError, match="GPTNeoForCausalLM: its local-attention layers apply their window"):
+        hf_specdec.generate(model, PROMPT, spec_method="ngram", max_new_tokens=4)
+    assert count() == 0
+
+
+def test_gpt_neo_global_layers_match_plain_generate():
+    model = _neo([[["global"], 2]])
+    ids = torch.tensor([[0, 0, 5, 6, 7, 5], [5, 6, 7, 5, 6, 7]])
+    mask = (ids != 0).long()
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = model.generate(ids, **kwargs)
+    assert torch.equal(hf_specdec.generate(model, ids, spec_method="ngram", **kwargs), expected)
