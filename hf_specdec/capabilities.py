@@ -51,11 +51,23 @@ def check_generation_supported(
             "dynamic cache it can roll back per row; drop cache_implementation"
         )
     cache = model_kwargs.get("past_key_values")
-    if cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0):
+    if cache is not None and type(cache) is not DynamicCache:
         raise ValueError(
-            "past_key_values: speculative decoding starts from an empty cache and manages its own; "
-            "continuing from a filled or non-dynamic cache is not supported"
+            f"past_key_values: a {type(cache).__name__}; speculative decoding continues only from a transformers "
+            "DynamicCache (what generate returns by default); drop it or pass a DynamicCache"
         )
+    cached = 0 if cache is None else cache.get_seq_length()
+    if cached > 0:
+        if model_kwargs.get("inputs_embeds") is not None:
+            raise ValueError(
+                "past_key_values with inputs_embeds: continue from a filled cache with input_ids (the whole "
+                "sequence, cached part included)"
+            )
+        if method == "eagle":
+            raise ValueError(
+                "past_key_values: method='eagle' reads the target's features at every prompt position, which a "
+                "filled cache does not keep; start from the whole prompt (no past_key_values) or use another method"
+            )
     if model_kwargs.get("inputs_embeds") is not None and method in NEEDS_PROMPT_IDS:
         raise ValueError(
             f"inputs_embeds: method={method!r} drafts from the prompt's token ids, which a prompt given as "

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_specdec.cache.exchange import filled_layers, gather_by_order
 from hf_specdec.cache.growable import GrowableCache
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
 
@@ -150,6 +151,8 @@ class RaggedKVCache:
         token_type_ids: torch.Tensor | None = None,
         # [B, P, H] or None: the prompt as embeddings; `input_ids` is then [B, 0]
         inputs_embeds: torch.Tensor | None = None,
+        # a filled transformers cache holding the first C < P prompt tokens (from an earlier call), or None
+        past_key_values=None,
     ) -> torch.Tensor | None:
         """Encode the prompt through the model's own input preparation; returns logits [B, logits_to_keep, V]
         (None for an empty prompt, which just starts an empty cache)."""
@@ -169,6 +172,9 @@ class RaggedKVCache:
             attention_mask = torch.ones(batch, length, dtype=torch.long, device=input_ids.device)
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        if past_key_values is not None:
+            return self._prefill_after(past_key_values, input_ids, attention_mask, position_ids, token_type_ids,
+                                       logits_to_keep)
         has_padding = bool((attention_mask == 0).any())
         model_kwargs = {
             "attention_mask": attention_mask if has_padding else None,
@@ -190,6 +196,44 @@ class RaggedKVCache:
         self.positions = position_ids
         self.next_position = position_ids[:, -1] + 1  # as `generate` continues positions, right padding or not
         return logits
+
+    def _prefill_after(
+        self,
+        past_key_values,
+        # [B, P]
+        input_ids: torch.Tensor,
+        # [B, P]
+        attention_mask: torch.Tensor,
+        # [B, P]
+        position_ids: torch.Tensor,
+        # [B, P] or None
+        token_type_ids: torch.Tensor | None,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
+        """Start from a filled transformers cache of the first C prompt tokens and encode the other P - C."""
+        cached = past_key_values.get_seq_length()
+        for index, (keys, values) in enumerate(filled_layers(past_key_values, cached)):
+            self.kv.update(keys, values, index)
+        self.valid = attention_mask[:, :cached].bool()
+        self.positions, self.orders = position_ids[:, :cached], self.orders[:, :cached]
+        positions, orders = position_ids[:, cached:], self.orders.new_tensor(range(cached, input_ids.shape[1]))
+        width = positions.shape[1]
+        self._extend(positions, orders.expand(input_ids.shape[0], -1), attention_mask[:, cached:].bool())
+        chain = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
+        mask = self._attention_mask(self.orders[:, cached:], cached, chain.expand(input_ids.shape[0], -1, -1))
+        rest = {} if token_type_ids is None else {"token_type_ids": token_type_ids[:, cached:]}
+        logits = self._call_model(
+            dict(input_ids=input_ids[:, cached:], position_ids=positions, attention_mask=mask,
+                 past_key_values=self.kv, use_cache=True, **rest),
+            keep_hidden=width,
+        )
+        self.next_position = position_ids[:, -1] + 1
+        return logits[:, -logits_to_keep:]
+
+    def layers_by_order(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ([B_held, H, length, D] keys, values): every row's slots at orders < length, at their order."""
+        return [(gather_by_order(layer.keys, self.orders, self.valid, length),
+                 gather_by_order(layer.values, self.orders, self.valid, length)) for layer in self.kv.layers]
 
     def mark(self) -> CacheMark:
         return CacheMark(

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from hf_specdec.cache.exchange import full_layers, recompute
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported
 from hf_specdec.config import SpeculativeConfig
@@ -126,8 +127,10 @@ class SpeculativeDecoder:
         self.score_log, self.logit_log = ScoreLog(input_ids.shape[0]), ScoreLog(input_ids.shape[0])
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
+        self.prompt, self.prompt_ids = prompt, input_ids
         logits = self.cache.prefill(input_ids, attention_mask, position_ids=prompt.position_ids,
-                                    token_type_ids=prompt.token_type_ids, inputs_embeds=prompt.inputs_embeds)
+                                    token_type_ids=prompt.token_type_ids, inputs_embeds=prompt.inputs_embeds,
+                                    past_key_values=prompt.past_key_values)
         self.state.target_features = self.cache.hidden_states
         self.proposer.start(self.state, attention_mask)
         self.accept_and_commit(Proposal.empty(self.state.batch_size, input_ids.device), logits, mark=None)
@@ -254,6 +257,31 @@ class SpeculativeDecoder:
     def output_length(self) -> int:
         return int(self.stop_lengths.max())
 
+    def output_cache(self, length: int) -> DynamicCache:
+        """The cache plain generate returns with an output `length` tokens long (see `hf_specdec.cache.exchange`):
+        rows whose cache is complete are gathered by order, the others computed again in one forward."""
+        prompt = self.prompt
+        embedded = 0 if prompt.inputs_embeds is None else prompt.inputs_embeds.shape[1]
+        total = embedded + length - 1  # every position fed: all but the last output token
+        batch = self.state.batch_size
+        held = torch.arange(batch, device=self.state.lengths.device) if self.rows is None else self.rows
+        complete = torch.zeros(batch, dtype=torch.bool, device=held.device)
+        complete[held] = self.cache.next_order.to(held.device) == total
+        layers = [(k.new_zeros(batch, *k.shape[1:]), v.new_zeros(batch, *v.shape[1:]))
+                  for k, v in self.cache.layers_by_order(total)]
+        for (keys, values), (held_keys, held_values) in zip(layers, self.cache.layers_by_order(total)):
+            keys[held.to(keys.device)], values[held.to(keys.device)] = held_keys, held_values
+        redo = (~complete).nonzero().squeeze(1)
+        if redo.numel():
+            rows = redo.to(self.prompt_ids.device)
+            subset = PromptInputs(**{name: None if value is None else value[rows]
+                                     for name, value in vars(prompt).items() if name != "past_key_values"})
+            start = self.prompt_ids.shape[1]
+            again = recompute(self.model, self.state.sequences[rows, start : length - 1], subset, self.prompt_ids[rows])
+            for (keys, values), (new_keys, new_values) in zip(layers, again):
+                keys[rows.to(keys.device)], values[rows.to(keys.device)] = new_keys, new_values
+        return full_layers(layers, self.model.config)
+
     def accept(
         self, proposal: Proposal | TreeProposal, scores: torch.Tensor
     ) -> VerificationResult | TreeVerificationResult:
@@ -336,11 +364,13 @@ def speculative_generate(
     decoder = SpeculativeDecoder(
         model, speculative_config, logits_processor, stopping_criteria, generation_config, spec_streamer
     )
+    past = model_kwargs.get("past_key_values")
     prompt = PromptInputs(
         attention_mask=model_kwargs.get("attention_mask"),
         position_ids=model_kwargs.get("position_ids"),
         token_type_ids=model_kwargs.get("token_type_ids"),
         inputs_embeds=model_kwargs.get("inputs_embeds"),
+        past_key_values=past if past is not None and past.get_seq_length() > 0 else None,
     )
     state, stats = decoder.run(input_ids, prompt)
     length = decoder.output_length()
@@ -352,5 +382,6 @@ def speculative_generate(
         sequences=sequences,
         scores=decoder.score_log.steps()[:steps] if generation_config.output_scores else None,
         logits=decoder.logit_log.steps()[:steps] if generation_config.output_logits else None,
+        past_key_values=decoder.output_cache(length) if generation_config.use_cache else None,
         spec_stats=stats,
     )

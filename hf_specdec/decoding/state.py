@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -114,6 +115,8 @@ class PromptInputs:
     token_type_ids: torch.Tensor | None = None
     # [B, P, H] or None: the prompt as embeddings (the token ids are then [B, 0])
     inputs_embeds: torch.Tensor | None = None
+    # a filled transformers cache holding the prompt's first tokens (continuing an earlier call), or None
+    past_key_values: Any = None
 
 
 @dataclass(frozen=True)

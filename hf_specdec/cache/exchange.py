@@ -1,0 +1,107 @@
+"""The engine's cache to and from transformers' own: what `generate` returns as `past_key_values`, and a filled
+cache a user passes back in to continue (multi-turn chat).
+
+Out: plain `generate` returns a `DynamicCache` holding, for every row, the keys and values of every position it fed
+the model: the prompt (padding included) and all output tokens but the last; a row that stopped early kept feeding
+padding. The engine's cache holds each row's slots in its own order, with holes, and stops computing rows that
+finished; so rows whose cache is complete are gathered by order, and the others are computed again in one forward
+over their final sequences, as plain `generate` saw them. Prompt padding is written as zeros: every later query
+masks it.
+
+In: a filled `DynamicCache` (from an earlier call) becomes the engine's first slots; sliding-window layers, which
+keep only their window, are zero-filled in front (the window masks those slots anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from hf_specdec.decoding.state import PromptInputs
+
+
+def full_layers(
+    # per layer ([B, H, S, D] keys, [B, H, S, D] values)
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    config,
+) -> DynamicCache:
+    """A transformers `DynamicCache` laid out as `generate` makes it for this model (sliding layers keep their
+    window), from every layer's full keys and values."""
+    cache = DynamicCache(config=config.get_text_config(decoder=True))
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys, values, index)
+    return cache
+
+
+def gather_by_order(
+    # [B, H, S, D]
+    states: torch.Tensor,
+    # [B, S] long: the order (plain generate's cache index) of every slot
+    orders: torch.Tensor,
+    # [B, S] bool
+    valid: torch.Tensor,
+    length: int,
+) -> torch.Tensor:
+    """[B, H, length, D]: each row's valid slots at orders < length put at their order; zeros elsewhere."""
+    batch, heads, _, dim = states.shape
+    target = torch.where(valid & (orders < length), orders, length).to(states.device)  # spare column for the rest
+    out = states.new_zeros(batch, heads, length + 1, dim)
+    out.scatter_(2, target[:, None, :, None].expand(-1, heads, -1, dim), states)
+    return out[:, :, :length]
+
+
+def recompute(
+    model,
+    # [R, T]: the rows' token ids fed after the prompt (the output tokens but the last)
+    new_tokens: torch.Tensor,
+    # [R, ...] prompt inputs of these rows
+    prompt: PromptInputs,
+    # [R, P] the prompt's token ids ([R, 0] for an embedded prompt)
+    prompt_ids: torch.Tensor,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ([R, H, P + T, D] keys, values): one forward over the rows' final sequences, as `generate` fed them."""
+    embeds = prompt.inputs_embeds
+    prompt_length = embeds.shape[1] if embeds is not None else prompt_ids.shape[1]
+    rows, new = new_tokens.shape
+    device = new_tokens.device
+    mask = prompt.attention_mask
+    if mask is None:
+        mask = torch.ones(rows, prompt_length, dtype=torch.long, device=device)
+    positions = prompt.position_ids
+    if positions is None:
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    inputs = {
+        "attention_mask": torch.cat([mask, mask.new_ones(rows, new)], dim=1),
+        "position_ids": torch.cat([positions, positions[:, -1:] + 1 + torch.arange(new, device=device)], dim=1),
+        "past_key_values": DynamicCache(),
+        "use_cache": True,
+    }
+    if prompt.token_type_ids is not None:
+        types = prompt.token_type_ids
+        inputs["token_type_ids"] = torch.cat([types, types[:, -1:].expand(-1, new)], dim=1)
+    if embeds is not None:
+        inputs["inputs_embeds"] = torch.cat([embeds, model.get_input_embeddings()(new_tokens)], dim=1)
+    else:
+        inputs["input_ids"] = torch.cat([prompt_ids, new_tokens], dim=1)
+    if model._supports_logits_to_keep():
+        inputs["logits_to_keep"] = 1
+    with torch.no_grad():
+        cache = model(**inputs).past_key_values
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def filled_layers(
+    cache: DynamicCache,
+    length: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ([B, H, length, D] keys, values) of a filled transformers cache of `length` tokens; layers that
+    kept fewer (sliding windows) are zero-filled in front."""
+    layers = []
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        missing = length - keys.shape[2]
+        if missing > 0:
+            keys = torch.cat([keys.new_zeros(*keys.shape[:2], missing, keys.shape[3]), keys], dim=2)
+            values = torch.cat([values.new_zeros(*values.shape[:2], missing, values.shape[3]), values], dim=2)
+        layers.append((keys, values))
+    return layers

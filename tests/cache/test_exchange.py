@@ -1,0 +1,94 @@
+"""`past_key_values` in and out, as plain `generate` has them: the returned cache holds every fed position's keys
+and values (rows that stopped early included), and generation continues from a filled cache."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from tests.conftest import make_draft, make_model, padded_batch
+
+KWARGS = dict(do_sample=False, eos_token_id=None, return_dict_in_generate=True)
+
+
+def _configs(target):
+    return {
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+        "draft_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=2, tree_width=2),
+        "same_draft": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3),
+    }
+
+
+def _unmasked_max_diff(ours, theirs, mask: torch.Tensor) -> float:
+    """Largest |difference| over the slots a later query attends to (padding is masked, so its values are free)."""
+    worst = 0.0
+    for mine, plain in zip(ours.layers, theirs.layers):
+        assert mine.keys.shape == plain.keys.shape
+        seen = mask[:, None, -plain.keys.shape[2]:, None].bool()
+        for a, b in ((mine.keys, plain.keys), (mine.values, plain.values)):
+            worst = max(worst, float(((a - b) * seen).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+def test_returned_cache_is_plain_generates(arch):
+    """Rows that stop at an EOS early leave the engine's cache; their entries are computed again."""
+    target = make_model(arch)
+    ids, mask = padded_batch([9, 6, 8], seed=1, repeat_period=3)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=8, **KWARGS).sequences
+    for eos in (None, int(free[1, ids.shape[1] + 2])):
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, **{**KWARGS, "eos_token_id": eos})
+        expected = target.generate(ids, **kwargs)
+        fed = torch.cat([mask, mask.new_ones(3, expected.sequences.shape[1] - ids.shape[1] - 1)], dim=1)
+        for name, config in _configs(target).items():
+            out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+            assert torch.equal(out.sequences, expected.sequences), name
+            assert type(out.past_key_values) is type(expected.past_key_values)
+            assert out.past_key_values.get_seq_length() == expected.past_key_values.get_seq_length()
+            assert _unmasked_max_diff(out.past_key_values, expected.past_key_values, fed) < 1e-5, (name, eos)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_continue_from_returned_cache(arch):
+    target = make_model(arch)
+    ids, mask = padded_batch([9, 6, 8], seed=2, repeat_period=3)
+    first = target.generate(ids, attention_mask=mask, max_new_tokens=4, **KWARGS)
+    longer = torch.cat([mask, mask.new_ones(3, 4)], dim=1)
+    kwargs = dict(attention_mask=longer, max_new_tokens=9, **KWARGS)
+    expected = target.generate(first.sequences, past_key_values=copy.deepcopy(first.past_key_values), **kwargs)
+    for name, config in _configs(target).items():
+        out = hf_specdec.generate(target, first.sequences, past_key_values=copy.deepcopy(first.past_key_values),
+                                  speculative=config, **kwargs)
+        assert torch.equal(out.sequences, expected.sequences), name
+        assert out.spec_stats.num_draft_tokens > 0
+
+
+def test_no_cache_returned_without_use_cache():
+    target = make_model("llama")
+    ids, mask = padded_batch([5, 7], seed=3)
+    out = hf_specdec.generate(target, ids, attention_mask=mask, spec_method="ngram", max_new_tokens=4, use_cache=False,
+                              **KWARGS)
+    assert out.past_key_values is None
+
+
+def test_filled_cache_refused_for_eagle_and_other_cache_types():
+    from transformers import StaticCache
+
+    from tests.proposers.test_eagle import eagle_head
+
+    target = make_model("llama")
+    ids, mask = padded_batch([6, 6], seed=4)
+    first = target.generate(ids, attention_mask=mask, max_new_tokens=2, **KWARGS)
+    longer = torch.cat([mask, mask.new_ones(2, 2)], dim=1)
+    eagle = SpeculativeConfig(method="eagle", heads=eagle_head(target))
+    with pytest.raises(ValueError, match="past_key_values: method='eagle' reads the target's features"):
+        hf_specdec.generate(target, first.sequences, attention_mask=longer, past_key_values=first.past_key_values,
+                            speculative=eagle, max_new_tokens=2)
+    static = StaticCache(config=target.config, max_cache_len=32)
+    with pytest.raises(ValueError, match="past_key_values: a StaticCache"):
+        hf_specdec.generate(target, ids, attention_mask=mask, past_key_values=static, spec_method="ngram",
+                            max_new_tokens=2)
