@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hf_specdec.kernels.tree_mask import (
+    INSTALL_TRITON,
     ancestor_bits_from_parents,
     tree_attention_mask_reference,
     tree_attention_mask_triton,
@@ -58,8 +59,8 @@ def make_inputs(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="mask dtype (default fp16)")
+    parser.add_argument("--json", type=Path, help="also write the results here, as JSON")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         import triton
         from triton.testing import do_bench
     except ImportError:
-        print("bench_tree_mask: triton is not installed (pip install triton); skipping.")
+        print(f"bench_tree_mask: triton is not installed ({INSTALL_TRITON}); skipping.")
         return 0
 
     dtype = DTYPES[args.dtype]
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{verdict}: headline speedup {headline:.1f}x (goal >= {GOAL_SPEEDUP:.0f}x)")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(device), "dtype": args.dtype,
-                                         "triton": triton.__version__, "results": results}, indent=2))
+                                         "triton": triton.__version__, "results": results},
+                                        indent=2, sort_keys=True) + "\n")
     return 0
 
 

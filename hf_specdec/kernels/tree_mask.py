@@ -17,6 +17,9 @@ row (b, q) is set iff node j is an ancestor-or-self of node q. Bit 63 is the sig
 The file reads as the Triton tutorials do: the torch reference, the kernel, its launcher, then the public
 `tree_attention_mask`, which picks the kernel for CUDA tensors (or under `TRITON_INTERPRET=1`) and the reference
 otherwise.
+
+triton is optional (`pip install "hf-specdec[triton]"`; torch's CUDA wheels already bring it): without it this
+module imports, the kernel is never chosen, and every mask comes from the torch reference.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import os
 
 import torch
 
-try:  # triton does not install everywhere; everything but the kernel path works without it
+try:  # optional: everything but the kernel path works without triton
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
 
+INSTALL_TRITON = 'pip install "hf-specdec[triton]"'
 BITS_PER_WORD = 64
 # The value of bit j of an int64 word; bit 63 is the sign bit.
 BIT_VALUES = [1 << j for j in range(BITS_PER_WORD - 1)] + [-(1 << (BITS_PER_WORD - 1))]
@@ -236,8 +240,8 @@ def tree_attention_mask_triton(
 ) -> torch.Tensor:
     """The same mask as `tree_attention_mask_reference`, written by one Triton kernel launch."""
     if triton is None:
-        raise RuntimeError("tree_attention_mask_triton needs triton (pip install triton); "
-                           "call tree_attention_mask_reference instead")
+        raise RuntimeError(f"tree_attention_mask_triton needs triton, which is not installed ({INSTALL_TRITON}); "
+                           "or call tree_attention_mask_reference")
     batch, num_slots = valid.shape
     num_nodes = query_positions.shape[1]
     if ancestor_bits.shape != (batch, num_nodes, num_ancestor_words(num_nodes)):
@@ -301,7 +305,8 @@ def tree_attention_mask(
         use_kernel = triton is not None and kernel_can_run
     elif use_kernel:
         if triton is None:
-            raise RuntimeError("use_kernel=True needs triton, which is not installed (pip install triton)")
+            raise RuntimeError(f"use_kernel=True needs triton, which is not installed ({INSTALL_TRITON}); "
+                               "or pass use_kernel=None to use the torch reference")
         if not kernel_can_run:
             raise RuntimeError("use_kernel=True needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
                                "imported to run the kernel on CPU")

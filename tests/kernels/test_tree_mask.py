@@ -212,7 +212,7 @@ def kernel_case_arguments(name: str) -> tuple:
 def interpreted_kernel_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
     """Every case of KERNEL_CASES through the Triton kernel, in one interpreter subprocess."""
     if not HAS_TRITON:
-        pytest.skip("triton is not installed")
+        pytest.skip(f"triton is not installed ({tree_mask.INSTALL_TRITON})")
     folder = tmp_path_factory.mktemp("tree_mask")
     cases, outputs = folder / "cases.pt", folder / "outputs.pt"
     torch.save({name: kernel_case_arguments(name) for name in KERNEL_CASES}, cases)
@@ -252,26 +252,54 @@ def test_auto_on_cpu_without_the_interpreter_uses_the_reference(monkeypatch):
                                rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(not HAS_TRITON, reason=f"triton is not installed ({tree_mask.INSTALL_TRITON})")
 def test_forcing_the_kernel_on_cpu_without_the_interpreter_raises(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="CUDA tensors, or TRITON_INTERPRET=1"):
         tree_attention_mask(*kernel_case_arguments("one-node"), use_kernel=True)
 
 
-def test_module_imports_and_reference_works_without_triton(monkeypatch):
-    monkeypatch.setitem(sys.modules, "triton", None)  # import triton now raises ImportError
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # auto must still fall back to the reference
-    spec = importlib.util.spec_from_file_location("tree_mask_without_triton", tree_mask.__file__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # a fresh copy of the module; the imported one is untouched
-    assert module.triton is None
-    parents = torch.tensor([[-1, 0, 0, 1]])
-    arguments = (torch.ones(1, 3, dtype=torch.bool), torch.arange(3)[None], 3 + depths(parents),
-                 module.ancestor_bits_from_parents(parents), None, torch.float16)
-    expected = [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 1]]
-    for use_kernel in (None, False):
-        mask = module.tree_attention_mask(*arguments, use_kernel=use_kernel)
-        assert (mask[0, 0] == 0).long().tolist() == expected
-    with pytest.raises(RuntimeError, match="needs triton"):
-        module.tree_attention_mask(*arguments, use_kernel=True)
+# Blocks triton, then imports the package, builds masks and decodes with a token tree: everything must work on the
+# torch reference, even with TRITON_INTERPRET=1 asking for the kernel.
+_WITHOUT_TRITON_WORKER = """
+import sys
+sys.modules["triton"] = None  # `import triton` now raises ImportError
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import hf_specdec
+from hf_specdec.kernels import tree_mask
+
+assert tree_mask.triton is None
+parents = torch.tensor([[-1, 0, 0, 1]])
+query_positions = torch.tensor([[3, 4, 4, 5]])
+bits = tree_mask.ancestor_bits_from_parents(parents)
+arguments = (torch.ones(1, 3, dtype=torch.bool), torch.arange(3)[None], query_positions, bits, None, torch.float16)
+expected = [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 1]]
+for use_kernel in (None, False):
+    mask = tree_mask.tree_attention_mask(*arguments, use_kernel=use_kernel)
+    assert (mask[0, 0] == 0).long().tolist() == expected, (use_kernel, mask)
+mask = tree_mask.ancestry_attention_mask(*arguments[:3], tree_mask.unpack_bits(bits, 4), None, torch.float16,
+                                         query_positions)
+assert (mask[0, 0] == 0).long().tolist() == expected, mask
+try:
+    tree_mask.tree_attention_mask(*arguments, use_kernel=True)
+except RuntimeError as error:
+    assert 'hf-specdec[triton]' in str(error), error
+else:
+    raise AssertionError("use_kernel=True without triton did not raise")
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, pad_token_id=0, eos_token_id=None)
+model = LlamaForCausalLM(config).eval()
+ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6, 8, 5, 6]])
+kwargs = dict(max_new_tokens=12, do_sample=False)
+tree = hf_specdec.SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2, prompt_lookup_min=1)
+assert torch.equal(hf_specdec.generate(model, ids, speculative=tree, **kwargs), model.generate(ids, **kwargs))
+"""
+
+
+def test_package_works_without_triton():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON_WORKER], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
