@@ -12,7 +12,8 @@ from hf_specdec.cache.ragged import AttentionLayout
 # model_kwargs that `generate` prepares and the engine understands; anything else (pixel_values, ...) would be
 # silently dropped, so it is refused.
 KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
-                      "cache_position", "token_type_ids", "inputs_embeds"}
+                      "cache_position", "token_type_ids", "inputs_embeds", "output_attentions",
+                      "output_hidden_states"}
 # Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` does not have.
 NEEDS_PROMPT_IDS = ("draft", "eagle")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic")
@@ -40,11 +41,6 @@ def check_generation_supported(
         )
     if synced_gpus:
         raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by speculative decoding")
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError(
-            "output_attentions / output_hidden_states are not supported with speculative decoding "
-            "(a verify step computes several positions at once)"
-        )
     if generation_config.cache_implementation not in SUPPORTED_CACHE_IMPLEMENTATIONS:
         raise ValueError(
             f"cache_implementation={generation_config.cache_implementation!r}: speculative decoding needs a "

@@ -168,7 +168,6 @@ NGRAM = SpeculativeConfig(method="ngram")
         (dict(spec_method="eagle"), "spec_method='eagle' needs assistant="),
         (dict(spec_method="suffix"), "SpeculativeConfig.method: unknown method 'suffix'"),
         (dict(assistant=make_draft(vocab=1000)), "vocabulary size 1000 does not match the target's 128"),
-        (dict(speculative=NGRAM, output_attentions=True, return_dict_in_generate=True), "output_attentions"),
     ],
 )
 def test_bad_generate_call_fails_before_any_forward(call, match, forward_counter):

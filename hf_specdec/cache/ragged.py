@@ -103,6 +103,18 @@ def _check_positions_come_from_the_mask(model, config) -> None:
 
 
 @dataclass(frozen=True)
+class ModelOutputs:
+    """The model's per-layer outputs of one forward, and the order of every slot it attended over."""
+
+    # per layer [B, W, H], or None
+    hidden_states: tuple | None
+    # per layer [B, heads, W, S], or None (empty for attention kernels that return none)
+    attentions: tuple | None
+    # [B, S]
+    orders: torch.Tensor
+
+
+@dataclass(frozen=True)
 class CacheMark:
     """Where the cache stood before a group of forwards, so `rollback` can keep a prefix of what came after."""
 
@@ -133,6 +145,10 @@ class RaggedKVCache:
         self.hidden_states: torch.Tensor | None = None  # [B, W, F] of the last forward, when recorded
         # per-row model inputs every new token repeats ({name: [B]}, e.g. the row's last token_type_ids)
         self.row_inputs: dict[str, torch.Tensor] = {}
+        # the model's own per-layer outputs of the last forward, kept when these are set
+        self.output_hidden_states = False
+        self.output_attentions = False
+        self.model_outputs: ModelOutputs | None = None
 
     @property
     def num_slots(self) -> int:
@@ -326,9 +342,17 @@ class RaggedKVCache:
         return self._call_model(inputs, keep_hidden=input_ids.shape[1])
 
     def _call_model(self, inputs: dict, keep_hidden: int) -> torch.Tensor:
-        """The model's logits; also its features (`feature_layers`) of the last `keep_hidden` tokens."""
+        """The model's logits; also its features (`feature_layers`) of the last `keep_hidden` tokens, and its
+        per-layer hidden states and attentions when `output_hidden_states` / `output_attentions` are set."""
         record = self.feature_layers is not None
-        out = self.model(**inputs, output_hidden_states=record, return_dict=True)
+        out = self.model(**inputs, output_hidden_states=record or self.output_hidden_states,
+                         output_attentions=self.output_attentions, return_dict=True)
+        if self.output_hidden_states or self.output_attentions:
+            self.model_outputs = ModelOutputs(
+                hidden_states=out.hidden_states if self.output_hidden_states else None,
+                attentions=out.attentions if self.output_attentions else None,
+                orders=self.orders,
+            )
         self.hidden_states = None
         if record:
             layers = [out.hidden_states[i][:, -keep_hidden:] for i in self.feature_layers]

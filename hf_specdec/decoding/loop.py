@@ -29,6 +29,7 @@ from hf_specdec.cache.exchange import full_layers, recompute
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported
 from hf_specdec.config import SpeculativeConfig
+from hf_specdec.decoding.outputs import OutputLog
 from hf_specdec.decoding.scores import PositionScorer, prefix_free
 from hf_specdec.decoding.state import DecodeState, PromptInputs, Proposal, TreeProposal
 from hf_specdec.decoding.stopping import TokenStopper
@@ -125,6 +126,11 @@ class SpeculativeDecoder:
         self.stats = SpecStatsRecorder(input_ids.shape[0], self.max_depth, input_ids.device)
         self.stop_lengths = torch.full_like(self.state.lengths, -1)  # [B]: length at each row's first stop
         self.score_log, self.logit_log = ScoreLog(input_ids.shape[0]), ScoreLog(input_ids.shape[0])
+        config = self.generation_config
+        self.cache.output_hidden_states = bool(config.output_hidden_states)
+        self.cache.output_attentions = bool(config.output_attentions)
+        self.output_log = OutputLog(self.model, input_ids.shape[0], self.cache.output_hidden_states,
+                                    self.cache.output_attentions)
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
         self.prompt, self.prompt_ids = prompt, input_ids
@@ -210,7 +216,7 @@ class SpeculativeDecoder:
         self.stop_lengths = torch.where(
             (self.stop_lengths < 0) & decision.stopped, state.lengths + decision.num_emitted, self.stop_lengths
         )
-        self.emit(result, num_emitted, scores, logits)
+        self.emit(result, num_emitted, scores, logits, mark)
         num_drafted = num_draft_tokens(proposal)
         self.stats.record(active, num_drafted, result.num_accepted)
         state.commit(num_emitted, scratch_width=result.output_token_ids.shape[1])
@@ -304,7 +310,13 @@ class SpeculativeDecoder:
             proposal.draft_token_ids, proposal.num_draft_tokens, proposal.draft_probs, target_probs, self.generator
         )
 
-    def emit(self, result, num_emitted: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> None:
+    def emit(self, result, num_emitted: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, mark) -> None:
+        if self.cache.output_hidden_states or self.cache.output_attentions:
+            if mark is None:
+                self.output_log.prefill(self.cache.model_outputs)
+            else:
+                self.output_log.add(self.cache.model_outputs, emitted_positions(result), num_emitted,
+                                    self.unheld(mark.next_order), self.unheld)
         if self.generation_config.output_scores:
             self.score_log.add(scores_of_emitted(result, scores), num_emitted)
         if self.generation_config.output_logits:
@@ -383,5 +395,7 @@ def speculative_generate(
         scores=decoder.score_log.steps()[:steps] if generation_config.output_scores else None,
         logits=decoder.logit_log.steps()[:steps] if generation_config.output_logits else None,
         past_key_values=decoder.output_cache(length) if generation_config.use_cache else None,
+        hidden_states=decoder.output_log.hidden_steps(steps),
+        attentions=decoder.output_log.attention_steps(steps),
         spec_stats=stats,
     )

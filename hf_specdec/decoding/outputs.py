@@ -1,0 +1,108 @@
+"""`output_hidden_states` / `output_attentions` laid out as plain `generate` lays them out.
+
+Plain generate returns one entry per generated token, each a tuple over layers: the first entry is the prefill
+forward's ([B, P, H] hidden states, [B, heads, P, P] attentions); entry t >= 1 is the forward that fed token t - 1
+([B, 1, H]; [B, heads, 1, kv] with kv = P + t keys, or the layer's window for sliding-window layers). A verify
+forward computes several such positions at once: the token emitted at verified position j was chosen from that
+position's outputs, so entry t of a row is taken from the position it was emitted at, and its attention weights are
+put at the order (plain generate's cache index) of every slot they fell on. Rows that finished have zeros there
+(plain generate computed them on padding).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from hf_specdec.cache.ragged import ModelOutputs
+
+
+class OutputLog:
+    def __init__(self, model, batch_size: int, hidden_states: bool, attentions: bool) -> None:
+        self.hidden = hidden_states
+        self.attention = attentions
+        self.first: ModelOutputs | None = None
+        self.hidden_rows: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]  # per row: [L, H] per token
+        self.attention_rows: list[list[tuple]] = [[] for _ in range(batch_size)]  # per row: per token, per layer
+        layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+        # the keys each layer keeps for a query at order o: o + 1, or the window for sliding layers
+        self.windows = [getattr(layer, "sliding_window", None) for layer in layers]
+
+    def prefill(self, outputs: ModelOutputs) -> None:
+        self.first = outputs
+
+    def add(
+        self,
+        outputs: ModelOutputs,
+        # [B, D + 1]: the verified position each emitted token was chosen at
+        positions: torch.Tensor,
+        # [B]
+        num_emitted: torch.Tensor,
+        # [B]: the order of each row's first verified position (its last committed token)
+        first_order: torch.Tensor,
+        # [B_held, ...] -> [B, ...]: puts the rows the cache holds back in batch order
+        unheld,
+    ) -> None:
+        counts = num_emitted.tolist()
+        if self.hidden:
+            layers = torch.stack([unheld(h) for h in outputs.hidden_states], dim=2)  # [B, W, L, H]
+            chosen = layers.gather(1, positions[:, :, None, None].expand(-1, -1, *layers.shape[2:]))
+            for row, count in enumerate(counts):
+                self.hidden_rows[row].extend(chosen[row, :count].unbind(0))
+        if self.attention and outputs.attentions:
+            self._add_attentions(outputs, positions, counts, first_order, unheld)
+
+    def _add_attentions(self, outputs, positions, counts, first_order, unheld) -> None:
+        orders = unheld(outputs.orders)  # [B, S]
+        longest = int(first_order.max()) + positions.shape[1]  # keys of the deepest query
+        target = orders.clamp(max=longest).to(positions.device)  # later slots go to a spare column
+        per_layer = []
+        for weights in outputs.attentions:
+            weights = unheld(weights)  # [B, heads, W, S]
+            heads = weights.shape[1]
+            chosen = weights.gather(2, positions[:, None, :, None].expand(-1, heads, -1, weights.shape[3]))
+            placed = chosen.new_zeros(*chosen.shape[:3], longest + 1)
+            placed.scatter_add_(3, target[:, None, None, :].expand(-1, heads, chosen.shape[2], -1), chosen)
+            per_layer.append(placed)  # [B, heads, D + 1, longest + 1]
+        for row, count in enumerate(counts):
+            for j in range(count):
+                keys = int(first_order[row]) + j + 1
+                self.attention_rows[row].append(
+                    tuple(self._window(layer, placed[row, :, j, :keys]) for layer, placed in enumerate(per_layer))
+                )
+
+    def _window(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
+        window = self.windows[layer] if layer < len(self.windows) else None
+        return weights if window is None else weights[:, -min(weights.shape[1], window) :]
+
+    def hidden_steps(self, steps: int) -> tuple | None:
+        if not self.hidden:
+            return None
+        later = _stack_steps(self.hidden_rows, steps - 1)  # per step [B, L, H]
+        return (tuple(self.first.hidden_states),) + tuple(
+            tuple(step[:, layer, None] for layer in range(step.shape[1])) for step in later
+        )
+
+    def attention_steps(self, steps: int) -> tuple | None:
+        if not self.attention:
+            return None
+        first = tuple(self.first.attentions)
+        if not first:  # the attention kernel returns no weights (sdpa): as plain generate, empty entries
+            return tuple(() for _ in range(steps))
+        entries = [first]
+        for t in range(steps - 1):
+            template = next(r[t] for r in self.attention_rows if len(r) > t)
+            entries.append(tuple(
+                torch.stack([r[t][layer] if len(r) > t else torch.zeros_like(template[layer])
+                             for r in self.attention_rows])[:, :, None]
+                for layer in range(len(template))
+            ))
+        return tuple(entries)
+
+
+def _stack_steps(rows: list[list[torch.Tensor]], steps: int) -> list[torch.Tensor]:
+    """Per step, the rows' entries stacked [B, ...] (zeros for rows that had finished)."""
+    if steps <= 0:
+        return []
+    template = next(r[0] for r in rows if r)
+    return [torch.stack([r[t] if t < len(r) else torch.zeros_like(template) for r in rows]) for t in range(steps)]

@@ -1,0 +1,59 @@
+"""`output_hidden_states` / `output_attentions`: one entry per generated token, each a tuple over layers, with plain
+`generate`'s shapes and values (the verified position each token was chosen at; attention weights at their order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from tests.conftest import make_draft, make_model, padded_batch
+
+
+def _configs():
+    return {
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+        "draft_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=2,
+                                        tree_width=2),
+        "draft_dynamic_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=2,
+                                                tree_width=2, tree_total_tokens=3),
+    }
+
+
+def _max_diff(ours: tuple, theirs: tuple) -> float:
+    assert len(ours) == len(theirs)
+    worst = 0.0
+    for step_ours, step_theirs in zip(ours, theirs):
+        assert len(step_ours) == len(step_theirs)
+        for a, b in zip(step_ours, step_theirs):
+            assert a.shape == b.shape
+            worst = max(worst, float((a - b).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+def test_hidden_states_and_attentions_match_plain_generate(arch):
+    """gemma2: sliding-window layers keep only their window of keys, as in plain generate."""
+    target = make_model(arch)
+    target.config._attn_implementation = "eager"
+    ids, mask = padded_batch([9, 6, 8], seed=1, repeat_period=3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, eos_token_id=None,
+                  return_dict_in_generate=True, output_attentions=True, output_hidden_states=True)
+    expected = target.generate(ids, **kwargs)
+    for name, config in _configs().items():
+        out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+        assert torch.equal(out.sequences, expected.sequences), name
+        assert out.spec_stats.num_draft_tokens > 0
+        assert _max_diff(out.hidden_states, expected.hidden_states) < 1e-4, name
+        assert _max_diff(out.attentions, expected.attentions) < 1e-5, name
+
+
+def test_sdpa_attentions_are_empty_as_in_plain_generate():
+    target = make_model("llama")
+    ids, mask = padded_batch([5, 4], seed=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None,
+                  return_dict_in_generate=True, output_attentions=True)
+    expected = target.generate(ids, **kwargs)
+    out = hf_specdec.generate(target, ids, spec_method="ngram", **kwargs)
+    assert [len(step) for step in out.attentions] == [len(step) for step in expected.attentions]
