@@ -1,0 +1,111 @@
+"""How often greedy speculative output differs from plain `generate` in low precision, and why.
+
+A verify forward scores several positions at once; in bf16/fp16 its matrix kernels round differently from the
+one-token forwards of plain decoding, so where plain decoding's two best scores are (nearly) tied the argmax can
+flip and the two continuations part. This script counts, per method and with or without logits processors, the
+prompts whose output differs from plain `generate` in the given dtype, and for each difference reports plain's gap
+between its top two scores at the first differing token (in units of the dtype's spacing at that score). The same
+runs in float32 must all be identical.
+
+Run: python benchmarks/low_precision_ties.py [--model testbed|smollm2|PATH] [--dtype bfloat16] [--prompts 32]
+     [--max-new-tokens 64] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+
+PROCESSORS = {
+    "none": {},
+    "processors": dict(repetition_penalty=1.2, no_repeat_ngram_size=4),
+}
+
+
+def load(model: str, dtype: torch.dtype):
+    """(tokenizer, target, draft or None, prompts as lists of token ids)."""
+    if model == "testbed":
+        from hf_specdec.testbed.loading import load_testbed
+        from hf_specdec.testbed.workloads import load_workload
+
+        tokenizer, target, draft = load_testbed(dtype=dtype)
+        prompts = [tokenizer(p).input_ids for p in load_workload("completion") + load_workload("edit")]
+        return tokenizer, target, draft, prompts
+    from hf_specdec.testbed.real_model import load_real_model
+    from hf_specdec.testbed.spec_bench import spec_bench_prompts
+
+    target, tokenizer = load_real_model(model, dtype=dtype)
+    prompts = [ids for _, ids in spec_bench_prompts(tokenizer, num_per_category=8)]
+    return tokenizer, target, None, prompts
+
+
+def spacing(value: float, dtype: torch.dtype) -> float:
+    """The distance between adjacent representable numbers of `dtype` around `value`."""
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]
+    return 2.0 ** (math.floor(math.log2(max(abs(value), 1e-30))) - mantissa_bits)
+
+
+def run(target, draft, prompts, dtype, max_new_tokens: int) -> dict:
+    methods = {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=5),
+               "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=4, tree_width=3)}
+    if draft is not None:
+        methods["draft"] = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=5)
+    results = {}
+    pad = target.generation_config.pad_token_id or target.generation_config.eos_token_id
+    for processors, extra in PROCESSORS.items():
+        for name, config in methods.items():
+            differing, gaps = 0, []
+            for ids in prompts:
+                prompt = torch.tensor([ids])
+                kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **extra)
+                plain = target.generate(prompt, return_dict_in_generate=True, output_scores=True, **kwargs)
+                ours = hf_specdec.generate(target, prompt, speculative=config, **kwargs)
+                if torch.equal(plain.sequences, ours):
+                    continue
+                differing += 1
+                new_plain, new_ours = plain.sequences[0, prompt.shape[1]:], ours[0, prompt.shape[1]:]
+                length = min(len(new_plain), len(new_ours))
+                first = int((new_plain[:length] != new_ours[:length]).nonzero()[0]) if length else 0
+                top2 = plain.scores[first][0].float().topk(2).values.tolist()
+                gaps.append((top2[0] - top2[1]) / spacing(top2[0], dtype))
+            results[f"{name}/{processors}"] = {
+                "prompts": len(prompts),
+                "differing": differing,
+                "rate": differing / len(prompts),
+                "top2_gap_in_spacings": sorted(round(g, 2) for g in gaps),
+            }
+            print(f"{name:>10} {processors:>10}: {differing}/{len(prompts)} differ; plain's top-2 gap at the first "
+                  f"difference, in {dtype} spacings: {sorted(round(g, 2) for g in gaps)}", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="testbed", help="testbed, smollm2, a folder or a Hub id")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    report = {}
+    for dtype in (getattr(torch, args.dtype), torch.float32):
+        _, target, draft, prompts = load(args.model, dtype)
+        print(f"{args.model} in {dtype}, {min(args.prompts, len(prompts))} prompts, {args.max_new_tokens} new tokens")
+        report[str(dtype).removeprefix("torch.")] = run(target, draft, prompts[: args.prompts], dtype,
+                                                        args.max_new_tokens)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "max_new_tokens": args.max_new_tokens, "results": report}, f, indent=2,
+                      sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
