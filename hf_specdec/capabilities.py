@@ -54,11 +54,6 @@ def check_generation_supported(
         )
     cached = 0 if cache is None else cache.get_seq_length()
     if cached > 0:
-        if model_kwargs.get("inputs_embeds") is not None:
-            raise ValueError(
-                "past_key_values with inputs_embeds: continue from a filled cache with input_ids (the whole "
-                "sequence, cached part included)"
-            )
         if method == "eagle":
             raise ValueError(
                 "past_key_values: method='eagle' reads the target's features at every prompt position, which a "

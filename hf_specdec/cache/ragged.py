@@ -190,7 +190,7 @@ class RaggedKVCache:
             position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         if past_key_values is not None:
             return self._prefill_after(past_key_values, input_ids, attention_mask, position_ids, token_type_ids,
-                                       logits_to_keep)
+                                       inputs_embeds, logits_to_keep)
         has_padding = bool((attention_mask == 0).any())
         model_kwargs = {
             "attention_mask": attention_mask if has_padding else None,
@@ -211,7 +211,7 @@ class RaggedKVCache:
         self.valid = attention_mask.bool()
         self.positions = position_ids
         self.next_position = position_ids[:, -1] + 1  # as `generate` continues positions, right padding or not
-        return logits
+        return logits[:, -logits_to_keep:]  # models without `logits_to_keep` return every position's
 
     def _prefill_after(
         self,
@@ -224,23 +224,29 @@ class RaggedKVCache:
         position_ids: torch.Tensor,
         # [B, P] or None
         token_type_ids: torch.Tensor | None,
+        # [B, P, H] or None: the prompt as embeddings (then `input_ids` is [B, 0])
+        inputs_embeds: torch.Tensor | None,
         logits_to_keep: int,
     ) -> torch.Tensor:
         """Start from a filled transformers cache of the first C prompt tokens and encode the other P - C."""
         cached = past_key_values.get_seq_length()
+        batch, length = attention_mask.shape
         for index, (keys, values) in enumerate(filled_layers(past_key_values, cached)):
             self.kv.update(keys, values, index)
         self.valid = attention_mask[:, :cached].bool()
-        self.positions, self.orders = position_ids[:, :cached], self.orders[:, :cached]
-        positions, orders = position_ids[:, cached:], self.orders.new_tensor(range(cached, input_ids.shape[1]))
-        width = positions.shape[1]
-        self._extend(positions, orders.expand(input_ids.shape[0], -1), attention_mask[:, cached:].bool())
-        chain = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
-        mask = self._attention_mask(self.orders[:, cached:], cached, chain.expand(input_ids.shape[0], -1, -1))
+        self.positions, orders = position_ids[:, :cached], self.orders
+        self.orders = orders[:, :cached]
+        positions, width = position_ids[:, cached:], length - cached
+        self._extend(positions, orders[:, cached:], attention_mask[:, cached:].bool())
+        chain = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).tril()
+        mask = self._attention_mask(self.orders[:, cached:], cached, chain.expand(batch, -1, -1))
         rest = {} if token_type_ids is None else {"token_type_ids": token_type_ids[:, cached:]}
+        if inputs_embeds is not None:
+            rest["inputs_embeds"] = inputs_embeds[:, cached:]
+        else:
+            rest["input_ids"] = input_ids[:, cached:]
         logits = self._call_model(
-            dict(input_ids=input_ids[:, cached:], position_ids=positions, attention_mask=mask,
-                 past_key_values=self.kv, use_cache=True, **rest),
+            dict(position_ids=positions, attention_mask=mask, past_key_values=self.kv, use_cache=True, **rest),
             keep_hidden=width,
         )
         self.next_position = position_ids[:, -1] + 1

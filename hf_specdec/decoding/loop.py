@@ -113,12 +113,13 @@ class SpeculativeDecoder:
         prompt: PromptInputs,
     ) -> tuple[DecodeState, SpecStats]:
         pad = self.generation_config._pad_token_tensor
-        if pad is None and input_ids.shape[0] > 1:
-            raise ValueError("pad_token_id is not set: batched generation needs it to pad finished rows")
+        if pad is None and input_ids.shape[0] > 1 and self.stopper.pads_finished_rows:
+            raise ValueError("pad_token_id is not set: batched generation with an EOS needs it to pad finished rows; "
+                             "pass pad_token_id=...")
         attention_mask = prompt.attention_mask
         self.state = DecodeState.start(
             input_ids,
-            None if prompt.inputs_embeds is not None else attention_mask,  # the mask then covers no token ids
+            attention_mask if input_ids.shape[1] else None,  # an embedded prompt without ids: no ids to mask
             max_length=self.stopper.max_length or self.generation_config.max_length,
             extra_capacity=self.max_depth + 1,
             pad_token_id=0 if pad is None else int(pad),
@@ -267,7 +268,8 @@ class SpeculativeDecoder:
         """The cache plain generate returns with an output `length` tokens long (see `hf_specdec.cache.exchange`):
         rows whose cache is complete are gathered by order, the others computed again in one forward."""
         prompt = self.prompt
-        embedded = 0 if prompt.inputs_embeds is None else prompt.inputs_embeds.shape[1]
+        # positions fed before the first output column: an embedded prompt without token ids has none there
+        embedded = 0 if prompt.inputs_embeds is None else prompt.inputs_embeds.shape[1] - self.prompt_ids.shape[1]
         total = embedded + length - 1  # every position fed: all but the last output token
         batch = self.state.batch_size
         held = torch.arange(batch, device=self.state.lengths.device) if self.rows is None else self.rows

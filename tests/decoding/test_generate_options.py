@@ -86,3 +86,45 @@ def test_num_return_sequences_samples_each_prompt_n_times():
     assert torch.equal(out.sequences[:, : ids.shape[1]], ids.repeat_interleave(3, dim=0))
     assert len({tuple(row.tolist()) for row in out.sequences[:3]}) > 1, "copies of a prompt are sampled apart"
     assert out.spec_stats.num_draft_tokens > 0
+
+
+def test_model_without_logits_to_keep():
+    """GPT2DoubleHeadsModel returns logits for every prompt position; the first new token comes from the last."""
+    from transformers import GPT2Config, GPT2DoubleHeadsModel
+
+    torch.manual_seed(0)
+    target = GPT2DoubleHeadsModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
+    assert not target._supports_logits_to_keep()
+    ids, mask = padded_batch([9, 6], seed=6, repeat_period=3)
+    kwargs = dict(attention_mask=mask, pad_token_id=0, **GREEDY)
+    expected = target.generate(ids, **kwargs)
+    assert torch.equal(hf_specdec.generate(target, ids, spec_method="ngram", **kwargs), expected)
+
+
+def test_input_ids_with_inputs_embeds_and_continuing_from_embeds():
+    """Both ids and embeddings (the ids appear in the output, the embeddings are encoded), then a continuation
+    from embeddings plus the returned cache, as transformers' own tests do it."""
+    target = make_model("llama")
+    ids, mask = padded_batch([7, 7], seed=7, repeat_period=3)
+    embeds = target.get_input_embeddings()(ids).detach() * 1.5
+    kwargs = dict(return_dict_in_generate=True, **GREEDY)
+    expected = target.generate(ids, inputs_embeds=embeds, attention_mask=mask, **kwargs)
+    out = hf_specdec.generate(target, ids, inputs_embeds=embeds, attention_mask=mask, spec_method="ngram", **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    first = target.generate(inputs_embeds=embeds, attention_mask=mask, **{**kwargs, "max_new_tokens": 3})
+    longer = torch.cat([embeds, target.get_input_embeddings()(first.sequences)], dim=1)
+    longer_mask = torch.cat([mask, mask.new_ones(2, 3)], dim=1)
+    expected = target.generate(inputs_embeds=longer, attention_mask=longer_mask,
+                               past_key_values=copy.deepcopy(first.past_key_values), **kwargs)
+    out = hf_specdec.generate(target, inputs_embeds=longer, attention_mask=longer_mask, spec_method="ngram",
+                              past_key_values=copy.deepcopy(first.past_key_values), **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+
+
+def test_batch_without_pad_token_when_nothing_stops_early():
+    """Without an EOS nothing is padded, so plain generate needs no pad token; neither does speculation."""
+    target = make_model("llama")
+    target.generation_config.pad_token_id = None
+    ids, _ = padded_batch([6, 6], seed=8, repeat_period=3)
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=None)
+    assert torch.equal(hf_specdec.generate(target, ids, spec_method="ngram", **kwargs), target.generate(ids, **kwargs))
