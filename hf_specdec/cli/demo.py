@@ -1,97 +1,244 @@
-"""`hf-specdec demo`: speculative decoding on the committed test bed, offline, on the CPU, in under a minute.
+"""`hf-specdec demo`: speculative decoding on the committed test bed, offline, on the CPU, in about a minute.
 
 For each workload (code completion, and "edit" prompts whose continuation repeats a passage of the prompt) it
 generates greedily with plain `generate` and with every proposer (chains and token trees: a dynamic draft tree, an
 n-gram trie, the committed Medusa heads (`examples/heads/medusa`) as a chain and with the tree fitted to them, and
 the committed EAGLE-1/2 head as a chain and an EAGLE-2 dynamic tree and EAGLE-3 head as a chain), shows a
-continuation, the acceptance statistics, the speedup over plain `generate`, and checks that every output is
-token-for-token plain generate's.
+continuation, the acceptance statistics, the speedup over plain `generate`, why speculation is or is not faster for
+this model, and checks that every output is token-for-token plain generate's.
+
+Timing: torch runs on --threads threads (1 by default, so runs do not fight over cores), every method is warmed
+up, then --repeats rounds each run plain generate and every method once; a speedup is the median over rounds of
+plain's time / the method's within a round (`hf_specdec.cli.timing`). A note says when the machine is too noisy.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import textwrap
+from dataclasses import dataclass
+from functools import partial
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specdec import SpeculativeConfig
-from hf_specdec.cli.runs import RunResult, timed_generate
+from hf_specdec.cli.runs import Generation, run_generate
+from hf_specdec.cli.timing import Repeats, noise_note, paired_speedup, time_interleaved
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.testbed.loading import heads_dir, load_testbed
 from hf_specdec.testbed.workloads import load_workload
 
 DEMO_WORKLOADS = ("completion", "edit")
+# Tokens per row of the warm-up call of each method: the prefill and at least one full speculative step.
+WARM_UP_TOKENS = 8
+# Below this many times fewer target forwards, acceptance is what keeps speculation from paying off.
+LOW_FORWARDS_SAVED = 1.25
+LINE_WIDTH = 116
+
+LEGEND = """\
+How to read the tables (speedup = forwards saved / step cost; forwards saved = tok/fwd / plain's tok/fwd):
+  tok/s      new tokens of all rows per second (median repeat)
+  speedup    plain generate's time / the method's: the median over the repeats of the ratio within one round
+  tok/fwd    tokens per target forward: new tokens per row / the batch's target forwards, prefill included
+  mean len   mean acceptance length (spec_stats.mean_acceptance_length): 1 + accepted draft tokens per step in
+             which a row drafted; above tok/fwd, as it leaves out the prefill, steps where a row drafted
+             nothing, and steps the batch spends on its slowest row
+  accept     accepted draft tokens / drafted tokens
+  step cost  time of one speculative step (draft, verify forward, bookkeeping) / one plain generate step
+  verify     the verify forward's share of that step, in plain steps (the rest is drafting and bookkeeping)
+  identical  the output equals plain generate's, token for token
+"""
+
+
+@dataclass(frozen=True)
+class DemoModels:
+    """What the demo runs: a target, its tokenizer, and the drafters that fit it (None: that method is skipped)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    target: PreTrainedModel
+    draft: PreTrainedModel | None
+    medusa: MedusaHeads | None
+    eagle: EagleHead | None
+    eagle3: EagleHead | None
+
+
+def load_models() -> DemoModels:
+    """The committed test bed: tokenizer, target, draft, Medusa heads, EAGLE-1/2 and EAGLE-3 heads."""
+    tokenizer, target, draft = load_testbed()
+    tokenizer.padding_side = "left"
+    medusa = MedusaHeads.from_pretrained(heads_dir("medusa")).eval()
+    eagle, eagle3 = (EagleHead.from_pretrained(heads_dir(kind)).eval() for kind in ("eagle", "eagle3"))
+    return DemoModels(tokenizer, target, draft, medusa, eagle, eagle3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per workload, generated as one batch (default 4)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
+    parser.add_argument("--num-prompts", type=int, default=2,
+                        help="prompts per workload, generated as one batch (default 2)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft tokens per step (default 5)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed rounds, each running plain generate and every method once (default 3)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
 
-def _configs(draft, heads: MedusaHeads, eagle: EagleHead, eagle3: EagleHead, k: int) -> dict[str, SpeculativeConfig]:
-    return {
-        "draft": SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k),
-        "draft-tree": SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, tree_width=2,
-                                        tree_total_tokens=2 * k),
-        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3),
-        "ngram-tree": SpeculativeConfig(method="ngram", num_speculative_tokens=k, tree_width=3),
-        "medusa": SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=k),
-        "medusa-tree": SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=k,
-                                         tree_paths=heads.tree()),
-        "eagle": SpeculativeConfig(method="eagle", heads=eagle, num_speculative_tokens=k),
-        "eagle-tree": SpeculativeConfig(method="eagle", heads=eagle, top_k=2, depth=k, total_tokens=2 * k),
-        "eagle3": SpeculativeConfig(method="eagle", heads=eagle3, num_speculative_tokens=k),
-    }
+def method_configs(models: DemoModels, k: int) -> dict[str, SpeculativeConfig]:
+    """Every method the loaded models allow, by the name the tables show."""
+    configs = {}
+    if models.draft is not None:
+        configs["draft"] = SpeculativeConfig(method="draft", draft_model=models.draft, num_speculative_tokens=k)
+        configs["draft-tree"] = SpeculativeConfig(method="draft", draft_model=models.draft, num_speculative_tokens=k,
+                                                  tree_width=2, tree_total_tokens=2 * k)
+    configs["ngram"] = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1,
+                                         prompt_lookup_max=3)
+    configs["ngram-tree"] = SpeculativeConfig(method="ngram", num_speculative_tokens=k, tree_width=3)
+    if models.medusa is not None:
+        configs["medusa"] = SpeculativeConfig(method="medusa", heads=models.medusa, num_speculative_tokens=k)
+        configs["medusa-tree"] = SpeculativeConfig(method="medusa", heads=models.medusa, num_speculative_tokens=k,
+                                                   tree_paths=models.medusa.tree())
+    if models.eagle is not None:
+        configs["eagle"] = SpeculativeConfig(method="eagle", heads=models.eagle, num_speculative_tokens=k)
+        configs["eagle-tree"] = SpeculativeConfig(method="eagle", heads=models.eagle, top_k=2, depth=k,
+                                                  total_tokens=2 * k)
+    if models.eagle3 is not None:
+        configs["eagle3"] = SpeculativeConfig(method="eagle", heads=models.eagle3, num_speculative_tokens=k)
+    return configs
 
 
-def _row(result: RunResult, plain: RunResult) -> str:
-    same = "yes" if torch.equal(result.sequences, plain.sequences) else "NO"
-    accept = "-" if result.acceptance_rate is None else f"{result.acceptance_rate:.2f}"
-    length = "-" if result.mean_acceptance_length is None else f"{result.mean_acceptance_length:.2f}"
-    return (
-        f"  {result.name:<11} {result.tokens_per_second:>8.1f} {plain.seconds / result.seconds:>7.2f}x "
-        f"{result.tokens_per_forward:>8.2f} {accept:>8} {length:>8} {same:>10}"
+@dataclass(frozen=True)
+class MethodRow:
+    """One line of a demo table (see LEGEND); costs are in plain generate steps."""
+
+    name: str
+    tokens_per_second: float
+    speedup: float
+    tokens_per_forward: float
+    forwards_saved: float
+    step_cost: float
+    verify_cost: float
+    mean_acceptance_length: float | None
+    acceptance_rate: float | None
+    identical: bool
+
+    @property
+    def other_cost(self) -> float:
+        """Drafting and bookkeeping per step, in plain steps."""
+        return self.step_cost - self.verify_cost
+
+
+def summarize(name: str, runs: Repeats, plain: Repeats) -> MethodRow:
+    """The table row of one method from its repeats and plain generate's, paired round by round."""
+    first: Generation = runs.values[0]
+    reference: Generation = plain.values[0]
+    speedup = paired_speedup(plain.seconds, runs.seconds)
+    forwards_saved = reference.target_forward_passes / first.target_forward_passes
+    plain_step = plain.median_seconds / reference.target_forward_passes
+    verify = statistics.median(g.target_forward_seconds for g in runs.values) / first.target_forward_passes
+    return MethodRow(
+        name=name,
+        tokens_per_second=first.new_tokens / runs.median_seconds,
+        speedup=speedup,
+        tokens_per_forward=first.tokens_per_forward,
+        forwards_saved=forwards_saved,
+        step_cost=forwards_saved / speedup,
+        verify_cost=verify / plain_step,
+        mean_acceptance_length=None if first.stats is None else first.stats.mean_acceptance_length,
+        acceptance_rate=None if first.stats is None else first.stats.acceptance_rate,
+        identical=all(torch.equal(g.sequences, reference.sequences) for g in runs.values),
     )
+
+
+def explain(rows: list[MethodRow]) -> str:
+    """Why speculation is or is not faster here, from the fastest method's measured costs (wrapped lines)."""
+    best = max((r for r in rows if r.name != "plain"), key=lambda r: r.speedup)
+    costs = (f"the fastest method, {best.name} ({best.speedup:.2f}x), needs {best.forwards_saved:.2f}x fewer target "
+             f"forwards, and one of its steps costs {best.step_cost:.2f} plain steps ({best.verify_cost:.2f} in the "
+             f"verify forward, {best.other_cost:.2f} drafting and bookkeeping)")
+    if best.speedup > 1.0:
+        line = f"why: speculation pays here: {costs}."
+    else:
+        if best.forwards_saved < LOW_FORWARDS_SAVED:
+            reason = (f"acceptance is too low: {best.tokens_per_forward:.2f} tokens per target forward do not pay for "
+                      "drafting and a wider verify forward")
+        elif best.verify_cost >= best.forwards_saved:
+            reason = ("the verify forward alone costs more than the forwards saved: this target's forward is "
+                      "compute-bound, its cost grows with the tokens it verifies")
+        else:
+            reason = (f"the verify forward alone would leave a {best.forwards_saved / best.verify_cost:.2f}x gain, "
+                      "and drafting and bookkeeping take it away")
+        line = f"why: speculation does not pay here: {costs}; {reason}."
+    return textwrap.fill(line, width=LINE_WIDTH, subsequent_indent="     ")
+
+
+def _format(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[MethodRow]) -> None:
+    print(f"  {'method':<12}{'tok/s':>7}{'speedup':>9}{'tok/fwd':>9}{'mean len':>9}{'accept':>8}{'step cost':>10}"
+          f"{'verify':>8}{'identical':>10}")
+    for r in rows:
+        print(f"  {r.name:<12}{r.tokens_per_second:>7.1f}{r.speedup:>8.2f}x{r.tokens_per_forward:>9.2f}"
+              f"{_format(r.mean_acceptance_length, '.2f'):>9}{_format(r.acceptance_rate, '.2f'):>8}"
+              f"{r.step_cost:>10.2f}{r.verify_cost:>8.2f}{'yes' if r.identical else 'NO':>10}")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
+                        ("--num-speculative-tokens", args.num_speculative_tokens), ("--repeats", args.repeats),
+                        ("--threads", args.threads)):
+        if value < 1:
+            raise SystemExit(f"error: {flag} must be >= 1, got {value}")
+    available = min(len(load_workload(workload)) for workload in DEMO_WORKLOADS)
+    if args.num_prompts > available:
+        raise SystemExit(f"error: --num-prompts {args.num_prompts} is more than the {available} prompts of each "
+                         "demo workload")
+
+
+def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig], workload: str,
+                 args: argparse.Namespace) -> list[MethodRow]:
+    """Time plain generate and every method on the workload's first prompts, and print what came out."""
+    prompts = load_workload(workload)[: args.num_prompts]
+    batch = models.tokenizer(prompts, return_tensors="pt", padding=True)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=models.tokenizer.pad_token_id)
+    configs = {"plain": None, **configs}
+    print(f"== workload '{workload}': {len(prompts)} prompts, timing ...", flush=True)
+    for config in configs.values():  # warm-up: first calls pay one-time costs
+        run_generate(models.target, ids, mask, {**kwargs, "max_new_tokens": WARM_UP_TOKENS}, config)
+    runs = {name: partial(run_generate, models.target, ids, mask, kwargs, config) for name, config in configs.items()}
+    timed = time_interleaved(runs, args.repeats)
+    rows = [summarize(name, timed[name], timed["plain"]) for name in runs]
+
+    tail = "\n".join(prompts[0].rstrip("\n").split("\n")[-3:])
+    continuation = models.tokenizer.decode(timed["plain"].values[0].sequences[0, ids.shape[1] :],
+                                           skip_special_tokens=True)
+    print(f"-- prompt 1 (last lines) --\n{tail}\n-- its continuation (plain generate's) --\n{continuation}\n--")
+    print_table(rows)
+    print(explain(rows))
+    note = noise_note(timed["plain"].seconds, {r.name: (r.speedup, r.forwards_saved) for r in rows[1:]})
+    if note is not None:
+        print(textwrap.fill(note, width=LINE_WIDTH, subsequent_indent="      "))
+    print()
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise SystemExit("--num-prompts and --max-new-tokens must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _check(args)
+    torch.set_num_threads(args.threads)
     print("Loading the test bed (tokenizer, target, draft, Medusa and EAGLE heads) ...", flush=True)
-    tokenizer, target, draft = load_testbed()
-    heads = MedusaHeads.from_pretrained(heads_dir("medusa"))
-    eagle, eagle3 = (EagleHead.from_pretrained(heads_dir(kind)).eval() for kind in ("eagle", "eagle3"))
-    tokenizer.padding_side = "left"
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    print(
-        f"target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M parameters, "
-        f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M, "
-        f"{heads.config.num_heads} Medusa heads, an EAGLE-1/2 and an EAGLE-3 head; greedy, "
-        f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, k={args.num_speculative_tokens}\n"
-    )
+    models = load_models()
+    configs = method_configs(models, args.num_speculative_tokens)
+    threads = f"{args.threads} torch thread{'s' if args.threads > 1 else ''}"
+    print(textwrap.fill(
+        f"target {sum(p.numel() for p in models.target.parameters()) / 1e6:.1f}M parameters; methods: "
+        f"{', '.join(configs)}; greedy, {args.num_prompts} prompts x {args.max_new_tokens} new tokens, "
+        f"k={args.num_speculative_tokens}, {threads}, {args.repeats} timed rounds", width=LINE_WIDTH) + "\n")
+    print(LEGEND)
     all_identical = True
     for workload in DEMO_WORKLOADS:
-        prompts = load_workload(workload)[: args.num_prompts]
-        batch = tokenizer(prompts, return_tensors="pt", padding=True)
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        timed_generate("warm-up", target, ids[:1], mask[:1], {**kwargs, "max_new_tokens": 2})
-        plain = timed_generate("plain", target, ids, mask, kwargs)
-        results = [plain] + [
-            timed_generate(name, target, ids, mask, kwargs, config)
-            for name, config in _configs(draft, heads, eagle, eagle3, args.num_speculative_tokens).items()
-        ]
-        print(f"== workload '{workload}': {len(prompts)} prompts")
-        tail = "\n".join(prompts[0].rstrip("\n").split("\n")[-3:])
-        continuation = tokenizer.decode(results[1].sequences[0, ids.shape[1] :], skip_special_tokens=True)
-        print(f"-- prompt 1 (last lines) --\n{tail}\n-- continuation (draft method) --\n{continuation}\n--")
-        print(f"  {'method':<11} {'tok/s':>8} {'speedup':>8} {'tok/fwd':>8} {'accept':>8} {'mean len':>8} {'identical':>10}")
-        for result in results:
-            print(_row(result, plain))
-            all_identical &= torch.equal(result.sequences, plain.sequences)
-        print()
-    print("All outputs identical to plain generate." if all_identical else "MISMATCH: some output differs from plain generate.")
+        all_identical &= all(row.identical for row in run_workload(models, configs, workload, args))
+    print("All outputs identical to plain generate." if all_identical
+          else "MISMATCH: some output differs from plain generate.")
     return 0 if all_identical else 1

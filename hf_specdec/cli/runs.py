@@ -1,4 +1,11 @@
-"""One timed generation run, shared by the demo and the benchmark: same prompts, same settings, one record."""
+"""One generate call, shared by the demo and the benchmark: same prompts, same settings, one record of its tokens,
+its target forwards and its speculation statistics (timing is the caller's: `hf_specdec.cli.timing`).
+
+Speculative calls ask for `return_dict_in_generate=True` (for `spec_stats`) with `use_cache=False`: hf_specdec
+decodes with its own KV cache either way, and `use_cache=False` only skips building the transformers cache it would
+return as `past_key_values`, which can cost a forward over the whole sequence that plain generate does not pay
+(its cache is already there) and that the demo and the benchmark would throw away.
+"""
 
 from __future__ import annotations
 
@@ -10,27 +17,26 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.stats import SpecStats
+
+# generate options of every speculative call (see the module docstring)
+SPECULATIVE_OUTPUTS = {"return_dict_in_generate": True, "use_cache": False}
 
 
 @dataclass(frozen=True)
-class RunResult:
-    name: str
+class Generation:
     # [B, P + new]
     sequences: torch.Tensor
-    seconds: float
+    # new tokens of all rows, padding excluded
     new_tokens: int
     target_forward_passes: int
-    acceptance_rate: float | None
-    mean_acceptance_length: float | None
-    accepted_per_position: list[int] | None
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds
+    target_forward_seconds: float
+    # None for plain generate
+    stats: SpecStats | None
 
     @property
     def tokens_per_forward(self) -> float:
-        """New tokens per row per target forward (the prefill counts as one forward, as in plain generate)."""
+        """New tokens per row per target forward of the batch (the prefill counts as one, as in plain generate)."""
         rows = self.sequences.shape[0]
         return self.new_tokens / rows / self.target_forward_passes
 
@@ -64,8 +70,7 @@ def count_new_tokens(sequences: torch.Tensor, prompt_length: int, pad_token_id: 
     return int(new.numel() if pad_token_id is None else (new != pad_token_id).sum())
 
 
-def timed_generate(
-    name: str,
+def run_generate(
     target: Any,
     # [B, P]
     input_ids: torch.Tensor,
@@ -73,31 +78,23 @@ def timed_generate(
     attention_mask: torch.Tensor,
     generate_kwargs: dict[str, Any],
     speculative: SpeculativeConfig | None = None,
-) -> RunResult:
+) -> Generation:
     """Plain `generate` when speculative is None, else hf_specdec; greedy settings come from generate_kwargs."""
     forwards = ForwardTimer(target)
     try:
-        start = time.perf_counter()
         if speculative is None:
-            out = target.generate(input_ids, attention_mask=attention_mask, return_dict_in_generate=True, **generate_kwargs)
-            stats = None
+            out = target.generate(input_ids, attention_mask=attention_mask, return_dict_in_generate=True,
+                                  **generate_kwargs)
         else:
-            out = hf_specdec.generate(
-                target, input_ids, attention_mask=attention_mask, speculative=speculative,
-                return_dict_in_generate=True, **generate_kwargs,
-            )
-            stats = out.spec_stats
-        seconds = time.perf_counter() - start
+            out = hf_specdec.generate(target, input_ids, attention_mask=attention_mask, speculative=speculative,
+                                      **SPECULATIVE_OUTPUTS, **generate_kwargs)
     finally:
         forwards.close()
     pad = generate_kwargs.get("pad_token_id", target.generation_config.pad_token_id)
-    return RunResult(
-        name=name,
+    return Generation(
         sequences=out.sequences,
-        seconds=seconds,
         new_tokens=count_new_tokens(out.sequences, input_ids.shape[1], pad),
         target_forward_passes=forwards.calls,
-        acceptance_rate=None if stats is None else stats.acceptance_rate,
-        mean_acceptance_length=None if stats is None else stats.mean_acceptance_length,
-        accepted_per_position=None if stats is None else stats.accepted_per_position,
+        target_forward_seconds=forwards.seconds,
+        stats=getattr(out, "spec_stats", None),
     )

@@ -23,8 +23,9 @@ def tiny_models(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("models")
     torch.manual_seed(0)
     for name, hidden, layers in (("target", 32, 2), ("draft", 16, 1)):
-        config = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=4, pad_token_id=1, eos_token_id=0, bos_token_id=0)
+        config = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, pad_token_id=1,
+                             eos_token_id=0, bos_token_id=0)
         LlamaForCausalLM(config).save_pretrained(folder / name)
     return folder
 
@@ -71,8 +72,9 @@ def test_bench_medusa_uses_the_committed_heads_on_the_test_bed(tmp_path):
 
 def test_bench_eagle_uses_the_committed_heads_on_the_test_bed(tmp_path):
     out = tmp_path / "results.json"
-    assert main(["bench", "--method", "plain", "eagle", "eagle3", "--batch-size", "1", "-k", "3", "--tree-width", "1",
-                 "2", "--num-prompts", "1", "--max-new-tokens", "8", "--workload", "completion", "--json", str(out)]) == 0
+    assert main(["bench", "--method", "plain", "eagle", "eagle3", "--batch-size", "1", "-k", "3", "--tree-width",
+                 "1", "2", "--num-prompts", "1", "--max-new-tokens", "8", "--workload", "completion",
+                 "--json", str(out)]) == 0
     rows = {(r["case"], r["tree_width"]): r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {("plain", 1), ("eagle", 1), ("eagle", 2), ("eagle3", 1), ("eagle3", 2)}
     assert all(r["identical_to_plain"] for r in rows.values())
@@ -112,15 +114,20 @@ def test_accelerate_two_cpu_processes_split_and_gather(tmp_path, tiny_models):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["num_processes"] == 2
+    assert report["settings"]["num_processes"] == 2
     plain = next(r for r in report["results"] if r["case"] == "plain")
     assert plain["new_tokens"] == 4 * 4  # both processes' prompts were gathered
     assert all(r["identical_to_plain"] for r in report["results"])
 
 
 def test_demo_runs_on_the_committed_test_bed(capsys):
-    assert main(["demo", "--num-prompts", "2", "--max-new-tokens", "6", "-k", "3"]) == 0
+    torch.set_num_threads(2)
+    assert main(["demo", "--num-prompts", "2", "--max-new-tokens", "6", "-k", "3", "--repeats", "2"]) == 0
+    assert torch.get_num_threads() == 1  # pinned by default
     text = capsys.readouterr().out
-    for method in ("plain", "draft", "draft-tree", "ngram", "ngram-tree", "medusa", "medusa-tree"):
+    for method in ("plain", "draft", "draft-tree", "ngram", "ngram-tree", "medusa", "medusa-tree", "eagle",
+                   "eagle-tree", "eagle3"):
         assert f"  {method} " in text
+    assert "How to read the tables" in text and "mean acceptance length" in text
+    assert text.count("why: speculation") == 2  # one per workload
     assert "All outputs identical to plain generate." in text

@@ -1,0 +1,92 @@
+"""The demo's table rows and its explanation, from made-up timings; bad options."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hf_specdec.cli.demo import MethodRow, explain, summarize
+from hf_specdec.cli.main import main
+from hf_specdec.cli.runs import Generation
+from hf_specdec.cli.timing import Repeats
+from hf_specdec.stats import SpecStats
+
+
+def generation(forwards: int, forward_seconds: float, sequences: torch.Tensor, drafted: bool) -> Generation:
+    """2 rows of 32 new tokens each."""
+    stats = SpecStats(num_drafts=10, num_draft_tokens=40, num_accepted_tokens=20, accepted_per_position=[8, 6, 4, 2],
+                      target_forward_passes=forwards) if drafted else None
+    return Generation(sequences=sequences, new_tokens=64, target_forward_passes=forwards,
+                      target_forward_seconds=forward_seconds, stats=stats)
+
+
+def test_summarize_pairs_rounds_and_splits_the_step_cost():
+    tokens = torch.arange(40).reshape(2, 20)
+    # plain: 32 forwards, 0.32 s inside them; rounds of 0.4, 0.8 (a slow one) and 0.4 s
+    plain = Repeats(seconds=[0.4, 0.8, 0.4], values=[generation(32, 0.32, tokens, False)] * 3)
+    # the method: 8 forwards (4x fewer), 0.2, 0.4, 0.2 s, of which 0.12 s in target forwards
+    method = Repeats(seconds=[0.2, 0.4, 0.2], values=[generation(8, 0.12, tokens, True)] * 3)
+    row = summarize("ngram", method, plain)
+    assert row.speedup == pytest.approx(2.0)
+    assert row.forwards_saved == pytest.approx(4.0)
+    assert row.tokens_per_forward == pytest.approx(4.0)  # 32 tokens per row / 8 forwards
+    assert row.step_cost == pytest.approx(2.0)  # 0.2 / 8 s per step against 0.4 / 32: 2 plain steps
+    assert row.verify_cost == pytest.approx(1.2)  # 0.12 / 8 s in the verify forward, in 0.0125 s plain steps
+    assert row.other_cost == pytest.approx(0.8)
+    assert row.tokens_per_second == pytest.approx(64 / 0.2)
+    assert row.mean_acceptance_length == pytest.approx(3.0) and row.acceptance_rate == pytest.approx(0.5)
+    assert row.identical
+    different = Repeats(seconds=method.seconds, values=[generation(8, 0.12, tokens + 1, True)] * 3)
+    assert not summarize("ngram", different, plain).identical
+
+
+PLAIN = MethodRow(name="plain", tokens_per_second=100.0, speedup=1.0, tokens_per_forward=1.0, forwards_saved=1.0,
+                  step_cost=1.0, verify_cost=0.95, mean_acceptance_length=None, acceptance_rate=None, identical=True)
+
+
+def method(name: str, speedup: float, forwards_saved: float, verify_cost: float) -> MethodRow:
+    return dataclasses.replace(PLAIN, name=name, speedup=speedup, tokens_per_forward=forwards_saved,
+                               forwards_saved=forwards_saved, step_cost=forwards_saved / speedup,
+                               verify_cost=verify_cost, mean_acceptance_length=forwards_saved + 1,
+                               acceptance_rate=0.5)
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_explain_names_the_fastest_method_and_its_costs():
+    text = one_line(explain([PLAIN, method("draft", 0.8, 2.0, 1.5), method("eagle", 1.6, 3.2, 1.4)]))
+    assert text.startswith("why: speculation pays here: the fastest method, eagle (1.60x), needs 3.20x fewer")
+    assert "costs 2.00 plain steps (1.40 in the verify forward, 0.60 drafting and bookkeeping)" in text
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        (method("ngram", 0.9, 1.1, 1.0), "acceptance is too low: 1.10 tokens per target forward"),
+        (method("eagle3", 0.9, 3.5, 3.6), "the verify forward alone costs more than the forwards saved"),
+        (method("eagle3", 0.9, 3.5, 2.5), "the verify forward alone would leave a 1.40x gain, and drafting"),
+    ],
+)
+def test_explain_says_why_speculation_does_not_pay(row, reason):
+    text = one_line(explain([PLAIN, method("draft", 0.5, 2.0, 1.5), row]))
+    assert text.startswith(f"why: speculation does not pay here: the fastest method, {row.name} (0.90x)")
+    assert reason in text
+
+
+def test_explain_lines_are_wrapped():
+    assert all(len(line) <= 116 for line in explain([PLAIN, method("eagle3", 0.9, 3.5, 2.5)]).splitlines())
+
+
+@pytest.mark.parametrize("option", ["--repeats", "--threads", "--num-prompts", "--max-new-tokens", "-k"])
+def test_bad_numbers_are_clear_errors(option):
+    with pytest.raises(SystemExit, match=r"must be >= 1, got 0"):
+        main(["demo", option, "0"])
+
+
+def test_too_many_prompts_is_a_clear_error():
+    with pytest.raises(SystemExit, match="--num-prompts 1000 is more than the 32 prompts"):
+        main(["demo", "--num-prompts", "1000"])
