@@ -3,17 +3,21 @@
 Cases: `plain` (model.generate), hf_specdec `draft`, `ngram`, `medusa`, `eagle` (EAGLE-1/2) and `eagle3` (the
 head cases use the committed test-bed heads unless a folder is given; with --tree-width w > 1 Medusa uses the tree
 fitted to its heads and EAGLE an EAGLE-2 dynamic tree of top_k w, depth k and k * w nodes), and transformers' native
-`hf-assistant`
-(`assistant_model=`, drafting exactly k tokens a round) and `hf-lookup` (`prompt_lookup_num_tokens=k`); the
-native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is checked
-against plain generate's.
+`hf-assistant` (`assistant_model=`, drafting exactly k tokens a round) and `hf-lookup` (`prompt_lookup_num_tokens=k`);
+the native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is
+checked against plain generate's. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
 
 Reported per case: tokens/s (new tokens of all rows / wall time, median of --repeats), speedup over plain at the
-same batch size, tokens per target forward, acceptance per draft position, and efficiency: the measured speedup
-divided by the ideal speedup, the one predicted from the measured number of target and draft forwards (set by the
-acceptance) at their measured mean cost, with nothing spent outside model forwards. It is measured on one
-instrumented run as (time inside target and draft forwards) / (wall time); 1.0 means the engine's own bookkeeping
-costs nothing.
+same batch size (of the medians), tokens per target forward (new tokens per row / target forwards, the prefill
+included), mean acceptance length (1 + accepted tokens per drafting step), acceptance per draft position, and
+efficiency: the measured speedup divided by the ideal speedup, the one predicted from the measured number of target
+and draft forwards (set by the acceptance) at their measured mean cost, with nothing spent outside model forwards.
+It is measured on one instrumented run as (time inside target and draft forwards) / (wall time); 1.0 means the
+engine's own bookkeeping costs nothing.
+
+With --json the results are written there (sorted keys): the settings, the environment (hf_specdec, torch,
+transformers and triton versions, the git commit, Python, platform, CPU and GPU, torch threads, dtype) and per case
+the median, min and every repeat's wall time next to the rates above. Nothing is written without --json or --plot.
 
 Under `accelerate launch --num_processes N --multi_gpu -m hf_specdec.cli bench ...` the prompts are split across
 processes, each running on its own device, and the results are gathered on the main process (tokens summed, wall
@@ -24,6 +28,7 @@ time = the slowest process). On a machine without CUDA the same command runs N C
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -40,7 +45,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.cli.runs import ForwardTimer, count_new_tokens
+from hf_specdec.cli.environment import environment
+from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.testbed.loading import heads_dir, testbed_dir
 from hf_specdec.testbed.workloads import load_workload
@@ -67,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer folder (default: the target folder if it has one, else the test bed's)")
     parser.add_argument("--method", nargs="+", default=None, choices=CASES, dest="methods",
-                        help="cases to run (default: all; head cases only with their folder or on the test-bed target); plain "
-                             "always runs as the reference")
+                        help="cases to run (default: all; head cases only with their folder or on the test-bed "
+                             "target); plain always runs as the reference")
     parser.add_argument("--workload", default="edit", choices=("completion", "edit", "long"),
                         help="test-bed prompts (default: edit, where lookup shines)")
     parser.add_argument("--batch-size", nargs="+", type=int, default=[1, 8], dest="batch_sizes",
@@ -81,11 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts per batch size (default: the largest batch size)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per case; the median is reported (default 1)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs per case; the median is reported, and with --json every repeat (default 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model dtype (default float32)")
-    parser.add_argument("--json", type=Path, default=Path("bench_results.json"), dest="json_path",
-                        help="where to write the results as JSON (default bench_results.json)")
+    parser.add_argument("--json", type=Path, default=None, dest="json_path",
+                        help="write the results, settings and environment (versions, commit, devices) here as JSON "
+                             "(default: no file)")
     parser.add_argument("--plot", type=Path, default=None,
                         help="write a PNG of speedup vs batch size and vs k here (needs matplotlib)")
 
@@ -98,7 +106,8 @@ class Measurement:
     batch_size: int
     k: int | None
     tree_width: int = 1
-    seconds: float = 0.0
+    seconds: float = 0.0  # the median of repeat_seconds
+    repeat_seconds: list[float] = field(default_factory=list)
     instrumented_seconds: float = 0.0
     calls: int = 0
     new_tokens: int = 0
@@ -150,30 +159,38 @@ def _load_heads(case: str, path: Path | None, device: torch.device) -> MedusaHea
     return kind.from_pretrained(path).to(device).eval()
 
 
+def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict | None) -> SpeculativeConfig:
+    if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default)
+        return SpeculativeConfig(method="medusa", heads=heads[case], num_speculative_tokens=k,
+                                 tree_paths=heads[case].tree() if tree_width > 1 else None)
+    if case in ("eagle", "eagle3"):  # tree_width > 1: an EAGLE-2 dynamic tree
+        tree = dict(top_k=tree_width, total_tokens=k * tree_width) if tree_width > 1 else {}
+        return SpeculativeConfig(method="eagle", heads=heads[case], num_speculative_tokens=k, **tree)
+    if case == "draft":
+        return SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, tree_width=tree_width)
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX,
+                             tree_width=tree_width)
+
+
 def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1,
                  heads: dict | None = None) -> Callable[..., torch.Tensor]:
     if case == "plain":
         return lambda ids, **kw: target.generate(ids, **kw)
-    if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default)
-        config = SpeculativeConfig(method="medusa", heads=heads[case], num_speculative_tokens=k,
-                                   tree_paths=heads[case].tree() if tree_width > 1 else None)
-        return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kw)
-    if case in ("eagle", "eagle3"):  # tree_width > 1: an EAGLE-2 dynamic tree
-        tree = dict(top_k=tree_width, total_tokens=k * tree_width) if tree_width > 1 else {}
-        config = SpeculativeConfig(method="eagle", heads=heads[case], num_speculative_tokens=k, **tree)
-        return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kw)
-    if case in ("draft", "ngram"):
-        config = (SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, tree_width=tree_width)
-                  if case == "draft" else
-                  SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX,
-                                    tree_width=tree_width))
-        return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kw)
     if case == "hf-assistant":
         draft.generation_config.num_assistant_tokens = k
         draft.generation_config.num_assistant_tokens_schedule = "constant"
         draft.generation_config.assistant_confidence_threshold = 0.0
         return lambda ids, **kw: target.generate(ids, assistant_model=draft, **kw)
-    return lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=k, max_matching_ngram_size=PROMPT_LOOKUP_MAX, **kw)
+    if case == "hf-lookup":
+        return lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=k,
+                                                 max_matching_ngram_size=PROMPT_LOOKUP_MAX, **kw)
+    config = _speculative_config(case, draft, k, tree_width, heads)
+    return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, **SPECULATIVE_OUTPUTS, **kw)
+
+
+def _add_counts(total: list[int], counts: list[int]) -> list[int]:
+    """Per-position counts added up; an empty total starts from zeros."""
+    return [a + b for a, b in zip(total or [0] * len(counts), counts)]
 
 
 def _measure(case: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft, kwargs, references,
@@ -198,7 +215,7 @@ def _measure(case: str, batch_size: int, k: int | None, tree_width: int, batches
                 m.num_drafts += stats.num_drafts
                 m.num_accepted += stats.num_accepted_tokens
                 m.num_draft_tokens += stats.num_draft_tokens
-                m.accepted_per_position = [a + b for a, b in zip(m.accepted_per_position or [0] * len(stats.accepted_per_position), stats.accepted_per_position)]
+                m.accepted_per_position = _add_counts(m.accepted_per_position, stats.accepted_per_position)
     finally:
         target_timer.close()
         draft_timer.close()
@@ -211,7 +228,7 @@ def _measure(case: str, batch_size: int, k: int | None, tree_width: int, batches
         for ids, mask in batches:
             generate(ids, attention_mask=mask, **kwargs)
         timings.append(time.perf_counter() - start)
-    m.seconds = statistics.median(timings)
+    m.repeat_seconds, m.seconds = timings, statistics.median(timings)
     return m, outputs
 
 
@@ -222,19 +239,21 @@ def _batches(tokenizer, prompts: list[str], batch_size: int, device: torch.devic
 
 
 def _merge(parts: list[Measurement]) -> Measurement:
-    """Results of one case from every process: counts add up, wall time is the slowest process's."""
+    """Results of one case from every process: counts add up, wall time (of each repeat) is the slowest
+    process's."""
     merged = Measurement(case=parts[0].case, batch_size=parts[0].batch_size, k=parts[0].k,
                          tree_width=parts[0].tree_width)
     for part in parts:
         for name in ("calls", "new_tokens", "rows", "target_forwards", "target_forward_seconds", "draft_forwards",
                      "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens"):
             setattr(merged, name, getattr(merged, name) + getattr(part, name))
-        merged.seconds = max(merged.seconds, part.seconds)
+        merged.repeat_seconds = [max(pair) for pair in zip(merged.repeat_seconds or part.repeat_seconds,
+                                                           part.repeat_seconds)]
         merged.instrumented_seconds = max(merged.instrumented_seconds, part.instrumented_seconds)
         merged.identical &= part.identical
         if part.accepted_per_position:
-            base = merged.accepted_per_position or [0] * len(part.accepted_per_position)
-            merged.accepted_per_position = [a + b for a, b in zip(base, part.accepted_per_position)]
+            merged.accepted_per_position = _add_counts(merged.accepted_per_position, part.accepted_per_position)
+    merged.seconds = statistics.median(merged.repeat_seconds)
     return merged
 
 
@@ -249,6 +268,7 @@ def summarize(m: Measurement, plain: Measurement) -> dict[str, Any]:
         "speedup_vs_plain": speedup,
         # new tokens per row, per target forward of the generate call that produced them
         "tokens_per_target_forward": (m.new_tokens / m.rows) / (steps / m.calls) if steps else None,
+        "mean_acceptance_length": 1 + m.num_accepted / m.num_drafts if m.num_drafts else None,
         "acceptance_rate": m.num_accepted / m.num_draft_tokens if m.num_draft_tokens else None,
         "acceptance_per_position": [a / m.num_drafts for a in m.accepted_per_position] if m.num_drafts else None,
         "target_forward_ms": 1000 * m.target_forward_seconds / steps if steps else None,
@@ -256,7 +276,8 @@ def summarize(m: Measurement, plain: Measurement) -> dict[str, Any]:
         "ideal_speedup": speedup / efficiency,
         "efficiency": efficiency,
         "identical_to_plain": m.identical,
-        "seconds": m.seconds, "new_tokens": m.new_tokens,
+        "seconds_median": m.seconds, "seconds_min": min(m.repeat_seconds), "seconds_repeats": m.repeat_seconds,
+        "new_tokens": m.new_tokens,
     }
 
 
@@ -265,48 +286,92 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'case':<13}{'batch':>6}{'k':>4}{'w':>3}{'tok/s':>9}{'speedup':>9}{'tok/fwd':>9}{'accept':>8}{'eff.':>7}"
-          f"{'same':>6}  acceptance per position")
+    print(f"{'case':<13}{'batch':>6}{'k':>4}{'w':>3}{'tok/s':>9}{'speedup':>9}{'tok/fwd':>9}{'mean len':>9}"
+          f"{'accept':>8}{'eff.':>7}{'same':>6}  acceptance per position")
     for r in rows:
         per_pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"] or [])
-        print(f"{r['case']:<13}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tree_width']:>3}{r['tokens_per_second']:>9.1f}"
-              f"{r['speedup_vs_plain']:>8.2f}x{_fmt(r['tokens_per_target_forward'], '.2f'):>9}"
-              f"{_fmt(r['acceptance_rate'], '.2f'):>8}{_fmt(r['efficiency'], '.2f'):>7}"
-              f"{'yes' if r['identical_to_plain'] else 'NO':>6}  {per_pos}")
+        print(f"{r['case']:<13}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tree_width']:>3}"
+              f"{r['tokens_per_second']:>9.1f}{r['speedup_vs_plain']:>8.2f}x"
+              f"{_fmt(r['tokens_per_target_forward'], '.2f'):>9}"
+              f"{_fmt(r['mean_acceptance_length'], '.2f'):>9}{_fmt(r['acceptance_rate'], '.2f'):>8}"
+              f"{_fmt(r['efficiency'], '.2f'):>7}{'yes' if r['identical_to_plain'] else 'NO':>6}  {per_pos}")
+
+
+def build_figure(rows: list[dict[str, Any]]):
+    """Speedup vs batch size (at the smallest k) and vs k (at the smallest batch size), ticks at the measured
+    values, one legend beside the panels: a case keeps its colour, trees are dashed."""
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    by_batch, by_k = fig.subplots(1, 2)
+    k = min(r["k"] for r in rows if r["k"] is not None)
+    batch = min(r["batch_size"] for r in rows)
+    cases = sorted({r["case"] for r in rows} - {"plain"})
+    for case, width in sorted({(r["case"], r["tree_width"]) for r in rows if r["case"] != "plain"}):
+        mine = [r for r in rows if r["case"] == case and r["tree_width"] == width]
+        style = dict(color=f"C{cases.index(case) % 10}", marker="o" if width == 1 else "s",
+                     linestyle="-" if width == 1 else "--", label=case if width == 1 else f"{case} (tree w={width})")
+        at_k = sorted((r["batch_size"], r["speedup_vs_plain"]) for r in mine if r["k"] == k)
+        if at_k:
+            by_batch.plot(*zip(*at_k), **style)
+        at_batch = sorted((r["k"], r["speedup_vs_plain"]) for r in mine if r["batch_size"] == batch)
+        if at_batch:
+            by_k.plot(*zip(*at_batch), **style)
+    by_batch.set(xlabel="batch size", ylabel="speedup vs plain generate", title=f"k = {k}",
+                 xticks=sorted({r["batch_size"] for r in rows if r["k"] == k}))
+    by_k.set(xlabel="k (draft tokens per step)", ylabel="speedup vs plain generate", title=f"batch size {batch}",
+             xticks=sorted({r["k"] for r in rows if r["batch_size"] == batch and r["k"] is not None}))
+    labelled = {}
+    for axis in (by_batch, by_k):
+        handles, labels = axis.get_legend_handles_labels()
+        labelled.update(zip(labels, handles))
+        labelled["plain generate"] = axis.axhline(1.0, color="grey", linewidth=0.8)
+    fig.legend(labelled.values(), labelled.keys(), loc="outside right center")
+    return fig
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_batch, by_k) = plt.subplots(1, 2, figsize=(10, 4))
-    ks = sorted({r["k"] for r in rows if r["k"] is not None})
-    for case, width in sorted({(r["case"], r["tree_width"]) for r in rows} - {("plain", 1)}):
-        mine = [r for r in rows if r["case"] == case and r["tree_width"] == width]
-        label = case if width == 1 else f"{case} (tree w={width})"
-        at_k = sorted((r["batch_size"], r["speedup_vs_plain"]) for r in mine if r["k"] == ks[0])
-        if at_k:
-            by_batch.plot(*zip(*at_k), marker="o", label=label)
-        at_b1 = sorted((r["k"], r["speedup_vs_plain"]) for r in mine if r["batch_size"] == min(r2["batch_size"] for r2 in rows))
-        if at_b1:
-            by_k.plot(*zip(*at_b1), marker="o", label=label)
-    by_batch.set(xlabel="batch size", ylabel="speedup vs plain generate", title=f"k = {ks[0]}")
-    by_k.set(xlabel="k (draft tokens per step)", ylabel="speedup vs plain generate", title="smallest batch size")
-    for axis in (by_batch, by_k):
-        axis.axhline(1.0, color="grey", linewidth=0.8)
-        axis.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    build_figure(rows).savefig(path, dpi=120)
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name, flag in (("batch_sizes", "--batch-size"), ("ks", "--num-speculative-tokens"), ("tree_widths", "--tree-width")):
+    for name, flag in (("batch_sizes", "--batch-size"), ("ks", "--num-speculative-tokens"),
+                       ("tree_widths", "--tree-width")):
         if any(v < 1 for v in getattr(args, name)):
             raise SystemExit(f"error: {flag} values must be >= 1")
     if args.max_new_tokens < 1 or args.repeats < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise SystemExit("error: --max-new-tokens, --repeats and --num-prompts must be >= 1")
+    if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise SystemExit(f"error: --plot {args.plot} needs matplotlib: pip install \"hf-specdec[bench]\"")
+        if args.methods is not None and set(args.methods) <= {"plain"}:
+            raise SystemExit("error: --plot draws speedups over plain: add a --method other than plain")
+
+
+@dataclass(frozen=True)
+class BenchModels:
+    """What the cases run: a target, its tokenizer, a draft model and heads (None where no case needs them)."""
+
+    tokenizer: Any
+    target: Any
+    draft: Any | None
+    heads: dict[str, MedusaHeads | EagleHead]
+
+
+def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) -> BenchModels:
+    """--target, --draft, --tokenizer and the heads options, or the committed test bed where they are not given."""
+    target_path = args.target or testbed_dir() / "target"
+    draft_path = args.draft or testbed_dir() / "draft"
+    tokenizer_path = args.tokenizer or (
+        target_path if (target_path / "tokenizer.json").is_file() else testbed_dir() / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    tokenizer.padding_side = "left"
+    target = _load(target_path, dtype, device)
+    draft = _load(draft_path, dtype, device) if any(case in NEEDS_DRAFT for case in args.methods) else None
+    heads = {case: _load_heads(case, getattr(args, option), device)
+             for case, option in HEAD_CASES.items() if case in args.methods}
+    return BenchModels(tokenizer, target, draft, heads)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -314,24 +379,21 @@ def run(args: argparse.Namespace) -> int:
     args.methods = _methods(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    num_prompts = args.num_prompts or max(args.batch_sizes)
+    prompts = load_workload(args.workload)
+    if num_prompts > len(prompts):
+        raise SystemExit(f"error: {num_prompts} prompts asked (--num-prompts, or the largest --batch-size), but "
+                         f"workload '{args.workload}' has {len(prompts)}")
+    prompts = prompts[:num_prompts]
     state = PartialState(cpu=not torch.cuda.is_available())
     dtype = DTYPES[args.dtype]
-    target_path = args.target or testbed_dir() / "target"
-    draft_path = args.draft or testbed_dir() / "draft"
-    tokenizer_path = args.tokenizer or (target_path if (target_path / "tokenizer.json").is_file() else testbed_dir() / "tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    tokenizer.padding_side = "left"
-    target = _load(target_path, dtype, state.device)
-    needs_draft = any(case in NEEDS_DRAFT for case in args.methods)
-    draft = _load(draft_path, dtype, state.device) if needs_draft else None
-    heads = {case: _load_heads(case, getattr(args, option), state.device)
-             for case, option in HEAD_CASES.items() if case in args.methods}
+    models = load_models(args, dtype, state.device)
+    tokenizer, target, draft, heads = models.tokenizer, models.target, models.draft, models.heads
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    num_prompts = args.num_prompts or max(args.batch_sizes)
-    prompts = load_workload(args.workload)[:num_prompts]
     measurements: list[Measurement] = []
     with state.split_between_processes(prompts) as mine:
-        plan = [(b, case, k, w) for b in args.batch_sizes for case in ["plain", *[c for c in args.methods if c != "plain"]]
+        cases = ["plain", *[c for c in args.methods if c != "plain"]]
+        plan = [(b, case, k, w) for b in args.batch_sizes for case in cases
                 for k in ([None] if case == "plain" else args.ks)
                 for w in (args.tree_widths if case in ("draft", "ngram", *HEAD_CASES) else [1])
                 if not (case in NATIVE_CASES and b > 1)]
@@ -363,15 +425,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {r['case']} at batch {r['batch_size']}, k={r['k']}, w={r['tree_width']}: "
                   f"efficiency {r['efficiency']:.2f} < "
                   f"{LOW_EFFICIENCY}: time outside model forwards (host bookkeeping, per-call overhead) dominates")
-    report = {
-        "device": str(state.device) if state.device.type != "cuda" else torch.cuda.get_device_name(),
-        "num_processes": state.num_processes, "dtype": args.dtype, "workload": args.workload,
-        "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts), "repeats": args.repeats,
-        "torch_threads": torch.get_num_threads(), "results": rows,
-    }
-    args.json_path.parent.mkdir(parents=True, exist_ok=True)
-    args.json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    print(f"results written to {args.json_path}")
+    if args.json_path is not None:
+        settings = {"num_processes": state.num_processes, "workload": args.workload, "num_prompts": len(prompts),
+                    "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "methods": args.methods,
+                    "batch_sizes": args.batch_sizes, "ks": args.ks, "tree_widths": args.tree_widths}
+        report = {"environment": environment(state.device, dtype), "settings": settings, "results": rows}
+        args.json_path.parent.mkdir(parents=True, exist_ok=True)
+        args.json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        print(f"results written to {args.json_path}")
     if args.plot is not None:
         plot(rows, args.plot)
         print(f"plot written to {args.plot}")

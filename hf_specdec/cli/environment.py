@@ -1,0 +1,66 @@
+"""What a benchmark ran on: library versions, the git commit of this checkout, Python, platform, CPU and GPU,
+torch threads and dtype, recorded next to its numbers so that they can be compared and reproduced."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+import hf_specdec
+
+CHECKOUT = Path(hf_specdec.__file__).resolve().parents[1]
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The run's environment as JSON-ready values; None where a fact is unknown (no git checkout, no GPU)."""
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no") if commit is not None else None
+    return {
+        "hf_specdec": hf_specdec.__version__,
+        "git_commit": commit,
+        "git_dirty": None if status is None else bool(status),  # tracked files changed since the commit
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": _installed_version("triton"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*arguments: str) -> str | None:
+    """git's output in the checkout hf_specdec runs from; None outside a git checkout or without git."""
+    if not (CHECKOUT / ".git").exists():
+        return None
+    try:
+        result = subprocess.run(["git", "-C", str(CHECKOUT), *arguments], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None

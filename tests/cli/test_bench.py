@@ -1,0 +1,91 @@
+"""`hf-specdec bench`: what its JSON records, that it writes nothing unasked, and how its plot is drawn."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from hf_specdec.cli.bench import build_figure
+from hf_specdec.cli.main import main
+
+ENVIRONMENT_FIELDS = {"hf_specdec", "git_commit", "git_dirty", "torch", "transformers", "triton", "python", "platform",
+                      "cpu", "gpu", "device", "torch_threads", "dtype"}
+TINY = ["--batch-size", "1", "-k", "3", "--num-prompts", "1", "--max-new-tokens", "8", "--workload", "completion",
+        "--threads", "1"]
+
+
+def test_json_records_environment_settings_and_every_repeat(tmp_path):
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "ngram", *TINY, "--repeats", "3", "--json", str(out)]) == 0
+    text = out.read_text()
+    report = json.loads(text)
+    assert text == json.dumps(report, indent=2, sort_keys=True) + "\n"  # sorted keys
+
+    env = report["environment"]
+    assert set(env) == ENVIRONMENT_FIELDS
+    assert env["torch"] == torch.__version__ and env["dtype"] == "float32" and env["torch_threads"] == 1
+    assert env["device"] == "cpu" and env["gpu"] is None and env["cpu"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert env["git_commit"] == (head or None)
+    assert report["settings"] == {"num_processes": 1, "workload": "completion", "num_prompts": 1, "max_new_tokens": 8,
+                                  "repeats": 3, "methods": ["plain", "ngram"], "batch_sizes": [1], "ks": [3],
+                                  "tree_widths": [1]}
+
+    rows = {r["case"]: r for r in report["results"]}
+    for row in rows.values():
+        repeats = row["seconds_repeats"]
+        assert len(repeats) == 3 and all(seconds > 0 for seconds in repeats)
+        assert row["seconds_min"] == min(repeats) and row["seconds_median"] == sorted(repeats)[1]
+        assert row["tokens_per_second"] == pytest.approx(row["new_tokens"] / row["seconds_median"])
+    assert rows["plain"]["tokens_per_target_forward"] == pytest.approx(1.0)
+    assert rows["plain"]["mean_acceptance_length"] is None
+    ngram = rows["ngram"]
+    assert 1.0 <= ngram["tokens_per_target_forward"] <= 4.0  # at most k + 1 = 4 tokens per forward
+    # 1 + accepted / drafts, where acceptance per position is accepted at each position / drafts
+    assert ngram["mean_acceptance_length"] == pytest.approx(1 + sum(ngram["acceptance_per_position"]))
+
+
+def test_nothing_is_written_without_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--method", "plain", *TINY]) == 0
+    assert list(tmp_path.iterdir()) == []
+    assert "written" not in capsys.readouterr().out
+
+
+def test_plot_needs_a_case_besides_plain(tmp_path):
+    with pytest.raises(SystemExit, match="--plot draws speedups over plain"):
+        main(["bench", "--method", "plain", "--plot", str(tmp_path / "plot.png")])
+    assert not (tmp_path / "plot.png").exists()
+
+
+def test_too_many_prompts_is_a_clear_error():
+    with pytest.raises(SystemExit, match="9 prompts asked .* workload 'long' has 8"):
+        main(["bench", "--method", "plain", "--workload", "long", "--num-prompts", "9"])
+
+
+def row(case: str, batch_size: int, k: int | None, speedup: float, tree_width: int = 1) -> dict:
+    return {"case": case, "batch_size": batch_size, "k": k, "tree_width": tree_width, "speedup_vs_plain": speedup}
+
+
+def test_plot_has_integer_ticks_named_panels_and_its_legend_outside_the_axes():
+    rows = [row("plain", b, None, 1.0) for b in (2, 4, 8)]
+    rows += [row(case, b, k, 1.0 + 0.1 * b + 0.01 * k, w) for case in ("draft", "ngram") for b in (2, 4, 8)
+             for k in (3, 4, 6) for w in (1, 2)]
+    rows += [row("hf-lookup", 2, k, 1.1) for k in (3, 4, 6)]  # transformers' paths: the smallest batch only
+    fig = build_figure(rows)
+    fig.draw_without_rendering()  # lays the figure out (constrained layout) and formats the tick labels
+    by_batch, by_k = fig.axes
+    assert list(by_batch.get_xticks()) == [2, 4, 8] and list(by_k.get_xticks()) == [3, 4, 6]
+    assert [t.get_text() for t in by_k.get_xticklabels()] == ["3", "4", "6"]
+    assert by_batch.get_title() == "k = 3" and by_k.get_title() == "batch size 2"
+
+    assert by_batch.get_legend() is None and by_k.get_legend() is None
+    (legend,) = fig.legends
+    labels = [text.get_text() for text in legend.get_texts()]
+    assert labels == ["draft", "draft (tree w=2)", "hf-lookup", "ngram", "ngram (tree w=2)", "plain generate"]
+    box = legend.get_window_extent()
+    for axis in fig.axes:
+        assert not box.overlaps(axis.get_window_extent())
