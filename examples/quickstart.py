@@ -26,9 +26,17 @@ def main() -> None:
     hf_specdec.disable()
 
     assert torch.equal(with_draft, plain) and torch.equal(with_lookup.sequences, plain)
-    print(tokenizer.decode(plain[0, batch["input_ids"].shape[1] :], skip_special_tokens=True))
-    print(f"n-gram: acceptance {with_lookup.spec_stats.acceptance_rate:.2f}, "
-          f"{with_lookup.spec_stats.mean_acceptance_length:.2f} tokens per target forward step")
+    new_tokens = plain[:, batch["input_ids"].shape[1] :]
+    print(tokenizer.decode(new_tokens[0], skip_special_tokens=True))
+
+    stats = with_lookup.spec_stats
+    emitted = (new_tokens != tokenizer.pad_token_id).sum(dim=1).tolist()  # new tokens per row
+    per_forward = [tokens / row.target_forward_passes for tokens, row in zip(emitted, stats.per_row)]
+    print(f"n-gram: {stats.acceptance_rate:.0%} of the drafted tokens accepted")
+    print(f"  tokens per target forward, per row: {' '.join(f'{value:.2f}' for value in per_forward)}"
+          "  (new tokens / target forwards the row took part in, prefill included)")
+    print(f"  mean acceptance length: {stats.mean_acceptance_length:.2f}"
+          "  (1 + accepted tokens per drafting step; leaves out the prefill and steps without a match)")
 
 
 if __name__ == "__main__":
