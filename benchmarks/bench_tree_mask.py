@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from hf_specdec.cli.environment import environment
 from hf_specdec.kernels.tree_mask import (
     INSTALL_TRITON,
     ancestor_bits_from_parents,
@@ -67,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_tree_mask: no CUDA device, nothing to time (the kernel targets GPUs); skipping.")
         return 0
     try:
-        import triton
         from triton.testing import do_bench
     except ImportError:
         print(f"bench_tree_mask: triton is not installed ({INSTALL_TRITON}); skipping.")
@@ -95,9 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "PASS" if headline >= GOAL_SPEEDUP else "FAIL"
     print(f"{verdict}: headline speedup {headline:.1f}x (goal >= {GOAL_SPEEDUP:.0f}x)")
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(device), "dtype": args.dtype,
-                                         "triton": triton.__version__, "results": results},
-                                        indent=2, sort_keys=True) + "\n")
+        report = {"environment": environment(device, dtype), "results": results}
+        args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return 0
 
 

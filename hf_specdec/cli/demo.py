@@ -40,7 +40,7 @@ LINE_WIDTH = 116
 LEGEND = """\
 How to read the tables (speedup = forwards saved / step cost; forwards saved = tok/fwd / plain's tok/fwd):
   tok/s      new tokens of all rows per second (median repeat)
-  speedup    plain generate's time / the method's: the median over the repeats of the ratio within one round
+  speedup    plain generate's time / the method's, within a round; the median over the rounds
   tok/fwd    tokens per target forward: new tokens per row / the batch's target forwards, prefill included
   mean len   mean acceptance length (spec_stats.mean_acceptance_length): 1 + accepted draft tokens per step in
              which a row drafted; above tok/fwd, as it leaves out the prefill, steps where a row drafted
@@ -66,6 +66,7 @@ class DemoModels:
 
 def load_models() -> DemoModels:
     """The committed test bed: tokenizer, target, draft, Medusa heads, EAGLE-1/2 and EAGLE-3 heads."""
+    print("Loading the test bed (tokenizer, target, draft, Medusa and EAGLE heads) ...", flush=True)
     tokenizer, target, draft = load_testbed()
     tokenizer.padding_side = "left"
     medusa = MedusaHeads.from_pretrained(heads_dir("medusa")).eval()
@@ -227,7 +228,6 @@ def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig], work
 def run(args: argparse.Namespace) -> int:
     _check(args)
     torch.set_num_threads(args.threads)
-    print("Loading the test bed (tokenizer, target, draft, Medusa and EAGLE heads) ...", flush=True)
     models = load_models()
     configs = method_configs(models, args.num_speculative_tokens)
     threads = f"{args.threads} torch thread{'s' if args.threads > 1 else ''}"

@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     for name, module, summary in (
-        ("demo", demo, "generate on the committed test bed with every method; show text, acceptance and speedup"),
+        ("demo", demo, "every method on the committed test bed: text, acceptance, speedup over plain generate "
+                       "(interleaved repeats) and why it is or is not faster"),
         ("bench", bench, "benchmark every method and transformers' own paths on the same prompts; table, JSON, plot"),
     ):
         _add_command(commands, name, module, summary)
