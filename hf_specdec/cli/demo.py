@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.runs import Generation, run_generate
-from hf_specdec.cli.timing import Repeats, noise_note, paired_speedup, time_interleaved
+from hf_specdec.cli.timing import MIN_NOISE, Repeats, noise_note, paired_speedup, time_interleaved
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.testbed.loading import heads_dir, load_testbed
 from hf_specdec.testbed.workloads import load_workload
@@ -35,6 +35,8 @@ DEMO_WORKLOADS = ("completion", "edit")
 WARM_UP_TOKENS = 8
 # Below this many times fewer target forwards, acceptance is what keeps speculation from paying off.
 LOW_FORWARDS_SAVED = 1.25
+# Speedups within this of 1.0 are called break-even: a median of a few repeats on a quiet machine jitters this much.
+BREAK_EVEN = MIN_NOISE
 LINE_WIDTH = 116
 
 LEGEND = """\
@@ -129,21 +131,23 @@ class MethodRow:
 
 
 def summarize(name: str, runs: Repeats, plain: Repeats) -> MethodRow:
-    """The table row of one method from its repeats and plain generate's, paired round by round."""
+    """The table row of one method from its repeats and plain generate's, paired round by round (costs are medians
+    over rounds of that round's cost, so the verify forward's share never exceeds its step)."""
     first: Generation = runs.values[0]
     reference: Generation = plain.values[0]
-    speedup = paired_speedup(plain.seconds, runs.seconds)
-    forwards_saved = reference.target_forward_passes / first.target_forward_passes
-    plain_step = plain.median_seconds / reference.target_forward_passes
-    verify = statistics.median(g.target_forward_seconds for g in runs.values) / first.target_forward_passes
+    plain_steps = [seconds / reference.target_forward_passes for seconds in plain.seconds]  # per round
+    step_costs = [seconds / first.target_forward_passes / plain_step
+                  for seconds, plain_step in zip(runs.seconds, plain_steps)]
+    verify_costs = [g.target_forward_seconds / g.target_forward_passes / plain_step
+                    for g, plain_step in zip(runs.values, plain_steps)]
     return MethodRow(
         name=name,
         tokens_per_second=first.new_tokens / runs.median_seconds,
-        speedup=speedup,
+        speedup=paired_speedup(plain.seconds, runs.seconds),
         tokens_per_forward=first.tokens_per_forward,
-        forwards_saved=forwards_saved,
-        step_cost=forwards_saved / speedup,
-        verify_cost=verify / plain_step,
+        forwards_saved=reference.target_forward_passes / first.target_forward_passes,
+        step_cost=statistics.median(step_costs),
+        verify_cost=statistics.median(verify_costs),
         mean_acceptance_length=None if first.stats is None else first.stats.mean_acceptance_length,
         acceptance_rate=None if first.stats is None else first.stats.acceptance_rate,
         identical=all(torch.equal(g.sequences, reference.sequences) for g in runs.values),
@@ -156,9 +160,10 @@ def explain(rows: list[MethodRow]) -> str:
     costs = (f"the fastest method, {best.name} ({best.speedup:.2f}x), needs {best.forwards_saved:.2f}x fewer target "
              f"forwards, and one of its steps costs {best.step_cost:.2f} plain steps ({best.verify_cost:.2f} in the "
              f"verify forward, {best.other_cost:.2f} drafting and bookkeeping)")
-    if best.speedup > 1.0:
+    if best.speedup > 1 + BREAK_EVEN:
         line = f"why: speculation pays here: {costs}."
     else:
+        verdict = "about breaks even" if best.speedup >= 1 - BREAK_EVEN else "does not pay"
         if best.forwards_saved < LOW_FORWARDS_SAVED:
             reason = (f"acceptance is too low: {best.tokens_per_forward:.2f} tokens per target forward do not pay for "
                       "drafting and a wider verify forward")
@@ -168,7 +173,7 @@ def explain(rows: list[MethodRow]) -> str:
         else:
             reason = (f"the verify forward alone would leave a {best.forwards_saved / best.verify_cost:.2f}x gain, "
                       "and drafting and bookkeeping take it away")
-        line = f"why: speculation does not pay here: {costs}; {reason}."
+        line = f"why: speculation {verdict} here: {costs}; {reason}."
     return textwrap.fill(line, width=LINE_WIDTH, subsequent_indent="     ")
 
 

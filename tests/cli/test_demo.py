@@ -77,6 +77,12 @@ def test_explain_says_why_speculation_does_not_pay(row, reason):
     assert reason in text
 
 
+def test_explain_calls_a_speedup_within_the_noise_break_even():
+    text = one_line(explain([PLAIN, method("ngram", 1.02, 1.19, 1.0)]))
+    assert text.startswith("why: speculation about breaks even here: the fastest method, ngram (1.02x)")
+    assert "acceptance is too low: 1.19 tokens per target forward" in text
+
+
 def test_explain_lines_are_wrapped():
     assert all(len(line) <= 116 for line in explain([PLAIN, method("eagle3", 0.9, 3.5, 2.5)]).splitlines())
 
