@@ -351,8 +351,10 @@ class RaggedKVCache:
         """The model's logits; also its features (`feature_layers`) of the last `keep_hidden` tokens, and its
         per-layer hidden states and attentions when `output_hidden_states` / `output_attentions` are set."""
         record = self.feature_layers is not None
-        out = self.model(**inputs, output_hidden_states=record or self.output_hidden_states,
-                         output_attentions=self.output_attentions, return_dict=True)
+        flags = {"output_hidden_states": True} if record or self.output_hidden_states else {}
+        if self.output_attentions:
+            flags["output_attentions"] = True
+        out = self.model(**inputs, **flags, return_dict=True)
         if self.output_hidden_states or self.output_attentions:
             self.model_outputs = ModelOutputs(
                 hidden_states=out.hidden_states if self.output_hidden_states else None,
