@@ -92,29 +92,21 @@ class SpeculativeConfig:
                     "SpeculativeConfig.draft_model: method='draft' needs a draft model "
                     "(a transformers causal LM that shares the target's tokenizer)"
                 )
-            if not callable(getattr(self.draft_model, "forward", None)) or not hasattr(self.draft_model, "config"):
+            if not is_causal_lm(self.draft_model):
                 raise ValueError(
-                    "SpeculativeConfig.draft_model: expected a transformers PreTrainedModel, "
-                    f"got {type(self.draft_model).__name__}"
+                    "SpeculativeConfig.draft_model: expected a transformers causal LM (a PreTrainedModel), got "
+                    f"{describe(self.draft_model)}{method_hint(self.draft_model)}"
                 )
         elif self.draft_model is not None:
             raise ValueError(
                 f"SpeculativeConfig.draft_model: method={self.method!r} does not use a draft model; "
                 "drop draft_model or use method='draft'"
             )
-        if self.method == "medusa":
-            if not callable(getattr(self.heads, "check_target", None)):
+        if self.method in HEADS_CLASS:
+            if not isinstance(self.heads, heads_class(self.method)):
                 raise ValueError(
-                    "SpeculativeConfig.heads: method='medusa' needs heads (hf_specdec.heads.MedusaHeads), "
-                    f"got {type(self.heads).__name__}"
-                )
-        elif self.method == "eagle":
-            from hf_specdec.heads.eagle import EagleHead
-
-            if not isinstance(self.heads, EagleHead):
-                raise ValueError(
-                    "SpeculativeConfig.heads: method='eagle' needs an EAGLE head (hf_specdec.heads.EagleHead), "
-                    f"got {type(self.heads).__name__}"
+                    f"SpeculativeConfig.heads: method={self.method!r} needs {HEADS_CLASS[self.method]}, got "
+                    f"{describe(self.heads)}{method_hint(self.heads)}"
                 )
         elif self.heads is not None:
             raise ValueError(
@@ -128,7 +120,10 @@ class SpeculativeConfig:
             own_tree = getattr(self.heads, "tree", None)
             self.tree_paths = own_tree() if callable(own_tree) else DEFAULT_MEDUSA_TREE
         if self.tree_paths is not None:
-            TreeTemplate.from_paths(self.tree_paths)  # validates: a tree, within the node budget
+            try:
+                TreeTemplate.from_paths(self.tree_paths)  # validates: a tree, within the node budget
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"SpeculativeConfig.tree_paths: {error}") from error
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, None)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, None)
@@ -168,6 +163,41 @@ class SpeculativeConfig:
         if self.tree_paths is None:
             return self.num_speculative_tokens
         return max(self.num_speculative_tokens, TreeTemplate.from_paths(self.tree_paths).max_depth)
+
+
+# the class each head-based method takes, as users import it
+HEADS_CLASS = {"medusa": "hf_specdec.heads.MedusaHeads", "eagle": "hf_specdec.heads.EagleHead"}
+
+
+def heads_class(method: str) -> type:
+    from hf_specdec.heads.eagle import EagleHead
+    from hf_specdec.heads.medusa import MedusaHeads
+
+    return {"medusa": MedusaHeads, "eagle": EagleHead}[method]
+
+
+def is_causal_lm(value: Any) -> bool:
+    """A transformers model (or a wrapper of one, such as a peft model): what method='draft' drafts with."""
+    return all(callable(getattr(value, name, None)) for name in ("forward", "get_input_embeddings")) and hasattr(
+        value, "config")
+
+
+def describe(value: Any) -> str:
+    """How an error names what the user passed: its class (and None as None)."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'AEIOU' else 'a'} {name}"
+
+
+def method_hint(value: Any) -> str:
+    """'; for a MedusaHeads use method='medusa'' when `value` is what another method takes, else ''."""
+    for method in HEADS_CLASS:
+        if isinstance(value, heads_class(method)):
+            return f"; {describe(value)} is for method={method!r}"
+    if is_causal_lm(value):
+        return "; a causal LM is a draft model, for method='draft'"
+    return ""
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None) -> None:

@@ -18,7 +18,7 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
-from hf_specdec.config import SpeculativeConfig
+from hf_specdec.config import HEADS_CLASS, SPEC_METHODS, SpeculativeConfig, describe, heads_class, is_causal_lm, method_hint
 from hf_specdec.decoding.loop import speculative_generate
 
 SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))  # [low, high)
@@ -41,23 +41,48 @@ def resolve_config(
 ) -> SpeculativeConfig:
     """One SpeculativeConfig from the three spellings; conflicting values are an error, never a silent choice."""
     if speculative is None:
-        method = spec_method if spec_method is not None else "draft"
-        if method in ("draft", "medusa", "eagle") and assistant is None:
-            raise ValueError(
-                f"spec_method={method!r} needs assistant=<draft model or heads> (or pass speculative=SpeculativeConfig)"
-            )
-        if method in ("medusa", "eagle"):
-            return SpeculativeConfig(method=method, heads=assistant)
-        return SpeculativeConfig(method=method, draft_model=assistant)
+        return SpeculativeConfig(**_assistant_fields(assistant, spec_method))
     if not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative: expected a hf_specdec.SpeculativeConfig, got {type(speculative).__name__}")
     if assistant is not None and assistant is not speculative.draft_model and assistant is not speculative.heads:
-        raise ValueError("assistant: conflicts with speculative.draft_model; pass the draft model in one place only")
+        raise ValueError("assistant=: conflicts with speculative's draft_model / heads; pass the drafter in one place "
+                         "only")
     if spec_method is not None and spec_method != speculative.method:
         raise ValueError(
             f"spec_method={spec_method!r} conflicts with speculative.method={speculative.method!r}; pass one"
         )
     return speculative
+
+
+def _assistant_fields(assistant: Any, spec_method: str | None) -> dict[str, Any]:
+    """The SpeculativeConfig fields `assistant=` / `spec_method=` stand for, checked here so errors name them.
+    Without spec_method the method follows from the assistant: heads pick their method, a model 'draft'."""
+    if spec_method is not None and spec_method not in SPEC_METHODS:
+        raise ValueError(f"spec_method={spec_method!r}: unknown method; expected one of {list(SPEC_METHODS)}")
+    method = spec_method
+    if method is None:
+        method = next((m for m in HEADS_CLASS if isinstance(assistant, heads_class(m))), "draft")
+    if method == "ngram":
+        if assistant is not None:
+            raise ValueError(
+                f"assistant=: spec_method='ngram' drafts from the prompt and takes no assistant, got "
+                f"{describe(assistant)}; drop assistant={method_hint(assistant)}"
+            )
+        return {"method": method}
+    if assistant is None:
+        raise ValueError(
+            f"spec_method={method!r} needs assistant=<{HEADS_CLASS.get(method, 'a draft model')}> "
+            "(or pass speculative=SpeculativeConfig(...))"
+        )
+    if method in HEADS_CLASS:
+        if not isinstance(assistant, heads_class(method)):
+            raise ValueError(f"assistant=: spec_method={method!r} needs {HEADS_CLASS[method]}, got "
+                             f"{describe(assistant)}{method_hint(assistant)}")
+        return {"method": method, "heads": assistant}
+    if not is_causal_lm(assistant):
+        raise ValueError(f"assistant=: spec_method='draft' needs a transformers causal LM, got "
+                         f"{describe(assistant)}{method_hint(assistant)}")
+    return {"method": method, "draft_model": assistant}
 
 
 def _generate(

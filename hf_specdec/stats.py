@@ -39,6 +39,9 @@ class RowSpecStats:
 @dataclass(frozen=True)
 class SpecStats(RowSpecStats):
     per_row: tuple[RowSpecStats, ...] = ()
+    # the deepest draft token a step proposed: k as asked, or fewer where the proposer drafts fewer (Medusa heads),
+    # or a static tree's depth
+    num_speculative_tokens: int = 0
 
     def to_dict(self) -> dict:
         return super().to_dict() | {"per_row": [row.to_dict() for row in self.per_row]}
@@ -69,6 +72,15 @@ class SpecStatsRecorder:
         self.counts += torch.stack([(drafted > 0).long(), drafted, accepted, active.long()])
         self.accepted_per_position += self.positions < accepted[:, None]
 
+    def record_forward(
+        self,
+        # [B] bool: the rows the forward ran for
+        rows: torch.Tensor,
+    ) -> None:
+        """A target forward outside speculation steps (the returned cache computed again for rows that stopped)."""
+        self.total_forwards += 1
+        self.counts[3] += rows.long().to(self.counts.device)
+
     def finish(self) -> SpecStats:
         drafts, drafted, accepted, forwards = self.counts.cpu().tolist()
         per_position = self.accepted_per_position.cpu()
@@ -89,4 +101,5 @@ class SpecStatsRecorder:
             accepted_per_position=per_position.sum(dim=0).tolist(),
             target_forward_passes=self.total_forwards,
             per_row=rows,
+            num_speculative_tokens=self.positions.shape[1],
         )

@@ -10,10 +10,13 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
 from hf_specdec.integration import check_transformers_version
 from tests.conftest import make_draft, make_model, padded_batch
 
 GREEDY = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+EAGLE = EagleHead(EagleConfig.for_target(make_model("llama")))
+MEDUSA = MedusaHeads(MedusaConfig(hidden_size=EAGLE.config.hidden_size, vocab_size=EAGLE.config.vocab_size, num_heads=3))
 
 
 @pytest.fixture
@@ -149,6 +152,26 @@ def test_bad_config(kwargs, match):
         SpeculativeConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(method="medusa", heads=EAGLE),
+         "heads: method='medusa' needs hf_specdec.heads.MedusaHeads, got an EagleHead; an EagleHead is for method='eagle'"),
+        (dict(method="eagle", heads=MEDUSA),
+         "heads: method='eagle' needs hf_specdec.heads.EagleHead, got a MedusaHeads; a MedusaHeads is for method='medusa'"),
+        (dict(method="eagle", heads=make_draft()), "got a LlamaForCausalLM; a causal LM is a draft model, for method='draft'"),
+        (dict(method="draft", draft_model=EAGLE), "draft_model: expected a transformers causal LM .*, got an EagleHead; "),
+        (dict(method="medusa", heads=MEDUSA, tree_paths=[[0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]),
+         "SpeculativeConfig.tree_paths: "),
+        (dict(method="medusa", heads=MEDUSA, tree_paths=[[0, 1]]), "SpeculativeConfig.tree_paths: "),
+        (dict(method="medusa", heads=MEDUSA, tree_paths="wide"), "SpeculativeConfig.tree_paths: "),
+    ],
+)
+def test_each_method_checks_the_type_of_its_drafter(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig(**kwargs)
+
+
 NGRAM = SpeculativeConfig(method="ngram")
 
 
@@ -159,14 +182,21 @@ NGRAM = SpeculativeConfig(method="ngram")
         (dict(speculative=NGRAM, penalty_alpha=0.6, top_k=4), "generation mode 'contrastive_search'"),
         (dict(speculative=NGRAM, cache_implementation="static"), "cache_implementation='static'"),
         (dict(speculative=NGRAM, prefix_allowed_tokens_fn=lambda b, ids: [3]), "prefix_allowed_tokens_fn"),
-        (dict(speculative=NGRAM, assistant=make_draft()), "assistant: conflicts with speculative.draft_model"),
+        (dict(speculative=NGRAM, assistant=make_draft()), "assistant=: conflicts with speculative's draft_model"),
+        (dict(spec_method="ngram", assistant=make_draft()),
+         "assistant=: spec_method='ngram' drafts from the prompt and takes no assistant, got a LlamaForCausalLM"),
+        (dict(spec_method="medusa", assistant=EAGLE),
+         "assistant=: spec_method='medusa' needs hf_specdec.heads.MedusaHeads, got an EagleHead; an EagleHead is for "
+         "method='eagle'"),
+        (dict(spec_method="draft", assistant=MEDUSA), "assistant=: spec_method='draft' needs a transformers causal LM"),
+        (dict(spec_method="medusa"), "spec_method='medusa' needs assistant=<hf_specdec.heads.MedusaHeads>"),
         (dict(speculative=NGRAM, spec_method="draft"), "spec_method='draft' conflicts with speculative.method='ngram'"),
         (dict(speculative=NGRAM, assistant_model=make_draft()), "assistant_model: transformers' own option"),
         (dict(speculative=NGRAM, prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens: transformers' own option"),
         (dict(speculative="ngram"), "speculative: expected a hf_specdec.SpeculativeConfig"),
         (dict(spec_method="draft"), "spec_method='draft' needs assistant="),
         (dict(spec_method="eagle"), "spec_method='eagle' needs assistant="),
-        (dict(spec_method="suffix"), "SpeculativeConfig.method: unknown method 'suffix'"),
+        (dict(spec_method="suffix"), "spec_method='suffix': unknown method"),
         (dict(assistant=make_draft(vocab=1000)), "vocabulary size 1000 does not match the target's 128"),
     ],
 )
@@ -177,6 +207,31 @@ def test_bad_generate_call_fails_before_any_forward(call, match, forward_counter
     with pytest.raises(ValueError, match=match):
         hf_specdec.generate(target, ids, attention_mask=mask, max_new_tokens=4, **call)
     assert count() == 0, "an invalid call must not run the model"
+
+
+def test_assistant_without_spec_method_takes_the_method_its_type_names():
+    from hf_specdec.integration import resolve_config
+
+    assert resolve_config(None, EAGLE, None).method == "eagle"
+    assert resolve_config(None, MEDUSA, None).method == "medusa"
+    assert resolve_config(None, make_draft(), None).method == "draft"
+
+
+def test_medusa_drafts_as_many_tokens_as_it_has_heads_and_says_so():
+    target = make_model("llama")
+    ids, mask = padded_batch([6, 4], seed=2)
+    config = SpeculativeConfig(method="medusa", heads=MEDUSA, num_speculative_tokens=5)
+    with pytest.warns(UserWarning, match=r"num_speculative_tokens=5: these Medusa heads guess 3 tokens ahead"):
+        out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, return_dict_in_generate=True,
+                                  **GREEDY)
+    assert out.spec_stats.num_speculative_tokens == 3
+    assert len(out.spec_stats.accepted_per_position) == 3
+    stats = out.spec_stats
+    assert 2 * stats.num_drafts < stats.num_draft_tokens <= 3 * stats.num_drafts  # 3 per step (fewer near the end)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=ngram, return_dict_in_generate=True,
+                              **GREEDY)
+    assert out.spec_stats.num_speculative_tokens == 4
 
 
 def test_draft_with_other_special_tokens_is_refused():

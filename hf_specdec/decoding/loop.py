@@ -99,7 +99,7 @@ class SpeculativeDecoder:
         self.cache = RaggedKVCache(model)
         self.cache.feature_layers = self.proposer.target_feature_layers
         self.cache.record_prompt_features = self.proposer.needs_prompt_features
-        self.max_depth = config.max_draft_depth
+        self.max_depth = self.proposer.draft_depth(config)
         self.streamer = streamer
         self.generation_config = generation_config
         self.score_log = ScoreLog(0)
@@ -111,7 +111,7 @@ class SpeculativeDecoder:
         # [B, P] ([B, 0] when the prompt comes as `prompt.inputs_embeds`)
         input_ids: torch.Tensor,
         prompt: PromptInputs,
-    ) -> tuple[DecodeState, SpecStats]:
+    ) -> DecodeState:
         pad = self.generation_config._pad_token_tensor
         if pad is None and input_ids.shape[0] > 1 and self.stopper.pads_finished_rows:
             raise ValueError("pad_token_id is not set: batched generation with an EOS needs it to pad finished rows; "
@@ -145,7 +145,7 @@ class SpeculativeDecoder:
             self.step()
         if self.streamer is not None:
             self.streamer.end()
-        return self.state, self.stats.finish()
+        return self.state
 
     def step(self) -> None:
         self.drop_finished_rows()
@@ -226,10 +226,12 @@ class SpeculativeDecoder:
             self.keep_target_features(result, logits.shape[1])
         if mark is None:
             return
+        # the cache keeps the fed tokens whose successors were emitted (a row that stopped mid-step keeps those
+        # before its stop), as plain generate's cache holds every token but the last
         if isinstance(result, TreeVerificationResult):
-            self.cache.keep(mark, self.held(result.kept_nodes & ~state.finished[:, None]))
+            self.cache.keep(mark, self.held(result.kept_nodes & (proposal.tree.depths < num_emitted[:, None])))
         else:
-            self.cache.rollback(mark, self.held(torch.where(state.finished, 0, 1 + result.num_accepted)))
+            self.cache.rollback(mark, self.held(num_emitted))
         self.proposer.commit(state, result)
 
     def keep_target_features(self, result, num_verified: int) -> None:
@@ -286,6 +288,7 @@ class SpeculativeDecoder:
                                      for name, value in vars(prompt).items() if name != "past_key_values"})
             start = self.prompt_ids.shape[1]
             again = recompute(self.model, self.state.sequences[rows, start : length - 1], subset, self.prompt_ids[rows])
+            self.stats.record_forward(~complete)
             for (keys, values), (new_keys, new_values) in zip(layers, again):
                 keys[rows.to(keys.device)], values[rows.to(keys.device)] = new_keys, new_values
         return full_layers(layers, self.model.config)
@@ -386,18 +389,20 @@ def speculative_generate(
         inputs_embeds=model_kwargs.get("inputs_embeds"),
         past_key_values=past if past is not None and past.get_seq_length() > 0 else None,
     )
-    state, stats = decoder.run(input_ids, prompt)
+    state = decoder.run(input_ids, prompt)
     length = decoder.output_length()
     sequences = state.sequences[:, :length]
     if not generation_config.return_dict_in_generate:
         return sequences
     steps = length - input_ids.shape[1]
+    # built before the statistics are read: rows that stopped early cost one more target forward here
+    past_key_values = decoder.output_cache(length) if generation_config.use_cache else None
     return SpeculativeGenerateOutput(
         sequences=sequences,
         scores=decoder.score_log.steps()[:steps] if generation_config.output_scores else None,
         logits=decoder.logit_log.steps()[:steps] if generation_config.output_logits else None,
-        past_key_values=decoder.output_cache(length) if generation_config.use_cache else None,
+        past_key_values=past_key_values,
         hidden_states=decoder.output_log.hidden_steps(steps),
         attentions=decoder.output_log.attention_steps(steps),
-        spec_stats=stats,
+        spec_stats=decoder.stats.finish(),
     )

@@ -97,11 +97,15 @@ class EagleConfig:
             return
         if self.fc_bias:
             raise ValueError("EagleConfig.fc_bias: EAGLE-3's fc has no bias; set fc_bias=False")
-        if self.feature_layers is None or len(self.feature_layers) == 0:
-            raise ValueError("EagleConfig.feature_layers: version 'eagle3' needs the target layers it fuses, e.g. (2, 16, 29)")
-        self.feature_layers = tuple(int(i) for i in self.feature_layers)
-        if any(i < 0 for i in self.feature_layers):
+        if self.feature_layers is None:  # the target's default three, resolved when the head meets its target
+            pass
+        elif len(self.feature_layers) == 0:
+            raise ValueError("EagleConfig.feature_layers: expected the target layers the head fuses, e.g. (2, 16, 29), "
+                             "or None for the target's default (2, L // 2, L - 3)")
+        elif any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.feature_layers):
             raise ValueError(f"EagleConfig.feature_layers: expected layer indices >= 0, got {self.feature_layers}")
+        else:
+            self.feature_layers = tuple(self.feature_layers)
         if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
             raise ValueError(
                 f"EagleConfig.draft_vocab_size: expected at most vocab_size {self.vocab_size}, got {self.draft_vocab_size}"
@@ -129,14 +133,18 @@ class EagleConfig:
         values.update(overrides)
         return cls(**values)
 
-    @property
-    def target_feature_layers(self) -> tuple[int, ...]:
-        """The entries of the target's `hidden_states` the head reads (-1: the final, normed one)."""
-        return (-1,) if self.version == "eagle" else self.feature_layers
+    def target_feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        """The entries of the target's `hidden_states` the head reads (-1: the final, normed one); an EAGLE-3 head
+        that records none fuses the target's default layers (2, L // 2, L - 3)."""
+        if self.version == "eagle":
+            return (-1,)
+        return self.feature_layers or default_feature_layers(num_target_layers)
 
     @property
     def num_feature_layers(self) -> int:
-        return 1 if self.feature_layers is None else len(self.feature_layers)
+        if self.version == "eagle":
+            return 1
+        return len(self.feature_layers) if self.feature_layers is not None else len(default_feature_layers(3))
 
     @property
     def feature_size(self) -> int:
@@ -308,10 +316,11 @@ class EagleHead(nn.Module):
             )
         if self.config.version == "eagle3":
             layers = text.num_hidden_layers
-            if max(self.config.feature_layers) >= layers:
+            fused = self.target_feature_layers(target)
+            if max(fused) >= layers:
                 raise ValueError(
-                    f"SpeculativeConfig.heads: feature_layers {self.config.feature_layers} need a target with more "
-                    f"than {max(self.config.feature_layers)} layers; the target has {layers}"
+                    f"SpeculativeConfig.heads: feature_layers {fused} need a target with more "
+                    f"than {max(fused)} layers; the target has {layers}"
                 )
             width = self.config.target_hidden_size or self.config.hidden_size
             if width != text.hidden_size:
@@ -320,10 +329,9 @@ class EagleHead(nn.Module):
                     f"{text.hidden_size}"
                 )
 
-    @property
-    def target_feature_layers(self) -> tuple[int, ...]:
-        """The entries of the target's `hidden_states` the head reads (-1: the final, normed one)."""
-        return self.config.target_feature_layers
+    def target_feature_layers(self, target: nn.Module) -> tuple[int, ...]:
+        """The entries of `target`'s `hidden_states` the head reads (-1: the final, normed one)."""
+        return self.config.target_feature_layers(target.config.get_text_config(decoder=True).num_hidden_layers)
 
     def save_pretrained(self, folder) -> None:
         """Write the PEFT-style adapter folder (adapter_config.json + adapter_model.safetensors)."""
@@ -335,8 +343,9 @@ class EagleHead(nn.Module):
     def from_pretrained(cls, path_or_repo_id, revision: str | None = None, num_target_layers: int | None = None,
                         feature_layers: tuple[int, ...] | None = None) -> EagleHead:
         """Our adapter folder, or a SafeAILab EAGLE-1 / EAGLE-3 or speculators checkpoint (converted on load): a
-        local folder or a Hub id. SafeAILab EAGLE-3 files do not say which target layers they fuse: pass
-        `num_target_layers` (the target's `num_hidden_layers`; layers 2, L // 2, L - 3) or `feature_layers`."""
+        local folder or a Hub id. SafeAILab EAGLE-3 files do not say which target layers they fuse: the head then
+        fuses the target's layers 2, L // 2 and L - 3 (as EAGLE, vLLM and SGLang do), resolved when it meets its
+        target at `generate`; `num_target_layers` (fixes them now) or `feature_layers` override that."""
         from hf_specdec.heads.eagle_files import load_eagle
         from hf_specdec.heads.hub import resolve_folder
 

@@ -18,8 +18,9 @@ Published layouts read (facts from the SafeAILab/EAGLE and vllm-project/speculat
 is refused with the keys that were missing or not recognised.
 
 The target layers EAGLE-3 fuses are recorded by our folders and by speculators' `eagle_aux_hidden_state_layer_ids`;
-SafeAILab's files do not record them (their code uses 2, L // 2 and L - 3 of the target), so loading those needs
-`num_target_layers=` (the target's `num_hidden_layers`) or explicit `feature_layers=`. Heads load in float32.
+SafeAILab's files do not record them (their code uses 2, L // 2 and L - 3 of the target): such a head keeps
+`feature_layers=None` and fuses those layers of whatever target it meets, unless `num_target_layers=` (the target's
+`num_hidden_layers`) or explicit `feature_layers=` fix them on load. Heads load in float32.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from hf_specdec.heads.eagle import EagleConfig, EagleHead, EagleVersion, default_feature_layers
-from hf_specdec.heads.files import CONFIG_NAME, _read_weights, read_adapter, write_adapter
+from hf_specdec.heads.files import CONFIG_NAME, _read_weights, read_adapter, read_json, write_adapter
 
 # the speculators release whose formats are written: the last one with both the "eagle" and "eagle3" models
 SPECULATORS_VERSION = "0.4.0"
@@ -78,7 +79,7 @@ def load_eagle(
             f"{folder}: not an EAGLE head folder (expected {CONFIG_NAME}, a config.json with speculators_model_type "
             "(speculators), or a SafeAILab config.json with model.safetensors / pytorch_model.bin)"
         )
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json(folder / "config.json")
     weights = _read_weights(folder, "model", pickle_name="pytorch_model.bin")
     if "speculators_model_type" in config:
         return _load_speculators(folder, config, weights, layers)
@@ -106,6 +107,11 @@ def export_speculators(
     if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 1:
         raise ValueError(f"export_speculators: speculative_tokens: expected an int >= 1, got {speculative_tokens!r}")
     kind = config.version
+    if kind == "eagle3" and config.feature_layers is None:
+        raise ValueError(
+            "export_speculators: the head does not record which target layers it fuses (the target's default); load "
+            "it with num_target_layers=<the target's num_hidden_layers> or feature_layers=(...) before exporting"
+        )
     values = {
         "architectures": _SPECULATORS_ARCHITECTURES[kind],
         "speculators_model_type": kind,
@@ -238,17 +244,12 @@ def _feature_layers(
     num_target_layers: int | None,
     feature_layers: Sequence[int] | None,
 ) -> tuple[int, ...]:
-    """The target layers an EAGLE-3 head fuses: as recorded, else as the caller says; both must agree."""
+    """The target layers an EAGLE-3 head fuses: as recorded, else as the caller says (both must agree), else None
+    (the target's default layers)."""
     given = tuple(feature_layers) if feature_layers is not None else (
         default_feature_layers(num_target_layers) if num_target_layers is not None else None)
     if recorded is None:
-        if given is None:
-            raise ValueError(
-                f"{folder}: num_target_layers: this EAGLE-3 checkpoint does not record which target layers it fuses; "
-                "pass num_target_layers=<the target's num_hidden_layers> (layers 2, L // 2 and L - 3, as EAGLE, "
-                "vLLM and speculators choose them) or feature_layers=(...)"
-            )
-        return given
+        return given  # None: the target's default layers, resolved when the head meets it
     recorded = tuple(recorded)
     if given is not None and given != recorded:
         raise ValueError(f"{folder}: feature_layers: the checkpoint fuses target layers {recorded}, not {given}")

@@ -23,6 +23,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import hf_specdec
@@ -55,7 +56,7 @@ def load_medusa(folder: str | Path) -> MedusaHeads:
     if (folder / CONFIG_NAME).is_file():
         return _load_ours(folder)
     if (folder / "config.json").is_file():
-        config = json.loads((folder / "config.json").read_text())
+        config = read_json(folder / "config.json")
         if "medusa_num_heads" in config:
             return _load_faster_decoding(folder, config)
         if config.get("model_type") == "medusa":
@@ -78,23 +79,51 @@ def read_adapter(
 ) -> tuple[str, dict, dict[str, torch.Tensor]]:
     """Our adapter folder: its method, the values of `config_fields` it holds, and its tensors. Unknown config
     keys are warned about and ignored."""
-    raw = json.loads((folder / CONFIG_NAME).read_text())
+    raw = read_json(folder / CONFIG_NAME)
     if raw.get("method") not in methods:
         expected = " or ".join(repr(m) for m in methods)
         raise ValueError(f"{folder / CONFIG_NAME}: method {raw.get('method')!r} is not {expected}")
     unknown = sorted(set(raw) - set(config_fields) - {"method", "task_type", "library_version"})
     if unknown:
         warnings.warn(f"{folder / CONFIG_NAME}: ignoring unknown keys {unknown}", stacklevel=4)
-    return raw["method"], {k: raw[k] for k in config_fields if k in raw}, load_file(str(folder / WEIGHTS_NAME))
+    return raw["method"], {k: raw[k] for k in config_fields if k in raw}, read_safetensors(folder / WEIGHTS_NAME)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; a damaged file is named in the error."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error}); the file is damaged: save or download it again") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a missing, truncated or damaged file is named in the error."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file (the folder is incomplete: save or download it again)")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ValueError(f"{path}: cannot be read as safetensors ({error}); the file is damaged or incomplete: "
+                         "save or download it again") from error
 
 
 def _read_weights(folder: Path, stem: str, pickle_name: str | None = None) -> dict[str, torch.Tensor]:
     """`{stem}.safetensors`, else the pickle `pickle_name` (default `{stem}.pt`), loaded with weights_only=True."""
     pickled = pickle_name or f"{stem}.pt"
     if (folder / f"{stem}.safetensors").is_file():
-        return load_file(str(folder / f"{stem}.safetensors"))
+        return read_safetensors(folder / f"{stem}.safetensors")
     if (folder / pickled).is_file():
-        return torch.load(folder / pickled, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(folder / pickled, map_location="cpu", weights_only=True)
+        except Exception as error:  # a truncated zip, a pickle with objects weights_only refuses, ...
+            raise ValueError(f"{folder / pickled}: cannot be read as a weights file ({error}); it may be damaged or "
+                             "incomplete: download or save it again") from error
     raise ValueError(f"{folder}: no {stem}.safetensors or {pickled}")
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, snapshot_download
-from huggingface_hub.errors import LocalEntryNotFoundError
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
 from hf_specdec.heads.eagle import EagleHead
 from hf_specdec.heads.medusa import MedusaHeads
@@ -63,7 +63,8 @@ def eagle_card(head: EagleHead, repo_id: str, measured: dict[str, float] | None 
         vocabulary = "the target's lm_head and vocabulary"
     else:
         title = "EAGLE-3"
-        reads = f"the target's hidden states entering layers {list(config.feature_layers)} (fused)"
+        layers = list(config.feature_layers) if config.feature_layers else "2, L // 2 and L - 3 (L: its layer count)"
+        reads = f"the target's hidden states entering layers {layers} (fused)"
         vocabulary = f"its own lm_head over a draft vocabulary of {config.draft_vocab_size or config.vocab_size} tokens"
     return render_card("eagle.md", repo_id, config.base_model_name_or_path, [config.version], measured,
                        title=title, reads=reads, vocabulary=vocabulary, hidden_size=config.hidden_size,
@@ -91,12 +92,23 @@ def push_folder(
 
 def resolve_folder(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a Hub repo id, downloaded (or read from the cache when offline)."""
-    if Path(path_or_repo_id).is_dir():
-        return Path(path_or_repo_id)
+    path = Path(path_or_repo_id).expanduser()
+    if path.is_dir():
+        return path
+    text = str(path_or_repo_id)
+    if path.exists():
+        raise ValueError(f"{text!r} is a file; pass the folder that holds it")
+    looks_local = isinstance(path_or_repo_id, Path) or text.startswith((".", "/", "~", "\\")) or text.count("/") != 1
+    if looks_local:
+        raise ValueError(f"no such folder: {text!r} (and it is not a Hub repo id, which reads 'owner/name')")
     try:
-        return Path(snapshot_download(str(path_or_repo_id), revision=revision))
+        return Path(snapshot_download(text, revision=revision))
+    except HFValidationError as error:
+        raise ValueError(f"no such folder: {text!r}, and not a valid Hub repo id ({error})") from error
     except LocalEntryNotFoundError as error:
         raise ValueError(
-            f"{path_or_repo_id!r} is not a local folder, and the Hub repo is not in the local cache (offline, or "
-            "unreachable); pass a local folder or download it first"
+            f"{text!r}: no such local folder, and the Hub repo is not in the local cache (offline, or unreachable); "
+            "pass a local folder or download it first"
         ) from error
+    except RepositoryNotFoundError as error:
+        raise ValueError(f"{text!r}: no such local folder, and no such Hub repo (or it is private: log in)") from error

@@ -41,6 +41,10 @@ class Proposer(ABC):
     target_feature_layers: tuple[int, ...] | None = None
     needs_prompt_features: bool = False
 
+    def draft_depth(self, config: SpeculativeConfig) -> int:
+        """The deepest draft token a step proposes (`spec_stats` counts acceptance per position up to it)."""
+        return config.max_draft_depth
+
     def start(
         self,
         state: DecodeState,

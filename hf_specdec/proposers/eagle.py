@@ -78,7 +78,7 @@ class EagleProposer(DraftModelProposer):
 
     def __init__(self, config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> None:
         super().__init__(config, target, sampling)
-        self.target_feature_layers = config.heads.target_feature_layers
+        self.target_feature_layers = config.heads.target_feature_layers(target)
         self.cache.feature_layers = (-1,)  # the head's outputs: the features its drafted tokens are fed with
 
     def _drafter(self, config: SpeculativeConfig, target: nn.Module) -> nn.Module:

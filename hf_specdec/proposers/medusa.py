@@ -10,6 +10,8 @@ verification stays lossless under sampling.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from hf_specdec.config import SpeculativeConfig
@@ -26,13 +28,23 @@ class MedusaProposer(Proposer):
         self.heads = config.heads
         self.heads.check_target(target)
         self.lm_head = target.get_output_embeddings()
-        self.k = min(config.num_speculative_tokens, self.heads.config.num_heads)
+        num_heads = self.heads.config.num_heads
+        self.k = min(config.num_speculative_tokens, num_heads)
         self.template = None if config.tree_paths is None else TreeTemplate.from_paths(config.tree_paths)
+        if self.template is None and config.num_speculative_tokens > num_heads:
+            warnings.warn(
+                f"SpeculativeConfig.num_speculative_tokens={config.num_speculative_tokens}: these Medusa heads guess "
+                f"{num_heads} tokens ahead, so each step drafts {num_heads} (spec_stats.num_speculative_tokens)",
+                stacklevel=2,
+            )
         if self.template is not None and self.template.max_depth > self.heads.config.num_heads:
             raise ValueError(
                 f"SpeculativeConfig.tree_paths: depth {self.template.max_depth} needs as many heads; "
                 f"the heads have {self.heads.config.num_heads}"
             )
+
+    def draft_depth(self, config: SpeculativeConfig) -> int:
+        return self.k if self.template is None else self.template.max_depth
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal | TreeProposal:

@@ -332,7 +332,7 @@ def _target_inputs(
     with torch.no_grad():
         output = target.model(input_ids, output_hidden_states=True)
         states = output.hidden_states
-        layers = head_config.target_feature_layers
+        layers = head_config.target_feature_layers(target.config.num_hidden_layers)
         features = torch.cat([states[i] for i in layers], dim=-1)
         return states[0], features, target.lm_head(output.last_hidden_state)
 

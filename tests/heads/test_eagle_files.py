@@ -151,8 +151,12 @@ def test_safeailab_eagle3_layout(tmp_path, name):
     write(tmp_path, llama_dict(draft_vocab_size=DRAFT_V), eagle3_safeailab_weights(head), name)
     assert_same(head, EagleHead.from_pretrained(tmp_path, num_target_layers=TARGET_LAYERS))
     assert_same(head, EagleHead.from_pretrained(tmp_path, feature_layers=(2, 4, 5)))
-    with pytest.raises(ValueError, match="num_target_layers: this EAGLE-3 checkpoint does not record"):
-        EagleHead.from_pretrained(tmp_path)
+    # without either, the head records none and fuses the default layers of the target it meets at generate
+    unresolved = EagleHead.from_pretrained(tmp_path)
+    assert_same(random_head("eagle3", base_model_name_or_path=None, feature_layers=None), unresolved)
+    assert unresolved.config.target_feature_layers(TARGET_LAYERS) == (2, 4, 5)
+    with pytest.raises(ValueError, match="export_speculators: the head does not record which target layers"):
+        export_speculators(unresolved, tmp_path / "exported", verifier_name_or_path="local/target")
 
 
 def test_safeailab_eagle3_without_maps_is_the_identity(tmp_path):

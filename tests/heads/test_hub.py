@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from hf_specdec.heads import MedusaConfig, MedusaHeads, hub
+from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, hub
 from tests.heads.test_files import _assert_same, _random_heads
 
 
@@ -84,5 +85,43 @@ def test_offline_miss_is_a_clear_error(monkeypatch):
         raise LocalEntryNotFoundError("offline")
 
     monkeypatch.setattr(hub, "snapshot_download", offline)
-    with pytest.raises(ValueError, match="not a local folder, and the Hub repo is not in the local cache"):
+    with pytest.raises(ValueError, match="no such local folder, and the Hub repo is not in the local cache"):
         MedusaHeads.from_pretrained("user/absent")
+
+
+@pytest.mark.parametrize("name", ["/no/such/folder", "./heads/medusa", "examples/heads/medusaa", "~/absent", "a/b/c"])
+def test_a_local_looking_path_that_does_not_exist_says_no_such_folder(monkeypatch, name):
+    def hub_called(*args, **kwargs):
+        raise AssertionError("a local-looking path must not reach the Hub")
+
+    monkeypatch.setattr(hub, "snapshot_download", hub_called)
+    for loader in (MedusaHeads.from_pretrained, EagleHead.from_pretrained):
+        with pytest.raises(ValueError, match=f"no such folder: '{re.escape(name)}'"):
+            loader(name)
+
+
+def test_a_file_instead_of_its_folder_is_named(tmp_path):
+    _random_heads().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="is a file; pass the folder that holds it"):
+        MedusaHeads.from_pretrained(tmp_path / "adapter_config.json")
+
+
+def test_damaged_files_are_named(tmp_path):
+    heads = _random_heads()
+    heads.save_pretrained(tmp_path / "json")
+    (tmp_path / "json" / "adapter_config.json").write_text('{"method": "medusa", "num_heads": ')
+    with pytest.raises(ValueError, match=r"json/adapter_config.json: not valid JSON .* damaged"):
+        MedusaHeads.from_pretrained(tmp_path / "json")
+    heads.save_pretrained(tmp_path / "weights")
+    weights = tmp_path / "weights" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"weights/adapter_model.safetensors: cannot be read as safetensors"):
+        MedusaHeads.from_pretrained(tmp_path / "weights")
+    weights.unlink()
+    with pytest.raises(ValueError, match=r"weights/adapter_model.safetensors: no such file"):
+        MedusaHeads.from_pretrained(tmp_path / "weights")
+    EagleHead(EagleConfig(version="eagle", hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                          num_key_value_heads=2, vocab_size=40)).save_pretrained(tmp_path / "eagle")
+    (tmp_path / "eagle" / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"eagle/adapter_config.json: expected a JSON object, got list"):
+        EagleHead.from_pretrained(tmp_path / "eagle")

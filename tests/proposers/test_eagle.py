@@ -41,7 +41,7 @@ def trained_head(
     head = eagle_head(target, version).train()
     with torch.no_grad():
         hidden_states = target(sequences, output_hidden_states=True).hidden_states
-    features = torch.cat([hidden_states[i] for i in head.target_feature_layers], dim=-1)
+    features = torch.cat([hidden_states[i] for i in head.target_feature_layers(target)], dim=-1)
     embeds = target.get_input_embeddings()(sequences[:, 1:]).detach()
     positions = torch.arange(sequences.shape[1] - 1).expand(sequences.shape[0], -1)
     optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
@@ -134,7 +134,7 @@ def test_head_is_fed_the_target_feature_before_each_token(version):
     assert out.spec_stats.accepted_per_position[1] > 0  # some steps commit several tokens
     with torch.no_grad():
         hidden_states = target(out.sequences, output_hidden_states=True).hidden_states
-    layers = head.target_feature_layers
+    layers = head.target_feature_layers(target)
     expected = torch.cat([hidden_states[i][0] for i in layers], dim=-1)  # [L, F]
     sequence = out.sequences[0]
     covered = set()
@@ -233,16 +233,15 @@ def test_saved_and_published_layouts_load_and_run(tmp_path, layout, version):
     ids, mask = padded_batch([10, 6, 8], seed=5, repeat_period=2)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
     head = trained_head(target, version, expected)
-    load_options = {}
     if layout == "ours":
         head.save_pretrained(tmp_path)
     elif layout == "speculators":
         export_speculators(head, tmp_path, verifier_name_or_path="local/target")
     else:
-        _write_safeailab(head, target, tmp_path)
-        if version == "eagle3":  # SafeAILab's files do not say which target layers they fuse
-            load_options["num_target_layers"] = target.config.num_hidden_layers
-    loaded = EagleHead.from_pretrained(tmp_path, **load_options)
+        _write_safeailab(head, target, tmp_path)  # EAGLE-3: the fused layers are resolved from the target
+    loaded = EagleHead.from_pretrained(tmp_path)
+    if layout == "safeailab" and version == "eagle3":
+        assert loaded.config.feature_layers is None  # resolved at generate, to the layers `head` was trained on
     runs = [_generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=h, **SHAPES["dynamic"]))
             for h in (head, loaded)]
     for out in runs:
