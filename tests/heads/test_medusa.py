@@ -81,7 +81,7 @@ def test_medusa_spelling_and_bad_input():
     with pytest.raises(ValueError, match="depth 4 needs as many heads; the heads have 3"):
         hf_specdec.generate(target, ids, speculative=SpeculativeConfig(
             method="medusa", heads=heads, tree_paths=[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]), **kwargs)
-    with pytest.raises(ValueError, match="method='medusa' needs heads"):
+    with pytest.raises(ValueError, match="method='medusa' needs hf_specdec.heads.MedusaHeads, got None"):
         SpeculativeConfig(method="medusa")
     with pytest.raises(ValueError, match="only method='medusa' uses them"):
         SpeculativeConfig(method="ngram", tree_paths=[(0,)])
