@@ -187,9 +187,9 @@ def test_eagle_spellings_and_bad_input():
     assert (config.tree_width, config.num_speculative_tokens, config.tree_total_tokens) == (4, 5, 12)
     with pytest.raises(ValueError, match="SpeculativeConfig.top_k: an alias of tree_width"):
         SpeculativeConfig(method="eagle", heads=head, top_k=4, tree_width=3)
-    with pytest.raises(ValueError, match="method='eagle' needs an EAGLE head"):
+    with pytest.raises(ValueError, match="method='eagle' needs hf_specdec.heads.EagleHead, got None"):
         SpeculativeConfig(method="eagle")
-    with pytest.raises(ValueError, match="method='eagle' needs an EAGLE head"):
+    with pytest.raises(ValueError, match="method='eagle' needs hf_specdec.heads.EagleHead, got None"):
         SpeculativeConfig(method="eagle", heads=object())
     with pytest.raises(ValueError, match="tree_paths: static trees; only method='medusa'"):
         SpeculativeConfig(method="eagle", heads=head, tree_paths=[(0,)])
