@@ -187,7 +187,7 @@ def describe(value: Any) -> str:
     if value is None:
         return "None"
     name = type(value).__name__
-    return f"{'an' if name[0] in 'AEIOU' else 'a'} {name}"
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def method_hint(value: Any) -> str:
