@@ -131,7 +131,7 @@ class SpeculativeDecoder:
         self.cache.output_hidden_states = bool(config.output_hidden_states)
         self.cache.output_attentions = bool(config.output_attentions)
         self.output_log = OutputLog(self.model, input_ids.shape[0], self.cache.output_hidden_states,
-                                    self.cache.output_attentions)
+                                    self.cache.output_attentions, whole_sequence=not config.use_cache)
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
         self.prompt, self.prompt_ids = prompt, input_ids

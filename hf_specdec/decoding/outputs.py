@@ -7,6 +7,11 @@ forward computes several such positions at once: the token emitted at verified p
 position's outputs, so entry t of a row is taken from the position it was emitted at, and its attention weights are
 put at the order (plain generate's cache index) of every slot they fell on. Rows that finished have zeros there
 (plain generate computed them on padding).
+
+With `use_cache=False` plain generate runs the whole sequence at every step, so entry t covers every position so far
+([B, P + t, H]; [B, heads, P + t, P + t], sliding layers keeping their whole rows): the prefill's rows, then one row
+per generated position, each as computed when it was verified (causal attention makes them the same). Left-padding
+positions attend to nothing; they keep the prefill's values, where plain generate recomputes them to other ones.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from hf_specdec.cache.ragged import ModelOutputs
 
 
 class OutputLog:
-    def __init__(self, model, batch_size: int, hidden_states: bool, attentions: bool) -> None:
+    def __init__(self, model, batch_size: int, hidden_states: bool, attentions: bool,
+                 whole_sequence: bool = False) -> None:
         self.hidden = hidden_states
         self.attention = attentions
+        self.whole_sequence = whole_sequence  # use_cache=False: each entry covers the sequence so far
         self.first: ModelOutputs | None = None
         self.hidden_rows: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]  # per row: [L, H] per token
         self.attention_rows: list[list[tuple]] = [[] for _ in range(batch_size)]  # per row: per token, per layer
@@ -73,15 +80,22 @@ class OutputLog:
 
     def _window(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
         window = self.windows[layer] if layer < len(self.windows) else None
-        return weights if window is None else weights[:, -min(weights.shape[1], window) :]
+        if window is None or self.whole_sequence:
+            return weights
+        return weights[:, -min(weights.shape[1], window) :]
 
     def hidden_steps(self, steps: int) -> tuple | None:
         if not self.hidden:
             return None
         later = _stack_steps(self.hidden_rows, steps - 1)  # per step [B, L, H]
-        return (tuple(self.first.hidden_states),) + tuple(
-            tuple(step[:, layer, None] for layer in range(step.shape[1])) for step in later
-        )
+        first = tuple(self.first.hidden_states)
+        if not self.whole_sequence:
+            return (first,) + tuple(tuple(step[:, layer, None] for layer in range(step.shape[1])) for step in later)
+        entries = [first]
+        for t in range(1, steps):
+            entries.append(tuple(torch.cat([first[layer], *(step[:, layer, None] for step in later[:t])], dim=1)
+                                 for layer in range(len(first))))
+        return tuple(entries)
 
     def attention_steps(self, steps: int) -> tuple | None:
         if not self.attention:
@@ -90,14 +104,33 @@ class OutputLog:
         if not first:  # the attention kernel returns no weights (sdpa): as plain generate, empty entries
             return tuple(() for _ in range(steps))
         entries = [first]
+        rows = []  # per step: per layer [B, heads, 1, keys]
         for t in range(steps - 1):
             template = next(r[t] for r in self.attention_rows if len(r) > t)
-            entries.append(tuple(
+            rows.append(tuple(
                 torch.stack([r[t][layer] if len(r) > t else torch.zeros_like(template[layer])
                              for r in self.attention_rows])[:, :, None]
                 for layer in range(len(template))
             ))
+        if not self.whole_sequence:
+            return tuple(entries + rows)
+        for t in range(1, steps):
+            width = first[0].shape[-1] + t
+            entries.append(tuple(
+                torch.cat([_pad_keys(first[layer], width), *(_pad_keys(step[layer], width) for step in rows[:t])],
+                          dim=2)
+                for layer in range(len(first))
+            ))
         return tuple(entries)
+
+
+def _pad_keys(
+    # [B, heads, Q, K]
+    weights: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """[B, heads, Q, width]: zero weights on the keys after K (later positions, which causal attention never sees)."""
+    return torch.nn.functional.pad(weights, (0, width - weights.shape[-1]))
 
 
 def _stack_steps(rows: list[list[torch.Tensor]], steps: int) -> list[torch.Tensor]:
