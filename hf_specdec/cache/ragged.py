@@ -92,7 +92,12 @@ def _check_positions_come_from_the_mask(model, config) -> None:
         raise ValueError(
             f"{name}: its ALiBi biases are built inside the model from a 2-D attention mask, which cannot describe "
             "per-row speculation (rows accept different numbers of tokens); hf_specdec does not support ALiBi models "
-            "that do this (MPT-style ALiBi works); use plain generate for this model"
+            "that do this; use plain generate for this model"
+        )
+    if config.model_type == "mpt":
+        raise ValueError(
+            f"{name}: its ALiBi biases are indexed by cache slot inside the model, and slots here stop matching token "
+            "distances once batch rows accept different numbers of tokens; use plain generate for this model"
         )
     if "local" in (getattr(config, "attention_layers", None) or ()):
         raise ValueError(
