@@ -611,6 +611,10 @@ def run(args: argparse.Namespace) -> int:
                     "methods": args.methods, "batch_sizes": args.batch_sizes, "ks": args.ks,
                     "tree_widths": args.tree_widths, "temperature": args.temperature,
                     "model": args.model or str(args.target or "test bed")}
+        if args.workload in CHAT_WORKLOADS:
+            from hf_specdec.testbed.spec_bench import WORKLOAD_VERSION
+
+            settings["chat_workload_version"] = WORKLOAD_VERSION
         report = {"environment": environment(state.device, dtype), "settings": settings, "results": rows}
         args.json_path.parent.mkdir(parents=True, exist_ok=True)
         args.json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
