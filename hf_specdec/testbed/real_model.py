@@ -106,8 +106,8 @@ def ensure_smollm2(
         shutil.rmtree(folder)
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(
-            "reading the packaged SmolLM2 (a GGUF file) needs the gguf package: pip install 'hf-specdec[real]' "
-            "(or pip install gguf)"
+            "reading the packaged SmolLM2 (a GGUF file) needs the gguf package (a dependency of hf-specdec): "
+            "pip install gguf"
         )
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".fetch-") as scratch:

@@ -1,10 +1,14 @@
 """EAGLE head training on a frozen target: EAGLE-1/2 (feature regression) and EAGLE-3 (training-time test).
 
-* Data: by default the target writes its own training text. Prompt windows are cut from the given text files
-  (seeded), the frozen target continues each one (`generate`, greedy or seeded sampling), and training runs on
-  prompt + continuation windows, so the head learns the distribution it will draft for. The generated token ids are
-  cached in the output folder (keyed by the settings and a hash of the source tokens), so a resume or a second
-  training run reuses them. `data_source="text"` trains on windows of the raw text instead.
+* Data (`generated.py`): by default the target writes its own training text, so the head learns the distribution
+  it will draft for: it continues prompt windows cut from the text files, or, with `prompt_records`, whole prompts
+  (one per .jsonl record, e.g. chat-template renderings) up to `max_new_tokens` tokens or EOS. The rows are cached
+  in the output folder (keyed by the settings and a hash of the source tokens), so a resume or a second training
+  run reuses them. `data_source="text"` trains on windows of the raw text instead.
+* Target features (`target_features.py`): the target runs once over the training rows and its features, final
+  normed hidden states and top tokens are cached on disk (keyed, sharded, memory-mapped); steps read them back and
+  recompute the target's logits through its lm_head, so the target never runs per step (`cache_features=False`
+  runs it on every batch instead, with no disk use).
 * `version="eagle"`: index i of a window feeds `cat(embed(x_{i+1}), f_i + noise)` (f = the target's final normed
   hidden state, noise uniform of width `noise`), and the head's output there regresses f_{i+1} (smooth L1) and,
   through the target's lm_head, matches the target's next-token distribution at i + 1 (soft cross-entropy, weight
@@ -16,13 +20,13 @@
   sum_s decay^s * soft CE against the target's distribution restricted to the draft vocabulary, on positions whose
   target argmax lies in that vocabulary.
 
-Runs on accelerate like Medusa training (single process, multi-process CPU over gloo, multi-GPU), checkpoints every
-`save_every` steps and resumes from the last one.
+Positions after a row's end (padding of prompt-record rows) count in no loss. Runs on accelerate like Medusa
+training (single process, multi-process CPU over gloo, multi-GPU), checkpoints every `save_every` steps and resumes
+from the last one.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -31,36 +35,53 @@ from typing import Literal, get_args
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_specdec.heads.eagle import EagleConfig, EagleHead, EagleVersion
 from hf_specdec.training import checkpoints
-from hf_specdec.training.data import check_inputs, token_stream, windows
+from hf_specdec.training.data import check_inputs
+from hf_specdec.training.generated import GENERATED_FILE, read_source, training_rows
+from hf_specdec.training.target_features import (
+    build_feature_cache,
+    feature_key,
+    target_batch,
+    target_logits,
+)
 
 DataSource = Literal["generated", "text"]
-GENERATED_FILE = "generated_data.safetensors"
+FEATURES_DIR = "target_features"
 
 
 @dataclass
 class EagleTrainConfig:
     base: Path = field(metadata={"help": "target model folder (frozen)"})
-    data: list[Path] = field(metadata={"help": "text files, or .jsonl with a 'text' field"})
-    out: Path = field(metadata={"help": "output folder: the head, generated data, checkpoints under checkpoint/"})
+    data: list[Path] = field(metadata={"help": "text files, or .jsonl with a 'text' or 'input_ids' field"})
+    out: Path = field(metadata={"help": "output folder: the head, generated data, target features, checkpoints"})
     tokenizer: Path | None = field(default=None, metadata={"help": "tokenizer folder (default: the base folder)"})
     version: EagleVersion = field(default="eagle", metadata={"help": "'eagle' (EAGLE-1/2) or 'eagle3'"})
     data_source: DataSource = field(default="generated", metadata={"help": "'generated' by the target, or raw 'text'"})
     generated_data: Path | None = field(
-        default=None, metadata={"help": f"cache of the generated windows (default: out/{GENERATED_FILE})"}
+        default=None, metadata={"help": f"cache of the generated rows (default: out/{GENERATED_FILE})"}
     )
-    num_samples: int = field(default=512, metadata={"help": "windows the target generates"})
-    prompt_len: int = field(default=64, metadata={"help": "text tokens before each generated continuation"})
+    num_samples: int = field(default=512, metadata={"help": "rows the target generates"})
+    prompt_records: bool = field(
+        default=False, metadata={"help": "generated: each .jsonl record is one whole prompt, continued to EOS"}
+    )
+    prompt_len: int = field(default=64, metadata={"help": "text tokens before each generated continuation "
+                                                          "(windows cut from the text; not with prompt_records)"})
+    max_new_tokens: int = field(default=128, metadata={"help": "prompt_records: most tokens generated per prompt"})
     temperature: float = field(default=0.0, metadata={"help": "generation temperature (0: greedy)"})
-    generate_batch_size: int = field(default=32, metadata={"help": "prompts per generate call"})
+    generate_batch_size: int = field(
+        default=32, metadata={"help": "rows per target call when generating data and caching features"}
+    )
+    cache_features: bool = field(
+        default=True, metadata={"help": "run the target once and train from its cached features (False: every step)"}
+    )
+    feature_cache: Path | None = field(
+        default=None, metadata={"help": f"folder of the cached target features (default: out/{FEATURES_DIR})"}
+    )
     steps: int = 200
     batch_size: int = 8
     seq_len: int = 256
@@ -82,6 +103,7 @@ class EagleTrainConfig:
     def __post_init__(self) -> None:
         check_inputs(self)
         self.generated_data = None if self.generated_data is None else Path(self.generated_data)
+        self.feature_cache = None if self.feature_cache is None else Path(self.feature_cache)
         self.feature_layers = None if self.feature_layers is None else tuple(int(i) for i in self.feature_layers)
         if self.version not in get_args(EagleVersion):
             raise ValueError(
@@ -91,17 +113,22 @@ class EagleTrainConfig:
             raise ValueError(
                 f"EagleTrainConfig.data_source: expected one of {get_args(DataSource)}, got {self.data_source!r}"
             )
-        for name in ("num_samples", "prompt_len", "generate_batch_size", "steps", "batch_size", "seq_len",
-                     "ttt_steps", "save_every"):
+        for name in ("num_samples", "prompt_len", "max_new_tokens", "generate_batch_size", "steps", "batch_size",
+                     "seq_len", "ttt_steps", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EagleTrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
         for name in ("draft_vocab_size", "intermediate_size", "threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EagleTrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
-        if self.data_source == "generated" and self.prompt_len >= self.seq_len:
+        if self.prompt_records:
+            self._check_prompt_records()
+        elif self.data_source == "generated" and self.prompt_len >= self.seq_len:
             raise ValueError(
                 f"EagleTrainConfig.prompt_len: expected less than seq_len {self.seq_len}, got {self.prompt_len}"
             )
+        if self.feature_cache is not None and not self.cache_features:
+            raise ValueError(f"EagleTrainConfig.feature_cache: {self.feature_cache} given with cache_features=False; "
+                             f"drop one of them")
         if self.version == "eagle3" and self.ttt_steps + 1 >= self.seq_len:
             raise ValueError(f"EagleTrainConfig.ttt_steps: expected less than seq_len - 1, got {self.ttt_steps}")
         for name in ("temperature", "noise", "ce_weight", "warmup_steps"):
@@ -115,75 +142,25 @@ class EagleTrainConfig:
         if self.version == "eagle" and (self.draft_vocab_size is not None or self.feature_layers is not None):
             raise ValueError("EagleTrainConfig.draft_vocab_size / feature_layers: only for version 'eagle3'")
 
+    def _check_prompt_records(self) -> None:
+        if self.data_source != "generated":
+            raise ValueError(f"EagleTrainConfig.prompt_records: only with data_source 'generated', got data_source "
+                             f"{self.data_source!r}")
+        others = [str(p) for p in self.data if p.suffix != ".jsonl"]
+        if others:
+            raise ValueError(f"EagleTrainConfig.data: prompt_records reads .jsonl files of prompt records ('text' or "
+                             f"'input_ids'), got {others}")
+        if self.max_new_tokens >= self.seq_len:
+            raise ValueError(f"EagleTrainConfig.max_new_tokens: expected less than seq_len {self.seq_len}, got "
+                             f"{self.max_new_tokens}")
+
     @property
     def generated_path(self) -> Path:
         return self.generated_data or self.out / GENERATED_FILE
 
-
-@torch.no_grad()
-def generate_continuations(
-    target: nn.Module,
-    # [N, P] prompt windows
-    prompts: torch.Tensor,
-    new_tokens: int,
-    temperature: float,
-    seed: int,
-    batch_size: int,
-    show_progress: bool = True,
-) -> torch.Tensor:
-    """[N, P + new_tokens]: each prompt continued by the target; EOS is held back so every row has full length."""
-    torch.manual_seed(seed)  # generate samples from torch's global generator
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
-        do_sample=False
-    )
-    rows = []
-    device = next(target.parameters()).device
-    for start in tqdm(range(0, len(prompts), batch_size), desc="generating data", disable=not show_progress):
-        batch = prompts[start : start + batch_size].to(device)
-        rows.append(target.generate(
-            batch, attention_mask=torch.ones_like(batch), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            pad_token_id=target.config.pad_token_id, **sampling,
-        ).cpu())
-    return torch.cat(rows)
-
-
-def _generation_key(config: EagleTrainConfig, stream: torch.Tensor, num_processes: int) -> str:
-    """What the cached data depends on, as sorted JSON."""
-    return json.dumps({
-        "base": str(config.base.resolve()), "num_processes": num_processes, "num_samples": config.num_samples,
-        "prompt_len": config.prompt_len, "seed": config.seed, "seq_len": config.seq_len,
-        "source_sha256": hashlib.sha256(stream.numpy().tobytes()).hexdigest(), "temperature": config.temperature,
-    }, sort_keys=True)
-
-
-def training_windows(config: EagleTrainConfig, accelerator: Accelerator, target: nn.Module,
-                     stream: torch.Tensor) -> torch.Tensor:
-    """[N, seq_len] windows training draws from: target-generated (cached in `config.generated_path`) or raw text.
-
-    The processes split the prompts between them; the main process writes the gathered rows to the cache.
-    """
-    if config.data_source == "text":
-        return stream.unfold(0, config.seq_len, config.seq_len)
-    key, path = _generation_key(config, stream, accelerator.num_processes), config.generated_path
-    if not path.is_file() or _read_generation_key(path) != key:
-        prompts = windows(stream, config.num_samples, config.prompt_len, torch.Generator().manual_seed(config.seed))
-        with accelerator.split_between_processes(prompts) as mine:  # [N / processes, P]
-            rows = generate_continuations(
-                target, mine, config.seq_len - config.prompt_len, config.temperature,
-                config.seed * 1000 + accelerator.process_index, config.generate_batch_size,
-                show_progress=accelerator.is_local_main_process,
-            )
-        rows = torch.tensor(gather_object(rows.tolist()))  # [N, L], in prompt order
-        if accelerator.is_main_process:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"input_ids": rows}, str(path), metadata={"key": key})
-        accelerator.wait_for_everyone()
-    return load_file(str(path))["input_ids"]
-
-
-def _read_generation_key(path: Path) -> str | None:
-    with safe_open(str(path), framework="pt") as handle:
-        return (handle.metadata() or {}).get("key")
+    @property
+    def feature_cache_dir(self) -> Path:
+        return self.feature_cache or self.out / FEATURES_DIR
 
 
 def build_draft_vocab(
@@ -235,43 +212,49 @@ class EagleObjective(nn.Module):
 
     def forward(
         self,
-        # [B, L] token ids
-        input_ids: torch.Tensor,
-        # [B, L, H] the target's embeddings of input_ids
+        # [B, L] bool: real tokens (positions after a row's end count in no loss)
+        valid: torch.Tensor,
+        # [B, L, H] the target's embeddings of the tokens
         embeds: torch.Tensor,
         # [B, L, F] target features (eagle: final normed hidden state; eagle3: fused layers)
         features: torch.Tensor,
-        # [B, L, V] the target's logits
-        target_logits: torch.Tensor,
-        target_lm_head: nn.Module,
+        # [B, L, H] the target's final normed hidden state
+        target_hidden: torch.Tensor,
+        # [B, L] the target's top token after each position
+        target_argmax: torch.Tensor,
+        target_lm_head: nn.Linear,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if self.head.config.version == "eagle":
-            return self._eagle_loss(embeds, features, target_logits, target_lm_head)
-        return self._eagle3_loss(embeds, features, target_logits)
+            return self._eagle_loss(valid, embeds, features, target_hidden, target_argmax, target_lm_head)
+        return self._eagle3_loss(valid, embeds, features, target_hidden, target_argmax, target_lm_head)
 
-    def _eagle_loss(self, embeds, features, target_logits, target_lm_head):
+    def _eagle_loss(self, valid, embeds, features, target_hidden, target_argmax, target_lm_head):
         length = embeds.shape[1]
         inputs = features[:, :-1]  # [B, L-1, H]: f_i
         if self.noise > 0:
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.noise
         positions = torch.arange(1, length, device=embeds.device).expand(embeds.shape[0], -1)  # [B, L-1]
         hidden = self.head(embeds[:, 1:], inputs, positions, attention_mask=None)  # [B, L-1, H]
-        regression = nn.functional.smooth_l1_loss(hidden.float(), features[:, 1:].float())
+        weight = valid[:, 1:].float()  # [B, L-1]: the predicted token is real
+        count = weight.sum().clamp(min=1)
+        regression = nn.functional.smooth_l1_loss(hidden.float(), features[:, 1:].float(), reduction="none")
+        regression = (regression.mean(-1) * weight).sum() / count
         logits = self.head.logits(hidden, target_lm_head)  # [B, L-1, V]
-        target_next = target_logits[:, 1:].float()
-        ce = soft_cross_entropy(logits, torch.softmax(target_next, dim=-1)).mean()
-        accuracy = (logits.argmax(-1) == target_next.argmax(-1)).float().mean()
+        with torch.no_grad():
+            target_probs = torch.softmax(target_logits(target_hidden[:, 1:], target_lm_head), dim=-1)
+        ce = (soft_cross_entropy(logits, target_probs) * weight).sum() / count
+        accuracy = ((logits.argmax(-1) == target_argmax[:, 1:]).float() * weight).sum() / count
         loss = regression + self.ce_weight * ce
         return loss, {"regression": float(regression.detach()), "ce": float(ce.detach()),
                       "accuracy": float(accuracy)}
 
-    def _eagle3_loss(self, embeds, features, target_logits):
+    def _eagle3_loss(self, valid, embeds, features, target_hidden, target_argmax, target_lm_head):
         head, batch, length = self.head, embeds.shape[0], embeds.shape[1]
         width = length - self.ttt_steps  # every unrolled step has a target for all W indices
         with torch.no_grad():
-            draft_target = target_logits[..., head.t2d].float()  # [B, L, D]
+            draft_target = target_logits(target_hidden, target_lm_head, head.t2d)  # [B, L, D]
             draft_probs = torch.softmax(draft_target, dim=-1)
-            in_draft = head.t2d[target_logits.argmax(-1)]  # [B, L]: the target's choice is draftable
+            trained = head.t2d[target_argmax] & valid  # [B, L]: a real token whose target choice is draftable
         cache = DynamicCache()
         hidden = features[:, :width]  # [B, W, F]
         total, accuracies, losses = embeds.new_zeros((), dtype=torch.float32), [], []
@@ -282,11 +265,11 @@ class EagleObjective(nn.Module):
             hidden = head(embeds[:, window], hidden, positions, mask, past_key_values=cache,
                           from_target=step == 0)  # [B, W, H]
             logits = head.lm_head(head.norm(hidden)).float()  # [B, W, D]
-            valid = in_draft[:, window].float()  # [B, W]
-            ce = (soft_cross_entropy(logits, draft_probs[:, window]) * valid).sum() / valid.sum().clamp(min=1)
+            weight = trained[:, window].float()  # [B, W]
+            ce = (soft_cross_entropy(logits, draft_probs[:, window]) * weight).sum() / weight.sum().clamp(min=1)
             total = total + self.decay**step * ce
-            agree = (logits.argmax(-1) == draft_target[:, window].argmax(-1)).float() * valid
-            accuracies.append(float(agree.sum() / valid.sum().clamp(min=1)))
+            agree = (logits.argmax(-1) == draft_target[:, window].argmax(-1)).float() * weight
+            accuracies.append(float(agree.sum() / weight.sum().clamp(min=1)))
             losses.append(float(ce.detach()))
         # accuracy: step 0's top-1 agreement with the target; the lists hold every unrolled step
         return total, {"accuracy": accuracies[0], "accuracy_steps": accuracies, "ce_steps": losses}
@@ -322,38 +305,32 @@ def _head_config(config: EagleTrainConfig, target: nn.Module) -> EagleConfig:
     return EagleConfig.for_target(target, config.version, **overrides)
 
 
-def _target_inputs(
-    target: nn.Module,
-    head_config: EagleConfig,
-    # [B, L]
-    input_ids: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The frozen target's embeddings [B, L, H], features [B, L, F] and logits [B, L, V] for a batch."""
-    with torch.no_grad():
-        output = target.model(input_ids, output_hidden_states=True)
-        states = output.hidden_states
-        layers = head_config.target_feature_layers(target.config.num_hidden_layers)
-        features = torch.cat([states[i] for i in layers], dim=-1)
-        return states[0], features, target.lm_head(output.last_hidden_state)
-
-
 def train_eagle(config: EagleTrainConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.base, local_files_only=True)
+    source = read_source(config, tokenizer)  # bad data files fail here, before the target loads
     dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32  # CPUs are slow in bf16
     target = AutoModelForCausalLM.from_pretrained(config.base, dtype=dtype, use_safetensors=True,
                                                   local_files_only=True)
     target.requires_grad_(False).eval().to(accelerator.device)
-    stream = token_stream(tokenizer, config.data, config.seq_len + 1, "EagleTrainConfig.data")
-    data_windows = training_windows(config, accelerator, target, stream)  # [N, seq_len]
+    data = training_rows(config, accelerator, target, source)
+    head_config = _head_config(config, target)
+    if config.version == "eagle3" and data.input_ids.shape[1] <= config.ttt_steps + 1:
+        raise ValueError(f"EagleTrainConfig.ttt_steps: expected less than the rows' length - 1 "
+                         f"({data.input_ids.shape[1]} tokens), got {config.ttt_steps}")
+    layers = head_config.target_feature_layers(target.config.get_text_config(decoder=True).num_hidden_layers)
+    cache = None
+    if config.cache_features:
+        key = feature_key(config.base, target.dtype, layers, data)
+        cache = build_feature_cache(target, data, layers, config.feature_cache_dir, key, config.generate_batch_size,
+                                    accelerator)
 
     torch.manual_seed(config.seed)
-    head_config = _head_config(config, target)
     head = EagleHead(head_config)
     if config.version == "eagle3" and head_config.draft_vocab_size is not None:
-        d2t, t2d = build_draft_vocab(data_windows, head_config.vocab_size, head_config.draft_vocab_size)
+        d2t, t2d = build_draft_vocab(data.tokens(), head_config.vocab_size, head_config.draft_vocab_size)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
     if config.init_from_target:
@@ -371,10 +348,10 @@ def train_eagle(config: EagleTrainConfig) -> dict:
                     disable=not accelerator.is_local_main_process)
     for step in progress:
         generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
-        rows = torch.randint(0, len(data_windows), (config.batch_size,), generator=generator)
-        input_ids = data_windows[rows].to(accelerator.device)  # [B, L]
-        embeds, features, target_logits = _target_inputs(target, head_config, input_ids)
-        loss, metrics = objective(input_ids, embeds, features, target_logits, target.lm_head)
+        rows = torch.randint(0, len(data.input_ids), (config.batch_size,), generator=generator)
+        batch = target_batch(target, data, rows, accelerator.device, cache, layers)
+        loss, metrics = objective(batch.valid, batch.embeds, batch.features, batch.hidden, batch.argmax,
+                                  target.get_output_embeddings())
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(objective.parameters(), config.grad_clip)
         optimizer.step()

@@ -90,9 +90,28 @@ def test_explain_lines_are_wrapped():
 @pytest.mark.parametrize("option", ["--repeats", "--threads", "--num-prompts", "--max-new-tokens", "-k"])
 def test_bad_numbers_are_clear_errors(option):
     with pytest.raises(SystemExit, match=r"must be >= 1, got 0"):
-        main(["demo", option, "0"])
+        main(["demo", "--testbed", option, "0"])
 
 
 def test_too_many_prompts_is_a_clear_error():
     with pytest.raises(SystemExit, match="--num-prompts 1000 is more than the 32 prompts"):
-        main(["demo", "--num-prompts", "1000"])
+        main(["demo", "--testbed", "--num-prompts", "1000"])
+
+
+def test_testbed_and_a_model_are_one_choice():
+    with pytest.raises(SystemExit, match="--testbed runs the committed test bed; drop --model"):
+        main(["demo", "--testbed", "--model", "org/model"])
+
+
+def test_chat_workloads_show_the_question_and_go_through_the_template():
+    from hf_specdec.cli.demo import CHAT_WORKLOADS, chat_workloads
+    from hf_specdec.testbed.loading import load_testbed
+
+    tokenizer = load_testbed()[0]
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    workloads = chat_workloads(tokenizer, 2)
+    assert [w.name for w in workloads] == [name for name, _ in CHAT_WORKLOADS]
+    code = workloads[-1]
+    assert len(code.prompts) == 2 and code.shown.startswith("(the question)\nWrite a Python")
+    assert tokenizer.decode(code.prompts[0]).endswith("<|im_start|>assistant\n")
