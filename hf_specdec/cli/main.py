@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hf_specdec.cli import bench, demo, train, train_eagle
+from hf_specdec.cli import bench, demo, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,10 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("bench", bench, "benchmark every method and transformers' own paths on the same prompts; table, JSON, plot"),
     ):
         _add_command(commands, name, module, summary)
-    heads = commands.add_parser("train", help="train draft heads (medusa, eagle) on a target, on accelerate")
-    kinds = heads.add_subparsers(dest="head", required=True)
-    _add_command(kinds, "medusa", train, "Medusa-1 heads on a frozen target, or Medusa-2 (heads plus a LoRA)")
-    _add_command(kinds, "eagle", train_eagle, "an EAGLE-1/2 or EAGLE-3 head on a frozen target")
+    train.add_subcommands(commands)
     return parser
 
 

@@ -1,15 +1,7 @@
-"""EAGLE head training on a frozen target: EAGLE-1/2 (feature regression) and EAGLE-3 (training-time test).
+"""EAGLE head training on a frozen target: EAGLE-1/2 (feature regression) and EAGLE-3 (training-time test), an
+objective of the shared training loop (`skeleton.py`: target-written rows, cached target features, accelerate).
 
-* Data (`generated.py`): by default the target writes its own training text, so the head learns the distribution
-  it will draft for: it continues prompt windows cut from the text files, or, with `prompt_records`, whole prompts
-  (one per .jsonl record, e.g. chat-template renderings) up to `max_new_tokens` tokens or EOS. The rows are cached
-  in the output folder (keyed by the settings and a hash of the source tokens), so a resume or a second training
-  run reuses them. `data_source="text"` trains on windows of the raw text instead.
-* Target features (`target_features.py`): the target runs once over the training rows and its features, final
-  normed hidden states and top tokens are cached on disk (keyed, sharded, memory-mapped); steps read them back and
-  recompute the target's logits through its lm_head, so the target never runs per step (`cache_features=False`
-  runs it on every batch instead, with no disk use).
-* `version="eagle"`: index i of a window feeds `cat(embed(x_{i+1}), f_i + noise)` (f = the target's final normed
+* `version="eagle"`: index i of a row feeds `cat(embed(x_{i+1}), f_i + noise)` (f = the target's final normed
   hidden state, noise uniform of width `noise`), and the head's output there regresses f_{i+1} (smooth L1) and,
   through the target's lm_head, matches the target's next-token distribution at i + 1 (soft cross-entropy, weight
   `ce_weight`), as EAGLE-1's recipe.
@@ -20,147 +12,64 @@
   sum_s decay^s * soft CE against the target's distribution restricted to the draft vocabulary, on positions whose
   target argmax lies in that vocabulary.
 
-Positions after a row's end (padding of prompt-record rows) count in no loss. Runs on accelerate like Medusa
-training (single process, multi-process CPU over gloo, multi-GPU), checkpoints every `save_every` steps and resumes
-from the last one.
+Only predictions of trained tokens count (a prompt record's continuation; never padding after a row's end). The
+target's logits are recomputed per batch from its cached final hidden state through its lm_head (EAGLE-3: through
+the draft vocabulary's rows only).
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
-from accelerate import Accelerator
 from torch import nn
-from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 from hf_specdec.heads.eagle import EagleConfig, EagleHead, EagleVersion
-from hf_specdec.training import checkpoints
-from hf_specdec.training.data import check_inputs
-from hf_specdec.training.generated import GENERATED_FILE, read_source, training_rows
-from hf_specdec.training.target_features import (
-    build_feature_cache,
-    feature_key,
-    target_batch,
-    target_logits,
-)
-
-DataSource = Literal["generated", "text"]
-FEATURES_DIR = "target_features"
+from hf_specdec.training.config import TrainConfig
+from hf_specdec.training.generated import TrainingRows
+from hf_specdec.training.skeleton import Objective, train
+from hf_specdec.training.target_features import TargetBatch, target_logits
 
 
 @dataclass
-class EagleTrainConfig:
-    base: Path = field(metadata={"help": "target model folder (frozen)"})
-    data: list[Path] = field(metadata={"help": "text files, or .jsonl with a 'text' or 'input_ids' field"})
-    out: Path = field(metadata={"help": "output folder: the head, generated data, target features, checkpoints"})
-    tokenizer: Path | None = field(default=None, metadata={"help": "tokenizer folder (default: the base folder)"})
+class EagleTrainConfig(TrainConfig):
+    grad_clip: float = field(default=0.5, metadata={"help": "gradient norm clip (EAGLE's 0.5)"})
     version: EagleVersion = field(default="eagle", metadata={"help": "'eagle' (EAGLE-1/2) or 'eagle3'"})
-    data_source: DataSource = field(default="generated", metadata={"help": "'generated' by the target, or raw 'text'"})
-    generated_data: Path | None = field(
-        default=None, metadata={"help": f"cache of the generated rows (default: out/{GENERATED_FILE})"}
-    )
-    num_samples: int = field(default=512, metadata={"help": "rows the target generates"})
-    prompt_records: bool = field(
-        default=False, metadata={"help": "generated: each .jsonl record is one whole prompt, continued to EOS"}
-    )
-    prompt_len: int = field(default=64, metadata={"help": "text tokens before each generated continuation "
-                                                          "(windows cut from the text; not with prompt_records)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "prompt_records: most tokens generated per prompt"})
-    temperature: float = field(default=0.0, metadata={"help": "generation temperature (0: greedy)"})
-    generate_batch_size: int = field(
-        default=32, metadata={"help": "rows per target call when generating data and caching features"}
-    )
-    cache_features: bool = field(
-        default=True, metadata={"help": "run the target once and train from its cached features (False: every step)"}
-    )
-    feature_cache: Path | None = field(
-        default=None, metadata={"help": f"folder of the cached target features (default: out/{FEATURES_DIR})"}
-    )
-    steps: int = 200
-    batch_size: int = 8
-    seq_len: int = 256
-    learning_rate: float = 1e-3
-    warmup_steps: int = field(default=20, metadata={"help": "linear warm-up, then cosine decay to 10%"})
-    grad_clip: float = 0.5
     noise: float = field(default=0.2, metadata={"help": "eagle: width of the uniform noise on input features"})
     ce_weight: float = field(default=0.1, metadata={"help": "eagle: weight of the soft cross-entropy"})
     ttt_steps: int = field(default=7, metadata={"help": "eagle3: unrolled training-time-test steps"})
     decay: float = field(default=0.8, metadata={"help": "eagle3: loss weight decay per unrolled step"})
-    draft_vocab_size: int | None = field(default=None, metadata={"help": "eagle3: most frequent tokens kept"})
-    feature_layers: tuple[int, ...] | None = field(default=None, metadata={"help": "eagle3: fused target layers"})
+    draft_vocab_size: int | None = field(
+        default=None, metadata={"help": "eagle3: keep the N most frequent trained tokens (default: all)"})
+    feature_layers: tuple[int, ...] | None = field(
+        default=None, metadata={"help": "eagle3: fused target layers (default 2, L//2, L-3)"})
     intermediate_size: int | None = field(default=None, metadata={"help": "head MLP width (default: the target's)"})
-    init_from_target: bool = field(default=True, metadata={"help": "start from the target's last layer"})
-    save_every: int = 100
-    seed: int = 0
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (None: torch's choice)"})
+    init_from_target: bool = field(
+        default=True, metadata={"help": "start from the target's last layer (off: random weights)"})
 
-    def __post_init__(self) -> None:
-        check_inputs(self)
-        self.generated_data = None if self.generated_data is None else Path(self.generated_data)
-        self.feature_cache = None if self.feature_cache is None else Path(self.feature_cache)
+    def _check(self) -> None:
         self.feature_layers = None if self.feature_layers is None else tuple(int(i) for i in self.feature_layers)
         if self.version not in get_args(EagleVersion):
             raise ValueError(
                 f"EagleTrainConfig.version: expected one of {get_args(EagleVersion)}, got {self.version!r}"
             )
-        if self.data_source not in get_args(DataSource):
-            raise ValueError(
-                f"EagleTrainConfig.data_source: expected one of {get_args(DataSource)}, got {self.data_source!r}"
-            )
-        for name in ("num_samples", "prompt_len", "max_new_tokens", "generate_batch_size", "steps", "batch_size",
-                     "seq_len", "ttt_steps", "save_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EagleTrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
-        for name in ("draft_vocab_size", "intermediate_size", "threads"):
+        if self.ttt_steps < 1:
+            raise ValueError(f"EagleTrainConfig.ttt_steps: expected >= 1, got {self.ttt_steps}")
+        for name in ("draft_vocab_size", "intermediate_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EagleTrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
-        if self.prompt_records:
-            self._check_prompt_records()
-        elif self.data_source == "generated" and self.prompt_len >= self.seq_len:
-            raise ValueError(
-                f"EagleTrainConfig.prompt_len: expected less than seq_len {self.seq_len}, got {self.prompt_len}"
-            )
-        if self.feature_cache is not None and not self.cache_features:
-            raise ValueError(f"EagleTrainConfig.feature_cache: {self.feature_cache} given with cache_features=False; "
-                             f"drop one of them")
         if self.version == "eagle3" and self.ttt_steps + 1 >= self.seq_len:
             raise ValueError(f"EagleTrainConfig.ttt_steps: expected less than seq_len - 1, got {self.ttt_steps}")
-        for name in ("temperature", "noise", "ce_weight", "warmup_steps"):
+        for name in ("noise", "ce_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EagleTrainConfig.{name}: expected >= 0, got {getattr(self, name)}")
-        for name in ("learning_rate", "grad_clip"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"EagleTrainConfig.{name}: expected > 0, got {getattr(self, name)}")
         if not 0 < self.decay <= 1:
             raise ValueError(f"EagleTrainConfig.decay: expected a value in (0, 1], got {self.decay}")
         if self.version == "eagle" and (self.draft_vocab_size is not None or self.feature_layers is not None):
             raise ValueError("EagleTrainConfig.draft_vocab_size / feature_layers: only for version 'eagle3'")
-
-    def _check_prompt_records(self) -> None:
-        if self.data_source != "generated":
-            raise ValueError(f"EagleTrainConfig.prompt_records: only with data_source 'generated', got data_source "
-                             f"{self.data_source!r}")
-        others = [str(p) for p in self.data if p.suffix != ".jsonl"]
-        if others:
-            raise ValueError(f"EagleTrainConfig.data: prompt_records reads .jsonl files of prompt records ('text' or "
-                             f"'input_ids'), got {others}")
-        if self.max_new_tokens >= self.seq_len:
-            raise ValueError(f"EagleTrainConfig.max_new_tokens: expected less than seq_len {self.seq_len}, got "
-                             f"{self.max_new_tokens}")
-
-    @property
-    def generated_path(self) -> Path:
-        return self.generated_data or self.out / GENERATED_FILE
-
-    @property
-    def feature_cache_dir(self) -> Path:
-        return self.feature_cache or self.out / FEATURES_DIR
 
 
 def build_draft_vocab(
@@ -201,67 +110,62 @@ def soft_cross_entropy(
     return -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
-class EagleObjective(nn.Module):
-    """The trained head plus its loss, one module so data-parallel wrappers see a single forward per step."""
+class EagleObjective(Objective):
+    """The trained head plus its loss."""
 
-    def __init__(self, head: EagleHead, config: EagleTrainConfig) -> None:
+    def __init__(self, head: EagleHead, config: EagleTrainConfig, feature_layers: tuple[int, ...]) -> None:
         super().__init__()
         self.head = head
+        self.feature_layers = feature_layers
         self.noise, self.ce_weight = config.noise, config.ce_weight
         self.ttt_steps, self.decay = config.ttt_steps, config.decay
 
-    def forward(
-        self,
-        # [B, L] bool: real tokens (positions after a row's end count in no loss)
-        valid: torch.Tensor,
-        # [B, L, H] the target's embeddings of the tokens
-        embeds: torch.Tensor,
-        # [B, L, F] target features (eagle: final normed hidden state; eagle3: fused layers)
-        features: torch.Tensor,
-        # [B, L, H] the target's final normed hidden state
-        target_hidden: torch.Tensor,
-        # [B, L] the target's top token after each position
-        target_argmax: torch.Tensor,
-        target_lm_head: nn.Linear,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def forward(self, batch: TargetBatch, target: nn.Module) -> tuple[torch.Tensor, dict]:
+        dtype = self.head.dtype  # the head trains in its own dtype (float32), whatever the target's
+        with torch.no_grad():
+            embeds = target.get_input_embeddings()(batch.input_ids).to(dtype)  # [B, L, H]
+        batch = replace(batch, features=batch.features.to(dtype))
+        lm_head = target.get_output_embeddings()
         if self.head.config.version == "eagle":
-            return self._eagle_loss(valid, embeds, features, target_hidden, target_argmax, target_lm_head)
-        return self._eagle3_loss(valid, embeds, features, target_hidden, target_argmax, target_lm_head)
+            return self._eagle_loss(batch, embeds, lm_head)
+        return self._eagle3_loss(batch, embeds, lm_head)
 
-    def _eagle_loss(self, valid, embeds, features, target_hidden, target_argmax, target_lm_head):
-        length = embeds.shape[1]
+    def _eagle_loss(self, batch: TargetBatch, embeds: torch.Tensor, lm_head: nn.Linear):
+        features, length = batch.features, embeds.shape[1]
         inputs = features[:, :-1]  # [B, L-1, H]: f_i
         if self.noise > 0:
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.noise
         positions = torch.arange(1, length, device=embeds.device).expand(embeds.shape[0], -1)  # [B, L-1]
         hidden = self.head(embeds[:, 1:], inputs, positions, attention_mask=None)  # [B, L-1, H]
-        weight = valid[:, 1:].float()  # [B, L-1]: the predicted token is real
+        weight = batch.predicted(1).float()  # [B, L-1]: x_{i+1} is a trained token
         count = weight.sum().clamp(min=1)
         regression = nn.functional.smooth_l1_loss(hidden.float(), features[:, 1:].float(), reduction="none")
         regression = (regression.mean(-1) * weight).sum() / count
-        logits = self.head.logits(hidden, target_lm_head)  # [B, L-1, V]
+        logits = self.head.logits(hidden, lm_head)  # [B, L-1, V]
         with torch.no_grad():
-            target_probs = torch.softmax(target_logits(target_hidden[:, 1:], target_lm_head), dim=-1)
+            target_probs = torch.softmax(target_logits(batch.hidden[:, 1:], lm_head), dim=-1)
         ce = (soft_cross_entropy(logits, target_probs) * weight).sum() / count
-        accuracy = ((logits.argmax(-1) == target_argmax[:, 1:]).float() * weight).sum() / count
+        accuracy = ((logits.argmax(-1) == batch.argmax[:, 1:]).float() * weight).sum() / count
         loss = regression + self.ce_weight * ce
         return loss, {"regression": float(regression.detach()), "ce": float(ce.detach()),
                       "accuracy": float(accuracy)}
 
-    def _eagle3_loss(self, valid, embeds, features, target_hidden, target_argmax, target_lm_head):
-        head, batch, length = self.head, embeds.shape[0], embeds.shape[1]
+    def _eagle3_loss(self, batch: TargetBatch, embeds: torch.Tensor, lm_head: nn.Linear):
+        head, size, length = self.head, embeds.shape[0], embeds.shape[1]
         width = length - self.ttt_steps  # every unrolled step has a target for all W indices
         with torch.no_grad():
-            draft_target = target_logits(target_hidden, target_lm_head, head.t2d)  # [B, L, D]
+            draft_target = target_logits(batch.hidden, lm_head, head.t2d)  # [B, L, D]
             draft_probs = torch.softmax(draft_target, dim=-1)
-            trained = head.t2d[target_argmax] & valid  # [B, L]: a real token whose target choice is draftable
+            # [B, L]: the target's distribution after the position predicts a trained token, its top one draftable
+            predicts = nn.functional.pad(batch.predicted(1), (0, 1), value=False)
+            trained = head.t2d[batch.argmax] & predicts
         cache = DynamicCache()
-        hidden = features[:, :width]  # [B, W, F]
+        hidden = batch.features[:, :width]  # [B, W, F]
         total, accuracies, losses = embeds.new_zeros((), dtype=torch.float32), [], []
         for step in range(self.ttt_steps):
             window = slice(1 + step, 1 + step + width)  # tokens x_{i+1+s} and their next-token targets
-            positions = torch.arange(window.start, window.stop, device=embeds.device).expand(batch, -1)  # [B, W]
-            mask = ttt_attention_mask(width, step, head.dtype, embeds.device).expand(batch, -1, -1, -1)
+            positions = torch.arange(window.start, window.stop, device=embeds.device).expand(size, -1)  # [B, W]
+            mask = ttt_attention_mask(width, step, head.dtype, embeds.device).expand(size, -1, -1, -1)
             hidden = head(embeds[:, window], hidden, positions, mask, past_key_values=cache,
                           from_target=step == 0)  # [B, W, H]
             logits = head.lm_head(head.norm(hidden)).float()  # [B, W, D]
@@ -273,6 +177,9 @@ class EagleObjective(nn.Module):
             losses.append(float(ce.detach()))
         # accuracy: step 0's top-1 agreement with the target; the lists hold every unrolled step
         return total, {"accuracy": accuracies[0], "accuracy_steps": accuracies, "ce_steps": losses}
+
+    def save(self, out: Path, target: nn.Module, rows: TrainingRows, result: dict) -> None:
+        self.head.save_pretrained(out)
 
 
 def init_head_from_target(head: EagleHead, target: nn.Module) -> list[str]:
@@ -305,75 +212,23 @@ def _head_config(config: EagleTrainConfig, target: nn.Module) -> EagleConfig:
     return EagleConfig.for_target(target, config.version, **overrides)
 
 
-def train_eagle(config: EagleTrainConfig) -> dict:
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.base, local_files_only=True)
-    source = read_source(config, tokenizer)  # bad data files fail here, before the target loads
-    dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32  # CPUs are slow in bf16
-    target = AutoModelForCausalLM.from_pretrained(config.base, dtype=dtype, use_safetensors=True,
-                                                  local_files_only=True)
-    target.requires_grad_(False).eval().to(accelerator.device)
-    data = training_rows(config, accelerator, target, source)
+def make_objective(config: EagleTrainConfig, target: nn.Module, rows: TrainingRows) -> EagleObjective:
+    """A new head for the target (its draft vocabulary the rows' most frequent trained tokens, its layer a copy of
+    the target's last one unless `init_from_target` is off), wrapped in its loss."""
     head_config = _head_config(config, target)
-    if config.version == "eagle3" and data.input_ids.shape[1] <= config.ttt_steps + 1:
+    if config.version == "eagle3" and rows.input_ids.shape[1] <= config.ttt_steps + 1:
         raise ValueError(f"EagleTrainConfig.ttt_steps: expected less than the rows' length - 1 "
-                         f"({data.input_ids.shape[1]} tokens), got {config.ttt_steps}")
-    layers = head_config.target_feature_layers(target.config.get_text_config(decoder=True).num_hidden_layers)
-    cache = None
-    if config.cache_features:
-        key = feature_key(config.base, target.dtype, layers, data)
-        cache = build_feature_cache(target, data, layers, config.feature_cache_dir, key, config.generate_batch_size,
-                                    accelerator)
-
-    torch.manual_seed(config.seed)
+                         f"({rows.input_ids.shape[1]} tokens), got {config.ttt_steps}")
     head = EagleHead(head_config)
     if config.version == "eagle3" and head_config.draft_vocab_size is not None:
-        d2t, t2d = build_draft_vocab(data.tokens(), head_config.vocab_size, head_config.draft_vocab_size)
+        d2t, t2d = build_draft_vocab(rows.tokens(), head_config.vocab_size, head_config.draft_vocab_size)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
     if config.init_from_target:
         init_head_from_target(head, target)
-    objective = EagleObjective(head.to(dtype), config)
-    optimizer = torch.optim.AdamW(objective.parameters(), lr=config.learning_rate, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
-    objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
-
-    checkpoint = config.out / "checkpoint"
-    start = checkpoints.resume(accelerator, checkpoint)
-    generator = torch.Generator()
-    history, metrics_history = [], []
-    progress = tqdm(range(start, config.steps), desc=f"{config.version} head",
-                    disable=not accelerator.is_local_main_process)
-    for step in progress:
-        generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
-        rows = torch.randint(0, len(data.input_ids), (config.batch_size,), generator=generator)
-        batch = target_batch(target, data, rows, accelerator.device, cache, layers)
-        loss, metrics = objective(batch.valid, batch.embeds, batch.features, batch.hidden, batch.argmax,
-                                  target.get_output_embeddings())
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(objective.parameters(), config.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        history.append(float(loss.detach()))
-        metrics_history.append(metrics)
-        progress.set_postfix(loss=f"{history[-1]:.3f}", acc=f"{metrics['accuracy']:.2f}")
-        if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
-            checkpoints.save(accelerator, checkpoint, step + 1)
-    accelerator.wait_for_everyone()
-    result = {"steps": config.steps, "loss_history": history, "metrics_history": metrics_history,
-              "config": {k: str(v) for k, v in asdict(config).items()}}
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(objective).head.save_pretrained(config.out)
-        (config.out / "train_metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))
-    return result
+    layers = head_config.target_feature_layers(target.config.get_text_config(decoder=True).num_hidden_layers)
+    return EagleObjective(head.to(target.device), config, tuple(layers))
 
 
-def _lr_factor(step: int, config: EagleTrainConfig) -> float:
-    """Linear warm-up over `warmup_steps`, then cosine decay to 10% at `steps`."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
+def train_eagle(config: EagleTrainConfig) -> dict:
+    return train(config, make_objective)

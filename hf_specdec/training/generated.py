@@ -1,16 +1,18 @@
-"""The token rows EAGLE training draws from: windows of raw text, or text the frozen target writes itself.
+"""The token rows drafter training draws from: windows of raw text, or text the frozen target writes itself.
 
 * Stream windows (`prompt_records=False`): `num_samples` prompts of `prompt_len` tokens are cut from the token
   stream of the data files at seeded offsets, and the target continues each one to `seq_len` tokens (EOS held back,
-  so every row is full).
+  so every row is full). Every token of a row is trained on.
 * Prompt records (`prompt_records=True`): each record of the .jsonl files (`"text"` or `"input_ids"`) is one whole
   prompt, e.g. an instruction already rendered with the chat template. `num_samples` of them (seeded; all when there
   are fewer) are continued by up to `max_new_tokens` tokens, stopping after EOS. A row is the prompt plus its
-  continuation (its last `seq_len` tokens when longer), right-padded to the longest row; positions after a row's
-  end are padding that training masks out. Generation runs in left-padded batches of prompts of similar length.
+  continuation (its last `seq_len` tokens when longer), right-padded to the longest row; only the continuation is
+  trained on (`TrainingRows.starts`), as a drafter only ever drafts the target's own text. Generation runs in
+  left-padded batches of prompts of similar length.
 
-Generated rows are cached in one safetensors file keyed by the settings and a hash of the source tokens, so a resume
-or another run on the same data reuses them; a cache with any other key is regenerated.
+Generated rows are cached in one safetensors file keyed by the settings and a hash of the source tokens, so a resume,
+another run on the same data, or another method's trainer (the same `generated_data` file and settings) reuses
+them; a cache with any other key is regenerated.
 """
 
 from __future__ import annotations
@@ -29,38 +31,43 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
+from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.data import token_stream, windows
 
-GENERATED_FILE = "generated_data.safetensors"
+FORMAT_VERSION = 2  # rows carry the first trained position of each row
 
 
 @dataclass(frozen=True)
 class TrainingRows:
-    """Token rows, each row's real tokens first and padding after them."""
+    """Token rows, each row's real tokens first and padding after them; a row's tokens from `starts` on are the
+    ones a drafter learns to predict."""
 
     # [N, L]
     input_ids: torch.Tensor
     # [N] real tokens per row
     lengths: torch.Tensor
+    # [N] the row's first trained token (0: all of them; a prompt record: its continuation's first token)
+    starts: torch.Tensor
 
     @classmethod
     def full(
         cls,
-        # [N, L] rows without padding
+        # [N, L] rows without padding, every token trained
         input_ids: torch.Tensor,
     ) -> TrainingRows:
-        return cls(input_ids, torch.full((len(input_ids),), input_ids.shape[1]))
+        count = len(input_ids)
+        return cls(input_ids, torch.full((count,), input_ids.shape[1]), torch.zeros(count, dtype=torch.long))
 
     @classmethod
-    def padded(cls, rows: list[torch.Tensor], pad_token_id: int) -> TrainingRows:
+    def padded(cls, rows: list[torch.Tensor], pad_token_id: int, starts: list[int] | None = None) -> TrainingRows:
         """Rows of different lengths ([L_i] each), right-padded with `pad_token_id` to the longest."""
         lengths = torch.tensor([len(row) for row in rows])
         input_ids = torch.full((len(rows), int(lengths.max())), pad_token_id)
         for index, row in enumerate(rows):
             input_ids[index, : len(row)] = row
-        return cls(input_ids, lengths)
+        return cls(input_ids, lengths, torch.tensor(starts if starts is not None else [0] * len(rows)))
 
-    def valid(
+    def real(
         self,
         # [B] row indices
         rows: torch.Tensor,
@@ -68,12 +75,20 @@ class TrainingRows:
         """[B, L] bool: the position holds a real token of the row."""
         return torch.arange(self.input_ids.shape[1]) < self.lengths[rows, None]
 
+    def trained(
+        self,
+        # [B] row indices
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """[B, L] bool: the position holds a token a drafter learns to predict (real, and from the row's start on)."""
+        return self.real(rows) & (torch.arange(self.input_ids.shape[1]) >= self.starts[rows, None])
+
     def tokens(self) -> torch.Tensor:
-        """[M]: every real token of every row."""
-        return self.input_ids[self.valid(torch.arange(len(self.input_ids)))]
+        """[M]: every trained token of every row."""
+        return self.input_ids[self.trained(torch.arange(len(self.input_ids)))]
 
 
-def read_prompt_records(tokenizer, paths: list[Path]) -> list[torch.Tensor]:
+def read_prompt_records(tokenizer, paths: list[Path], owner: str) -> list[torch.Tensor]:
     """[P_i] token ids of each record of the .jsonl files: its "input_ids", or its "text" tokenized as it is (no
     special tokens added, since a chat prompt carries them from its template)."""
     records = []
@@ -81,7 +96,7 @@ def read_prompt_records(tokenizer, paths: list[Path]) -> list[torch.Tensor]:
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
                 continue
-            where = f"EagleTrainConfig.data: {path} line {number}"
+            where = f"{owner}.data: {path} line {number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
@@ -94,15 +109,16 @@ def read_prompt_records(tokenizer, paths: list[Path]) -> list[torch.Tensor]:
                 raise ValueError(f"{where}: the prompt is empty")
             records.append(torch.tensor(ids))
     if not records:
-        raise ValueError(f"EagleTrainConfig.data: no prompt records in {[str(p) for p in paths]}")
+        raise ValueError(f"{owner}.data: no prompt records in {[str(p) for p in paths]}")
     return records
 
 
-def read_source(config, tokenizer) -> list[torch.Tensor]:
+def read_source(config: TrainConfig, tokenizer) -> list[torch.Tensor]:
     """The source tokens of `config.data`: the prompt records ([P_i] each), or one token stream [N] of all files."""
+    owner = type(config).__name__
     if config.prompt_records:
-        return read_prompt_records(tokenizer, config.data)
-    return [token_stream(tokenizer, config.data, config.seq_len + 1, "EagleTrainConfig.data")]
+        return read_prompt_records(tokenizer, config.data, owner)
+    return [token_stream(tokenizer, config.data, config.seq_len + 1, f"{owner}.data")]
 
 
 def eos_token_ids(target: nn.Module) -> list[int]:
@@ -131,9 +147,10 @@ def generate_continuations(
     batch_size: int,
     stop_at_eos: bool,
     show_progress: bool = True,
-) -> list[torch.Tensor]:
-    """Each prompt followed by the target's continuation ([P_i + T_i] each): with `stop_at_eos`, up to and including
-    the first EOS, at most `max_new_tokens` tokens; without, exactly `max_new_tokens` (EOS held back)."""
+) -> list[tuple[torch.Tensor, int]]:
+    """Each prompt followed by the target's continuation ([P_i + T_i] each), with the prompt's length: with
+    `stop_at_eos`, up to and including the first EOS, at most `max_new_tokens` tokens; without, exactly
+    `max_new_tokens` (EOS held back)."""
     torch.manual_seed(seed)  # generate samples from torch's global generator
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
         do_sample=False
@@ -159,7 +176,7 @@ def generate_continuations(
             ends = torch.isin(new, eos).nonzero() if stop_at_eos else []
             if len(ends):
                 new = new[: int(ends[0]) + 1]
-            rows.append(torch.cat([prompt, new]))
+            rows.append((torch.cat([prompt, new]), len(prompt)))
     return rows
 
 
@@ -171,10 +188,11 @@ def _source_sha256(source: list[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _generation_key(config, source: list[torch.Tensor], num_processes: int) -> str:
+def _generation_key(config: TrainConfig, source: list[torch.Tensor], num_processes: int, dtype: torch.dtype) -> str:
     """What the cached rows depend on, as sorted JSON."""
     settings = {
-        "base": str(config.base.resolve()), "num_processes": num_processes, "num_samples": config.num_samples,
+        "base": str(config.base.resolve()), "dtype": str(dtype), "format": FORMAT_VERSION,
+        "num_processes": num_processes, "num_samples": config.num_samples,
         "prompt_records": config.prompt_records, "seed": config.seed, "seq_len": config.seq_len,
         "source_sha256": _source_sha256(source), "temperature": config.temperature,
     }
@@ -185,26 +203,26 @@ def _generation_key(config, source: list[torch.Tensor], num_processes: int) -> s
     return json.dumps(settings, sort_keys=True)
 
 
-def _prompts(config, source: list[torch.Tensor]) -> list[torch.Tensor]:
+def _prompts(config: TrainConfig, source: list[torch.Tensor]) -> list[torch.Tensor]:
     """The prompts to continue ([P_i] each): seeded stream windows, or seeded prompt records sorted by length."""
     generator = torch.Generator().manual_seed(config.seed)
     if not config.prompt_records:
         return list(windows(source[0], config.num_samples, config.prompt_len, generator))
     if len(source) < config.num_samples:
-        warnings.warn(f"EagleTrainConfig.num_samples: {config.num_samples} prompts asked for, the data holds "
+        warnings.warn(f"{type(config).__name__}.num_samples: {config.num_samples} prompts asked for, the data holds "
                       f"{len(source)} records; using all of them", stacklevel=3)
     chosen = [source[i] for i in torch.randperm(len(source), generator=generator)[: config.num_samples].tolist()]
     return sorted(chosen, key=len)  # similar lengths batch together: less left padding
 
 
-def training_rows(config, accelerator: Accelerator, target: nn.Module, source: list[torch.Tensor]) -> TrainingRows:
+def training_rows(config: TrainConfig, accelerator: Accelerator, target: nn.Module, source: list[torch.Tensor]) -> TrainingRows:
     """The rows training draws from: windows of the raw text, or generated (cached in `config.generated_path`).
 
     The processes split the prompts between them; the main process writes the gathered rows to the cache.
     """
     if config.data_source == "text":
         return TrainingRows.full(source[0].unfold(0, config.seq_len, config.seq_len))
-    key, path = _generation_key(config, source, accelerator.num_processes), config.generated_path
+    key, path = _generation_key(config, source, accelerator.num_processes, target.dtype), config.generated_path
     if not path.is_file() or _read_generation_key(path) != key:
         new_tokens = config.max_new_tokens if config.prompt_records else config.seq_len - config.prompt_len
         with accelerator.split_between_processes(_prompts(config, source)) as mine:
@@ -213,15 +231,19 @@ def training_rows(config, accelerator: Accelerator, target: nn.Module, source: l
                 config.generate_batch_size, stop_at_eos=config.prompt_records,
                 show_progress=accelerator.is_local_main_process,
             )
-        rows = [torch.tensor(row) for row in gather_object([row.tolist() for row in rows])]  # in prompt order
-        cut = sum(len(row) > config.seq_len for row in rows)
+        gathered = gather_object([(row.tolist(), prompt_length) for row, prompt_length in rows])  # in prompt order
+        cut = sum(len(row) > config.seq_len for row, _ in gathered)
         if cut:
-            accelerator.print(f"{cut} of {len(rows)} generated rows are longer than seq_len {config.seq_len}; "
+            accelerator.print(f"{cut} of {len(gathered)} generated rows are longer than seq_len {config.seq_len}; "
                               f"training reads their last {config.seq_len} tokens")
-        data = TrainingRows.padded([row[-config.seq_len :] for row in rows], pad_token_id(target))
+        starts = [max(0, prompt_length - max(0, len(row) - config.seq_len)) if config.prompt_records else 0
+                  for row, prompt_length in gathered]
+        data = TrainingRows.padded([torch.tensor(row[-config.seq_len :]) for row, _ in gathered],
+                                   pad_token_id(target), starts)
         if accelerator.is_main_process:
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"input_ids": data.input_ids, "lengths": data.lengths}, str(path), metadata={"key": key})
+            save_file({"input_ids": data.input_ids, "lengths": data.lengths, "starts": data.starts}, str(path),
+                      metadata={"key": key})
         accelerator.wait_for_everyone()
     return TrainingRows(**load_file(str(path)))
 

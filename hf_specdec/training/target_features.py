@@ -1,13 +1,12 @@
-"""What EAGLE training reads from the frozen target, computed once and read back from disk.
+"""What drafter training reads from the frozen target, computed once and read back from disk.
 
-Per token of a training row the objective needs:
-* the features the head reads: EAGLE-1/2 the target's final normed hidden state, EAGLE-3 the residual stream
-  entering its fused layers, concatenated;
+Per token of a training row an objective needs some of:
+* the features a head reads (`layers`: entries of the target's `hidden_states`, concatenated): EAGLE-1/2 and
+  Medusa the final normed hidden state (`FINAL_LAYER`), EAGLE-3 the residual stream entering its fused layers;
 * the final normed hidden state: the target's logits are `lm_head(hidden)`, recomputed per batch (`target_logits`)
-  through the whole lm_head for EAGLE-1/2 and through the draft vocabulary's rows only for EAGLE-3, so no
-  vocabulary-sized tensor is ever stored (for EAGLE-1/2 it is the feature itself and is stored once);
-* the target's top token: EAGLE-3 trains only where it lies in the draft vocabulary;
-* the target's embeddings of the tokens, looked up per batch in its embedding table.
+  through the whole lm_head, or through a draft vocabulary's rows only, so no vocabulary-sized tensor is ever
+  stored (with `FINAL_LAYER` it is the feature itself and is stored once);
+* the target's top token after each position.
 
 `build_feature_cache` runs the target once over every row (no grad, in its dtype) and writes one safetensors shard
 per batch of `batch_size` rows (fewer when they would pass `shard_bytes`) into a folder: bf16 when the target is
@@ -30,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,18 +47,25 @@ FINAL_LAYER = (-1,)  # EAGLE-1/2 reads the final normed hidden state: its featur
 
 @dataclass(frozen=True)
 class TargetBatch:
-    """One training batch with everything the objective reads from the target."""
+    """One training batch with everything the objective reads from the target (`features`, `hidden` and `argmax`
+    are None for an objective that runs the target itself)."""
 
+    # [B, L] token ids
+    input_ids: torch.Tensor
     # [B, L] bool: the position holds a real token (padding follows a row's end)
-    valid: torch.Tensor
-    # [B, L, H] the target's embeddings of the tokens
-    embeds: torch.Tensor
-    # [B, L, F] the features the head reads
-    features: torch.Tensor
+    real: torch.Tensor
+    # [B, L] bool: the position holds a token the drafter learns to predict (real, from the row's start on)
+    trained: torch.Tensor
+    # [B, L, F] the features the drafter reads
+    features: torch.Tensor | None = None
     # [B, L, H] the target's final normed hidden state (its logits are lm_head(hidden))
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None = None
     # [B, L] the target's top token after each position
-    argmax: torch.Tensor
+    argmax: torch.Tensor | None = None
+
+    def predicted(self, distance: int = 1) -> torch.Tensor:
+        """[B, L - distance] bool: the token `distance` positions after each position is a trained one."""
+        return self.trained[:, distance:]
 
 
 @torch.no_grad()
@@ -124,8 +130,8 @@ class FeatureCache:
             stop = min(num_rows, (index + 1) * rows_per_shard)
             handle = _open_shard(_shard_path(folder, index), key, index * rows_per_shard, stop)
             if handle is None:
-                raise ValueError(f"EagleTrainConfig.feature_cache: {_shard_path(folder, index)} is missing or was made "
-                                 f"with other settings while training started; run again to rebuild it")
+                raise ValueError(f"feature_cache: {_shard_path(folder, index)} is missing or was made with other "
+                                 f"settings while training started; run again to rebuild it")
             self.handles.append(handle)
         self.separate_hidden = "hidden" in self.handles[0].keys()
 
@@ -227,14 +233,16 @@ def target_batch(
     index: torch.Tensor,
     device: torch.device,
     cache: FeatureCache | None,
-    layers: tuple[int, ...],
+    layers: tuple[int, ...] | None,
 ) -> TargetBatch:
-    """The batch of rows `index`: target outputs read from `cache`, or (without one) from a target forward."""
+    """The batch of rows `index`: target outputs read from `cache`, or (without one) from a target forward; none
+    with `layers=None`."""
     input_ids = rows.input_ids[index].to(device)  # [B, L]
+    batch = TargetBatch(input_ids, rows.real(index).to(device), rows.trained(index).to(device))
+    if layers is None:
+        return batch
     if cache is None:
         features, hidden, argmax = run_target(target, layers, input_ids)
     else:
         features, hidden, argmax = (tensor.to(device) for tensor in cache.read(index))
-    with torch.no_grad():
-        embeds = target.get_input_embeddings()(input_ids)
-    return TargetBatch(rows.valid(index).to(device), embeds, features, hidden, argmax)
+    return replace(batch, features=features, hidden=hidden, argmax=argmax)

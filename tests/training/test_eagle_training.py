@@ -18,7 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_specdec.cli.main import main as cli_main
 from hf_specdec.heads.eagle import EagleHead
 from hf_specdec.testbed import loading
-from hf_specdec.training.eagle import GENERATED_FILE, build_draft_vocab, ttt_attention_mask
+from hf_specdec.training.config import GENERATED_FILE
+from hf_specdec.training.eagle import build_draft_vocab, ttt_attention_mask
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = [Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"]

@@ -19,7 +19,7 @@ from hf_specdec.heads import MedusaHeads, load_medusa2
 from hf_specdec.training.medusa import LLAMA_LORA_MODULES, MedusaTrainConfig
 from tests.training.test_medusa_training import DATA, _args, base  # noqa: F401  (base is a fixture)
 
-STAGE_2 = ["--stage", "2", "--lora-r", "4", "--lora-alpha", "8", "--lora-dropout", "0.0"]
+STAGE_2 = ["--stage", "2", "--lora-r", "4", "--lora-alpha", "8", "--lora-dropout", "0.0", "--data-source", "text"]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_stage_2_self_distillation_resumes_from_its_checkpoint(base, tmp_path): 
     assert MedusaHeads.from_pretrained(tmp_path / "two").config.num_heads == 2
     # at step 0 the LoRA is the identity (B = 0), so the KL from the target is 0 and the loss is the heads' alone:
     # heads_coef times stage 1's first loss on the same windows with the same initial heads
-    main(_args(base, tmp_path / "one", steps=1))
+    main(_args(base, tmp_path / "one", steps=1, extra=["--data-source", "text"]))
     stage_1 = json.loads((tmp_path / "one" / "train_metrics.json").read_text())["loss_history"][0]
     assert first == pytest.approx(0.2 * stage_1, rel=1e-5)
 

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_specdec.cli.main import main
 from hf_specdec.heads import MedusaHeads
 from hf_specdec.testbed import loading
-from hf_specdec.training.medusa import DISTILL_PROMPT_TOKENS
+from hf_specdec.training.config import GENERATED_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,11 +39,12 @@ DATA = [Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"]
 def _args(base: Path, out: Path, steps: int, extra: list[str] = ()) -> list[str]:
     return ["train", "medusa", "--base", str(base), "--tokenizer", str(loading.testbed_dir() / "tokenizer"),
             "--data", *map(str, DATA), "--out", str(out), "--steps", str(steps), "--batch-size", "4",
-            "--seq-len", "64", "--num-heads", "2", "--learning-rate", "3e-3", "--save-every", "10", *extra]
+            "--seq-len", "64", "--num-heads", "2", "--learning-rate", "6e-3", "--save-every", "10",
+            "--warmup-steps", "0", *extra]
 
 
 def test_training_lowers_the_loss_and_saves_loadable_heads(base, tmp_path):
-    assert main(_args(base, tmp_path, steps=30)) == 0
+    assert main(_args(base, tmp_path, steps=30, extra=["--data-source", "text"])) == 0
     history = json.loads((tmp_path / "train_metrics.json").read_text())["loss_history"]
     assert len(history) == 30
     assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 - 0.5  # per-step noise is about 0.1
@@ -51,9 +53,9 @@ def test_training_lowers_the_loss_and_saves_loadable_heads(base, tmp_path):
 
 
 def test_training_resumes_from_its_checkpoint(base, tmp_path):
-    main(_args(base, tmp_path, steps=10))
+    main(_args(base, tmp_path, steps=10, extra=["--data-source", "text"]))
     assert json.loads((tmp_path / "checkpoint" / "training_state.json").read_text()) == {"step": 10}
-    main(_args(base, tmp_path, steps=12))
+    main(_args(base, tmp_path, steps=12, extra=["--data-source", "text"]))
     history = json.loads((tmp_path / "train_metrics.json").read_text())["loss_history"]
     assert len(history) == 2, "the rerun continued at step 10 instead of starting over"
 
@@ -65,8 +67,8 @@ def test_bad_training_input(base, tmp_path):
         main(["train", "medusa", "--base", str(tmp_path), "--data", *map(str, DATA), "--out", str(tmp_path)])
 
 
-@pytest.mark.parametrize("stage", [["--stage", "1", "--distill-samples", "4", "--distill-new-tokens", "4"],
-                                   ["--stage", "2", "--self-distillation", "--lora-r", "2"]])
+@pytest.mark.parametrize("stage", [["--stage", "1", "--num-samples", "4", "--prompt-len", "60"],
+                                   ["--stage", "2", "--self-distillation", "--lora-r", "2", "--data-source", "text"]])
 def test_two_cpu_processes_under_accelerate(base, tmp_path, stage):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
@@ -77,19 +79,17 @@ def test_two_cpu_processes_under_accelerate(base, tmp_path, stage):
     assert (tmp_path / "adapter_model.safetensors").is_file()
     assert (tmp_path / "lora" / "adapter_model.safetensors").is_file() == ("2" in stage)
     assert len(MedusaHeads.from_pretrained(tmp_path).config.tree_paths) == 4
-    if "--distill-samples" in stage:  # both processes' continuations were gathered
-        assert len((tmp_path / "self_distillation.jsonl").read_text().splitlines()) == 4
+    if "--num-samples" in stage:  # both processes' continuations were gathered
+        assert load_file(tmp_path / GENERATED_FILE)["input_ids"].shape == (4, 64)
 
 
 def test_self_distillation_data_is_the_targets_greedy_output(base, tmp_path):
-    assert main(_args(base, tmp_path, steps=1, extra=["--distill-samples", "3", "--distill-new-tokens", "6"])) == 0
-    records = [json.loads(line) for line in (tmp_path / "self_distillation.jsonl").read_text().splitlines()]
-    assert len(records) == 3
+    assert main(_args(base, tmp_path, steps=1, extra=["--num-samples", "3", "--prompt-len", "58"])) == 0
+    rows = load_file(tmp_path / GENERATED_FILE)["input_ids"]  # [3, 64]: 58 text tokens, 6 generated
+    assert rows.shape == (3, 64)
     target = LlamaForCausalLM.from_pretrained(base)
-    for record in records:
-        ids = torch.tensor([record["input_ids"]])
-        prompt = ids[:, :DISTILL_PROMPT_TOKENS]
-        expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
-                                   pad_token_id=1, eos_token_id=0)
-        new = expected[0, DISTILL_PROMPT_TOKENS:].tolist()
-        assert record["input_ids"] == prompt[0].tolist() + (new[: new.index(0)] if 0 in new else new)
+    for row in rows:
+        prompt = row[None, :58]
+        expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                   min_new_tokens=6, do_sample=False, pad_token_id=1)
+        assert torch.equal(expected[0], row)

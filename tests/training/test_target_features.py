@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_specdec.cli.main import main as cli_main
 from hf_specdec.testbed import loading
-from hf_specdec.training.generated import GENERATED_FILE, TrainingRows
+from hf_specdec.training.config import GENERATED_FILE
+from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.target_features import (
     FINAL_LAYER,
     build_feature_cache,
@@ -60,8 +61,8 @@ def test_cached_features_are_the_target_forward(base, target, tmp_path, layers):
     index = torch.tensor([4, 0, 3])
     batch = target_batch(target, rows, index, torch.device("cpu"), cache, layers)
     direct = target_batch(target, rows, index, torch.device("cpu"), None, layers)
-    valid = rows.valid(index)
-    assert torch.equal(batch.valid, valid) and valid.sum(1).tolist() == [3, 9, 9]
+    valid = rows.real(index)
+    assert torch.equal(batch.real, valid) and valid.sum(1).tolist() == [3, 9, 9]
     for name in ("features", "hidden"):  # shards run rows of a shard together: equal up to float rounding
         torch.testing.assert_close(getattr(batch, name)[valid], getattr(direct, name)[valid], rtol=1e-5, atol=1e-5)
     assert torch.equal(batch.argmax[valid], direct.argmax[valid])
@@ -123,7 +124,7 @@ def test_training_from_the_cache_follows_training_on_the_target(base, tmp_path, 
     assert cached == pytest.approx(direct, rel=1e-4)
 
 
-def test_prompt_records_stop_at_eos_and_padding_counts_in_no_loss(base, target, tmp_path):
+def test_prompt_records_stop_at_eos_and_train_on_the_continuation(base, target, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"input_ids": ids}) for ids in ([5, 6, 7], [9, 10], [11, 12, 13, 14]))
                        + "\n")
@@ -134,10 +135,11 @@ def test_prompt_records_stop_at_eos_and_padding_counts_in_no_loss(base, target, 
     from safetensors.torch import load_file
 
     saved = load_file(out / GENERATED_FILE)
-    rows = TrainingRows(saved["input_ids"], saved["lengths"])
+    rows = TrainingRows(**saved)
     assert len(rows.input_ids) == 3
-    for row, length in zip(rows.input_ids, rows.lengths.tolist()):
+    for row, length, start in zip(rows.input_ids, rows.lengths.tolist(), rows.starts.tolist()):
         prompt_len = next(len(p) for p in ([9, 10], [5, 6, 7], [11, 12, 13, 14]) if row[: len(p)].tolist() == p)
+        assert start == prompt_len, "losses must count on the continuation only"
         new = row[prompt_len:length]
         with torch.no_grad():  # the continuation is the target's greedy choice after each real token
             greedy = target(row[None, :length]).logits[0, prompt_len - 1 : length - 1].argmax(-1)
@@ -147,31 +149,45 @@ def test_prompt_records_stop_at_eos_and_padding_counts_in_no_loss(base, target, 
         assert (row[length:] == 1).all()
 
 
-@pytest.mark.parametrize("version", ["eagle", "eagle3"])
-def test_positions_after_a_rows_end_change_no_loss(target, version):
-    from hf_specdec.heads.eagle import EagleConfig, EagleHead
-    from hf_specdec.training.eagle import EagleObjective, EagleTrainConfig
+def _objective(method: str, target, base):
+    """A fresh objective of each method for the tiny target."""
+    from hf_specdec.training import draft_model, eagle, medusa
 
     torch.manual_seed(0)
-    head = EagleHead(EagleConfig.for_target(target, version, **({"feature_layers": (1, 2, 3)}
-                                                                 if version == "eagle3" else {})))
-    config = EagleTrainConfig.__new__(EagleTrainConfig)
-    config.noise, config.ce_weight, config.ttt_steps, config.decay = 0.0, 0.1, 2, 0.8
-    objective = EagleObjective(head, config)
-    rows = _rows()
-    index = torch.tensor([1, 2, 3])  # lengths 5, 7, 9 in a width of 9
-    layers = FINAL_LAYER if version == "eagle" else (1, 2, 3)
-    batch = target_batch(target, rows, index, torch.device("cpu"), None, layers)
+    common = dict(base=base, data=DATA, out=base, batch_size=3, seq_len=9, prompt_len=4)
+    if method in ("eagle", "eagle3"):
+        extra = {"feature_layers": (1, 2, 3)} if method == "eagle3" else {}
+        config = eagle.EagleTrainConfig(**common, version=method, noise=0.0, ttt_steps=2, **extra)
+        return eagle.make_objective(config, target, _rows())
+    if method == "medusa":
+        return medusa.make_objective(medusa.MedusaTrainConfig(**common, num_heads=2), target, _rows())
+    return draft_model.make_objective(draft_model.DraftTrainConfig(**common, target_layers=(0, -1)), target, _rows())
 
-    def loss(features, hidden, argmax, embeds):
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "draft"])
+def test_padding_and_untrained_predictions_change_no_loss(base, target, method):
+    from dataclasses import replace
+
+    objective = _objective(method, target, base)
+    rows = replace(_rows(), starts=torch.tensor([0, 2, 3, 4, 0]))
+    index = torch.tensor([1, 2, 3])  # lengths 5, 7, 9 in a width of 9; trained from tokens 2, 3, 4 on
+    batch = target_batch(target, rows, index, torch.device("cpu"), None, objective.feature_layers)
+
+    def loss(batch) -> float:
         with torch.no_grad():
-            return float(objective(batch.valid, embeds, features, hidden, argmax, target.lm_head)[0])
+            return float(objective(batch, target)[0])
 
-    noise = ~batch.valid[..., None]
-    garbage = [t + 5 * torch.randn_like(t) * noise for t in (batch.features, batch.hidden, batch.embeds)]
-    scrambled_argmax = torch.where(batch.valid, batch.argmax, 7)
-    before = loss(batch.features, batch.hidden, batch.argmax, batch.embeds)
-    after = loss(garbage[0], batch.features if version == "eagle" else garbage[1], scrambled_argmax, garbage[2])
-    assert abs(after - before) <= 1e-6 * before
-    inside = batch.features + 5 * torch.randn_like(batch.features) * batch.valid[..., None]  # the control
-    assert abs(loss(inside, batch.hidden, batch.argmax, batch.embeds) - before) > 1e-4 * before
+    before = loss(batch)
+    pad = ~batch.real
+    garbage = replace(batch, input_ids=torch.where(pad, 11, batch.input_ids),
+                      features=batch.features + 5 * torch.randn_like(batch.features) * pad[..., None],
+                      hidden=batch.hidden + 5 * torch.randn_like(batch.hidden) * pad[..., None],
+                      argmax=torch.where(pad, 7, batch.argmax))
+    if method == "eagle3":  # the target's outputs where the next token is not trained: labels nobody learns
+        untrained = ~torch.nn.functional.pad(batch.trained[:, 1:], (0, 1), value=False)
+        garbage = replace(garbage, hidden=garbage.hidden + 5 * torch.randn_like(batch.hidden) * untrained[..., None],
+                          argmax=torch.where(untrained, 7, garbage.argmax))
+    assert abs(loss(garbage) - before) <= 1e-5 * before
+    inside = replace(batch, features=batch.features + 5 * torch.randn_like(batch.features) * batch.trained[..., None],
+                     hidden=batch.hidden + 5 * torch.randn_like(batch.hidden) * batch.trained[..., None])
+    assert abs(loss(inside) - before) > 1e-4 * before  # the control: real positions do count

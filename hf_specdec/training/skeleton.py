@@ -1,0 +1,134 @@
+"""The one training loop every drafter trains in: `train(config, make_objective)`.
+
+A method contributes an `Objective`: the module it trains (heads, a draft model, a LoRA), its loss on a batch, the
+target features its batches carry, and how the result is saved. The skeleton does the rest, the same for every
+method:
+
+1. accelerate setup (single process, several CPU processes over gloo, several GPUs);
+2. the training rows: target-written (`generated.py`, cached and shared by every method's trainer) or raw text;
+3. the target's features over the rows, computed once and cached on disk (`target_features.py`), unless the
+   objective runs the target itself (`feature_layers = None`: Medusa-2 trains a LoRA on it);
+4. a seeded loop (AdamW, linear warm-up then cosine decay to 10%, gradient clipping, optional bf16 autocast), with
+   checkpoints every `save_every` steps that a rerun resumes from;
+5. the trained drafter and `train_metrics.json` (loss and per-step metrics) in `config.out`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_specdec.training import checkpoints
+from hf_specdec.training.config import CHECKPOINT_DIR, METRICS_FILE, TrainConfig
+from hf_specdec.training.generated import TrainingRows, read_source, training_rows
+from hf_specdec.training.target_features import (
+    FINAL_LAYER,
+    TargetBatch,
+    build_feature_cache,
+    feature_key,
+    target_batch,
+)
+
+
+class Objective(nn.Module):
+    """What one method trains and how it is scored.
+
+    `forward(batch, target)` returns the loss and a dict of metrics (floats, or lists of floats) for the step;
+    `param_groups` what the optimizer updates; `save` writes the trained drafter (main process, after the last step).
+    """
+
+    # entries of the target's `hidden_states` the batches carry as `features` (FINAL_LAYER: the final normed hidden
+    # state); None: the objective runs the target itself and batches carry token ids only
+    feature_layers: tuple[int, ...] | None = FINAL_LAYER
+
+    def forward(self, batch: TargetBatch, target: nn.Module) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def param_groups(self, learning_rate: float) -> list[dict]:
+        return [{"params": [p for p in self.parameters() if p.requires_grad], "lr": learning_rate}]
+
+    def save(self, out: Path, target: nn.Module, rows: TrainingRows, result: dict) -> None:
+        raise NotImplementedError
+
+
+ObjectiveFactory = Callable[[TrainConfig, nn.Module, TrainingRows], Objective]
+
+
+def lr_factor(step: int, steps: int, warmup_steps: int, min_ratio: float = 0.1) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay to `min_ratio` at `steps` (0-based `step`)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def load_target(config: TrainConfig, accelerator: Accelerator) -> nn.Module:
+    """The frozen target in eval mode, in `config.target_dtype`, on the accelerator's device."""
+    dtype = config.torch_dtype(accelerator.device.type == "cuda")
+    target = AutoModelForCausalLM.from_pretrained(config.base, dtype=dtype, use_safetensors=True,
+                                                  local_files_only=True)
+    return target.requires_grad_(False).eval().to(accelerator.device)
+
+
+def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
+    """Train the objective `make_objective(config, target, rows)` builds; returns what `train_metrics.json` holds."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.base, local_files_only=True)
+    source = read_source(config, tokenizer)  # bad data files fail here, before the target loads
+    target = load_target(config, accelerator)
+    rows = training_rows(config, accelerator, target, source)
+    torch.manual_seed(config.seed)
+    objective = make_objective(config, target, rows)
+    layers = objective.feature_layers
+    cache = None
+    if layers is not None and config.cache_features:
+        key = feature_key(config.base, target.dtype, layers, rows)
+        cache = build_feature_cache(target, rows, layers, config.feature_cache_dir, key, config.generate_batch_size,
+                                    accelerator)
+
+    optimizer = torch.optim.AdamW(objective.param_groups(config.learning_rate), betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, config.steps, config.warmup_steps))
+    objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
+    start = checkpoints.resume(accelerator, config.out / CHECKPOINT_DIR)
+
+    generator = torch.Generator()
+    history, metrics_history = [], []
+    name = type(accelerator.unwrap_model(objective)).__name__.removesuffix("Objective").lower()
+    progress = tqdm(range(start, config.steps), desc=name, disable=not accelerator.is_local_main_process)
+    for step in progress:
+        generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
+        index = torch.randint(0, len(rows.input_ids), (config.batch_size,), generator=generator)
+        batch = target_batch(target, rows, index, accelerator.device, cache, layers)
+        with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=config.mixed_precision == "bf16"):
+            loss, metrics = objective(batch, target)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(objective.parameters(), config.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        history.append(float(loss.detach()))
+        metrics_history.append(metrics)
+        progress.set_postfix(loss=f"{history[-1]:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()
+                                                           if isinstance(v, float)})
+        if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
+            checkpoints.save(accelerator, config.out / CHECKPOINT_DIR, step + 1)
+    accelerator.wait_for_everyone()
+    result = {"steps": config.steps, "loss_history": history, "metrics_history": metrics_history,
+              "config": {k: str(v) for k, v in asdict(config).items()}}
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(objective).save(config.out, target, rows, result)
+        (config.out / METRICS_FILE).write_text(json.dumps(result, indent=2, sort_keys=True))
+    accelerator.wait_for_everyone()
+    return result

@@ -1,0 +1,79 @@
+"""Draft-model training: a draft cut from the target learns to imitate it (the KL goes down), its folder holds only
+its own tensors, it loads sharing the target's embeddings and lm_head, and speculation with it is lossless."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.main import main
+from hf_specdec.pruned_draft import load_pruned_draft
+from hf_specdec.testbed import loading
+from tests.training.test_target_features import DATA, base  # noqa: F401  (base is a fixture)
+
+
+@pytest.fixture(scope="module")
+def trained(base, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("draft")
+    assert main(["train", "draft", "--base", str(base), "--tokenizer", str(loading.testbed_dir() / "tokenizer"),
+                 "--data", *map(str, DATA), "--out", str(out), "--steps", "25", "--batch-size", "4", "--seq-len",
+                 "32", "--num-samples", "8", "--prompt-len", "16", "--learning-rate", "3e-3", "--warmup-steps", "0",
+                 "--target-layers", "0", "-1"]) == 0
+    return out
+
+
+def test_the_kl_goes_down_and_the_folder_holds_only_the_drafts_own_tensors(trained):
+    history = json.loads((trained / "train_metrics.json").read_text())["loss_history"]
+    assert len(history) == 25 and sum(history[-5:]) / 5 < 0.8 * sum(history[:5]) / 5
+    names = set(load_file(trained / "model.safetensors"))
+    assert names and not names & {"model.embed_tokens.weight", "lm_head.weight"}
+    assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1"}
+    config = json.loads((trained / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config["pruned_draft"]["target_layers"] == [0, 3]
+
+
+def test_the_draft_loads_sharing_the_targets_modules_and_is_lossless(base, trained):  # noqa: F811
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    draft = load_pruned_draft(trained, target)
+    assert draft.get_input_embeddings() is target.get_input_embeddings()
+    assert draft.get_output_embeddings() is target.get_output_embeddings()
+    saved = load_file(trained / "model.safetensors")
+    torch.testing.assert_close(draft.model.layers[1].mlp.up_proj.weight.bfloat16(),
+                               saved["model.layers.1.mlp.up_proj.weight"])
+    # the fine-tuned layers differ from the target's own
+    assert not torch.equal(draft.model.layers[1].mlp.up_proj.weight.bfloat16(),
+                           target.model.layers[3].mlp.up_proj.weight.bfloat16())
+    ids = torch.tensor([[1, 1, 5, 9, 17, 5, 9], [3, 3, 8, 3, 3, 8, 3]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=1)
+    reference = target.generate(ids, **kwargs)
+    for width in (1, 2):
+        config = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3, tree_width=width)
+        assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), reference)
+
+
+def test_a_draft_for_another_model_or_a_damaged_folder_is_refused(base, trained, tmp_path):  # noqa: F811
+    from transformers import LlamaConfig
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4))
+    with pytest.raises(ValueError, match="trained for another model"):
+        load_pruned_draft(trained, other)
+    target = LlamaForCausalLM.from_pretrained(base)
+    with pytest.raises(ValueError, match="no such folder"):
+        load_pruned_draft(tmp_path / "nowhere", target)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((trained / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes((trained / "model.safetensors").read_bytes()[:64])
+    with pytest.raises(ValueError, match="model.safetensors is missing or damaged"):
+        load_pruned_draft(broken, target)
+    with pytest.raises(SystemExit, match="target_layers: expected distinct increasing layer indices"):
+        main(["train", "draft", "--base", str(base), "--data", *map(str, DATA), "--out", str(tmp_path / "x"),
+              "--target-layers", "2", "1", "--steps", "1"])
