@@ -17,6 +17,8 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_specdec.training.skeleton import lr_factor
+
 
 def token_stream(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> np.ndarray:
     """Token ids of ``texts`` concatenated, each text preceded by the eos token."""
@@ -52,10 +54,7 @@ class TrainConfig:
 
     def lr_factor(self, step: int) -> float:
         """Linear warm-up then cosine decay to ``min_lr_ratio``, for 0-based ``step``."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return lr_factor(step, self.steps, self.warmup_steps, self.min_lr_ratio)
 
 
 @dataclass(frozen=True)
