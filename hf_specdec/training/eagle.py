@@ -117,6 +117,7 @@ class EagleObjective(Objective):
         super().__init__()
         self.head = head
         self.feature_layers = feature_layers
+        self.min_batch_length = config.ttt_steps + 2 if head.config.version == "eagle3" else 2
         self.noise, self.ce_weight = config.noise, config.ce_weight
         self.ttt_steps, self.decay = config.ttt_steps, config.decay
 

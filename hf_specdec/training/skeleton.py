@@ -49,6 +49,8 @@ class Objective(nn.Module):
     # entries of the target's `hidden_states` the batches carry as `features` (FINAL_LAYER: the final normed hidden
     # state); None: the objective runs the target itself and batches carry token ids only
     feature_layers: tuple[int, ...] | None = FINAL_LAYER
+    # the fewest positions a batch may have (batches are cut to their longest row)
+    min_batch_length: int = 2
 
     def forward(self, batch: TargetBatch, target: nn.Module) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
@@ -104,13 +106,14 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
     start = checkpoints.resume(accelerator, config.out / CHECKPOINT_DIR)
 
     generator = torch.Generator()
+    min_length = accelerator.unwrap_model(objective).min_batch_length
     history, metrics_history = [], []
     name = type(accelerator.unwrap_model(objective)).__name__.removesuffix("Objective").lower()
     progress = tqdm(range(start, config.steps), desc=name, disable=not accelerator.is_local_main_process)
     for step in progress:
         generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
         index = torch.randint(0, len(rows.input_ids), (config.batch_size,), generator=generator)
-        batch = target_batch(target, rows, index, accelerator.device, cache, layers)
+        batch = target_batch(target, rows, index, accelerator.device, cache, layers, min_length)
         with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=config.mixed_precision == "bf16"):
             loss, metrics = objective(batch, target)
         accelerator.backward(loss)

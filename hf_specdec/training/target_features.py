@@ -42,6 +42,7 @@ from tqdm import tqdm
 from hf_specdec.training.generated import TrainingRows
 
 SHARD_BYTES = 256 * 2**20
+FORMAT_VERSION = 2  # a shard stores its rows up to the longest of them
 FINAL_LAYER = (-1,)  # EAGLE-1/2 reads the final normed hidden state: its features are the hidden states
 
 
@@ -101,14 +102,14 @@ def target_logits(
 
 def feature_key(base: Path, dtype: torch.dtype, layers: tuple[int, ...], rows: TrainingRows) -> str:
     """What cached features depend on, as sorted JSON: the target (folder, its weight and config files' sizes and
-    times), the stored dtype, the fused layers and a hash of the rows."""
+    times), the stored dtype, the fused layers, a hash of the rows and the shard layout's version."""
     base = Path(base).resolve()
     files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(base.iterdir())
              if p.suffix in (".safetensors", ".bin") or p.name == "config.json"}
     digest = hashlib.sha256(rows.input_ids.to(torch.long).numpy().tobytes())
     digest.update(rows.lengths.to(torch.long).numpy().tobytes())
-    return json.dumps({"base": str(base), "dtype": str(cache_dtype(dtype)), "files": files, "layers": list(layers),
-                       "rows_sha256": digest.hexdigest()}, sort_keys=True)
+    return json.dumps({"base": str(base), "dtype": str(cache_dtype(dtype)), "files": files, "format": FORMAT_VERSION,
+                       "layers": list(layers), "rows_sha256": digest.hexdigest()}, sort_keys=True)
 
 
 def cache_dtype(target_dtype: torch.dtype) -> torch.dtype:
@@ -139,18 +140,19 @@ class FeatureCache:
         self,
         # [B] row indices
         rows: torch.Tensor,
+        width: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Features [B, L, F], final normed hidden state [B, L, H] and top token [B, L] of the rows."""
-        features, hidden, argmax = [], [], []
+        """Features [B, W, F], final normed hidden state [B, W, H] and top token [B, W] of the rows' first `width`
+        positions (zeros past what a shard stores: padding)."""
+        names = ("features", "hidden", "argmax") if self.separate_hidden else ("features", "argmax")
+        read = {name: [] for name in names}
         for row in rows.tolist():
             shard, offset = divmod(row, self.rows_per_shard)
-            handle = self.handles[shard]
-            features.append(handle.get_slice("features")[offset : offset + 1])
-            if self.separate_hidden:
-                hidden.append(handle.get_slice("hidden")[offset : offset + 1])
-            argmax.append(handle.get_slice("argmax")[offset : offset + 1])
-        features = torch.cat(features)
-        return features, torch.cat(hidden) if self.separate_hidden else features, torch.cat(argmax).long()
+            for name in names:
+                part = self.handles[shard].get_slice(name)[offset : offset + 1, :width]
+                read[name].append(_padded(part, width, part.dtype))
+        read = {name: torch.cat(parts) for name, parts in read.items()}
+        return read["features"], read.get("hidden", read["features"]), read["argmax"].long()
 
 
 def _open_shard(path: Path, key: str, start: int, stop: int):
@@ -198,7 +200,7 @@ def build_feature_cache(
         length = int(rows.lengths[start:stop].max())  # padding after every row's end is left at zero
         features, hidden, argmax = run_target(target, layers, rows.input_ids[start:stop, :length].to(device))
         tensors = {"features": features, "argmax": argmax} | ({} if layers == FINAL_LAYER else {"hidden": hidden})
-        tensors = {name: _padded(tensor, width, torch.int32 if name == "argmax" else dtype)
+        tensors = {name: _padded(tensor, length, torch.int32 if name == "argmax" else dtype)
                    for name, tensor in tensors.items()}
         progress.update(stop - start)
         partial = _shard_path(folder, index).with_suffix(".partial")
@@ -220,7 +222,7 @@ def _padded(
     width: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """[n, width, ...] on the CPU in `dtype`, zeros after `length`."""
+    """[n, width, ...] on the CPU in `dtype`: the tensor's positions, then zeros."""
     out = torch.zeros((tensor.shape[0], width, *tensor.shape[2:]), dtype=dtype)
     out[:, : tensor.shape[1]] = tensor.to(dtype).cpu()
     return out
@@ -234,15 +236,17 @@ def target_batch(
     device: torch.device,
     cache: FeatureCache | None,
     layers: tuple[int, ...] | None,
+    min_length: int = 1,
 ) -> TargetBatch:
-    """The batch of rows `index`: target outputs read from `cache`, or (without one) from a target forward; none
-    with `layers=None`."""
-    input_ids = rows.input_ids[index].to(device)  # [B, L]
-    batch = TargetBatch(input_ids, rows.real(index).to(device), rows.trained(index).to(device))
+    """The batch of rows `index`, as long as its longest row (at least `min_length`, at most the rows' width):
+    target outputs read from `cache`, or (without one) from a target forward; none with `layers=None`."""
+    width = min(rows.input_ids.shape[1], max(min_length, int(rows.lengths[index].max())))
+    input_ids = rows.input_ids[index, :width].to(device)  # [B, W]
+    batch = TargetBatch(input_ids, rows.real(index)[:, :width].to(device), rows.trained(index)[:, :width].to(device))
     if layers is None:
         return batch
     if cache is None:
         features, hidden, argmax = run_target(target, layers, input_ids)
     else:
-        features, hidden, argmax = (tensor.to(device) for tensor in cache.read(index))
+        features, hidden, argmax = (tensor.to(device) for tensor in cache.read(index, width))
     return replace(batch, features=features, hidden=hidden, argmax=argmax)

@@ -77,6 +77,11 @@ def test_cached_features_are_the_target_forward(base, target, tmp_path, layers):
             torch.testing.assert_close(batch.features[i, : ids.shape[1]], expected[0], rtol=1e-4, atol=1e-4)
     if layers == FINAL_LAYER:
         assert batch.hidden is batch.features  # EAGLE-1/2's feature is the hidden state: stored once
+    short = target_batch(target, rows, torch.tensor([1, 4]), torch.device("cpu"), cache, layers)  # lengths 5, 3
+    assert short.input_ids.shape == (2, 5) and short.features.shape[:2] == (2, 5), "a batch is its longest row"
+    assert torch.equal(short.features[1, 3:], torch.zeros_like(short.features[1, 3:]))
+    longer = target_batch(target, rows, torch.tensor([1, 4]), torch.device("cpu"), cache, layers, min_length=7)
+    assert longer.input_ids.shape == (2, 7) and torch.equal(longer.features[:, :5], short.features)
 
 
 def test_draft_vocab_logits_are_the_rows_of_the_full_logits(target):
@@ -98,7 +103,7 @@ def test_matching_shards_are_kept_and_damaged_or_stale_ones_rebuilt(base, target
     cache = build_feature_cache(target, rows, FINAL_LAYER, tmp_path, key, 2, accelerator)
     assert [p.stat().st_mtime_ns for p in shards][::2] == stamps[::2], "whole shards were computed again"
     assert not (tmp_path / "shard-00007.safetensors").exists()
-    torch.testing.assert_close(cache.read(torch.tensor([2]))[0][0, :7], run_target(
+    torch.testing.assert_close(cache.read(torch.tensor([2]), 9)[0][0, :7], run_target(
         target, FINAL_LAYER, rows.input_ids[2:3, :7])[0][0], rtol=1e-5, atol=1e-5)
     other = feature_key(base, target.dtype, (1, 2, 3), rows)  # other settings: every shard is stale
     assert other != key
