@@ -20,8 +20,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from hf_specdec.heads.files import LORA_FOLDER
-from hf_specdec.heads.medusa import MedusaConfig, MedusaHeads, fit_tree
+from hf_specdec.heads.medusa import LORA_FOLDER, MedusaConfig, MedusaHeads, fit_tree
 from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.skeleton import Objective, train

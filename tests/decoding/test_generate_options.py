@@ -10,7 +10,7 @@ import torch
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from tests.conftest import make_draft, make_model, padded_batch
-from tests.heads.test_medusa import heads_for
+from tests.heads.medusa.test_model import heads_for
 
 GREEDY = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
 

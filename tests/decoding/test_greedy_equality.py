@@ -176,7 +176,7 @@ def test_finished_rows_leave_the_target_cache(monkeypatch):
     """Rows that end early (EOS) are dropped from the target's cache; the others go on, exactly as plain generate,
     for chains, trees and the heads that read the target's features."""
     from hf_specdec.cache.ragged import RaggedKVCache
-    from tests.heads.test_medusa import heads_for
+    from tests.heads.medusa.test_model import heads_for
     from tests.proposers.test_eagle import eagle_head, trained_head
 
     held_rows = []

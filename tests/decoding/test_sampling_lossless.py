@@ -26,7 +26,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import EagleConfig, EagleHead
 from hf_specdec.verify.chain import rejection_sample
 from tests.conftest import DECODER
-from tests.heads.test_medusa import heads_for
+from tests.heads.medusa.test_model import heads_for
 
 VOCAB = 8
 N = 6_000

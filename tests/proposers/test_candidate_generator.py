@@ -45,7 +45,7 @@ def test_draft_heads_are_refused_up_front():
     from transformers import GenerationConfig
 
     from hf_specdec.heads import EagleConfig, EagleHead
-    from tests.heads.test_medusa import heads_for
+    from tests.heads.medusa.test_model import heads_for
 
     target = make_model("llama")
     for config in (SpeculativeConfig(method="medusa", heads=heads_for(target)),

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import EagleConfig, EagleHead
-from hf_specdec.heads.eagle_files import export_speculators
+from hf_specdec.heads.eagle import export_speculators
 from hf_specdec.proposers.eagle import EagleDrafter
 from tests.conftest import make_model, padded_batch
 

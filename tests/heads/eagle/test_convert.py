@@ -1,5 +1,5 @@
-"""EAGLE head folders: our adapter round trip, the SafeAILab and speculators layouts built with their exact key
-names, and export to speculators then re-import."""
+"""Published EAGLE layouts: SafeAILab and speculators folders built with their exact key names, and export to
+speculators then re-import."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hf_specdec.heads import EagleConfig, EagleHead
-from hf_specdec.heads.eagle_files import export_speculators
+from hf_specdec.heads.eagle import export_speculators
 
 H, V, DRAFT_V, TARGET_LAYERS = 32, 64, 48, 8
 
@@ -66,45 +66,6 @@ def write(folder, config: dict, weights: dict[str, torch.Tensor], name: str = "m
         save_file(weights, str(folder / name))
     else:
         torch.save(weights, folder / name)
-
-
-@pytest.mark.parametrize("version", ["eagle", "eagle3"])
-def test_adapter_round_trip(tmp_path, version):
-    head = random_head(version, revision="abc")
-    head.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    config = json.loads((tmp_path / "adapter_config.json").read_text())
-    assert list(config) == sorted(config)
-    assert config["method"] == version and "version" not in config
-    assert config["task_type"] == "CAUSAL_LM" and config["revision"] == "abc"
-    assert config["base_model_name_or_path"] == "local/target" and "library_version" in config
-    # the target's embeddings (and EAGLE-1's lm_head) are never stored
-    assert not any("embed" in k for k in load_file(str(tmp_path / "adapter_model.safetensors")))
-    assert_same(head, EagleHead.from_pretrained(tmp_path))
-
-
-def test_adapter_unknown_keys_are_warned_and_ignored(tmp_path):
-    head = random_head()
-    head.save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "adapter_config.json").read_text())
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"future_option": 3}))
-    with pytest.warns(UserWarning, match="ignoring unknown keys \\['future_option'\\]"):
-        assert_same(head, EagleHead.from_pretrained(tmp_path))
-
-
-def test_adapter_of_another_method_is_refused(tmp_path):
-    random_head().save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "adapter_config.json").read_text())
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"method": "medusa"}))
-    with pytest.raises(ValueError, match="method 'medusa' is not 'eagle' or 'eagle3'"):
-        EagleHead.from_pretrained(tmp_path)
-
-
-def test_adapter_feature_layers_must_agree(tmp_path):
-    random_head().save_pretrained(tmp_path)
-    assert EagleHead.from_pretrained(tmp_path, feature_layers=(2, 4, 5)).config.feature_layers == (2, 4, 5)
-    with pytest.raises(ValueError, match=r"feature_layers: the checkpoint fuses target layers \(2, 4, 5\), not \(2, 6, 9"):
-        EagleHead.from_pretrained(tmp_path, num_target_layers=12)
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])

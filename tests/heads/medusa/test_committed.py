@@ -12,7 +12,7 @@ from safetensors import safe_open
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import MedusaHeads
-from hf_specdec.testbed.loading import load_testbed, heads_dir
+from hf_specdec.testbed.loading import heads_dir, load_testbed
 from hf_specdec.testbed.workloads import load_workload
 
 MAX_BYTES = 13 * 1024 * 1024

@@ -1,20 +1,21 @@
-"""The Hub boundary: the exact upload calls and files, the model card's metadata, and offline resolution."""
+"""The adapter module every head shares: resolving folders and Hub ids (offline included), damaged files named,
+and the registry of adapter types."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
-from huggingface_hub import ModelCard
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, hub
-from tests.heads.test_files import _assert_same, _random_heads
+from hf_specdec.heads import EagleConfig, EagleHead, MedusaHeads, adapter
+from tests.heads.medusa.test_convert import _assert_same, _random_heads
 
 
 def fake_hf_api(monkeypatch, uploaded: Path) -> list[tuple]:
-    """Replaces HfApi in hub.py: records its calls (returned) and copies the uploaded folder to `uploaded`."""
+    """Replaces HfApi in adapter.py: records its calls (returned) and copies the uploaded folder to `uploaded`."""
     calls = []
 
     class FakeApi:
@@ -31,39 +32,8 @@ def fake_hf_api(monkeypatch, uploaded: Path) -> list[tuple]:
             calls.append(("upload_folder", {k: v for k, v in kwargs.items() if k != "folder_path"}))
             return "commit-info"
 
-    monkeypatch.setattr(hub, "HfApi", FakeApi)
+    monkeypatch.setattr(adapter, "HfApi", FakeApi)
     return calls
-
-
-def test_push_to_hub_uploads_adapter_and_card(monkeypatch, tmp_path):
-    calls = fake_hf_api(monkeypatch, tmp_path / "uploaded")
-    heads = _random_heads()
-    result = heads.push_to_hub("user/heads", private=True, token="t0k", measured={"mean_acceptance_length": 2.31})
-    assert result == "commit-info"
-    assert calls == [
-        ("init", "t0k"),
-        ("create_repo", "user/heads", {"private": True, "exist_ok": True, "repo_type": "model"}),
-        ("upload_folder", {"repo_id": "user/heads", "repo_type": "model",
-                           "commit_message": "Upload Medusa heads (hf_specdec)"}),
-    ]
-    uploaded = tmp_path / "uploaded"
-    assert sorted(p.name for p in uploaded.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
-    card = ModelCard.load(uploaded / "README.md")
-    assert card.data.library_name == "hf-specdec"
-    assert card.data.base_model == "local/target"
-    assert card.data.pipeline_tag == "text-generation"
-    assert {"speculative-decoding", "medusa"} <= set(card.data.tags)
-    assert "| mean_acceptance_length | 2.31 |" in card.text
-    assert "each projected by its own lm_head over" in card.text
-    _assert_same(heads, MedusaHeads.from_pretrained(uploaded))
-
-
-def test_card_of_shared_lm_head_heads_says_so():
-    from hf_specdec.heads.hub import medusa_card
-
-    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=None, num_heads=2, shared_lm_head=True))
-    text = medusa_card(heads, "user/heads").text
-    assert "each projected by the target's own lm_head" in text and "None" not in text
 
 
 def test_hub_id_resolves_through_snapshot_download(monkeypatch, tmp_path):
@@ -75,7 +45,7 @@ def test_hub_id_resolves_through_snapshot_download(monkeypatch, tmp_path):
         asked.append((repo_id, revision))
         return str(tmp_path / "snapshot")
 
-    monkeypatch.setattr(hub, "snapshot_download", fake_download)
+    monkeypatch.setattr(adapter, "snapshot_download", fake_download)
     _assert_same(heads, MedusaHeads.from_pretrained("user/heads", revision="v1"))
     assert asked == [("user/heads", "v1")]
 
@@ -84,7 +54,7 @@ def test_offline_miss_is_a_clear_error(monkeypatch):
     def offline(repo_id, revision=None):
         raise LocalEntryNotFoundError("offline")
 
-    monkeypatch.setattr(hub, "snapshot_download", offline)
+    monkeypatch.setattr(adapter, "snapshot_download", offline)
     with pytest.raises(ValueError, match="no such local folder, and the Hub repo is not in the local cache"):
         MedusaHeads.from_pretrained("user/absent")
 
@@ -94,7 +64,7 @@ def test_a_local_looking_path_that_does_not_exist_says_no_such_folder(monkeypatc
     def hub_called(*args, **kwargs):
         raise AssertionError("a local-looking path must not reach the Hub")
 
-    monkeypatch.setattr(hub, "snapshot_download", hub_called)
+    monkeypatch.setattr(adapter, "snapshot_download", hub_called)
     for loader in (MedusaHeads.from_pretrained, EagleHead.from_pretrained):
         with pytest.raises(ValueError, match=f"no such folder: '{re.escape(name)}'"):
             loader(name)
@@ -125,3 +95,38 @@ def test_damaged_files_are_named(tmp_path):
     (tmp_path / "eagle" / "adapter_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"eagle/adapter_config.json: expected a JSON object, got list"):
         EagleHead.from_pretrained(tmp_path / "eagle")
+
+
+def test_registry_maps_adapter_types_to_their_heads_and_refuses_a_second_owner():
+    assert adapter.registered_head("medusa") is MedusaHeads
+    assert adapter.registered_head("eagle") is adapter.registered_head("eagle3") is EagleHead
+    assert adapter.registered_head("mlp_speculator") is None
+
+    class Other:
+        adapter_types = ("other", "medusa")
+
+    with pytest.raises(ValueError, match="register_head: adapter type 'medusa' is already registered by MedusaHeads"):
+        adapter.register_head(Other)
+    assert adapter.registered_head("medusa") is MedusaHeads and adapter.registered_head("other") is None
+    assert adapter.register_head(MedusaHeads) is MedusaHeads  # the same class again is no second owner
+
+
+def test_a_folder_of_another_head_names_the_class_that_loads_it(tmp_path):
+    EagleHead(EagleConfig(version="eagle", hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                          num_key_value_heads=2, vocab_size=40)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="method 'eagle' is not 'medusa'; it holds EagleHead: load it with "
+                                         r"EagleHead.from_pretrained"):
+        MedusaHeads.from_pretrained(tmp_path)
+
+
+def test_adapter_weights_that_do_not_fit_the_config_are_named(tmp_path):
+    heads = _random_heads()
+    heads.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"num_heads": 4}))
+    with pytest.raises(ValueError, match=r"adapter weights: missing \['heads.3.0.linear.bias', .*not recognised \[\]"):
+        MedusaHeads.from_pretrained(tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"vocab_size": 12}))
+    with pytest.raises(ValueError, match="adapter weights do not match its adapter_config.json: ") as error:
+        MedusaHeads.from_pretrained(tmp_path)
+    assert "size mismatch for heads.0.2.weight" in str(error.value)

@@ -8,7 +8,6 @@ import torch
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import MedusaConfig, MedusaHeads
-from hf_specdec.heads.medusa import fit_tree
 from tests.conftest import make_model, padded_batch
 
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
@@ -91,30 +90,6 @@ def test_medusa_spelling_and_bad_input():
         MedusaConfig(hidden_size=8, vocab_size=8, num_heads=0)
 
 
-def test_fit_tree_keeps_the_likeliest_paths_as_a_tree():
-    accuracy = torch.tensor([[0.6, 0.2, 0.1], [0.5, 0.3, 0.0], [0.4, 0.0, 0.0]])  # [K = 3 heads, R = 3 ranks]
-    # path chances: (0,) .6, (0,0) .3, (1,) .2, (0,1) .18, (0,0,0) .12, (1,0) .1, (2,) .1, ...
-    assert fit_tree(accuracy, 5) == [[0], [0, 0], [1], [0, 1], [0, 0, 0]]
-    assert fit_tree(accuracy, 7) == [[0], [0, 0], [1], [0, 1], [0, 0, 0], [2], [1, 0]]  # ties: shorter first
-    ones = torch.ones(2, 2)  # every chance 1: ties everywhere, still prefix-closed
-    assert fit_tree(ones, 4) == [[0], [1], [0, 0], [0, 1]]
-    with pytest.raises(ValueError, match="fit_tree: num_nodes: expected an int >= 1"):
-        fit_tree(accuracy, 0)
-
-
-def test_medusa_config_checks_shared_lm_head_and_tree():
-    with pytest.raises(ValueError, match="MedusaConfig.vocab_size: expected an int >= 1, got None"):
-        MedusaConfig(hidden_size=8, vocab_size=None)
-    assert MedusaConfig(hidden_size=8, vocab_size=None, shared_lm_head=True).vocab_size is None
-    with pytest.raises(ValueError, match="MedusaConfig.shared_lm_head: expected a bool"):
-        MedusaConfig(hidden_size=8, vocab_size=8, shared_lm_head="yes")
-    with pytest.raises(ValueError, match="MedusaConfig.tree_paths: depth 3 needs as many heads, num_heads is 2"):
-        MedusaConfig(hidden_size=8, vocab_size=8, num_heads=2, tree_paths=[[0], [0, 0], [0, 0, 0]])
-    with pytest.raises(ValueError, match="MedusaConfig.tree_paths: expected a list of rank paths forming a tree"):
-        MedusaConfig(hidden_size=8, vocab_size=8, tree_paths=[[0, 1]])
-    assert MedusaConfig(hidden_size=8, vocab_size=8, tree_paths=[(0,), (0, 0)]).tree_paths == [[0], [0, 0]]
-
-
 @pytest.mark.parametrize("tree", [None, TREE])
 def test_shared_lm_head_heads_are_lossless_and_checked(tree):
     target = make_model("llama")
@@ -132,13 +107,3 @@ def test_shared_lm_head_heads_are_lossless_and_checked(tree):
         hf_specdec.generate(target, ids[:1], assistant=wrong, spec_method="medusa", max_new_tokens=2)
     with pytest.raises(ValueError, match="lm_head: expected the target's lm_head"):
         heads(torch.zeros(1, 32))
-
-
-def test_heads_tree_is_the_fitted_one_else_the_default():
-    from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE
-
-    four = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=8, num_heads=4))
-    assert four.tree() == [list(p) for p in DEFAULT_MEDUSA_TREE]
-    assert max(map(len, MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=8, num_heads=2)).tree())) == 2
-    fitted = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=8, num_heads=2, tree_paths=[[0], [1], [0, 0]]))
-    assert fitted.tree() == [[0], [1], [0, 0]]
