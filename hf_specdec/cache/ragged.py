@@ -284,13 +284,11 @@ class RaggedKVCache:
         real = offsets[None, :] < num_real[:, None]
         plain_causal = self.layout.sliding_window is None and bool(real.all()) and bool(self.valid.all())
         self._extend(positions, orders, real)
-        if not plain_causal:
+        if plain_causal:
+            mask = self._dense_mask(input_ids)
+        else:
             chain = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
             mask = self._attention_mask(orders, self.num_slots - width, chain.expand(input_ids.shape[0], -1, -1))
-        elif width > 1:  # no padding, holes or dummies: every query sees every earlier slot
-            mask = _causal_tail_mask(input_ids.shape[0], width, self.num_slots, self.model.dtype, input_ids.device)
-        else:  # one query per row that sees every slot: no mask at all
-            mask = None
         logits = self._run(input_ids, positions, attention_mask=mask, **model_inputs)
         self.next_position = self.next_position + num_real
         self.next_order = self.next_order + num_real
@@ -308,14 +306,31 @@ class RaggedKVCache:
         region_start: int,
         # [B, W, R] bool, R = num_slots - region_start + W: the region slots each new token sees (its ancestors)
         visible: torch.Tensor,
+        # the new tokens form one chain in node order (each sees exactly the ones before it): with no padding,
+        # holes or dummies, a plain causal mask does
+        chain: bool = False,
         **model_inputs,
     ) -> torch.Tensor:
         """Run the model on W new tokens per row; slots before the region are seen by order (causal, windowed).
         Does not move `next_position` (`keep` does, and `forward` for chains). Returns logits [B, W, V]."""
         orders = positions - self.next_position[:, None] + self.next_order[:, None]  # same offset from the row's next
+        dense = (chain and region_start == self.num_slots and self.layout.sliding_window is None
+                 and bool(real.all()) and bool(self.valid.all()))
         self._extend(positions, orders, real)
-        mask = self._attention_mask(orders, region_start, visible)
+        mask = self._dense_mask(input_ids) if dense else self._attention_mask(orders, region_start, visible)
         return self._run(input_ids, positions, attention_mask=mask, **model_inputs)
+
+    def _dense_mask(
+        self,
+        # [B, W]
+        input_ids: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """With no padding, holes or dummies, each of the W chained queries sees every slot up to its own: a plain
+        causal mask over the last W slots, or none for one query per row."""
+        batch, width = input_ids.shape
+        if width == 1:
+            return None
+        return _causal_tail_mask(batch, width, self.num_slots, self.model.dtype, input_ids.device)
 
     def _extend(
         self,

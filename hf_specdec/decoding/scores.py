@@ -15,32 +15,11 @@ import copy
 
 import torch
 from transformers import LogitsProcessorList
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
-    MinPLogitsWarper,
-    PrefixConstrainedLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 
-from hf_specdec.decoding.state import DecodeState
+from hf_specdec.sampling import PREFIX_FREE_PROCESSORS
+from hf_specdec.step.state import DecodeState
 
-PREFIX_FREE_PROCESSORS = (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
 # Processors that index rows by their batch position: a subset of rows would be misread.
 ROW_INDEXED_PROCESSORS = (PrefixConstrainedLogitsProcessor,)
 
@@ -52,11 +31,6 @@ def check_processors(logits_processor: LogitsProcessorList) -> None:
                 f"{type(processor).__name__} (prefix_allowed_tokens_fn) indexes rows by batch position and cannot "
                 "be combined with speculative decoding; drop prefix_allowed_tokens_fn or the speculative config"
             )
-
-
-def prefix_free(logits_processor: LogitsProcessorList) -> LogitsProcessorList:
-    """The processors that depend only on the scores (what a draft model can apply to its own logits)."""
-    return LogitsProcessorList([p for p in logits_processor if isinstance(p, PREFIX_FREE_PROCESSORS)])
 
 
 class PositionScorer:

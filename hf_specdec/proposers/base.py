@@ -10,9 +10,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
-from hf_specdec.verify.chain import VerificationResult
-from hf_specdec.verify.tree import TreeVerificationResult
+from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
 
 @dataclass(frozen=True)
@@ -54,12 +52,12 @@ class Proposer(ABC):
         """Called once with the prompt, before the first proposal."""
 
     @abstractmethod
-    def propose(self, state: DecodeState) -> Proposal | TreeProposal:
+    def propose(self, state: DecodeState) -> Proposal:
         """Up to `state.draft_budget()` draft tokens per row (per branch of a tree); finished rows get none."""
 
-    def commit(self, state: DecodeState, result: VerificationResult | TreeVerificationResult) -> None:
+    def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Called after `state` took the step's tokens (finished rows are marked in `state.finished`), with what
-        the target accepted (`result.num_accepted`; for a tree also the accepted path)."""
+        the target accepted (`result.num_accepted`, and the accepted path `result.path_nodes`)."""
 
 
 ProposerFactory = Callable[[SpeculativeConfig, torch.nn.Module, DraftSampling], Proposer]

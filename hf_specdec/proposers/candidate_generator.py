@@ -16,10 +16,9 @@ from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.scores import prefix_free
-from hf_specdec.decoding.state import DecodeState, Proposal
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer
-from hf_specdec.verify.chain import VerificationResult
+from hf_specdec.sampling import prefix_free
+from hf_specdec.step import DecodeState, VerificationResult
 
 
 class ProposerCandidateGenerator(CandidateGenerator):
@@ -65,17 +64,17 @@ class ProposerCandidateGenerator(CandidateGenerator):
         if not self._started:
             self.proposer.start(state, None)
             self._started = True
-        proposal = self.proposer.propose(state)
-        if not isinstance(proposal, Proposal):
+        tree = self.proposer.propose(state).tree
+        if not tree.is_chain:
             raise ValueError("transformers' assisted loop verifies chains only; use tree_width=1")
-        count = int(proposal.num_draft_tokens[0])
-        candidates = torch.cat([input_ids, proposal.draft_token_ids[:, :count].to(input_ids.device)], dim=1)
-        if proposal.draft_probs is None:
+        count = int(tree.valid[0, 1:].sum())
+        candidates = torch.cat([input_ids, tree.token_ids[:, 1 : 1 + count].to(input_ids.device)], dim=1)
+        if tree.draft_probs is None:
             return candidates, None
         # transformers takes softmax(candidate_logits) as the draft distribution: log-probabilities give it back
-        return candidates, proposal.draft_probs[:, :count].log()
+        return candidates, tree.draft_probs[:, :count].log()
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         accepted = torch.tensor([int(num_matches)], device=input_ids.device)
-        outcome = VerificationResult(output_token_ids=input_ids[:, -int(num_matches) - 1 :], num_accepted=accepted)
+        outcome = VerificationResult.chain(input_ids[:, -int(num_matches) - 1 :], accepted)
         self.proposer.commit(self._state(input_ids), outcome)

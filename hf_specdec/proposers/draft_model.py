@@ -25,12 +25,10 @@ import torch
 
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.tree.template import TreeTemplate
 from hf_specdec.tree.tree import TokenTree
-from hf_specdec.verify.chain import VerificationResult
-from hf_specdec.verify.tree import TreeVerificationResult
 
 # Vocabulary sizes of one tokenizer padded for kernels differ by a few dozen rows (Phi-3: 32064 vs Llama-2: 32000,
 # Qwen2.5-7B: 152064 vs 0.5B: 151936); a bigger gap means another tokenizer.
@@ -114,14 +112,19 @@ class DraftModelProposer(Proposer):
         self.cache.prefill(prompt, None if attention_mask is None else attention_mask[:, :-1].to(device))
         self.cached_lengths = state.lengths - 1
 
-    def propose(self, state: DecodeState) -> Proposal | TreeProposal:
+    def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
         self._num_drafted = int(budget.max())
         logits = self._feed_unseen(state)
+        self._region_start = self.cache.num_slots
         if self.total_tokens is not None:
             return self._propose_dynamic_tree(state, budget, logits)
         if self.tree_width > 1:
             return self._propose_tree(state, budget, logits)
+        return self._propose_chain(state, budget, logits)
+
+    def _propose_chain(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
+        """k drafts, one forward each after the first; draft d (d < k) is fed at region slot d - 1."""
         tokens, probs = [], []
         ones = torch.ones_like(self._fed, device=self.draft.device)
         hidden = self._root_hidden
@@ -134,14 +137,12 @@ class DraftModelProposer(Proposer):
             token, token_probs = self._draw(logits)
             tokens.append(token)
             probs.append(token_probs)
-        if self._num_drafted == 0:
-            return Proposal.empty(state.batch_size, state.sequences.device)
         target_device = state.sequences.device
-        return Proposal(
-            draft_token_ids=torch.stack(tokens, dim=1).to(target_device),
-            num_draft_tokens=budget,
-            draft_probs=None if probs[0] is None else torch.stack(probs, dim=1).to(target_device),
-        )
+        slots = torch.arange(-1, self._num_drafted, device=target_device)  # node d: slot d - 1; the root has none
+        self._node_slots = torch.where(slots < self._num_drafted - 1, slots, -1).expand(state.batch_size, -1)
+        drafts = torch.stack(tokens, dim=1) if tokens else budget.new_zeros(state.batch_size, 0)
+        draft_probs = None if not probs or probs[0] is None else torch.stack(probs, dim=1).to(target_device)
+        return Proposal.chain(state.last_tokens(), drafts.to(target_device), budget, draft_probs)
 
     def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
         """Feed each row's committed tokens the draft has not seen (at least its last token); returns the draft's
@@ -159,14 +160,13 @@ class DraftModelProposer(Proposer):
         self._root_hidden = None if hidden is None else hidden.gather(1, last.expand(-1, 1, hidden.shape[-1]))[:, 0]
         return logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0]
 
-    def _propose_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> TreeProposal:
+    def _propose_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """Top-w first tokens, each continued as a chain: one draft forward per depth for all branches."""
         width, depth, batch = self.tree_width, max(self._num_drafted, 1), state.batch_size
         device = self.draft.device
         first = self._scores(logits).topk(width, dim=-1).indices  # [B, w]
         levels = [first.to(state.sequences.device)]
         level_probs = [None if not self.sampling.do_sample else _one_hot(levels[0], self.target_vocab)]
-        self._region_start = self.cache.num_slots
         branch = torch.eye(width, dtype=torch.bool, device=device)
         hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
         for d in range(1, depth):
@@ -188,11 +188,8 @@ class DraftModelProposer(Proposer):
         slots = torch.arange(template.num_nodes, device=state.sequences.device) - 1
         self._node_slots = torch.where((node_depths >= 1) & (node_depths < depth), slots, -1).expand(batch, -1)
         root = state.last_tokens()[:, None]
-        draft_probs = None
-        if self.sampling.do_sample:
-            root_probs = torch.zeros_like(level_probs[0][:, :1])
-            draft_probs = torch.cat([root_probs, *level_probs], dim=1)
-        return TreeProposal(TokenTree.from_template(
+        draft_probs = torch.cat(level_probs, dim=1) if self.sampling.do_sample else None
+        return Proposal(TokenTree.from_template(
             template,
             torch.cat([root, *levels], dim=1),
             valid=node_depths[None, :] <= budget[:, None],
@@ -237,7 +234,7 @@ class DraftModelProposer(Proposer):
         missing = scores.new_full((scores.shape[0], self.target_vocab - draft_vocab), float("-inf"))
         return torch.cat([scores, missing], dim=-1)
 
-    def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> TreeProposal:
+    def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates."""
         width, depth, batch = self.tree_width, max(self._num_drafted, 1), state.batch_size
         device = self.draft.device
@@ -249,7 +246,6 @@ class DraftModelProposer(Proposer):
         frontier = torch.arange(1, width + 1, device=device).expand(batch, -1)  # node ids [B, w]
         sees = torch.zeros(batch, 1 + width, 0, dtype=torch.bool, device=device)  # [B, nodes, region slots]
         node_slots = torch.full((batch, 1 + width), -1, dtype=torch.long, device=device)
-        self._region_start = self.cache.num_slots
         # [B, w, F]: the drafter's output at each frontier node's parent (None when the drafter keeps none)
         frontier_parent_hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
         for d in range(1, depth):
@@ -287,7 +283,7 @@ class DraftModelProposer(Proposer):
         return self._select_dynamic_tree(state, budget, torch.cat(all_tokens, 1), torch.cat(all_parents, 1),
                                          torch.cat(all_cum, 1), all_depths, node_slots)
 
-    def _select_dynamic_tree(self, state, budget, tokens, parents, cum, depths: list[int], node_slots) -> TreeProposal:
+    def _select_dynamic_tree(self, state, budget, tokens, parents, cum, depths: list[int], node_slots) -> Proposal:
         """Keep the best `total_tokens` nodes by cumulative log-probability (ties: shallower first), re-indexed
         so parents precede children."""
         batch, count = tokens.shape
@@ -303,15 +299,13 @@ class DraftModelProposer(Proposer):
         tree_depths = torch.cat([by_depth[:1].expand(batch, 1), by_depth[chosen]], dim=1)
         self._node_slots = torch.cat([torch.full_like(chosen[:, :1], -1), node_slots.gather(1, chosen)], dim=1)
         target_device = state.sequences.device
-        tree_tokens = tree_tokens.to(target_device)
-        draft_probs = None
-        if self.sampling.do_sample:  # deterministic candidates: point masses (the root's row is unused)
-            draft_probs = _one_hot(tree_tokens, self.target_vocab)
-        return TreeProposal(TokenTree(
-            token_ids=tree_tokens,
+        # deterministic candidates: point masses (draft_probs None), at most k deep, at most w children per node
+        return Proposal(TokenTree(
+            token_ids=tree_tokens.to(target_device),
             parents=tree_parents.to(target_device),
             valid=tree_depths.to(target_device) <= budget[:, None],
-            draft_probs=draft_probs,
+            max_depth=max(depths),
+            max_children=self.tree_width,
         ))
 
     def _log_probs(
@@ -322,21 +316,14 @@ class DraftModelProposer(Proposer):
         """Log-probabilities over the target vocabulary, after the sampling warpers when sampling."""
         return torch.log_softmax(self._scores(logits), dim=-1)
 
-    def commit(self, state: DecodeState, result: VerificationResult | TreeVerificationResult) -> None:
-        device = self.draft.device
-        if isinstance(result, TreeVerificationResult):
-            kept_slots, kept_drafts = self._kept_tree_slots(result, state.finished)
-            self.cache.keep(self._mark, kept_slots.to(device))
-            kept = torch.where(state.finished, 0, self._fed + kept_drafts)
-        else:
-            kept_drafts = result.num_accepted.clamp(max=max(self._num_drafted - 1, 0))
-            kept = torch.where(state.finished, 0, self._fed + kept_drafts)
-            self.cache.rollback(self._mark, kept.to(device))
-        self.cached_lengths = self.cached_lengths + kept
+    def commit(self, state: DecodeState, result: VerificationResult) -> None:
+        kept_slots, kept_drafts = self._kept_slots(result, state.finished)
+        self.cache.keep(self._mark, kept_slots.to(self.draft.device))
+        self.cached_lengths = self.cached_lengths + torch.where(state.finished, 0, self._fed + kept_drafts)
 
-    def _kept_tree_slots(
+    def _kept_slots(
         self,
-        result: TreeVerificationResult,
+        result: VerificationResult,
         # [B] bool
         finished: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,12 +24,10 @@ import torch
 from torch import nn
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState
 from hf_specdec.heads.eagle import EagleHead
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.draft_model import DraftModelProposer
-from hf_specdec.verify.chain import VerificationResult
-from hf_specdec.verify.tree import TreeVerificationResult
+from hf_specdec.step import DecodeState, VerificationResult
 
 
 class EagleDrafter(nn.Module):
@@ -109,7 +107,7 @@ class EagleProposer(DraftModelProposer):
     def _draft_inputs(self, parent_hidden: torch.Tensor | None) -> dict:
         return {"features": parent_hidden, "from_target": False}
 
-    def commit(self, state: DecodeState, result: VerificationResult | TreeVerificationResult) -> None:
+    def commit(self, state: DecodeState, result: VerificationResult) -> None:
         kept = torch.where(state.finished, 0, self._fed)  # the committed tokens fed this step; no drafts
         self.cache.rollback(self._mark, kept.to(self.draft.device))
         self.cached_lengths = self.cached_lengths + kept

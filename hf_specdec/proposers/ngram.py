@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
-from hf_specdec.tree.tree import TokenTree
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.step import DecodeState, Proposal
+from hf_specdec.tree.tree import TokenTree
 
 
 def _longest_match_ends(
@@ -136,7 +136,7 @@ class NgramProposer(Proposer):
         self.max_n = config.prompt_lookup_max
         self.tree_width = config.tree_width
 
-    def propose(self, state: DecodeState) -> Proposal | TreeProposal:
+    def propose(self, state: DecodeState) -> Proposal:
         if self.tree_width > 1:
             return self._propose_tree(state)
         budget = state.draft_budget().clamp(max=self.k).tolist()
@@ -151,14 +151,11 @@ class NgramProposer(Proposer):
             counts[row] = found.size
         device = state.sequences.device
         width = int(counts.max()) if counts.size else 0
-        return Proposal(
-            draft_token_ids=torch.from_numpy(drafts[:, :width]).to(device),
-            num_draft_tokens=torch.from_numpy(counts).to(device),
-            draft_probs=None,
-        )
+        return Proposal.chain(state.last_tokens(), torch.from_numpy(drafts[:, :width]).to(device),
+                              torch.from_numpy(counts).to(device))
 
 
-    def _propose_tree(self, state: DecodeState) -> TreeProposal:
+    def _propose_tree(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k).tolist()
         sequences = state.sequences.cpu().numpy()
         starts, ends = state.pad_lengths.tolist(), state.lengths.tolist()
@@ -170,7 +167,9 @@ class NgramProposer(Proposer):
             rows.append(build_trie(int(sequences[row, ends[row] - 1]), found, num_nodes))
         device = state.sequences.device
         tokens, parents, valid = (torch.from_numpy(np.stack(column)).to(device) for column in zip(*rows))
-        return TreeProposal(TokenTree(token_ids=tokens, parents=parents, valid=valid))
+        # a trie of w continuations of k tokens: at most k deep, at most w children per node
+        return Proposal(TokenTree(token_ids=tokens, parents=parents, valid=valid, max_depth=self.k,
+                                  max_children=self.tree_width))
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from hf_specdec.step.result import VerificationResult
 from hf_specdec.tree.tree import TokenTree
-from hf_specdec.verify.chain import VerificationResult, _assemble, _first_rejection, _valid_drafts
-from hf_specdec.verify.tree import TreeVerificationResult, _result, _row_gather, follow_acceptable
+from hf_specdec.verify.chain import _assemble, _first_rejection, _valid_drafts
+from hf_specdec.verify.tree import _result, _row_gather, follow_acceptable
 
 
 def typical_thresholds(
@@ -56,7 +57,7 @@ def typical_tree_verify_lossy(
     posterior_threshold: float,
     posterior_alpha: float,
     generator: torch.Generator | None,
-) -> TreeVerificationResult:
+) -> VerificationResult:
     parent_probs = _rows_of(target_probs, tree.parents.clamp(min=0))  # [B, N, V]: p where each node is judged
     token_probs = parent_probs.gather(2, tree.token_ids[..., None]).squeeze(2)
     acceptable = (token_probs > typical_thresholds(parent_probs, posterior_threshold, posterior_alpha)) & tree.valid

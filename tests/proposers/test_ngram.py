@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from hf_specdec import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState
+from hf_specdec.step import DecodeState
 from hf_specdec.proposers.ngram import NgramProposer, find_ngram_continuation
 
 

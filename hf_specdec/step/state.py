@@ -1,5 +1,5 @@
-"""Per-step decoding state shared by the engine and the proposers, and what a proposer returns: a `Proposal`
-(a chain of draft tokens per row) or a `TreeProposal` (a token tree per row)."""
+"""The committed text of every row (`DecodeState`), shared by the engine and the proposers, and what `generate`
+prepared for the prompt besides its token ids (`PromptInputs`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from hf_specdec.tree.tree import TokenTree
 
 
 @dataclass
@@ -117,34 +115,3 @@ class PromptInputs:
     inputs_embeds: torch.Tensor | None = None
     # a filled transformers cache holding the prompt's first tokens (continuing an earlier call), or None
     past_key_values: Any = None
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """Draft tokens for one step: a chain per row."""
-
-    # [B, k]: entries at or after num_draft_tokens[b] are padding
-    draft_token_ids: torch.Tensor
-    # [B]
-    num_draft_tokens: torch.Tensor
-    # [B, k, V_target]: the distributions the drafts were sampled from; None for point-mass proposers
-    draft_probs: torch.Tensor | None
-
-    @classmethod
-    def empty(cls, batch_size: int, device: torch.device) -> Proposal:
-        return cls(
-            draft_token_ids=torch.zeros((batch_size, 0), dtype=torch.long, device=device),
-            num_draft_tokens=torch.zeros(batch_size, dtype=torch.long, device=device),
-            draft_probs=None,
-        )
-
-    @property
-    def width(self) -> int:
-        return self.draft_token_ids.shape[1]
-
-
-@dataclass(frozen=True)
-class TreeProposal:
-    """Draft tokens for one step: a token tree per row, node 0 being the row's last committed token."""
-
-    tree: TokenTree
