@@ -28,7 +28,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.cache.exchange import full_layers, recompute
-from hf_specdec.cache.ragged import CacheMark, RaggedKVCache
+from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.decoding.outputs import OutputLog
@@ -59,8 +59,14 @@ class ScoreLog:
     def __init__(self, batch_size: int) -> None:
         self.rows: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
 
-    def add(self, values: torch.Tensor, num_emitted: torch.Tensor) -> None:
-        for row, count in enumerate(num_emitted.tolist()):
+    def add(
+        self,
+        # [B, W, V]
+        values: torch.Tensor,
+        # per row: how many of its entries to keep
+        num_emitted: list[int],
+    ) -> None:
+        for row, count in enumerate(num_emitted):
             self.rows[row].extend(values[row, :count].unbind(0))
 
     def steps(self) -> tuple[torch.Tensor, ...]:
@@ -109,6 +115,9 @@ class SpeculativeDecoder:
         self.score_log = ScoreLog(0)
         self.logit_log = ScoreLog(0)
         self.rows: torch.Tensor | None = None  # [B_held]: the batch row of each row the target cache holds; None: all
+        self.held_rows: list[int] = []  # the same on the host (all rows until some are dropped)
+        # the host needs each step's tokens: to stream them, or for a proposer that matches on the text
+        self.report_tokens = streamer is not None or self.proposer.reads_emitted_tokens
 
     def run(
         self,
@@ -117,7 +126,7 @@ class SpeculativeDecoder:
         prompt: PromptInputs,
     ) -> DecodeState:
         self.start(input_ids, prompt)
-        while not bool(self.state.finished.all()):
+        while not all(self.state.host.finished):
             self.step()
         if self.streamer is not None:
             self.streamer.end()
@@ -144,6 +153,7 @@ class SpeculativeDecoder:
             pad_token_id=0 if pad is None else int(pad),
         )
         batch = input_ids.shape[0]
+        self.held_rows = list(range(batch))
         self.stats = SpecStatsRecorder(batch, self.max_depth, input_ids.device)
         self.stop_lengths = torch.full_like(self.state.lengths, -1)  # [B]: length at each row's first stop
         self.score_log, self.logit_log = ScoreLog(batch), ScoreLog(batch)
@@ -164,35 +174,36 @@ class SpeculativeDecoder:
         scores = self.score(proposal, logits)
         result = self.verifier(proposal, scores)
         num_emitted = self.emit(result, scores, logits)
+        self.commit_tokens(proposal, result, num_emitted, logits.shape[1])
+        self.log(result, scores, logits)
         if self.cache.output_hidden_states or self.cache.output_attentions:
             self.output_log.prefill(self.cache.model_outputs)
-        self.commit_tokens(proposal, result, num_emitted, logits.shape[1])
 
     def step(self) -> None:
         """propose -> verify -> accept -> emit -> commit."""
         self.drop_finished_rows()
+        lengths = self.state.host.lengths
         proposal = self.proposer.propose(self.state)
-        mark = self.cache.mark()
         logits = self.verify(proposal)
         scores = self.score(proposal, logits)
         result = self.verifier(proposal, scores)
         num_emitted = self.emit(result, scores, logits)
+        self.commit(proposal, result, num_emitted, logits.shape[1])
+        self.log(result, scores, logits)
         if self.cache.output_hidden_states or self.cache.output_attentions:
-            self.output_log.add(self.cache.model_outputs, result.path_nodes, num_emitted,
-                                self.unheld(mark.next_order), self.unheld)
-        self.commit(proposal, result, num_emitted, mark, logits.shape[1])
+            self.output_log.add(self.cache.model_outputs, result.path_nodes, self.state.host.num_emitted, lengths,
+                                self.unheld)
 
     def verify(self, proposal: Proposal) -> torch.Tensor:
-        """One target forward over each held row's last committed token and its draft nodes; returns logits
-        [B, N, V] (zeros for rows the cache dropped)."""
+        """One target forward over each held row's last committed token and its draft nodes, in the target
+        cache's region; returns logits [B, N, V] (zeros for rows the cache dropped)."""
         tree, held = proposal.tree, self.held
-        logits = self.cache.forward_tree(
+        all_real = tree.dense and not any(self.state.host.finished[row] for row in self.held_rows)
+        logits = self.cache.forward(
             held(tree.token_ids),
-            positions=self.cache.next_position[:, None] + held(tree.depths),
-            real=held(tree.valid & ~self.state.finished[:, None]),
-            region_start=self.cache.num_slots,
-            visible=held(tree.ancestors),
-            chain=tree.is_chain,
+            held(tree.depths),
+            real=None if all_real else held(tree.valid & ~self.state.finished[:, None]),
+            visible=None if tree.is_chain else held(tree.ancestors),
         )
         return self.unheld(logits)
 
@@ -204,7 +215,8 @@ class SpeculativeDecoder:
     ) -> torch.Tensor:
         """Processed scores [B, N, V] of every verified node, each with its true prefix."""
         path_tokens, depths = proposal.path_tokens()
-        return self.scorer(self.state, logits, path_tokens, depths)
+        template = proposal.tree.template
+        return self.scorer(self.state, logits, path_tokens, depths, None if template is None else template.depths)
 
     def emit(
         self,
@@ -214,8 +226,8 @@ class SpeculativeDecoder:
         # [B, N, V]
         logits: torch.Tensor,
     ) -> torch.Tensor:
-        """Each row's accepted tokens plus one, cut at its first stopping token: written after its committed text,
-        logged (scores, logits) and streamed. Returns [B] the tokens each row emits."""
+        """Each row's accepted tokens plus one, cut at its first stopping token, written after its committed text.
+        Returns [B] the tokens each row emits."""
         state = self.state
         num_emitted = torch.where(state.finished, 0, result.num_accepted + 1)
         state.write(result.output_token_ids.clamp(min=0), num_emitted)
@@ -226,14 +238,25 @@ class SpeculativeDecoder:
         self.stop_lengths = torch.where(
             (self.stop_lengths < 0) & decision.stopped, state.lengths + decision.num_emitted, self.stop_lengths
         )
-        if self.generation_config.output_scores:
-            self.score_log.add(scores_of_emitted(result, scores), num_emitted)
-        if self.generation_config.output_logits:
-            self.logit_log.add(scores_of_emitted(result, logits.float()), num_emitted)
-        if self.streamer is not None:
-            for token in result.output_token_ids[0, : int(num_emitted[0])].tolist():
-                self.streamer.put(torch.tensor([token]))
         return num_emitted
+
+    def log(
+        self,
+        result: VerificationResult,
+        # [B, N, V]
+        scores: torch.Tensor,
+        # [B, N, V]
+        logits: torch.Tensor,
+    ) -> None:
+        """The emitted tokens' scores and logits (when asked for) and the streamer, from the host's counts."""
+        host = self.state.host
+        if self.generation_config.output_scores:
+            self.score_log.add(scores_of_emitted(result, scores), host.num_emitted)
+        if self.generation_config.output_logits:
+            self.logit_log.add(scores_of_emitted(result, logits.float()), host.num_emitted)
+        if self.streamer is not None:
+            for token in host.emitted[0, : host.num_emitted[0]].tolist():
+                self.streamer.put(torch.tensor([token]))
 
     def commit_tokens(
         self,
@@ -244,13 +267,15 @@ class SpeculativeDecoder:
         num_verified: int,
     ) -> None:
         """The state takes the emitted tokens; rows that stopped are marked finished; the statistics count the
-        step; the target's features where the tokens were chosen are kept for the proposer."""
+        step; the target's features where the tokens were chosen are kept for the proposer; the host learns the
+        new lengths, the finished rows and what was emitted (the step's one host read)."""
         state = self.state
         self.stats.record(~state.finished, proposal.num_draft_tokens, result.num_accepted)
         state.commit(num_emitted, scratch_width=result.output_token_ids.shape[1])
         state.finished |= self.finished_rows()
         if self.cache.hidden_states is not None:
             self.keep_target_features(result, num_verified)
+        state.report(num_emitted, result.num_accepted, result.output_token_ids if self.report_tokens else None)
 
     def commit(
         self,
@@ -258,25 +283,28 @@ class SpeculativeDecoder:
         result: VerificationResult,
         # [B]
         num_emitted: torch.Tensor,
-        mark: CacheMark,
         num_verified: int,
     ) -> None:
         """`commit_tokens`, then the target cache keeps the fed nodes whose successors were emitted (the accepted
         path; a row that stopped mid-step keeps those before its stop, as plain generate's cache holds every token
         but the last), and the proposer keeps what was accepted."""
         self.commit_tokens(proposal, result, num_emitted, num_verified)
-        self.cache.keep(mark, self.held(result.path_prefix(num_emitted)))
+        path = None if proposal.tree.is_chain else self.held(result.path_nodes)
+        kept_on_host = [self.state.host.num_emitted[row] for row in self.held_rows]
+        self.cache.commit(self.held(num_emitted), path, kept_on_host=kept_on_host)
         self.proposer.commit(self.state, result)
 
     def drop_finished_rows(self) -> None:
         """Drop finished rows from the target's cache once they are DROP_FINISHED_SHARE of the rows it holds."""
-        rows = torch.arange(self.state.batch_size, device=self.state.finished.device) if self.rows is None else self.rows
-        finished = self.state.finished[rows]
-        if int(finished.sum()) < max(1.0, DROP_FINISHED_SHARE * rows.shape[0]):
+        finished = self.state.host.finished
+        done = sum(finished[row] for row in self.held_rows)
+        if done < max(1.0, DROP_FINISHED_SHARE * len(self.held_rows)):
             return
-        keep = (~finished).nonzero().squeeze(1)
-        self.cache.select_rows(keep)
-        self.rows = rows[keep]
+        keep = [i for i, row in enumerate(self.held_rows) if not finished[row]]
+        self.held_rows = [self.held_rows[i] for i in keep]
+        device = self.state.finished.device
+        self.cache.select_rows(torch.tensor(keep, device=device), keep)
+        self.rows = torch.tensor(self.held_rows, device=device)
 
     def held(
         self,
@@ -330,7 +358,7 @@ class SpeculativeDecoder:
         batch = self.state.batch_size
         held = torch.arange(batch, device=self.state.lengths.device) if self.rows is None else self.rows
         complete = torch.zeros(batch, dtype=torch.bool, device=held.device)
-        complete[held] = self.cache.next_order.to(held.device) == total
+        complete[held] = self.cache.lengths.to(held.device) == total
         layers = [(k.new_zeros(batch, *k.shape[1:]), v.new_zeros(batch, *v.shape[1:]))
                   for k, v in self.cache.layers_by_order(total)]
         for (keys, values), (held_keys, held_values) in zip(layers, self.cache.layers_by_order(total)):

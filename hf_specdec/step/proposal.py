@@ -31,18 +31,20 @@ class Proposal:
         num_draft_tokens: torch.Tensor,
         # [B, k, V_target]: the distributions the drafts were sampled from; None for point-mass proposers
         draft_probs: torch.Tensor | None = None,
+        # a host fact: every row has all k drafts (num_draft_tokens == k everywhere)
+        dense: bool = False,
     ) -> Proposal:
         k = draft_token_ids.shape[1]
         tokens = torch.cat([root_token_ids[:, None], draft_token_ids.to(root_token_ids.device)], dim=1)
         valid = torch.arange(k + 1, device=tokens.device)[None, :] <= num_draft_tokens.to(tokens.device)[:, None]
-        return cls(TokenTree.from_template(chain_template(k), tokens, valid, draft_probs))
+        return cls(TokenTree.from_template(chain_template(k), tokens, valid, draft_probs, dense=dense))
 
     @classmethod
     def empty(cls, batch_size: int, device: torch.device) -> Proposal:
         """No draft: the step verifies one position per row (the prefill's first token is chosen this way; the
         root token is never read)."""
         none = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
-        return cls.chain(none.new_zeros(batch_size), none, none.new_zeros(batch_size))
+        return cls.chain(none.new_zeros(batch_size), none, none.new_zeros(batch_size), dense=True)
 
     @property
     def num_nodes(self) -> int:

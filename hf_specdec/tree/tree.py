@@ -37,6 +37,8 @@ class TokenTree:
     # host bounds (from the template when there is one): the deepest node's depth, the most children of a node
     max_depth: int = field(default=-1)
     max_children: int = field(default=-1)
+    # a host fact: every node of every row is real (`valid` is all True), so the verify forward needs no dummies
+    dense: bool = False
 
     def __post_init__(self) -> None:
         nodes = self.token_ids.shape[1]
@@ -58,11 +60,14 @@ class TokenTree:
         valid: torch.Tensor | None = None,
         # [B, N - 1, V] or None
         draft_probs: torch.Tensor | None = None,
+        # every node of every row is real (a host fact; True when `valid` is None)
+        dense: bool = False,
     ) -> TokenTree:
         parents = template_tensors(template, token_ids.device).parents.expand_as(token_ids)
         if valid is None:
-            valid = torch.ones_like(token_ids, dtype=torch.bool)
-        return cls(token_ids=token_ids, parents=parents, valid=valid, draft_probs=draft_probs, template=template)
+            valid, dense = torch.ones_like(token_ids, dtype=torch.bool), True
+        return cls(token_ids=token_ids, parents=parents, valid=valid, draft_probs=draft_probs, template=template,
+                   dense=dense)
 
     @property
     def num_nodes(self) -> int:

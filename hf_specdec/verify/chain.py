@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_specdec.sampling import sample
 from hf_specdec.step.result import PLACEHOLDER_TOKEN_ID, VerificationResult
 
 
@@ -111,5 +112,5 @@ def rejection_sample(
         degenerate = residual.sum(dim=1, keepdim=True) <= 0
         residual = torch.where(degenerate, final_target, residual)
         final_target = torch.where(rejected[:, None], residual, final_target)
-    final = torch.multinomial(final_target.float(), 1, generator=generator).squeeze(1)
+    final = sample(final_target, generator)
     return _assemble(draft_token_ids, num_accepted, final)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_specdec.sampling import sample
 from hf_specdec.step.result import PLACEHOLDER_TOKEN_ID, VerificationResult
 from hf_specdec.tree.tree import TokenTree
 
@@ -129,5 +130,5 @@ def tree_rejection_sample(
         num_accepted += active.long()
         path.append(current)
     final_probs = torch.where(active[:, None], _row_gather(target_probs, current).double(), final_probs)
-    final = torch.multinomial(final_probs.float(), 1, generator=generator).squeeze(1)
+    final = sample(final_probs, generator)
     return _result(tree, path, num_accepted, final)
