@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from hf_specdec.decoding.state import PromptInputs
+from hf_specdec.step.state import PromptInputs
 
 
 def full_layers(

@@ -5,28 +5,31 @@ transformers' assisted generation gives up here (batch size 1 only); this module
 
 Design
 ------
-* The keys and values live in one `GrowableCache` (a transformers `DynamicCache` that appends in place, see
-  `hf_specdec.cache.growable`) whose layers are all full-attention layers. All rows share one slot axis of length S.
-* `valid [B, S]` says which slots a row may attend to; `positions [B, S]` holds the position id of each slot.
-* A forward appends the same number of slots W to every row (for a verify step: the last committed token and k
-  drafts). `rollback` then keeps, per row, only the first `num_kept` of the slots appended since a `CacheMark`
-  (last token + accepted drafts) and marks the others invalid. No row waits for another, and no KV is copied.
-* Trailing slots that no row keeps are cropped at once. Holes in the middle (one row rejected while another
-  accepted) are squeezed out by `_compact`, which runs only when the holes outnumber the longest row's valid
-  slots: one gather per layer, amortised O(1) per generated token, so memory stays within about twice the
-  longest row.
-* Each slot also has an *order* (`orders [B, S]`): its index in the cache plain `generate` would have built for
-  that row (prompt padding included). Attention gets a 4-D additive mask built from `valid` and `orders`:
-  causality and sliding windows are computed on orders, never on slot indices (which holes and compaction move),
-  so a window covers exactly the tokens it covers in plain `generate`. Sliding-window layers therefore keep their
-  whole history here; the mask applies the window. Position ids (`positions`) only go to the model: they equal
-  orders minus the left padding, but differ after right padding, whose trailing pads carry position 0.
+* Slot = order. Row b's committed tokens sit in slots [0, lengths[b]), each at its *order*: its index in the cache
+  plain `generate` would have built for that row, prompt padding included (`valid` marks the padding slots, which
+  no query sees). There are no holes and nothing to compact.
+* A step writes its tokens (the last committed token, drafts, a tree) into the *region*: slots shared by every
+  row, right after the committed part, [width, width + R), where `width` is a host int at least every row's
+  length. Several forwards may write into one region (a draft model drafting depth by depth). A new token sees
+  the committed slots before it (causal and windowed, on orders) and the region slots its caller names (its
+  ancestors; for a chain, every earlier real one). Rows with fewer tokens fill the rest with dummies, which nobody
+  sees.
+* `commit` ends the region: each row keeps some of its region slots (a chain's prefix, a tree's accepted path),
+  moved right after its committed tokens by one gather per layer, skipped when they are already there (one row
+  taking a chain's prefix, or rows of equal length). The slots after a row's length are stale and masked.
+* Host facts stay on the host: `width`, the region's extent and whether a forward needs a mask at all come from
+  host ints and flags (the row lengths the engine learns in its one host read per step, or a bound on them), never
+  from reading the device. Masks are built on the device from the per-row lengths, by
+  `hf_specdec.kernels.tree_mask` (the Triton kernel on CUDA for verify steps).
+* Sliding windows are applied on orders through the mask, so a window covers exactly the tokens it covers in plain
+  `generate`; sliding-window layers keep their whole history. Position ids (`next_position`) only go to the
+  model: they equal orders minus the left padding, but differ after right padding, whose trailing pads carry
+  position 0.
 * Rows that finished can be dropped (`select_rows`), so they stop costing compute; the engine maps the rows the
   cache holds to batch rows.
-* While no row has padding, holes or dummies (batch 1, say) and there is no sliding window, a chain needs only a
-  plain causal mask, or none for one query per row; `forward` skips the general construction then.
-* Positions follow plain `generate`: the first real token of a left-padded row has position 0, and the first new
-  token of a row goes at its last prompt position + 1 (also when the prompt ends in right padding).
+* While no row has padding, every row has the same length and a chain has no dummies (batch 1, say), and there is
+  no sliding window, a forward needs only a plain causal mask, or none for one query per row.
+* Capacity: the buffers grow by doubling (`hf_specdec.cache.storage`).
 
 The prefill goes through the model's own mask preparation (a 2-D mask), as plain `generate` does, so the prompt
 is encoded with the same kernels and gives the same numbers.
@@ -34,19 +37,18 @@ is encoded with the same kernels and gives the same numbers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hf_specdec.cache.exchange import filled_layers, gather_by_order
-from hf_specdec.cache.growable import GrowableCache
+from hf_specdec.cache.exchange import filled_layers
+from hf_specdec.cache.storage import MIN_CAPACITY, SlotCache
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-# Holes are squeezed out once they outnumber the longest row's tokens, and never for fewer than this many.
-MIN_HOLES_BEFORE_COMPACTION = 32
 
 
 @dataclass(frozen=True)
@@ -115,33 +117,29 @@ class ModelOutputs:
     hidden_states: tuple | None
     # per layer [B, heads, W, S], or None (empty for attention kernels that return none)
     attentions: tuple | None
-    # [B, S]
+    # [B, S]: the order of every key slot
     orders: torch.Tensor
 
 
-@dataclass(frozen=True)
-class CacheMark:
-    """Where the cache stood before a group of forwards, so `rollback` can keep a prefix of what came after."""
-
-    num_slots: int
-    # [B]
-    next_position: torch.Tensor
-    # [B]
-    next_order: torch.Tensor
-
-
 class RaggedKVCache:
-    """KV cache plus per-row slot validity and positions; see the module docstring."""
+    """KV cache with per-row lengths and a shared region for each step's tokens; see the module docstring."""
 
     def __init__(self, model) -> None:
         self.model = model
         self.layout = AttentionLayout.from_model(model)
-        self.kv = GrowableCache()
-        self.valid: torch.Tensor | None = None  # [B, S] bool
-        self.positions: torch.Tensor | None = None  # [B, S] long: position ids
-        self.orders: torch.Tensor | None = None  # [B, S] long: index in plain generate's cache (masks use these)
+        self.kv = SlotCache(MIN_CAPACITY)
+        # device state
+        self.valid: torch.Tensor | None = None  # [B, capacity] bool: False at prompt padding
+        self.lengths: torch.Tensor | None = None  # [B] long: committed slots of each row (= its next order)
         self.next_position: torch.Tensor | None = None  # [B] long: position id of each row's next token
-        self.next_order: torch.Tensor | None = None  # [B] long: order of each row's next token
+        self.region_orders: torch.Tensor | None = None  # [B, R] long: order of each region slot
+        self.region_real: torch.Tensor | None = None  # [B, R] bool: region slots that hold a real token
+        # host state
+        self.width = 0  # committed slots: at least every row's length
+        self.region = 0  # region slots written since the last commit
+        self.host_lengths: list[int] | None = None  # every row's length, when the host knows it exactly
+        self.padded = False  # the prompt had padding (known once, at the prefill)
+        self.dense_region = True  # every region slot so far is real and each sees all the earlier ones
         # entries of the model's `hidden_states` each forward keeps for its new tokens, concatenated (-1: the final
         # one, after the last norm; i < num_layers: the residual stream entering layer i); None keeps nothing
         self.feature_layers: tuple[int, ...] | None = None
@@ -156,8 +154,8 @@ class RaggedKVCache:
         self.model_outputs: ModelOutputs | None = None
 
     @property
-    def num_slots(self) -> int:
-        return 0 if self.valid is None else self.valid.shape[1]
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
 
     def prefill(
         self,
@@ -180,25 +178,27 @@ class RaggedKVCache:
         batch, length = input_ids.shape
         if inputs_embeds is not None:
             length = inputs_embeds.shape[1]
+        device = input_ids.device
         if token_type_ids is not None:
             self.row_inputs["token_type_ids"] = token_type_ids[:, -1]
-        self.orders = torch.arange(length, device=input_ids.device).expand(batch, -1)
-        self.next_order = input_ids.new_full((batch,), length)
+        self._reserve(batch, length, device)
+        self.lengths = input_ids.new_full((batch,), length)
+        self.host_lengths, self.width = [length] * batch, length
         if length == 0:
-            self.valid = torch.zeros_like(input_ids, dtype=torch.bool)
-            self.positions = torch.zeros_like(input_ids)
             self.next_position = input_ids.new_zeros(batch)
             return None
         if attention_mask is None:
-            attention_mask = torch.ones(batch, length, dtype=torch.long, device=input_ids.device)
+            attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
+        self.valid[:, :length] = attention_mask.bool()
+        self.padded = bool((attention_mask == 0).any())  # once per call: the prompt's padding is a host fact
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        self.next_position = position_ids[:, -1] + 1  # as `generate` continues positions, right padding or not
         if past_key_values is not None:
             return self._prefill_after(past_key_values, input_ids, attention_mask, position_ids, token_type_ids,
                                        inputs_embeds, logits_to_keep)
-        has_padding = bool((attention_mask == 0).any())
         model_kwargs = {
-            "attention_mask": attention_mask if has_padding else None,
+            "attention_mask": attention_mask if self.padded else None,
             "position_ids": position_ids,
             "past_key_values": self.kv,
             "use_cache": True,
@@ -212,10 +212,8 @@ class RaggedKVCache:
             model_kwargs["logits_to_keep"] = logits_to_keep
         inputs = self.model.prepare_inputs_for_generation(input_ids, **model_kwargs)
         keep = length if self.record_prompt_features else logits_to_keep
-        logits = self._call_model(inputs, keep_hidden=keep)
-        self.valid = attention_mask.bool()
-        self.positions = position_ids
-        self.next_position = position_ids[:, -1] + 1  # as `generate` continues positions, right padding or not
+        self.kv.write_start = 0
+        logits = self._call_model(inputs, keep_hidden=keep, orders=self._slot_orders(length))
         return logits[:, -logits_to_keep:]  # models without `logits_to_keep` return every position's
 
     def _prefill_after(
@@ -233,128 +231,189 @@ class RaggedKVCache:
         inputs_embeds: torch.Tensor | None,
         logits_to_keep: int,
     ) -> torch.Tensor:
-        """Start from a filled transformers cache of the first C prompt tokens and encode the other P - C."""
+        """Start from a filled transformers cache of the first C prompt tokens and encode the other P - C as one
+        region, committed whole."""
         cached = past_key_values.get_seq_length()
         batch, length = attention_mask.shape
+        self.kv.write_start = 0
         for index, (keys, values) in enumerate(filled_layers(past_key_values, cached)):
             self.kv.update(keys, values, index)
-        self.valid = attention_mask[:, :cached].bool()
-        self.positions, orders = position_ids[:, :cached], self.orders
-        self.orders = orders[:, :cached]
-        positions, width = position_ids[:, cached:], length - cached
-        self._extend(positions, orders[:, cached:], attention_mask[:, cached:].bool())
-        chain = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).tril()
-        mask = self._attention_mask(self.orders[:, cached:], cached, chain.expand(batch, -1, -1))
+        width = length - cached
+        self.lengths = self.lengths.new_full((batch,), cached)
+        self.host_lengths, self.width = [cached] * batch, cached
+        self.next_position = position_ids[:, cached]
         rest = {} if token_type_ids is None else {"token_type_ids": token_type_ids[:, cached:]}
         if inputs_embeds is not None:
             rest["inputs_embeds"] = inputs_embeds[:, cached:]
-        else:
-            rest["input_ids"] = input_ids[:, cached:]
-        logits = self._call_model(
-            dict(position_ids=positions, attention_mask=mask, past_key_values=self.kv, use_cache=True, **rest),
-            keep_hidden=width,
-        )
+        depths = torch.arange(width, device=attention_mask.device).expand(batch, -1)
+        logits = self.forward(None if inputs_embeds is not None else input_ids[:, cached:], depths,
+                              real=attention_mask[:, cached:].bool(), **rest)
+        self.commit(self.lengths.new_full((batch,), width), kept_on_host=[width] * batch)
         self.next_position = position_ids[:, -1] + 1
         return logits[:, -logits_to_keep:]
 
-    def layers_by_order(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer ([B_held, H, length, D] keys, values): every row's slots at orders < length, at their order."""
-        return [(gather_by_order(layer.keys, self.orders, self.valid, length),
-                 gather_by_order(layer.values, self.orders, self.valid, length)) for layer in self.kv.layers]
-
-    def mark(self) -> CacheMark:
-        return CacheMark(
-            num_slots=self.num_slots, next_position=self.next_position.clone(), next_order=self.next_order.clone()
-        )
-
     def forward(
         self,
-        # [B, W]: each row's real tokens first, then dummies
-        input_ids: torch.Tensor,
-        # [B]: real tokens per row; dummies are attended by nobody and invalidated after the forward
-        num_real: torch.Tensor,
+        # [B, W] (None when the model inputs give `inputs_embeds`)
+        input_ids: torch.Tensor | None,
+        # [B, W] long: each new token's distance from its row's next order (its order is lengths + depth, its
+        # position id next_position + depth)
+        depths: torch.Tensor,
+        # [B, W] bool or None (all real): dummies are seen by nobody and are never kept
+        real: torch.Tensor | None = None,
+        # [B, W, R] bool, R = region slots after this forward: the region slots each new token sees (its ancestors
+        # and itself); None: a chain, each new token seeing every real region slot up to its own
+        visible: torch.Tensor | None = None,
         **model_inputs,
     ) -> torch.Tensor:
-        """Run the model on W new tokens per row, a chain after each row's tokens; returns logits [B, W, V].
+        """Run the model on W new tokens per row, written to the next W region slots; returns logits [B, W, V].
         `model_inputs` go to the model as they are (a draft head's features)."""
-        width = input_ids.shape[1]
-        offsets = torch.arange(width, device=input_ids.device)
-        positions = self.next_position[:, None] + offsets
-        orders = self.next_order[:, None] + offsets
-        real = offsets[None, :] < num_real[:, None]
-        plain_causal = self.layout.sliding_window is None and bool(real.all()) and bool(self.valid.all())
-        self._extend(positions, orders, real)
-        if not plain_causal:
-            chain = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
-            mask = self._attention_mask(orders, self.num_slots - width, chain.expand(input_ids.shape[0], -1, -1))
-        elif width > 1:  # no padding, holes or dummies: every query sees every earlier slot
-            mask = _causal_tail_mask(input_ids.shape[0], width, self.num_slots, self.model.dtype, input_ids.device)
-        else:  # one query per row that sees every slot: no mask at all
-            mask = None
-        logits = self._run(input_ids, positions, attention_mask=mask, **model_inputs)
-        self.next_position = self.next_position + num_real
-        self.next_order = self.next_order + num_real
-        return logits
-
-    def forward_tree(
-        self,
-        # [B, W]
-        input_ids: torch.Tensor,
-        # [B, W]: position id of each new token (the root's position plus its depth, for tree nodes)
-        positions: torch.Tensor,
-        # [B, W] bool: real tokens; the others attend only to themselves and stay invalid
-        real: torch.Tensor,
-        # slots from here on form the tree region: the new tokens see them only where `visible` says so
-        region_start: int,
-        # [B, W, R] bool, R = num_slots - region_start + W: the region slots each new token sees (its ancestors)
-        visible: torch.Tensor,
-        **model_inputs,
-    ) -> torch.Tensor:
-        """Run the model on W new tokens per row; slots before the region are seen by order (causal, windowed).
-        Does not move `next_position` (`keep` does, and `forward` for chains). Returns logits [B, W, V]."""
-        orders = positions - self.next_position[:, None] + self.next_order[:, None]  # same offset from the row's next
-        self._extend(positions, orders, real)
-        mask = self._attention_mask(orders, region_start, visible)
-        return self._run(input_ids, positions, attention_mask=mask, **model_inputs)
-
-    def _extend(
-        self,
-        # [B, W]
-        positions: torch.Tensor,
-        # [B, W]
-        orders: torch.Tensor,
-        # [B, W] bool
-        real: torch.Tensor,
-    ) -> None:
-        """Append W slots per row (their KV is written by the forward that follows)."""
-        self.valid = torch.cat([self.valid, real], dim=1)
-        self.positions = torch.cat([self.positions, positions], dim=1)
-        self.orders = torch.cat([self.orders, orders], dim=1)
-
-    def _run(
-        self,
-        # [B, W]
-        input_ids: torch.Tensor,
-        # [B, W]
-        positions: torch.Tensor,
-        attention_mask: torch.Tensor | dict | None,
-        **model_inputs,
-    ) -> torch.Tensor:
-        width = input_ids.shape[1]
+        batch, width = depths.shape
+        start = self.region
+        end = start + width
+        self._reserve(batch, self.width + end, depths.device)
+        orders = self.lengths[:, None] + depths
+        real_or_all = torch.ones_like(depths, dtype=torch.bool) if real is None else real
+        if start == 0:
+            self.region_orders, self.region_real = orders, real_or_all
+        else:
+            self.region_orders = torch.cat([self.region_orders, orders], dim=1)
+            self.region_real = torch.cat([self.region_real, real_or_all], dim=1)
+        self.region = end
+        self.dense_region &= real is None and visible is None
+        mask = self._dense_mask(batch, width, depths.device) if self._dense() else self._mask(orders, visible, start)
+        self.kv.write_start = self.width + start
         inputs = dict(
             input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=attention_mask,
+            position_ids=self.next_position[:, None] + depths,
+            attention_mask=mask,
             past_key_values=self.kv,
             use_cache=True,
             **{name: value[:, None].expand(-1, width) for name, value in self.row_inputs.items()},
             **model_inputs,
         )
-        return self._call_model(inputs, keep_hidden=input_ids.shape[1])
+        if input_ids is None:
+            del inputs["input_ids"]
+        region_orders = self.region_orders
+        return self._call_model(inputs, keep_hidden=width,
+                                orders=lambda: torch.cat([self._slot_orders(self.width), region_orders], dim=1))
 
-    def _call_model(self, inputs: dict, keep_hidden: int) -> torch.Tensor:
+    def commit(
+        self,
+        # [B] long: region slots each row keeps (they become its next committed tokens)
+        num_kept: torch.Tensor,
+        # [B, M] long or None: the region slot each kept token comes from, in order (a tree's accepted path);
+        # None: the first num_kept region slots (a chain's prefix)
+        sources: torch.Tensor | None = None,
+        # num_kept on the host when the caller knows it; else `width_bound` must be given
+        kept_on_host: Sequence[int] | None = None,
+        # a host bound on every row's length after the commit, used when `kept_on_host` is None
+        width_bound: int | None = None,
+    ) -> None:
+        """End the region: each row keeps `num_kept` of its region slots, moved right after its committed tokens
+        (one gather per layer, skipped when they are already there)."""
+        in_place = sources is None and self.host_lengths is not None and all(n == self.width for n in self.host_lengths)
+        if not in_place and self.region:
+            count = self.region if sources is None else sources.shape[1]
+            steps = torch.arange(count, device=num_kept.device)[None, :]
+            read = self.width + (steps if sources is None else sources)
+            self.kv.move(read.expand(self.batch_size, -1), self.lengths[:, None] + steps)
+        self.lengths = self.lengths + num_kept
+        self.next_position = self.next_position + num_kept
+        if kept_on_host is not None and self.host_lengths is not None:
+            self.host_lengths = [n + k for n, k in zip(self.host_lengths, kept_on_host)]
+            self.width = max(self.host_lengths, default=0)
+        else:
+            if width_bound is None:
+                raise ValueError("RaggedKVCache.commit: give kept_on_host or width_bound")
+            self.host_lengths, self.width = None, width_bound
+        self.region, self.dense_region = 0, True
+
+    def select_rows(
+        self,
+        # [B'] long: indices of the rows to keep, in order
+        rows: torch.Tensor,
+        # the same indices on the host
+        rows_on_host: Sequence[int],
+    ) -> None:
+        """Keep only these rows (the others, finished, stop costing compute): one copy of the cache."""
+        self.kv.select_rows(rows)
+        rows = rows.to(self.valid.device)
+        self.valid, self.lengths, self.next_position = self.valid[rows], self.lengths[rows], self.next_position[rows]
+        self.row_inputs = {name: value[rows.to(value.device)] for name, value in self.row_inputs.items()}
+        if self.host_lengths is not None:
+            self.host_lengths = [self.host_lengths[i] for i in rows_on_host]
+            self.width = max(self.host_lengths, default=0)
+
+    def layers_by_order(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ([B_held, H, length, D] keys, values): every row's slots at orders < length (zeros at
+        padding and after the row's length)."""
+        keep = (self.valid[:, :length] & (self._slot_orders(length) < self.lengths[:, None]))[:, None, :, None]
+        return [(keys[:, :, :length] * keep, values[:, :, :length] * keep) for keys, values in self.kv.buffers()]
+
+    def _reserve(self, batch: int, slots: int, device: torch.device) -> None:
+        """Room for `slots` slots per row (buffers doubled when full)."""
+        capacity = self.kv.capacity
+        if self.valid is None:
+            capacity = max(2 * slots, MIN_CAPACITY)
+            self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=device)
+        elif slots > capacity:
+            capacity = 2 * slots
+            grown = torch.ones(self.valid.shape[0], capacity, dtype=torch.bool, device=self.valid.device)
+            grown[:, : self.valid.shape[1]] = self.valid
+            self.valid = grown
+        self.kv.grow(capacity)
+
+    def _slot_orders(self, count: int) -> torch.Tensor:
+        """[B, count]: the order of committed slot s is s."""
+        return torch.arange(count, device=self.lengths.device).expand(self.batch_size, -1)
+
+    def _dense(self) -> bool:
+        """A plain causal mask (or none) is exact: no padding, rows of one length, a chain without dummies, no
+        window (all host facts)."""
+        return (self.dense_region and not self.padded and self.layout.sliding_window is None
+                and self.host_lengths is not None and all(n == self.width for n in self.host_lengths))
+
+    def _dense_mask(self, batch: int, width: int, device: torch.device) -> torch.Tensor | None:
+        """Each of the W chained queries sees every slot up to its own: a causal mask over the last W slots, or none
+        for one query per row."""
+        if width == 1:
+            return None
+        return _causal_tail_mask(batch, width, self.width + self.region, self.model.dtype, device)
+
+    def _mask(
+        self,
+        # [B, W] long: the queries' orders
+        query_orders: torch.Tensor,
+        # [B, W, R] bool or None (a chain)
+        visible: torch.Tensor | None,
+        # region slot of the first query
+        start: int,
+    ):
+        """Additive mask(s) [B, 1, W, width + R]: committed slots before the row's length (valid, windowed), the
+        region slots `visible` names (real ones), always the query's own slot; sliding windows on orders."""
+        width = query_orders.shape[1]
+        if visible is None:  # a chain: every earlier region slot and itself
+            slots = torch.arange(self.region, device=query_orders.device)
+            visible = (slots[None, :] <= start + torch.arange(width, device=slots.device)[:, None])[None]
+        visible = visible & self.region_real[:, None, :]
+        committed = self.valid[:, : self.width] & (self._slot_orders(self.width) < self.lengths[:, None])
+
+        def mask(window: int | None) -> torch.Tensor:
+            return ancestry_attention_mask(committed, self._slot_orders(self.width), query_orders, visible, window,
+                                           self.model.dtype, self.region_orders, start)
+
+        window = self.layout.sliding_window
+        if window is None:
+            return mask(None)
+        if self.layout.per_layer_type:
+            return {FULL_ATTENTION: mask(None), SLIDING_ATTENTION: mask(window)}
+        return mask(window)
+
+    def _call_model(self, inputs: dict, keep_hidden: int, orders) -> torch.Tensor:
         """The model's logits; also its features (`feature_layers`) of the last `keep_hidden` tokens, and its
-        per-layer hidden states and attentions when `output_hidden_states` / `output_attentions` are set."""
+        per-layer hidden states and attentions when `output_hidden_states` / `output_attentions` are set (with
+        `orders`, [B, S] or a function giving it: the order of every key slot)."""
         record = self.feature_layers is not None
         flags = {"output_hidden_states": True} if record or self.output_hidden_states else {}
         if self.output_attentions:
@@ -364,7 +423,7 @@ class RaggedKVCache:
             self.model_outputs = ModelOutputs(
                 hidden_states=out.hidden_states if self.output_hidden_states else None,
                 attentions=out.attentions if self.output_attentions else None,
-                orders=self.orders,
+                orders=orders() if callable(orders) else orders,
             )
         self.hidden_states = None
         if record:
@@ -372,114 +431,11 @@ class RaggedKVCache:
             self.hidden_states = layers[0] if len(layers) == 1 else torch.cat(layers, dim=-1)
         return out.logits
 
-    def rollback(
-        self,
-        mark: CacheMark,
-        # [B]: how many of the valid slots appended since `mark` each row keeps (the rest are dropped)
-        num_kept: torch.Tensor,
-    ) -> None:
-        """Keep a per-row prefix of the valid slots appended since `mark` (a chain's accepted tokens)."""
-        appended = self.valid[:, mark.num_slots :]
-        self.keep(mark, appended & (appended.long().cumsum(dim=1) <= num_kept[:, None]))
-
-    def keep(
-        self,
-        mark: CacheMark,
-        # [B, num_slots - mark.num_slots] bool: the slots appended since `mark` that each row keeps
-        kept: torch.Tensor,
-    ) -> None:
-        """The one cache-rollback operation: of what was appended since `mark`, keep exactly `kept`.
-        The kept slots must have consecutive positions from `mark.next_position` (a chain, or a root-to-node path
-        of a tree); their KV was computed by the forwards themselves, so nothing is recomputed."""
-        kept = kept & self.valid[:, mark.num_slots :]
-        self.valid[:, mark.num_slots :] = kept
-        self.next_position = mark.next_position + kept.sum(dim=1)
-        self.next_order = mark.next_order + kept.sum(dim=1)
-        self._crop_unused_tail()
-        longest = self._longest_row()
-        if self.num_slots - longest > max(MIN_HOLES_BEFORE_COMPACTION, longest):  # holes outnumber the longest row
-            self._compact(longest)
-
-    def select_rows(
-        self,
-        # [B'] long: indices of the rows to keep, in order
-        rows: torch.Tensor,
-    ) -> None:
-        """Keep only these rows (the others, finished, stop costing compute): one copy of the cache."""
-        self.kv.batch_select_indices(rows.to(self.valid.device))
-        self.valid, self.positions, self.orders = self.valid[rows], self.positions[rows], self.orders[rows]
-        self.next_position, self.next_order = self.next_position[rows], self.next_order[rows]
-        self.row_inputs = {name: value[rows.to(value.device)] for name, value in self.row_inputs.items()}
-        self._crop_unused_tail()
-
-    def _attention_mask(
-        self,
-        # [B, W] long: the queries' orders
-        query_orders: torch.Tensor,
-        region_start: int,
-        # [B, W, R] bool
-        visible: torch.Tensor,
-    ):
-        """Additive mask(s) [B, 1, W, S]: before the region, valid slots at orders <= the query's; in the
-        region, the valid slots `visible` names; always the query's own slot; sliding windows on orders.
-        Built by `hf_specdec.kernels.tree_mask` (the Triton kernel on CUDA for verify steps), which names orders
-        positions."""
-
-        def mask(window: int | None) -> torch.Tensor:
-            return ancestry_attention_mask(
-                self.valid[:, :region_start], self.orders[:, :region_start], query_orders,
-                visible & self.valid[:, None, region_start:], window, self.model.dtype,
-                self.orders[:, region_start:],
-            )
-
-        window = self.layout.sliding_window
-        if window is None:
-            return mask(None)
-        if self.layout.per_layer_type:
-            return {FULL_ATTENTION: mask(None), SLIDING_ATTENTION: mask(window)}
-        return mask(window)
-
-    def _longest_row(self) -> int:
-        return int(self.valid.sum(dim=1).max())
-
-    def _crop_unused_tail(self) -> None:
-        used = self.valid.any(dim=0).nonzero()
-        new_len = int(used.max()) + 1 if used.numel() else 0
-        excess = self.num_slots - new_len
-        if excess > 0:
-            self.kv.crop(-excess)
-            self.valid = self.valid[:, :new_len]
-            self.positions = self.positions[:, :new_len]
-            self.orders = self.orders[:, :new_len]
-
-    def _compact(self, longest: int) -> None:
-        """Move each row's valid slots to the front, in order; one gather per layer."""
-        num_slots = self.num_slots
-        slot = torch.arange(num_slots, device=self.valid.device)
-        order = torch.where(self.valid, slot, slot + num_slots).argsort(dim=1)[:, :longest]  # [B, longest]
-        for layer in self.kv.layers:
-            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-                continue
-            layer.replace(_gather_slots(layer.keys, order), _gather_slots(layer.values, order))
-        self.positions = self.positions.gather(1, order)
-        self.orders = self.orders.gather(1, order)
-        self.valid = slot[None, :longest] < self.valid.sum(dim=1, keepdim=True)
-
-
-def _gather_slots(
-    # [B, H, S, D]
-    states: torch.Tensor,
-    # [B, S']
-    order: torch.Tensor,
-) -> torch.Tensor:
-    index = order.to(states.device)[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
-    return states.gather(2, index)
-
 
 def _causal_tail_mask(batch: int, width: int, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive mask [B, 1, W, S] for W queries in the last W of S slots, all of them valid: each query sees every
     slot up to its own."""
     mask = torch.zeros(width, num_slots, dtype=dtype, device=device)
-    mask[:, num_slots - width :] = torch.full((width, width), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    blocked = torch.full((width, width), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    mask[:, num_slots - width :] = blocked
     return mask.expand(batch, 1, width, num_slots)
-

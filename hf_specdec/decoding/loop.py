@@ -1,15 +1,17 @@
 """The speculative decoding loop: propose, verify, accept, commit.
 
 `speculative_generate` is handed to transformers' `generate(custom_generate=...)`, so generate's own preparation
-(generation-config merge, logits processors, stopping criteria, special tokens) is reused. Each step:
+(generation-config merge, logits processors, stopping criteria, special tokens) is reused. `start` prefills the
+target's cache with the prompt and chooses the first token (a step with no drafts); then each step:
 
-1. propose: the proposer drafts a chain of up to k tokens per row, or a token tree;
-2. verify: one target forward over each row's last committed token and its drafts (a chain, or the tree with a
-   tree-attention mask), on the ragged KV cache; the user's logits processors score every position with its true
-   prefix;
-3. accept: greedy argmax matching or lossless rejection sampling (`hf_specdec.verify.chain`, `.tree`);
-4. commit: each row emits its accepted drafts plus one recovered/bonus token, cut at its first stopping token;
-   the target cache and the proposer keep exactly what was accepted (for a tree: the accepted path).
+1. propose: the proposer offers a token tree per row (a chain being the one-branch tree);
+2. verify: one target forward over each row's last committed token and its draft nodes (a tree-attention mask,
+   or a plain causal one for an unpadded chain), on the ragged KV cache; the user's logits processors score every
+   node with its true prefix;
+3. accept: greedy argmax matching or lossless rejection sampling (`hf_specdec.verify.verifier`);
+4. emit: each row emits its accepted drafts plus one recovered/bonus token, cut at its first stopping token, to
+   the outputs and the streamer;
+5. commit: the state takes the emitted tokens; the target cache and the proposer keep exactly the accepted path.
 
 Batch rows advance independently (see `hf_specdec.cache.ragged` for how the cache stays ragged and bounded).
 Once enough rows have finished, the target's cache drops them (`drop_finished_rows`): the verify forward then
@@ -30,15 +32,13 @@ from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.decoding.outputs import OutputLog
-from hf_specdec.decoding.scores import PositionScorer, prefix_free
-from hf_specdec.decoding.state import DecodeState, PromptInputs, Proposal, TreeProposal
+from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
 from hf_specdec.proposers import DraftSampling, build_proposer
+from hf_specdec.sampling import prefix_free
 from hf_specdec.stats import SpecStats, SpecStatsRecorder
-from hf_specdec.verify.chain import VerificationResult, greedy_verify, rejection_sample
-from hf_specdec.verify.tree import TreeVerificationResult, greedy_tree_verify, tree_rejection_sample
-from hf_specdec.verify.typical import typical_chain_verify_lossy, typical_tree_verify_lossy
-
+from hf_specdec.step import DecodeState, PromptInputs, Proposal, VerificationResult
+from hf_specdec.verify.verifier import TypicalAcceptance, Verifier
 
 # Finished rows leave the target's cache once they are this share of the rows it holds: dropping copies the cache
 # once, and every later verify forward computes that many rows fewer.
@@ -59,8 +59,14 @@ class ScoreLog:
     def __init__(self, batch_size: int) -> None:
         self.rows: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
 
-    def add(self, values: torch.Tensor, num_emitted: torch.Tensor) -> None:
-        for row, count in enumerate(num_emitted.tolist()):
+    def add(
+        self,
+        # [B, W, V]
+        values: torch.Tensor,
+        # per row: how many of its entries to keep
+        num_emitted: list[int],
+    ) -> None:
+        for row, count in enumerate(num_emitted):
             self.rows[row].extend(values[row, :count].unbind(0))
 
     def steps(self) -> tuple[torch.Tensor, ...]:
@@ -82,19 +88,23 @@ class SpeculativeDecoder:
         streamer: Any,
     ) -> None:
         self.model = model
-        self.do_sample = bool(generation_config.do_sample)
-        if config.lossy_typical_acceptance and not self.do_sample:
+        do_sample = bool(generation_config.do_sample)
+        if config.lossy_typical_acceptance and not do_sample:
             raise ValueError(
                 "SpeculativeConfig.lossy_typical_acceptance: only applies when sampling (do_sample=True); greedy "
                 "decoding is exact already; drop the option or sample"
             )
         self.config = config
-        self.generator = None
+        generator = None
         if config.seed is not None:
-            self.generator = torch.Generator(device=model.device).manual_seed(config.seed)
+            generator = torch.Generator(device=model.device).manual_seed(config.seed)
+        typical = None
+        if config.lossy_typical_acceptance:
+            typical = TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
+        self.verifier = Verifier(do_sample, generator, typical)
         self.scorer = PositionScorer(logits_processor)
         self.stopper = TokenStopper(stopping_criteria, model.device)
-        sampling = DraftSampling(self.do_sample, prefix_free(logits_processor), self.generator)
+        sampling = DraftSampling(do_sample, prefix_free(logits_processor), generator)
         self.proposer = build_proposer(config, model, sampling)
         self.cache = RaggedKVCache(model)
         self.cache.feature_layers = self.proposer.target_feature_layers
@@ -105,6 +115,9 @@ class SpeculativeDecoder:
         self.score_log = ScoreLog(0)
         self.logit_log = ScoreLog(0)
         self.rows: torch.Tensor | None = None  # [B_held]: the batch row of each row the target cache holds; None: all
+        self.held_rows: list[int] = []  # the same on the host (all rows until some are dropped)
+        # the host needs each step's tokens: to stream them, or for a proposer that matches on the text
+        self.report_tokens = streamer is not None or self.proposer.reads_emitted_tokens
 
     def run(
         self,
@@ -112,6 +125,21 @@ class SpeculativeDecoder:
         input_ids: torch.Tensor,
         prompt: PromptInputs,
     ) -> DecodeState:
+        self.start(input_ids, prompt)
+        while not all(self.state.host.finished):
+            self.step()
+        if self.streamer is not None:
+            self.streamer.end()
+        return self.state
+
+    def start(
+        self,
+        # [B, P] ([B, 0] when the prompt comes as `prompt.inputs_embeds`)
+        input_ids: torch.Tensor,
+        prompt: PromptInputs,
+    ) -> None:
+        """Prefill the target's cache with the prompt, start the proposer, and choose each row's first token from
+        the prompt's last logits (a step whose proposal has no drafts)."""
         pad = self.generation_config._pad_token_tensor
         if pad is None and input_ids.shape[0] > 1 and self.stopper.pads_finished_rows:
             raise ValueError("pad_token_id is not set: batched generation with an EOS needs it to pad finished rows; "
@@ -124,13 +152,15 @@ class SpeculativeDecoder:
             extra_capacity=self.max_depth + 1,
             pad_token_id=0 if pad is None else int(pad),
         )
-        self.stats = SpecStatsRecorder(input_ids.shape[0], self.max_depth, input_ids.device)
+        batch = input_ids.shape[0]
+        self.held_rows = list(range(batch))
+        self.stats = SpecStatsRecorder(batch, self.max_depth, input_ids.device)
         self.stop_lengths = torch.full_like(self.state.lengths, -1)  # [B]: length at each row's first stop
-        self.score_log, self.logit_log = ScoreLog(input_ids.shape[0]), ScoreLog(input_ids.shape[0])
+        self.score_log, self.logit_log = ScoreLog(batch), ScoreLog(batch)
         config = self.generation_config
         self.cache.output_hidden_states = bool(config.output_hidden_states)
         self.cache.output_attentions = bool(config.output_attentions)
-        self.output_log = OutputLog(self.model, input_ids.shape[0], self.cache.output_hidden_states,
+        self.output_log = OutputLog(self.model, batch, self.cache.output_hidden_states,
                                     self.cache.output_attentions, whole_sequence=not config.use_cache)
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
@@ -140,48 +170,141 @@ class SpeculativeDecoder:
                                     past_key_values=prompt.past_key_values)
         self.state.target_features = self.cache.hidden_states
         self.proposer.start(self.state, attention_mask)
-        self.accept_and_commit(Proposal.empty(self.state.batch_size, input_ids.device), logits, mark=None)
-        while not bool(self.state.finished.all()):
-            self.step()
-        if self.streamer is not None:
-            self.streamer.end()
-        return self.state
+        proposal = Proposal.empty(batch, input_ids.device)
+        scores = self.score(proposal, logits)
+        result = self.verifier(proposal, scores)
+        num_emitted = self.emit(result, scores, logits)
+        self.commit_tokens(proposal, result, num_emitted, logits.shape[1])
+        self.log(result, scores, logits)
+        if self.cache.output_hidden_states or self.cache.output_attentions:
+            self.output_log.prefill(self.cache.model_outputs)
 
     def step(self) -> None:
+        """propose -> verify -> accept -> emit -> commit."""
         self.drop_finished_rows()
+        lengths = self.state.host.lengths
         proposal = self.proposer.propose(self.state)
-        mark = self.cache.mark()
         logits = self.verify(proposal)
-        self.accept_and_commit(proposal, logits, mark)
+        scores = self.score(proposal, logits)
+        result = self.verifier(proposal, scores)
+        num_emitted = self.emit(result, scores, logits)
+        self.commit(proposal, result, num_emitted, logits.shape[1])
+        self.log(result, scores, logits)
+        if self.cache.output_hidden_states or self.cache.output_attentions:
+            self.output_log.add(self.cache.model_outputs, result.path_nodes, self.state.host.num_emitted, lengths,
+                                self.unheld)
 
-    def verify(self, proposal: Proposal | TreeProposal) -> torch.Tensor:
-        """One target forward over each held row's last committed token and its drafts; returns logits [B, W, V]
-        (zeros for rows the cache dropped)."""
-        held = self.held
-        if isinstance(proposal, TreeProposal):
-            tree = proposal.tree
-            logits = self.cache.forward_tree(
-                held(tree.token_ids),
-                positions=self.cache.next_position[:, None] + held(tree.depths),
-                real=held(tree.valid & ~self.state.finished[:, None]),
-                region_start=self.cache.num_slots,
-                visible=held(tree.ancestors),
-            )
-        else:
-            block = torch.cat([self.state.last_tokens()[:, None], proposal.draft_token_ids], dim=1)
-            num_real = torch.where(self.state.finished, 0, 1 + proposal.num_draft_tokens)
-            logits = self.cache.forward(held(block), held(num_real))
+    def verify(self, proposal: Proposal) -> torch.Tensor:
+        """One target forward over each held row's last committed token and its draft nodes, in the target
+        cache's region; returns logits [B, N, V] (zeros for rows the cache dropped)."""
+        tree, held = proposal.tree, self.held
+        all_real = tree.dense and not any(self.state.host.finished[row] for row in self.held_rows)
+        logits = self.cache.forward(
+            held(tree.token_ids),
+            held(tree.depths),
+            real=None if all_real else held(tree.valid & ~self.state.finished[:, None]),
+            visible=None if tree.is_chain else held(tree.ancestors),
+        )
         return self.unheld(logits)
+
+    def score(
+        self,
+        proposal: Proposal,
+        # [B, N, V]
+        logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Processed scores [B, N, V] of every verified node, each with its true prefix."""
+        path_tokens, depths = proposal.path_tokens()
+        template = proposal.tree.template
+        return self.scorer(self.state, logits, path_tokens, depths, None if template is None else template.depths)
+
+    def emit(
+        self,
+        result: VerificationResult,
+        # [B, N, V]
+        scores: torch.Tensor,
+        # [B, N, V]
+        logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each row's accepted tokens plus one, cut at its first stopping token, written after its committed text.
+        Returns [B] the tokens each row emits."""
+        state = self.state
+        num_emitted = torch.where(state.finished, 0, result.num_accepted + 1)
+        state.write(result.output_token_ids.clamp(min=0), num_emitted)
+        emitted_scores = scores_of_emitted(result, scores) if self.stopper.needs_scores else None
+        decision = self.stopper.check(state, result.output_token_ids, num_emitted, emitted_scores)
+        if self.stopper.pads_finished_rows:
+            num_emitted = decision.num_emitted
+        self.stop_lengths = torch.where(
+            (self.stop_lengths < 0) & decision.stopped, state.lengths + decision.num_emitted, self.stop_lengths
+        )
+        return num_emitted
+
+    def log(
+        self,
+        result: VerificationResult,
+        # [B, N, V]
+        scores: torch.Tensor,
+        # [B, N, V]
+        logits: torch.Tensor,
+    ) -> None:
+        """The emitted tokens' scores and logits (when asked for) and the streamer, from the host's counts."""
+        host = self.state.host
+        if self.generation_config.output_scores:
+            self.score_log.add(scores_of_emitted(result, scores), host.num_emitted)
+        if self.generation_config.output_logits:
+            self.logit_log.add(scores_of_emitted(result, logits.float()), host.num_emitted)
+        if self.streamer is not None:
+            for token in host.emitted[0, : host.num_emitted[0]].tolist():
+                self.streamer.put(torch.tensor([token]))
+
+    def commit_tokens(
+        self,
+        proposal: Proposal,
+        result: VerificationResult,
+        # [B]
+        num_emitted: torch.Tensor,
+        num_verified: int,
+    ) -> None:
+        """The state takes the emitted tokens; rows that stopped are marked finished; the statistics count the
+        step; the target's features where the tokens were chosen are kept for the proposer; the host learns the
+        new lengths, the finished rows and what was emitted (the step's one host read)."""
+        state = self.state
+        self.stats.record(~state.finished, proposal.num_draft_tokens, result.num_accepted)
+        state.commit(num_emitted, scratch_width=result.output_token_ids.shape[1])
+        state.finished |= self.finished_rows()
+        if self.cache.hidden_states is not None:
+            self.keep_target_features(result, num_verified)
+        state.report(num_emitted, result.num_accepted, result.output_token_ids if self.report_tokens else None)
+
+    def commit(
+        self,
+        proposal: Proposal,
+        result: VerificationResult,
+        # [B]
+        num_emitted: torch.Tensor,
+        num_verified: int,
+    ) -> None:
+        """`commit_tokens`, then the target cache keeps the fed nodes whose successors were emitted (the accepted
+        path; a row that stopped mid-step keeps those before its stop, as plain generate's cache holds every token
+        but the last), and the proposer keeps what was accepted."""
+        self.commit_tokens(proposal, result, num_emitted, num_verified)
+        path = None if proposal.tree.is_chain else self.held(result.path_nodes)
+        kept_on_host = [self.state.host.num_emitted[row] for row in self.held_rows]
+        self.cache.commit(self.held(num_emitted), path, kept_on_host=kept_on_host)
+        self.proposer.commit(self.state, result)
 
     def drop_finished_rows(self) -> None:
         """Drop finished rows from the target's cache once they are DROP_FINISHED_SHARE of the rows it holds."""
-        rows = torch.arange(self.state.batch_size, device=self.state.finished.device) if self.rows is None else self.rows
-        finished = self.state.finished[rows]
-        if int(finished.sum()) < max(1.0, DROP_FINISHED_SHARE * rows.shape[0]):
+        finished = self.state.host.finished
+        done = sum(finished[row] for row in self.held_rows)
+        if done < max(1.0, DROP_FINISHED_SHARE * len(self.held_rows)):
             return
-        keep = (~finished).nonzero().squeeze(1)
-        self.cache.select_rows(keep)
-        self.rows = rows[keep]
+        keep = [i for i, row in enumerate(self.held_rows) if not finished[row]]
+        self.held_rows = [self.held_rows[i] for i in keep]
+        device = self.state.finished.device
+        self.cache.select_rows(torch.tensor(keep, device=device), keep)
+        self.rows = torch.tensor(self.held_rows, device=device)
 
     def held(
         self,
@@ -203,56 +326,15 @@ class SpeculativeDecoder:
         full[self.rows.to(values.device)] = values
         return full
 
-    def accept_and_commit(self, proposal: Proposal | TreeProposal, logits: torch.Tensor, mark) -> None:
-        state = self.state
-        active = ~state.finished
-        scores = self.score(proposal, logits)
-        result = self.accept(proposal, scores)
-        num_emitted = torch.where(active, result.num_accepted + 1, 0)
-        state.write(result.output_token_ids.clamp(min=0), num_emitted)
-        emitted_scores = scores_of_emitted(result, scores) if self.stopper.needs_scores else None
-        decision = self.stopper.check(state, result.output_token_ids, num_emitted, emitted_scores)
-        if self.stopper.pads_finished_rows:
-            num_emitted = decision.num_emitted
-        self.stop_lengths = torch.where(
-            (self.stop_lengths < 0) & decision.stopped, state.lengths + decision.num_emitted, self.stop_lengths
-        )
-        self.emit(result, num_emitted, scores, logits, mark)
-        num_drafted = num_draft_tokens(proposal)
-        self.stats.record(active, num_drafted, result.num_accepted)
-        state.commit(num_emitted, scratch_width=result.output_token_ids.shape[1])
-        state.finished |= self.finished_rows()
-        if self.cache.hidden_states is not None:
-            self.keep_target_features(result, logits.shape[1])
-        if mark is None:
-            return
-        # the cache keeps the fed tokens whose successors were emitted (a row that stopped mid-step keeps those
-        # before its stop), as plain generate's cache holds every token but the last
-        if isinstance(result, TreeVerificationResult):
-            self.cache.keep(mark, self.held(result.kept_nodes & (proposal.tree.depths < num_emitted[:, None])))
-        else:
-            self.cache.rollback(mark, self.held(num_emitted))
-        self.proposer.commit(state, result)
-
-    def keep_target_features(self, result, num_verified: int) -> None:
+    def keep_target_features(self, result: VerificationResult, num_verified: int) -> None:
         """The target's features where this step's tokens were chosen (`DecodeState.target_features`), and where
         each row's last token was chosen (`target_hidden`)."""
         hidden = self.unheld(self.cache.hidden_states[:, -num_verified:])  # the prefill may have kept the whole prompt
-        positions = emitted_positions(result)
+        positions = result.path_nodes
         features = hidden.gather(1, positions[:, :, None].expand(-1, -1, hidden.shape[2]))
         self.state.target_features = features
         last = features.gather(1, result.num_accepted[:, None, None].expand(-1, 1, features.shape[2])).squeeze(1)
         self.state.target_hidden = last
-
-    def score(self, proposal: Proposal | TreeProposal, logits: torch.Tensor) -> torch.Tensor:
-        """Processed scores [B, W, V] of every verified position, each with its true prefix."""
-        if isinstance(proposal, TreeProposal):
-            path_tokens, depths = tree_paths(proposal.tree)
-        else:
-            width = proposal.width + 1
-            path_tokens = proposal.draft_token_ids[:, None, :].expand(-1, width, -1)
-            depths = torch.arange(width, device=logits.device).expand(logits.shape[0], -1)
-        return self.scorer(self.state, logits, path_tokens, depths)
 
     def finished_rows(self) -> torch.Tensor:
         """[B] bool. As in plain generate: with an EOS criterion a stopped row ends (and is padded); without one,
@@ -276,7 +358,7 @@ class SpeculativeDecoder:
         batch = self.state.batch_size
         held = torch.arange(batch, device=self.state.lengths.device) if self.rows is None else self.rows
         complete = torch.zeros(batch, dtype=torch.bool, device=held.device)
-        complete[held] = self.cache.next_order.to(held.device) == total
+        complete[held] = self.cache.lengths.to(held.device) == total
         layers = [(k.new_zeros(batch, *k.shape[1:]), v.new_zeros(batch, *v.shape[1:]))
                   for k, v in self.cache.layers_by_order(total)]
         for (keys, values), (held_keys, held_values) in zip(layers, self.cache.layers_by_order(total)):
@@ -293,74 +375,15 @@ class SpeculativeDecoder:
                 keys[rows.to(keys.device)], values[rows.to(keys.device)] = new_keys, new_values
         return full_layers(layers, self.model.config)
 
-    def accept(
-        self, proposal: Proposal | TreeProposal, scores: torch.Tensor
-    ) -> VerificationResult | TreeVerificationResult:
-        if isinstance(proposal, TreeProposal):
-            if not self.do_sample:
-                return greedy_tree_verify(proposal.tree, scores.argmax(dim=-1))
-            if self.config.lossy_typical_acceptance:
-                return typical_tree_verify_lossy(proposal.tree, torch.softmax(scores, dim=-1),
-                                                 self.config.posterior_threshold, self.config.posterior_alpha,
-                                                 self.generator)
-            return tree_rejection_sample(proposal.tree, torch.softmax(scores, dim=-1), self.generator)
-        if not self.do_sample:
-            return greedy_verify(proposal.draft_token_ids, proposal.num_draft_tokens, scores.argmax(dim=-1))
-        target_probs = torch.softmax(scores, dim=-1)
-        if self.config.lossy_typical_acceptance:
-            return typical_chain_verify_lossy(proposal.draft_token_ids, proposal.num_draft_tokens, target_probs,
-                                              self.config.posterior_threshold, self.config.posterior_alpha,
-                                              self.generator)
-        return rejection_sample(
-            proposal.draft_token_ids, proposal.num_draft_tokens, proposal.draft_probs, target_probs, self.generator
-        )
 
-    def emit(self, result, num_emitted: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor, mark) -> None:
-        if self.cache.output_hidden_states or self.cache.output_attentions:
-            if mark is None:
-                self.output_log.prefill(self.cache.model_outputs)
-            else:
-                self.output_log.add(self.cache.model_outputs, emitted_positions(result), num_emitted,
-                                    self.unheld(mark.next_order), self.unheld)
-        if self.generation_config.output_scores:
-            self.score_log.add(scores_of_emitted(result, scores), num_emitted)
-        if self.generation_config.output_logits:
-            self.logit_log.add(scores_of_emitted(result, logits.float()), num_emitted)
-        if self.streamer is not None:
-            for token in result.output_token_ids[0, : int(num_emitted[0])].tolist():
-                self.streamer.put(torch.tensor([token]))
-
-
-def emitted_positions(result: VerificationResult | TreeVerificationResult) -> torch.Tensor:
-    """[B, D + 1]: the verified position (chain offset or tree node) each emitted token was scored at."""
-    if isinstance(result, TreeVerificationResult):
-        return result.path_nodes
-    steps = torch.arange(result.output_token_ids.shape[1], device=result.num_accepted.device)
-    return steps.expand(result.output_token_ids.shape[0], -1)
-
-
-def scores_of_emitted(result, scores: torch.Tensor) -> torch.Tensor:
+def scores_of_emitted(
+    result: VerificationResult,
+    # [B, N, V]
+    scores: torch.Tensor,
+) -> torch.Tensor:
     """[B, D + 1, V]: the scores each emitted token was chosen under."""
-    positions = emitted_positions(result)
+    positions = result.path_nodes
     return scores.gather(1, positions[..., None].expand(-1, -1, scores.shape[2]))
-
-
-def num_draft_tokens(proposal: Proposal | TreeProposal) -> torch.Tensor:
-    if isinstance(proposal, TreeProposal):
-        return (proposal.tree.valid[:, 1:]).sum(dim=1)
-    return proposal.num_draft_tokens
-
-
-def tree_paths(tree) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, N, D] path tokens, [B, N] depths): the draft tokens from the root to every node, in depth order."""
-    depths = tree.depths
-    longest = max(int(depths.max()), 1)
-    batch, nodes = tree.token_ids.shape
-    # ancestor a of node j (other than the root) at depth d goes to column d - 1; the rest to a spare column
-    column = torch.where(tree.ancestors & (depths[:, None, :] > 0), depths[:, None, :] - 1, longest)
-    path = tree.token_ids.new_zeros(batch, nodes, longest + 1)
-    path.scatter_(2, column, tree.token_ids[:, None, :].expand(-1, nodes, -1))
-    return path[:, :, :longest], depths
 
 
 def speculative_generate(

@@ -43,14 +43,16 @@ class OutputLog:
         outputs: ModelOutputs,
         # [B, D + 1]: the verified position each emitted token was chosen at
         positions: torch.Tensor,
-        # [B]
-        num_emitted: torch.Tensor,
-        # [B]: the order of each row's first verified position (its last committed token)
-        first_order: torch.Tensor,
+        # per row: tokens emitted
+        num_emitted: list[int],
+        # per row: the order of its first verified position (its last committed token) + 1, i.e. its length
+        # before the step
+        lengths: list[int],
         # [B_held, ...] -> [B, ...]: puts the rows the cache holds back in batch order
         unheld,
     ) -> None:
-        counts = num_emitted.tolist()
+        counts = num_emitted
+        first_order = [length - 1 for length in lengths]
         if self.hidden:
             layers = torch.stack([unheld(h) for h in outputs.hidden_states], dim=2)  # [B, W, L, H]
             chosen = layers.gather(1, positions[:, :, None, None].expand(-1, -1, *layers.shape[2:]))
@@ -61,7 +63,7 @@ class OutputLog:
 
     def _add_attentions(self, outputs, positions, counts, first_order, unheld) -> None:
         orders = unheld(outputs.orders)  # [B, S]
-        longest = int(first_order.max()) + positions.shape[1]  # keys of the deepest query
+        longest = max(first_order) + positions.shape[1]  # keys of the deepest query
         target = orders.clamp(max=longest).to(positions.device)  # later slots go to a spare column
         per_layer = []
         for weights in outputs.attentions:
@@ -73,7 +75,7 @@ class OutputLog:
             per_layer.append(placed)  # [B, heads, D + 1, longest + 1]
         for row, count in enumerate(counts):
             for j in range(count):
-                keys = int(first_order[row]) + j + 1
+                keys = first_order[row] + j + 1
                 self.attention_rows[row].append(
                     tuple(self._window(layer, placed[row, :, j, :keys]) for layer, placed in enumerate(per_layer))
                 )

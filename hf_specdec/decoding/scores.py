@@ -15,32 +15,11 @@ import copy
 
 import torch
 from transformers import LogitsProcessorList
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
-    MinPLogitsWarper,
-    PrefixConstrainedLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 
-from hf_specdec.decoding.state import DecodeState
+from hf_specdec.sampling import PREFIX_FREE_PROCESSORS
+from hf_specdec.step.state import DecodeState
 
-PREFIX_FREE_PROCESSORS = (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    InfNanRemoveLogitsProcessor,
-    LogitNormalization,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
 # Processors that index rows by their batch position: a subset of rows would be misread.
 ROW_INDEXED_PROCESSORS = (PrefixConstrainedLogitsProcessor,)
 
@@ -52,11 +31,6 @@ def check_processors(logits_processor: LogitsProcessorList) -> None:
                 f"{type(processor).__name__} (prefix_allowed_tokens_fn) indexes rows by batch position and cannot "
                 "be combined with speculative decoding; drop prefix_allowed_tokens_fn or the speculative config"
             )
-
-
-def prefix_free(logits_processor: LogitsProcessorList) -> LogitsProcessorList:
-    """The processors that depend only on the scores (what a draft model can apply to its own logits)."""
-    return LogitsProcessorList([p for p in logits_processor if isinstance(p, PREFIX_FREE_PROCESSORS)])
 
 
 class PositionScorer:
@@ -76,6 +50,9 @@ class PositionScorer:
         path_tokens: torch.Tensor,
         # [B, W]: how many of those path tokens each position follows (its depth)
         depths: torch.Tensor,
+        # the same depths on the host when every row shares them (a chain, a static tree): the prefix lengths are
+        # then grouped on the host, with no device read
+        host_depths: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Returns processed float32 scores [B, W, V]: position (b, w) sees the prefix
         sequences[b, :lengths[b]] + path_tokens[b, w, :depths[b, w]]."""
@@ -87,9 +64,7 @@ class PositionScorer:
             flat_ids = state.sequences.new_zeros((batch * width, 1))
             return self.logits_processor(flat_ids, scores.reshape(batch * width, vocab)).reshape(batch, width, vocab)
         out = torch.empty_like(scores)
-        prefix_lengths = state.lengths[:, None] + depths  # [B, W]
-        for length in prefix_lengths.unique().tolist():
-            rows, cols = (prefix_lengths == length).nonzero(as_tuple=True)
+        for length, (rows, cols) in _by_prefix_length(state, depths, host_depths):
             committed = state.lengths[rows, None]  # [g, 1]
             column = torch.arange(length, device=logits.device)[None, :]
             along_path = (column - committed).clamp(min=0, max=max(path_tokens.shape[2] - 1, 0))
@@ -98,6 +73,31 @@ class PositionScorer:
             processors = LogitsProcessorList(_select_rows(p, rows, batch) for p in self.logits_processor)
             out[rows, cols] = processors(prefix, scores[rows, cols])
         return out
+
+
+def _by_prefix_length(
+    state: DecodeState,
+    # [B, W]
+    depths: torch.Tensor,
+    host_depths: tuple[int, ...] | None,
+):
+    """(prefix length, (rows [g], cols [g])) for every distinct prefix length of the verified positions: on the
+    host when the depths are known there, else read from the device (a host sync per step, and one per length)."""
+    if host_depths is None:
+        prefix_lengths = state.lengths[:, None] + depths  # [B, W]
+        for length in prefix_lengths.unique().tolist():
+            yield length, (prefix_lengths == length).nonzero(as_tuple=True)
+        return
+    groups: dict[int, tuple[list[int], list[int]]] = {}
+    for row, committed in enumerate(state.host.lengths):
+        for col, depth in enumerate(host_depths):
+            rows, cols = groups.setdefault(committed + depth, ([], []))
+            rows.append(row)
+            cols.append(col)
+    device = depths.device
+    for length in sorted(groups):
+        rows, cols = groups[length]
+        yield length, (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
 
 
 def _select_rows(processor, rows: torch.Tensor, batch_size: int):

@@ -14,7 +14,7 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from hf_specdec.decoding.state import DecodeState
+from hf_specdec.step.state import DecodeState
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,9 @@ def tree_attention_mask_from_ancestors(
     dtype: torch.dtype,
     # [B, R] long: positions of the region slots; None means the region is the queries (R = W)
     region_positions: torch.Tensor | None = None,
+    # region slot of the first query (the queries are region slots query_start .. query_start + W - 1); None: the
+    # last W region slots
+    query_start: int | None = None,
 ) -> torch.Tensor:
     """The additive mask [B, 1, W, S + R] in `dtype`, in plain torch, from unpacked ancestry.
 
@@ -119,7 +122,8 @@ def tree_attention_mask_from_ancestors(
     if window is not None:
         cached &= cached_positions > query - window
         tree &= key_positions > query - window
-    tree[:, :, -num_nodes:] |= torch.eye(num_nodes, dtype=torch.bool, device=tree.device)  # a query sees itself
+    start = tree.shape[2] - num_nodes if query_start is None else query_start
+    tree[:, :, start : start + num_nodes] |= torch.eye(num_nodes, dtype=torch.bool, device=tree.device)  # itself
 
     allowed = torch.cat([cached, tree], dim=-1)  # [B, W, S + R]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -331,6 +335,8 @@ def ancestry_attention_mask(
     dtype: torch.dtype,
     # [B, R] long
     region_positions: torch.Tensor,
+    # region slot of the first query; None: the last W region slots
+    query_start: int | None = None,
 ) -> torch.Tensor:
     """What the engine calls. When the region is just the queries (every verify step) and the kernel can run,
     the kernel (bits packed for it); otherwise the torch construction straight from the bool ancestry (no
@@ -339,4 +345,4 @@ def ancestry_attention_mask(
     if triton is not None and _kernel_can_run(valid) and ancestors.shape[2] == query_positions.shape[1]:
         return tree_attention_mask_triton(valid, positions, query_positions, pack_bits(ancestors), window, dtype)
     return tree_attention_mask_from_ancestors(valid, positions, query_positions, ancestors, window, dtype,
-                                              region_positions)
+                                              region_positions, query_start)

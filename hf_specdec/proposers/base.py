@@ -10,9 +10,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
-from hf_specdec.verify.chain import VerificationResult
-from hf_specdec.verify.tree import TreeVerificationResult
+from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
 
 @dataclass(frozen=True)
@@ -36,10 +34,15 @@ class Proposer(ABC):
     `state.target_features` holds them for the step's committed tokens, and `state.target_hidden` those of the
     last committed token. With `needs_prompt_features`, `start` finds the prompt's features in
     `state.target_features`.
+
+    Host facts come from `state.host` (lengths, finished rows, what the last step emitted and accepted), refreshed
+    by the engine once per step; a proposer reads the device only where the host cannot know (and says so). With
+    `reads_emitted_tokens`, `state.host.emitted` holds the tokens each step emitted when `commit` is called.
     """
 
     target_feature_layers: tuple[int, ...] | None = None
     needs_prompt_features: bool = False
+    reads_emitted_tokens: bool = False
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         """The deepest draft token a step proposes (`spec_stats` counts acceptance per position up to it)."""
@@ -54,12 +57,13 @@ class Proposer(ABC):
         """Called once with the prompt, before the first proposal."""
 
     @abstractmethod
-    def propose(self, state: DecodeState) -> Proposal | TreeProposal:
+    def propose(self, state: DecodeState) -> Proposal:
         """Up to `state.draft_budget()` draft tokens per row (per branch of a tree); finished rows get none."""
 
-    def commit(self, state: DecodeState, result: VerificationResult | TreeVerificationResult) -> None:
-        """Called after `state` took the step's tokens (finished rows are marked in `state.finished`), with what
-        the target accepted (`result.num_accepted`; for a tree also the accepted path)."""
+    def commit(self, state: DecodeState, result: VerificationResult) -> None:
+        """Called after `state` took the step's tokens (finished rows are marked in `state.finished`, and
+        `state.host` is up to date), with what the target accepted (`result.num_accepted`, and the accepted path
+        `result.path_nodes`)."""
 
 
 ProposerFactory = Callable[[SpeculativeConfig, torch.nn.Module, DraftSampling], Proposer]

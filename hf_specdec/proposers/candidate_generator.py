@@ -16,10 +16,10 @@ from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.scores import prefix_free
-from hf_specdec.decoding.state import DecodeState, Proposal
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer
-from hf_specdec.verify.chain import VerificationResult
+from hf_specdec.sampling import prefix_free
+from hf_specdec.step import DecodeState, VerificationResult
+from hf_specdec.step.state import HostView
 
 
 class ProposerCandidateGenerator(CandidateGenerator):
@@ -34,6 +34,7 @@ class ProposerCandidateGenerator(CandidateGenerator):
         self.max_length = max_length
         self.pad_token_id = pad_token_id
         self._started = False
+        self._seen = 0  # tokens of the row at the last proposal
 
     @classmethod
     def from_config(
@@ -55,27 +56,34 @@ class ProposerCandidateGenerator(CandidateGenerator):
         self,
         # [1, L]
         input_ids: torch.Tensor,
+        num_accepted: int = 0,
     ) -> DecodeState:
+        """The state of transformers' one row; its host view names the tokens appended since the last proposal."""
         if input_ids.shape[0] != 1:
             raise ValueError(f"input_ids: transformers' assisted loop handles one row, got batch {input_ids.shape[0]}")
-        return DecodeState.start(input_ids, None, self.max_length, extra_capacity=1, pad_token_id=self.pad_token_id)
+        state = DecodeState.start(input_ids, None, self.max_length, extra_capacity=1, pad_token_id=self.pad_token_id)
+        length = input_ids.shape[1]
+        new = input_ids[:, min(self._seen, length) :]
+        state.host = HostView([length], [False], [new.shape[1]], [num_accepted], new.cpu().numpy())
+        return state
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
         state = self._state(input_ids)
         if not self._started:
             self.proposer.start(state, None)
             self._started = True
-        proposal = self.proposer.propose(state)
-        if not isinstance(proposal, Proposal):
+        self._seen = input_ids.shape[1]
+        tree = self.proposer.propose(state).tree
+        if not tree.is_chain:
             raise ValueError("transformers' assisted loop verifies chains only; use tree_width=1")
-        count = int(proposal.num_draft_tokens[0])
-        candidates = torch.cat([input_ids, proposal.draft_token_ids[:, :count].to(input_ids.device)], dim=1)
-        if proposal.draft_probs is None:
+        count = int(tree.valid[0, 1:].sum())
+        candidates = torch.cat([input_ids, tree.token_ids[:, 1 : 1 + count].to(input_ids.device)], dim=1)
+        if tree.draft_probs is None:
             return candidates, None
         # transformers takes softmax(candidate_logits) as the draft distribution: log-probabilities give it back
-        return candidates, proposal.draft_probs[:, :count].log()
+        return candidates, tree.draft_probs[:, :count].log()
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         accepted = torch.tensor([int(num_matches)], device=input_ids.device)
-        outcome = VerificationResult(output_token_ids=input_ids[:, -int(num_matches) - 1 :], num_accepted=accepted)
-        self.proposer.commit(self._state(input_ids), outcome)
+        outcome = VerificationResult.chain(input_ids[:, -int(num_matches) - 1 :], accepted)
+        self.proposer.commit(self._state(input_ids, int(num_matches)), outcome)

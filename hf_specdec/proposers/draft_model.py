@@ -25,12 +25,11 @@ import torch
 
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.sampling import sample
+from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.tree.template import TreeTemplate
 from hf_specdec.tree.tree import TokenTree
-from hf_specdec.verify.chain import VerificationResult
-from hf_specdec.verify.tree import TreeVerificationResult
 
 # Vocabulary sizes of one tokenizer padded for kernels differ by a few dozen rows (Phi-3: 32064 vs Llama-2: 32000,
 # Qwen2.5-7B: 152064 vs 0.5B: 151936); a bigger gap means another tokenizer.
@@ -73,7 +72,10 @@ def _special_ids(model: torch.nn.Module, name: str) -> set[int]:
 
 class DraftModelProposer(Proposer):
     """Drafts with a causal LM on its own ragged KV cache. Subclasses drafting with another model (EAGLE heads)
-    override `_drafter` and give each forward extra inputs through `_feed_inputs` / `_draft_inputs`."""
+    override `_drafter` and give each forward extra inputs through `_feed_inputs` / `_draft_inputs`.
+
+    Each step writes one region of the draft cache: the unseen committed tokens (the feed, `_feed_width` slots),
+    then the drafted nodes it feeds; `_node_slots` names the region slot (after the feed) of every fed node."""
 
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
         self.draft = self._drafter(config, target)
@@ -83,12 +85,13 @@ class DraftModelProposer(Proposer):
         self.sampling = sampling
         self.target_vocab = vocab_size(target)
         self.cache = RaggedKVCache(self.draft)
-        self.cached_lengths: torch.Tensor | None = None  # [B]: tokens of each row the draft cache holds
+        self.cached_lengths: torch.Tensor | None = None  # [B]: tokens of each row the draft has seen
+        self.cached_host: list[int] = []  # the same on the host
         self._fed: torch.Tensor | None = None  # [B]: committed tokens fed at the start of this step
+        self._fed_host: list[int] = []
+        self._feed_width = 0
         self._num_drafted = 0
-        self._mark = None
-        self._region_start = 0
-        self._node_slots: torch.Tensor | None = None  # [B, N]: draft-cache region slot of each tree node, or -1
+        self._node_slots: torch.Tensor | None = None  # [B, N]: region slot (after the feed) of each node, or -1
         self._root_hidden: torch.Tensor | None = None  # [B, F]: the drafter's output after the fed tokens, if kept
 
     def _drafter(self, config: SpeculativeConfig, target: torch.nn.Module) -> torch.nn.Module:
@@ -113,69 +116,77 @@ class DraftModelProposer(Proposer):
         prompt = state.sequences[:, : state.prompt_length - 1].to(device)
         self.cache.prefill(prompt, None if attention_mask is None else attention_mask[:, :-1].to(device))
         self.cached_lengths = state.lengths - 1
+        self.cached_host = [length - 1 for length in state.host.lengths]
 
-    def propose(self, state: DecodeState) -> Proposal | TreeProposal:
+    def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
-        self._num_drafted = int(budget.max())
+        budget_host = [min(b, self.k) for b in state.host_draft_budget()]
+        self._num_drafted = max(budget_host, default=0)
         logits = self._feed_unseen(state)
         if self.total_tokens is not None:
             return self._propose_dynamic_tree(state, budget, logits)
         if self.tree_width > 1:
             return self._propose_tree(state, budget, logits)
+        return self._propose_chain(state, budget, logits, dense=all(b == self._num_drafted for b in budget_host))
+
+    def _propose_chain(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor, dense: bool) -> Proposal:
+        """k drafts, one forward each after the first; draft d (d < k) is fed at region slot d - 1."""
         tokens, probs = [], []
-        ones = torch.ones_like(self._fed, device=self.draft.device)
+        device = self.draft.device
         hidden = self._root_hidden
         for step in range(self._num_drafted):
             if step > 0:
                 parent = None if hidden is None else hidden[:, None]
-                logits = self.cache.forward(tokens[-1].to(self.draft.device)[:, None], ones,
+                logits = self.cache.forward(tokens[-1].to(device)[:, None], self._fed.to(device)[:, None] + step - 1,
                                             **self._draft_inputs(parent))[:, 0]
                 hidden = None if self.cache.hidden_states is None else self.cache.hidden_states[:, 0]
             token, token_probs = self._draw(logits)
             tokens.append(token)
             probs.append(token_probs)
-        if self._num_drafted == 0:
-            return Proposal.empty(state.batch_size, state.sequences.device)
         target_device = state.sequences.device
-        return Proposal(
-            draft_token_ids=torch.stack(tokens, dim=1).to(target_device),
-            num_draft_tokens=budget,
-            draft_probs=None if probs[0] is None else torch.stack(probs, dim=1).to(target_device),
-        )
+        slots = torch.arange(-1, self._num_drafted, device=target_device)  # node d: slot d - 1; the root has none
+        self._node_slots = torch.where(slots < self._num_drafted - 1, slots, -1).expand(state.batch_size, -1)
+        drafts = torch.stack(tokens, dim=1) if tokens else budget.new_zeros(state.batch_size, 0)
+        draft_probs = None if not probs or probs[0] is None else torch.stack(probs, dim=1).to(target_device)
+        return Proposal.chain(state.last_tokens(), drafts.to(target_device), budget, draft_probs, dense=dense)
 
     def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
         """Feed each row's committed tokens the draft has not seen (at least its last token); returns the draft's
         logits after them [B, V_draft]."""
+        host = state.host
+        self._fed_host = [0 if done else length - seen
+                          for length, seen, done in zip(host.lengths, self.cached_host, host.finished)]
         fed = torch.where(state.finished, 0, state.lengths - self.cached_lengths)  # >= 1 for unfinished rows
-        width = max(1, int(fed.max()))
+        width = self._feed_width = max(1, max(self._fed_host, default=0))
         column = torch.arange(width, device=fed.device)[None, :]
         index = (self.cached_lengths[:, None] + column).clamp(max=state.sequences.shape[1] - 1)
         unseen = state.sequences.gather(1, index)
         device = self.draft.device
-        self._mark, self._fed = self.cache.mark(), fed
-        logits = self.cache.forward(unseen.to(device), fed.to(device), **self._feed_inputs(state, width))
+        self._fed = fed
+        real = None if all(n == width for n in self._fed_host) else (column < fed[:, None]).to(device)
+        logits = self.cache.forward(unseen.to(device), column.to(device).expand(unseen.shape[0], -1), real,
+                                    **self._feed_inputs(state, width))
         last = (fed.clamp(min=1) - 1).to(device)[:, None, None]
         hidden = self.cache.hidden_states
         self._root_hidden = None if hidden is None else hidden.gather(1, last.expand(-1, 1, hidden.shape[-1]))[:, 0]
         return logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0]
 
-    def _propose_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> TreeProposal:
+    def _propose_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """Top-w first tokens, each continued as a chain: one draft forward per depth for all branches."""
         width, depth, batch = self.tree_width, max(self._num_drafted, 1), state.batch_size
         device = self.draft.device
         first = self._scores(logits).topk(width, dim=-1).indices  # [B, w]
         levels = [first.to(state.sequences.device)]
         level_probs = [None if not self.sampling.do_sample else _one_hot(levels[0], self.target_vocab)]
-        self._region_start = self.cache.num_slots
         branch = torch.eye(width, dtype=torch.bool, device=device)
+        feed = torch.ones(width, self._feed_width, dtype=torch.bool, device=device)  # every fed token is an ancestor
         hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
+        fed = self._fed.to(device)[:, None]
         for d in range(1, depth):
-            logits = self.cache.forward_tree(
+            logits = self.cache.forward(
                 levels[-1].to(device),
-                positions=self.cache.next_position[:, None].expand(-1, width) + (d - 1),
-                real=torch.ones(batch, width, dtype=torch.bool, device=device),
-                region_start=self._region_start,
-                visible=branch.repeat(1, d).expand(batch, -1, -1),  # a branch sees its own earlier tokens
+                (fed + d - 1).expand(-1, width),
+                visible=torch.cat([feed, branch.repeat(1, d)], dim=1).expand(batch, -1, -1),  # a branch sees its own
                 **self._draft_inputs(hidden),
             )
             hidden = self.cache.hidden_states
@@ -188,11 +199,8 @@ class DraftModelProposer(Proposer):
         slots = torch.arange(template.num_nodes, device=state.sequences.device) - 1
         self._node_slots = torch.where((node_depths >= 1) & (node_depths < depth), slots, -1).expand(batch, -1)
         root = state.last_tokens()[:, None]
-        draft_probs = None
-        if self.sampling.do_sample:
-            root_probs = torch.zeros_like(level_probs[0][:, :1])
-            draft_probs = torch.cat([root_probs, *level_probs], dim=1)
-        return TreeProposal(TokenTree.from_template(
+        draft_probs = torch.cat(level_probs, dim=1) if self.sampling.do_sample else None
+        return Proposal(TokenTree.from_template(
             template,
             torch.cat([root, *levels], dim=1),
             valid=node_depths[None, :] <= budget[:, None],
@@ -224,7 +232,7 @@ class DraftModelProposer(Proposer):
         generator = self.sampling.generator
         if generator is not None:
             probs = probs.to(generator.device)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs
+        return sample(probs, generator), probs
 
     def _to_target_vocab(
         self,
@@ -237,7 +245,7 @@ class DraftModelProposer(Proposer):
         missing = scores.new_full((scores.shape[0], self.target_vocab - draft_vocab), float("-inf"))
         return torch.cat([scores, missing], dim=-1)
 
-    def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> TreeProposal:
+    def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates."""
         width, depth, batch = self.tree_width, max(self._num_drafted, 1), state.batch_size
         device = self.draft.device
@@ -247,20 +255,19 @@ class DraftModelProposer(Proposer):
         all_cum = [torch.zeros_like(cum[:, :1]), cum]
         all_depths = [0] + [1] * width
         frontier = torch.arange(1, width + 1, device=device).expand(batch, -1)  # node ids [B, w]
-        sees = torch.zeros(batch, 1 + width, 0, dtype=torch.bool, device=device)  # [B, nodes, region slots]
+        sees = torch.zeros(batch, 1 + width, 0, dtype=torch.bool, device=device)  # [B, nodes, slots after the feed]
         node_slots = torch.full((batch, 1 + width), -1, dtype=torch.long, device=device)
-        self._region_start = self.cache.num_slots
+        feed = torch.ones(batch, width, self._feed_width, dtype=torch.bool, device=device)  # fed tokens: ancestors
+        fed = self._fed.to(device)[:, None]
         # [B, w, F]: the drafter's output at each frontier node's parent (None when the drafter keeps none)
         frontier_parent_hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
         for d in range(1, depth):
             region = sees.shape[2]
             nodes_tokens, nodes_cum = torch.cat(all_tokens, dim=1), torch.cat(all_cum, dim=1)
-            visible = torch.cat([_rows(sees, frontier), sees.new_zeros(batch, width, width)], dim=2)
-            logits = self.cache.forward_tree(
+            visible = torch.cat([feed, _rows(sees, frontier), sees.new_zeros(batch, width, width)], dim=2)
+            logits = self.cache.forward(
                 nodes_tokens.gather(1, frontier),
-                positions=self.cache.next_position[:, None].expand(-1, width) + (d - 1),
-                real=torch.ones(batch, width, dtype=torch.bool, device=device),
-                region_start=self._region_start,
+                (fed + d - 1).expand(-1, width),
                 visible=visible,
                 **self._draft_inputs(frontier_parent_hidden),
             )
@@ -287,7 +294,7 @@ class DraftModelProposer(Proposer):
         return self._select_dynamic_tree(state, budget, torch.cat(all_tokens, 1), torch.cat(all_parents, 1),
                                          torch.cat(all_cum, 1), all_depths, node_slots)
 
-    def _select_dynamic_tree(self, state, budget, tokens, parents, cum, depths: list[int], node_slots) -> TreeProposal:
+    def _select_dynamic_tree(self, state, budget, tokens, parents, cum, depths: list[int], node_slots) -> Proposal:
         """Keep the best `total_tokens` nodes by cumulative log-probability (ties: shallower first), re-indexed
         so parents precede children."""
         batch, count = tokens.shape
@@ -303,15 +310,13 @@ class DraftModelProposer(Proposer):
         tree_depths = torch.cat([by_depth[:1].expand(batch, 1), by_depth[chosen]], dim=1)
         self._node_slots = torch.cat([torch.full_like(chosen[:, :1], -1), node_slots.gather(1, chosen)], dim=1)
         target_device = state.sequences.device
-        tree_tokens = tree_tokens.to(target_device)
-        draft_probs = None
-        if self.sampling.do_sample:  # deterministic candidates: point masses (the root's row is unused)
-            draft_probs = _one_hot(tree_tokens, self.target_vocab)
-        return TreeProposal(TokenTree(
-            token_ids=tree_tokens,
+        # deterministic candidates: point masses (draft_probs None), at most k deep, at most w children per node
+        return Proposal(TokenTree(
+            token_ids=tree_tokens.to(target_device),
             parents=tree_parents.to(target_device),
             valid=tree_depths.to(target_device) <= budget[:, None],
-            draft_probs=draft_probs,
+            max_depth=max(depths),
+            max_children=self.tree_width,
         ))
 
     def _log_probs(
@@ -322,38 +327,34 @@ class DraftModelProposer(Proposer):
         """Log-probabilities over the target vocabulary, after the sampling warpers when sampling."""
         return torch.log_softmax(self._scores(logits), dim=-1)
 
-    def commit(self, state: DecodeState, result: VerificationResult | TreeVerificationResult) -> None:
-        device = self.draft.device
-        if isinstance(result, TreeVerificationResult):
-            kept_slots, kept_drafts = self._kept_tree_slots(result, state.finished)
-            self.cache.keep(self._mark, kept_slots.to(device))
-            kept = torch.where(state.finished, 0, self._fed + kept_drafts)
-        else:
-            kept_drafts = result.num_accepted.clamp(max=max(self._num_drafted - 1, 0))
-            kept = torch.where(state.finished, 0, self._fed + kept_drafts)
-            self.cache.rollback(self._mark, kept.to(device))
-        self.cached_lengths = self.cached_lengths + kept
-
-    def _kept_tree_slots(
-        self,
-        result: TreeVerificationResult,
-        # [B] bool
-        finished: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, slots since the mark] bool, [B] count): the fed tokens, then the draft KV of the accepted path's
-        leading nodes that the draft fed (a node it never fed ends what the draft can keep)."""
-        path = result.path_nodes[:, 1:]  # [B, D]: tree nodes along the walk
+    def commit(self, state: DecodeState, result: VerificationResult) -> None:
+        """Keep the fed tokens, then the accepted path's leading nodes that the draft fed (a node it never fed ends
+        what it can keep): the cache moves them after each row's committed tokens."""
+        path = result.path_nodes[:, 1:].to(self._node_slots.device)  # [B, D]: tree nodes along the walk
         step = torch.arange(path.shape[1], device=path.device)[None, :]
-        slots = self._node_slots.to(path.device).gather(1, path)  # [B, D]: region slot or -1
-        has_kv = (step < result.num_accepted[:, None]) & (slots >= 0)
-        kept_drafts = has_kv.long().cumprod(dim=1).sum(dim=1)
-        appended = self.cache.num_slots - self._mark.num_slots
-        fed_slots = self._region_start - self._mark.num_slots
-        column = torch.arange(appended, device=path.device)[None, :]
-        kept = column < self._fed[:, None]
-        region_slots = torch.where(step < kept_drafts[:, None], fed_slots + slots, appended)  # `appended`: nowhere
-        kept |= (column[:, :, None] == region_slots[:, None, :]).any(dim=2)
-        return kept & ~finished[:, None], kept_drafts
+        slots = self._node_slots.gather(1, path)  # [B, D]: region slot after the feed, or -1
+        fed = self._fed.to(path.device)
+        kept_drafts = ((step < result.num_accepted.to(path.device)[:, None]) & (slots >= 0)).long().cumprod(1).sum(1)
+        num_kept = torch.where(state.finished.to(path.device), 0, fed + kept_drafts)
+        host = state.host
+        if self.total_tokens is None:  # chains and fixed branches feed every node above the deepest
+            fed_depth = max(self._num_drafted, 1) - 1
+            kept_host = [0 if done else n + min(a, fed_depth)
+                         for n, a, done in zip(self._fed_host, host.num_accepted, host.finished)]
+        else:  # a dynamic tree feeds the frontier only, which the host does not know: one read
+            kept_host = num_kept.tolist()
+        in_order = self.tree_width == 1 and self.total_tokens is None and all(
+            done or n == self._feed_width for n, done in zip(self._fed_host, host.finished))
+        sources = None
+        if not in_order:  # slot i < fed: the feed; then the kept nodes' slots, after the feed
+            columns = torch.arange(self._feed_width + path.shape[1], device=path.device)[None, :]
+            along = (columns - fed[:, None]).clamp(min=0, max=max(path.shape[1] - 1, 0))
+            node_slot = slots.gather(1, along) if path.shape[1] else torch.zeros_like(along)
+            sources = torch.where(columns < fed[:, None], columns, self._feed_width + node_slot.clamp(min=0))
+        device = self.draft.device
+        self.cache.commit(num_kept.to(device), None if sources is None else sources.to(device), kept_on_host=kept_host)
+        self.cached_lengths = self.cached_lengths + num_kept.to(self.cached_lengths.device)
+        self.cached_host = [n + k for n, k in zip(self.cached_host, kept_host)]
 
 
 def _rows(

@@ -24,12 +24,10 @@ import torch
 from torch import nn
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState
 from hf_specdec.heads.eagle import EagleHead
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.draft_model import DraftModelProposer
-from hf_specdec.verify.chain import VerificationResult
-from hf_specdec.verify.tree import TreeVerificationResult
+from hf_specdec.step import DecodeState, VerificationResult
 
 
 class EagleDrafter(nn.Module):
@@ -92,6 +90,7 @@ class EagleProposer(DraftModelProposer):
         device = self.draft.device
         self.cache.prefill(prompt[:, :0].to(device), None)
         self.cached_lengths = state.lengths.clone()
+        self.cached_host = list(state.host.lengths)
         if state.prompt_length < 2:
             return
         real = torch.ones_like(prompt[:, 1:], dtype=torch.bool)
@@ -100,8 +99,11 @@ class EagleProposer(DraftModelProposer):
         order = (~real).long().argsort(dim=1, stable=True)  # each row's real pairs first, in order
         features = state.target_features[:, :-1]
         features = features.gather(1, order[:, :, None].to(features.device).expand(-1, -1, features.shape[2]))
-        self.cache.forward(prompt[:, 1:].gather(1, order).to(device), real.sum(dim=1).to(device),
+        depths = torch.arange(real.shape[1], device=device).expand(real.shape[0], -1)
+        self.cache.forward(prompt[:, 1:].gather(1, order).to(device), depths, real.gather(1, order).to(device),
                            features=features, from_target=True)
+        pairs = real.sum(dim=1)
+        self.cache.commit(pairs.to(device), kept_on_host=pairs.tolist())  # once per call, at the prompt
 
     def _feed_inputs(self, state: DecodeState, width: int) -> dict:
         return {"features": state.target_features[:, :width], "from_target": True}
@@ -109,10 +111,14 @@ class EagleProposer(DraftModelProposer):
     def _draft_inputs(self, parent_hidden: torch.Tensor | None) -> dict:
         return {"features": parent_hidden, "from_target": False}
 
-    def commit(self, state: DecodeState, result: VerificationResult | TreeVerificationResult) -> None:
-        kept = torch.where(state.finished, 0, self._fed)  # the committed tokens fed this step; no drafts
-        self.cache.rollback(self._mark, kept.to(self.draft.device))
+    def commit(self, state: DecodeState, result: VerificationResult) -> None:
+        """Keep the committed tokens fed this step and no draft: the accepted ones are fed again next step with
+        the target's true features."""
+        kept = torch.where(state.finished, 0, self._fed)
+        kept_host = [0 if done else n for n, done in zip(self._fed_host, state.host.finished)]
+        self.cache.commit(kept.to(self.draft.device), kept_on_host=kept_host)
         self.cached_lengths = self.cached_lengths + kept
+        self.cached_host = [n + k for n, k in zip(self.cached_host, kept_host)]
 
 
 def _build(config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> Proposer:

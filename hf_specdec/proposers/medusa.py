@@ -15,8 +15,8 @@ import warnings
 import torch
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.template import TreeTemplate
 from hf_specdec.tree.tree import TokenTree
 
@@ -47,23 +47,23 @@ class MedusaProposer(Proposer):
         return self.k if self.template is None else self.template.max_depth
 
     @torch.no_grad()
-    def propose(self, state: DecodeState) -> Proposal | TreeProposal:
+    def propose(self, state: DecodeState) -> Proposal:
         logits = self.heads(state.target_hidden.to(self.heads.device), self.lm_head).float()  # [B, K, V]
         logits = logits.to(state.sequences.device)
         budget = state.draft_budget()
+        depth = self.k if self.template is None else self.template.max_depth
+        dense = all(b >= depth for b in state.host_draft_budget())  # every row takes every node (a host fact)
         if self.template is None:
-            return Proposal(
-                draft_token_ids=logits[:, : self.k].argmax(dim=-1),
-                num_draft_tokens=budget.clamp(max=self.k),
-                draft_probs=None,
-            )
+            return Proposal.chain(state.last_tokens(), logits[:, : self.k].argmax(dim=-1), budget.clamp(max=self.k),
+                                  dense=dense)
         candidates = logits[:, : self.template.max_depth].topk(self.template.max_rank + 1, dim=-1).indices
         depths = torch.tensor(self.template.depths[1:], device=logits.device)
         ranks = torch.tensor(self.template.ranks[1:], device=logits.device)
         nodes = candidates[:, depths - 1, ranks]  # [B, N - 1]: each node's head and rank
         tokens = torch.cat([state.last_tokens()[:, None], nodes], dim=1)
         all_depths = torch.cat([depths.new_zeros(1), depths])
-        return TreeProposal(TokenTree.from_template(self.template, tokens, valid=all_depths[None, :] <= budget[:, None]))
+        valid = all_depths[None, :] <= budget[:, None]
+        return Proposal(TokenTree.from_template(self.template, tokens, valid=valid, dense=dense))
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:

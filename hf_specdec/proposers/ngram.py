@@ -4,7 +4,8 @@ For each row, the last n tokens (n from `prompt_lookup_max` down to `prompt_look
 row's prompt and generated text; at the longest n that matches, the most recent match wins and the k tokens that
 followed it become the draft, read as an overlapping copy (LZ77's rule): where the copy runs past the end of the
 text it goes on copying its own output, so a match d tokens back drafts the last d tokens repeated. The draft is a
-point mass, so verification needs no draft probabilities. Matching runs in NumPy on the host, one row at a time.
+point mass, so verification needs no draft probabilities. Matching runs in NumPy on the host, one row at a time,
+on a host copy of the text that each step extends with the tokens it emitted.
 
 Why not vLLM's rule (the earliest match, for its longer continuation)? With overlapping copies every match
 continues for k tokens, and on repetitive text (runs, alternations, the lines of a list) the most recent match is
@@ -24,9 +25,9 @@ import numpy as np
 import torch
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState, Proposal, TreeProposal
-from hf_specdec.tree.tree import TokenTree
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.step import DecodeState, Proposal
+from hf_specdec.tree.tree import TokenTree
 
 
 def _longest_match_ends(
@@ -130,47 +131,64 @@ def build_trie(
 
 
 class NgramProposer(Proposer):
+    """Matches on a host copy of every row's text: the prompt copied once, then the tokens each step emitted
+    (`state.host.emitted`, part of the engine's one host read per step), so no step copies the sequences back."""
+
+    reads_emitted_tokens = True
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.tree_width = config.tree_width
+        self.text = np.zeros((0, 0), dtype=np.int64)  # [B, capacity]: each row's tokens, prompt padding included
+        self.starts: list[int] = []  # first token of each row after its left padding
+        self.ends: list[int] = []  # tokens of each row the copy holds
 
-    def propose(self, state: DecodeState) -> Proposal | TreeProposal:
+    def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
+        prompt = state.sequences[:, : state.prompt_length].cpu().numpy()  # once per call
+        self.text = np.zeros((state.batch_size, state.sequences.shape[1]), dtype=np.int64)
+        self.text[:, : state.prompt_length] = prompt
+        self.starts = state.pad_lengths.tolist()
+        self.ends = [state.prompt_length] * state.batch_size
+
+    def _catch_up(self, state: DecodeState) -> None:
+        """Append what the steps since the last proposal emitted (the last step's tokens)."""
+        host = state.host
+        for row, (length, end) in enumerate(zip(host.lengths, self.ends)):
+            if length > end:
+                self.text[row, end:length] = host.emitted[row, : length - end]
+                self.ends[row] = length
+
+    def propose(self, state: DecodeState) -> Proposal:
+        self._catch_up(state)
+        budget = [min(b, self.k) for b in state.host_draft_budget()]
         if self.tree_width > 1:
-            return self._propose_tree(state)
-        budget = state.draft_budget().clamp(max=self.k).tolist()
-        sequences = state.sequences.cpu().numpy()
-        starts = state.pad_lengths.tolist()
-        ends = state.lengths.tolist()
+            return self._propose_tree(state, budget)
         drafts = np.zeros((state.batch_size, self.k), dtype=np.int64)
         counts = np.zeros(state.batch_size, dtype=np.int64)
         for row in range(state.batch_size):
-            found = find_ngram_continuation(sequences[row, starts[row] : ends[row]], self.min_n, self.max_n, budget[row])
+            tokens = self.text[row, self.starts[row] : self.ends[row]]
+            found = find_ngram_continuation(tokens, self.min_n, self.max_n, budget[row])
             drafts[row, : found.size] = found
             counts[row] = found.size
         device = state.sequences.device
         width = int(counts.max()) if counts.size else 0
-        return Proposal(
-            draft_token_ids=torch.from_numpy(drafts[:, :width]).to(device),
-            num_draft_tokens=torch.from_numpy(counts).to(device),
-            draft_probs=None,
-        )
+        return Proposal.chain(state.last_tokens(), torch.from_numpy(drafts[:, :width]).to(device),
+                              torch.from_numpy(counts).to(device), dense=bool((counts == width).all()))
 
-
-    def _propose_tree(self, state: DecodeState) -> TreeProposal:
-        budget = state.draft_budget().clamp(max=self.k).tolist()
-        sequences = state.sequences.cpu().numpy()
-        starts, ends = state.pad_lengths.tolist(), state.lengths.tolist()
+    def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:
         num_nodes = 1 + self.tree_width * self.k
         rows = []
         for row in range(state.batch_size):
-            tokens = sequences[row, starts[row] : ends[row]]
+            tokens = self.text[row, self.starts[row] : self.ends[row]]
             found = find_ngram_continuations(tokens, self.min_n, self.max_n, budget[row], self.tree_width)
-            rows.append(build_trie(int(sequences[row, ends[row] - 1]), found, num_nodes))
+            rows.append(build_trie(int(self.text[row, self.ends[row] - 1]), found, num_nodes))
         device = state.sequences.device
         tokens, parents, valid = (torch.from_numpy(np.stack(column)).to(device) for column in zip(*rows))
-        return TreeProposal(TokenTree(token_ids=tokens, parents=parents, valid=valid))
+        # a trie of w continuations of k tokens: at most k deep, at most w children per node
+        return Proposal(TokenTree(token_ids=tokens, parents=parents, valid=valid, max_depth=self.k,
+                                  max_children=self.tree_width))
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:

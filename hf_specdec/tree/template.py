@@ -55,9 +55,10 @@ class TreeTemplate:
 
     @classmethod
     def chain(cls, length: int) -> TreeTemplate:
-        if length < 1:
-            raise ValueError(f"chain length: expected >= 1, got {length}")
-        return cls.from_paths([(0,) * d for d in range(1, length + 1)])
+        """The root followed by `length` nodes in one line (0: the root alone)."""
+        if length < 0:
+            raise ValueError(f"chain length: expected >= 0, got {length}")
+        return cls(parents=tuple(range(-1, length)), ranks=(-1,) + (0,) * length, depths=tuple(range(length + 1)))
 
     @classmethod
     def full(cls, width: int, depth: int) -> TreeTemplate:
@@ -78,6 +79,18 @@ class TreeTemplate:
     @property
     def max_depth(self) -> int:
         return max(self.depths)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, self.num_nodes - 1))
+
+    @property
+    def max_children(self) -> int:
+        """The most children any node has (at least 1)."""
+        counts = [0] * self.num_nodes
+        for parent in self.parents[1:]:
+            counts[parent] += 1
+        return max(max(counts), 1)
 
     @property
     def max_rank(self) -> int:

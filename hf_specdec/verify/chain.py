@@ -17,19 +17,10 @@ so a token with target probability 0 is never kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-PLACEHOLDER_TOKEN_ID = -1
-
-
-@dataclass(frozen=True)
-class VerificationResult:
-    # [B, k + 1]: accepted draft tokens, then the recovered or bonus token, then PLACEHOLDER_TOKEN_ID
-    output_token_ids: torch.Tensor
-    # [B]: draft tokens accepted per row (the row emits num_accepted + 1 tokens)
-    num_accepted: torch.Tensor
+from hf_specdec.sampling import sample
+from hf_specdec.step.result import PLACEHOLDER_TOKEN_ID, VerificationResult
 
 
 def _first_rejection(
@@ -52,7 +43,7 @@ def _assemble(
     padded = torch.cat([draft_token_ids, draft_token_ids.new_zeros(batch, 1)], dim=1)
     out = torch.where(column < num_accepted[:, None], padded, PLACEHOLDER_TOKEN_ID)
     out = torch.where(column == num_accepted[:, None], final_token_ids[:, None], out)
-    return VerificationResult(output_token_ids=out, num_accepted=num_accepted)
+    return VerificationResult.chain(out, num_accepted)
 
 
 def _valid_drafts(
@@ -121,5 +112,5 @@ def rejection_sample(
         degenerate = residual.sum(dim=1, keepdim=True) <= 0
         residual = torch.where(degenerate, final_target, residual)
         final_target = torch.where(rejected[:, None], residual, final_target)
-    final = torch.multinomial(final_target.float(), 1, generator=generator).squeeze(1)
+    final = sample(final_target, generator)
     return _assemble(draft_token_ids, num_accepted, final)

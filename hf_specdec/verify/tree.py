@@ -19,24 +19,11 @@ every other node; nothing is recomputed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from hf_specdec.sampling import sample
+from hf_specdec.step.result import PLACEHOLDER_TOKEN_ID, VerificationResult
 from hf_specdec.tree.tree import TokenTree
-from hf_specdec.verify.chain import PLACEHOLDER_TOKEN_ID
-
-
-@dataclass(frozen=True)
-class TreeVerificationResult:
-    # [B, D + 1]: accepted draft tokens along the path, then the recovered or bonus token, then placeholders
-    output_token_ids: torch.Tensor
-    # [B]: draft tokens accepted per row (the row emits num_accepted + 1 tokens)
-    num_accepted: torch.Tensor
-    # [B, N] bool: the root and the accepted nodes, whose KV the cache keeps
-    kept_nodes: torch.Tensor
-    # [B, D + 1]: the node the walk stood on when it chose each output token (root first)
-    path_nodes: torch.Tensor
 
 
 def _row_gather(
@@ -48,21 +35,23 @@ def _row_gather(
     return values[torch.arange(values.shape[0], device=values.device), nodes]
 
 
-def _result(tree: TokenTree, path: list[torch.Tensor], num_accepted: torch.Tensor, final: torch.Tensor):
+def _result(
+    tree: TokenTree,
+    # per step of the walk [B]
+    path: list[torch.Tensor],
+    # [B]
+    num_accepted: torch.Tensor,
+    # [B]
+    final: torch.Tensor,
+) -> VerificationResult:
     nodes = torch.stack(path, dim=1)  # [B, D + 1]: node at each step of the walk (repeats once it stops)
     steps = torch.arange(nodes.shape[1], device=nodes.device)[None, :]
     accepted_tokens = tree.token_ids.gather(1, nodes[:, 1:])  # [B, D]
     out = torch.where(steps[:, :-1] < num_accepted[:, None], accepted_tokens, PLACEHOLDER_TOKEN_ID)
     out = torch.cat([out, out.new_full((out.shape[0], 1), PLACEHOLDER_TOKEN_ID)], dim=1)
     out = torch.where(steps == num_accepted[:, None], final[:, None], out)
-    kept = torch.zeros_like(tree.valid)
-    kept.scatter_(1, torch.where(steps <= num_accepted[:, None], nodes, 0), True)
-    return TreeVerificationResult(output_token_ids=out, num_accepted=num_accepted, kept_nodes=kept, path_nodes=nodes)
-
-
-def _max_depth(tree: TokenTree) -> int:
-    depths = torch.where(tree.valid, tree.depths, 0)
-    return int(depths.max()) if depths.numel() else 0
+    return VerificationResult(output_token_ids=out, num_accepted=num_accepted, path_nodes=nodes,
+                              num_nodes=tree.num_nodes)
 
 
 def follow_acceptable(
@@ -78,7 +67,7 @@ def follow_acceptable(
     active = torch.ones(batch, dtype=torch.bool, device=current.device)
     num_accepted = torch.zeros_like(current)
     path = [current]
-    for _ in range(_max_depth(tree)):
+    for _ in range(tree.max_depth):
         kids = _row_gather(children, current)  # [B, M]
         match = (kids >= 0) & acceptable.gather(1, kids.clamp(min=0)) & active[:, None]
         found = match.any(dim=1)
@@ -94,7 +83,7 @@ def greedy_tree_verify(
     tree: TokenTree,
     # [B, N]: argmax of the processed target scores at every node
     target_token_ids: torch.Tensor,
-) -> TreeVerificationResult:
+) -> VerificationResult:
     parent_argmax = target_token_ids.gather(1, tree.parents.clamp(min=0))  # [B, N]: the target's pick before each node
     acceptable = (tree.token_ids == parent_argmax) & tree.valid
     path, num_accepted, current = follow_acceptable(tree, acceptable)
@@ -106,7 +95,7 @@ def tree_rejection_sample(
     # [B, N, V]: target distributions at every node, after the user's logits processors
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
-) -> TreeVerificationResult:
+) -> VerificationResult:
     children = tree.children  # [B, N, M]
     batch, _, vocab = target_probs.shape
     device = target_probs.device
@@ -115,7 +104,7 @@ def tree_rejection_sample(
     num_accepted = torch.zeros_like(current)
     final_probs = torch.zeros(batch, vocab, dtype=torch.float64, device=device)
     path = [current]
-    for _ in range(_max_depth(tree)):
+    for _ in range(tree.max_depth):
         residual = _row_gather(target_probs, current).double()  # [B, V]
         kids = _row_gather(children, current)  # [B, M]
         chosen = torch.full_like(current, -1)
@@ -126,7 +115,7 @@ def tree_rejection_sample(
             if tree.draft_probs is None:
                 draft = torch.zeros_like(residual).scatter_(1, token, 1.0)
             else:
-                draft = _row_gather(tree.draft_probs, kid.clamp(min=0)).double()
+                draft = _row_gather(tree.draft_probs, (kid - 1).clamp(min=0)).double()
             uniform = torch.rand(batch, dtype=torch.float64, device=device, generator=generator)
             accept = trying & (uniform * draft.gather(1, token).squeeze(1) < residual.gather(1, token).squeeze(1))
             chosen = torch.where(accept, kid, chosen)
@@ -141,5 +130,5 @@ def tree_rejection_sample(
         num_accepted += active.long()
         path.append(current)
     final_probs = torch.where(active[:, None], _row_gather(target_probs, current).double(), final_probs)
-    final = torch.multinomial(final_probs.float(), 1, generator=generator).squeeze(1)
+    final = sample(final_probs, generator)
     return _result(tree, path, num_accepted, final)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from hf_specdec.sampling import sample
+from hf_specdec.step.result import VerificationResult
 from hf_specdec.tree.tree import TokenTree
-from hf_specdec.verify.chain import VerificationResult, _assemble, _first_rejection, _valid_drafts
-from hf_specdec.verify.tree import TreeVerificationResult, _result, _row_gather, follow_acceptable
+from hf_specdec.verify.chain import _assemble, _first_rejection, _valid_drafts
+from hf_specdec.verify.tree import _result, _row_gather, follow_acceptable
 
 
 def typical_thresholds(
@@ -45,7 +47,7 @@ def typical_chain_verify_lossy(
     thresholds = typical_thresholds(target_probs[:, :k], posterior_threshold, posterior_alpha)
     num_accepted = _first_rejection((token_probs > thresholds) & valid)
     final_probs = target_probs.gather(1, num_accepted[:, None, None].expand(-1, 1, target_probs.shape[2])).squeeze(1)
-    final = torch.multinomial(final_probs.float(), 1, generator=generator).squeeze(1)
+    final = sample(final_probs, generator)
     return _assemble(draft_token_ids, num_accepted, final)
 
 
@@ -56,12 +58,12 @@ def typical_tree_verify_lossy(
     posterior_threshold: float,
     posterior_alpha: float,
     generator: torch.Generator | None,
-) -> TreeVerificationResult:
+) -> VerificationResult:
     parent_probs = _rows_of(target_probs, tree.parents.clamp(min=0))  # [B, N, V]: p where each node is judged
     token_probs = parent_probs.gather(2, tree.token_ids[..., None]).squeeze(2)
     acceptable = (token_probs > typical_thresholds(parent_probs, posterior_threshold, posterior_alpha)) & tree.valid
     path, num_accepted, current = follow_acceptable(tree, acceptable)
-    final = torch.multinomial(_row_gather(target_probs, current).float(), 1, generator=generator).squeeze(1)
+    final = sample(_row_gather(target_probs, current), generator)
     return _result(tree, path, num_accepted, final)
 
 

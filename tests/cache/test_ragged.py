@@ -1,4 +1,5 @@
-"""The ragged cache: after arbitrary per-row rollbacks and compactions, logits equal a fresh forward of what was kept."""
+"""The ragged cache: after arbitrary per-row regions (chains and trees, with dummies) and commits of a prefix or a
+root-to-node path, logits equal a fresh forward of what each row kept."""
 
 from __future__ import annotations
 
@@ -23,39 +24,64 @@ def _reference_next_logits(model, rows: list[list[int]]) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
 
 
+def _random_tree(batch: int, width: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parents [B, W], ancestors-or-self [B, W, W]) of a random tree per row (node 0 the root)."""
+    parents = torch.full((batch, width), -1, dtype=torch.long)
+    ancestors = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)
+    for node in range(1, width):
+        parents[:, node] = torch.randint(0, node, (batch,), generator=generator)
+        ancestors[:, node] |= ancestors[torch.arange(batch), parents[:, node]]
+    return parents, ancestors
+
+
+def _path(parents: torch.Tensor, row: int, node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[row, node])
+    return path[::-1]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_ragged_rollbacks_match_fresh_forward(arch, monkeypatch):
-    monkeypatch.setattr(ragged, "MIN_HOLES_BEFORE_COMPACTION", 4)
+def test_regions_and_commits_match_fresh_forward(arch):
     model = make_model(arch)
     ids, mask = padded_batch([9, 4, 7], seed=1)
     kept = [ids[b, mask[b].bool()].tolist() for b in range(3)]
     cache = RaggedKVCache(model)
     generator = torch.Generator().manual_seed(0)
+    moved = []
     with torch.no_grad():
         cache.prefill(ids, mask)
-        compactions = 0
-        for step in range(30):
+        for step in range(12):
             width = 6
             block = torch.randint(3, 100, (3, width), generator=generator)
             num_real = torch.randint(1, width + 1, (3,), generator=generator)
-            mark = cache.mark()
-            logits = cache.forward(block, num_real)
-            # the last real position of every row sees exactly its kept tokens plus the block so far
-            expect_rows = [kept[b] + block[b, : int(num_real[b])].tolist() for b in range(3)]
-            last = logits[torch.arange(3), num_real - 1]
-            torch.testing.assert_close(last, _reference_next_logits(model, expect_rows), rtol=1e-4, atol=1e-4)
-            # one row in turn keeps a random prefix of its block, the others nothing: the slot axis grows about
-            # three times faster than any row, so holes outnumber tokens and get compacted
-            num_kept = torch.zeros(3, dtype=torch.long)
-            num_kept[step % 3] = torch.randint(0, int(num_real[step % 3]) + 1, (1,), generator=generator)
-            cache.rollback(mark, num_kept)
+            real = torch.arange(width)[None, :] < num_real[:, None]
+            if step % 2:  # a tree: every node sees its ancestors
+                parents, ancestors = _random_tree(3, width, generator)
+                depths = ancestors.sum(dim=2) - 1
+                logits = cache.forward(block, depths, real, ancestors)
+            else:  # a chain
+                parents = torch.arange(-1, width - 1).expand(3, -1)
+                logits = cache.forward(block, torch.arange(width).expand(3, -1), real)
+            # the last real node of every row sees exactly its kept tokens plus its path
+            last = num_real - 1
+            expect = [kept[b] + block[b, _path(parents, b, int(last[b]))].tolist() for b in range(3)]
+            torch.testing.assert_close(logits[torch.arange(3), last], _reference_next_logits(model, expect),
+                                       rtol=1e-4, atol=1e-4)
+            # each row keeps a root-to-node path of real nodes (a chain's prefix, or a tree's path), maybe empty
+            ends = [int(torch.randint(-1, int(num_real[b]), (1,), generator=generator)) for b in range(3)]
+            paths = [_path(parents, b, end) if end >= 0 else [] for b, end in enumerate(ends)]
+            counts = [len(p) for p in paths]
+            sources = torch.tensor([p + [0] * (width - len(p)) for p in paths])
+            moved.append(step % 2 == 1 or len(set(cache.host_lengths)) > 1)
+            cache.commit(torch.tensor(counts), sources if step % 2 else None, kept_on_host=counts)
             for b in range(3):
-                kept[b] += block[b, : int(num_kept[b])].tolist()
-            compactions += cache.num_slots < mark.num_slots  # below where the step started: squeezed
-            longest = max(len(r) for r in kept)
-            assert cache.num_slots <= 2 * longest + ragged.MIN_HOLES_BEFORE_COMPACTION + width
-            assert cache.next_position.tolist() == [len(r) for r in kept]
-    assert compactions > 0, "the test should exercise compaction"
+                kept[b] += block[b, paths[b]].tolist()
+            assert cache.lengths.tolist() == [ids.shape[1] - len(kept0) + len(k) for kept0, k in
+                                              zip([ids[b, mask[b].bool()].tolist() for b in range(3)], kept)]
+            assert cache.width == max(cache.host_lengths) == max(cache.lengths.tolist())
+    assert any(moved)
 
 
 def test_layout_from_config():
@@ -73,8 +99,9 @@ def test_flash_attention_is_refused_with_an_actionable_error():
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
 def test_unpadded_chains_skip_the_ancestry_mask_and_match_fresh_forward(arch, monkeypatch):
-    """With no padding, holes or dummies the cache builds a plain causal mask (or none for one query per row)
-    instead of the ancestry mask; every position's logits still equal a fresh forward's."""
+    """With no padding, rows of one length and chains without dummies the cache builds a plain causal mask (or
+    none for one query per row) instead of the ancestry mask; every position's logits still equal a fresh
+    forward's."""
     model = make_model(arch)
     built = []
     monkeypatch.setattr(ragged, "ancestry_attention_mask", lambda *args: built.append(args))
@@ -85,12 +112,11 @@ def test_unpadded_chains_skip_the_ancestry_mask_and_match_fresh_forward(arch, mo
         cache.prefill(kept, None)
         for width, num_kept in [(1, 1), (4, 2), (1, 0), (5, 5), (3, 1)]:
             block = torch.randint(3, 100, (2, width), generator=generator)
-            mark = cache.mark()
-            logits = cache.forward(block, torch.full((2,), width))
+            logits = cache.forward(block, torch.arange(width).expand(2, -1))
             full = torch.cat([kept, block], dim=1)
             expect = model(input_ids=full, position_ids=torch.arange(full.shape[1])[None].expand(2, -1)).logits
             torch.testing.assert_close(logits, expect[:, -width:], rtol=1e-4, atol=1e-4)
-            cache.rollback(mark, torch.full((2,), num_kept))
+            cache.commit(torch.full((2,), num_kept), kept_on_host=[num_kept] * 2)
             kept = torch.cat([kept, block[:, :num_kept]], dim=1)
     assert not built
 
@@ -104,14 +130,13 @@ def test_selected_rows_go_on_as_if_alone():
     with torch.no_grad():
         cache.prefill(ids, mask)
         block = torch.randint(3, 100, (3, 3), generator=generator)
-        mark = cache.mark()
-        cache.forward(block, torch.tensor([3, 1, 2]))
-        cache.rollback(mark, torch.tensor([1, 1, 2]))
+        cache.forward(block, torch.arange(3).expand(3, -1), torch.arange(3)[None, :] < torch.tensor([[3], [1], [2]]))
+        cache.commit(torch.tensor([1, 1, 2]), kept_on_host=[1, 1, 2])
         kept = [kept[b] + block[b, :count].tolist() for b, count in enumerate([1, 1, 2])]
-        cache.select_rows(torch.tensor([2, 0]))
+        cache.select_rows(torch.tensor([2, 0]), [2, 0])
         kept = [kept[2], kept[0]]
-        assert cache.next_position.tolist() == [len(r) for r in kept]
+        assert cache.host_lengths == cache.lengths.tolist() == [ids.shape[1] + 2, ids.shape[1] + 1]
         block = torch.randint(3, 100, (2, 2), generator=generator)
-        logits = cache.forward(block, torch.tensor([2, 2]))
+        logits = cache.forward(block, torch.arange(2).expand(2, -1))
         expect = _reference_next_logits(model, [kept[b] + block[b].tolist() for b in range(2)])
         torch.testing.assert_close(logits[:, -1], expect, rtol=1e-4, atol=1e-4)

@@ -33,10 +33,14 @@ def test_bfloat16_models_generate_valid_tokens_and_masks_follow_the_dtype():
             assert out.sequences.shape == (2, ids.shape[1] + 10)
             assert ((out.sequences >= 0) & (out.sequences < 128)).all()
     cache = RaggedKVCache(target)
+    masks = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: masks.append(kwargs["attention_mask"]),
+                                            with_kwargs=True)
     with torch.no_grad():
         cache.prefill(ids, mask)
-        visible = torch.ones(2, 1, 1, dtype=torch.bool)
-        mask4d = cache._attention_mask(cache.next_position[:, None], cache.num_slots, visible)
+        cache.forward(ids[:, -1:], torch.zeros(2, 1, dtype=torch.long))  # the prompt is padded: a 4-D mask
+    hook.remove()
+    mask4d = masks[-1]
     assert mask4d.dtype == torch.bfloat16
 
 

@@ -182,9 +182,9 @@ def test_finished_rows_leave_the_target_cache(monkeypatch):
     held_rows = []
     select_rows = RaggedKVCache.select_rows
 
-    def spy(cache, rows):
+    def spy(cache, rows, *args):
         held_rows.append(rows.shape[0])
-        select_rows(cache, rows)
+        select_rows(cache, rows, *args)
 
     monkeypatch.setattr(RaggedKVCache, "select_rows", spy)
     target = make_model("llama")

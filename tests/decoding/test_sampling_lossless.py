@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
 import hf_specdec
-import hf_specdec.decoding.loop as loop
+import hf_specdec.verify.verifier as verifier
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import EagleConfig, EagleHead
 from hf_specdec.verify.chain import rejection_sample
@@ -243,9 +243,9 @@ def test_power_verifier_without_residual_is_caught(target, monkeypatch):
         tokens = result.output_token_ids.clone()
         rows = torch.arange(tokens.shape[0])
         tokens[rows, result.num_accepted] = torch.where(rejected, fresh, tokens[rows, result.num_accepted])
-        return type(result)(output_token_ids=tokens, num_accepted=result.num_accepted)
+        return type(result).chain(tokens, result.num_accepted)
 
-    monkeypatch.setattr(loop, "rejection_sample", without_residual)
+    monkeypatch.setattr(verifier, "rejection_sample", without_residual)
     law = exact_law(target, TEMPERATURE)
     config = SpeculativeConfig(method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=3, seed=1)
     assert not accepted(chi_square_pvalues(draws(target, TEMPERATURE, config), law))

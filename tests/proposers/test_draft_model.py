@@ -21,7 +21,7 @@ def test_dynamic_tree_nodes_see_exactly_their_ancestors(monkeypatch):
     draft = copy.deepcopy(target)
     ids = torch.tensor([[5, 9, 17, 5, 9, 17, 5, 9]])
     levels: list[tuple[torch.Tensor, torch.Tensor]] = []  # per draft tree forward: fed tokens [w], logits [w, V]
-    original = RaggedKVCache.forward_tree
+    original = RaggedKVCache.forward
 
     def recording(self, input_ids, *args, **kwargs):
         logits = original(self, input_ids, *args, **kwargs)
@@ -30,7 +30,7 @@ def test_dynamic_tree_nodes_see_exactly_their_ancestors(monkeypatch):
             levels.append((input_ids[0].clone(), logits[0].clone()))
         return logits
 
-    monkeypatch.setattr(RaggedKVCache, "forward_tree", recording)
+    monkeypatch.setattr(RaggedKVCache, "forward", recording)
     config = SpeculativeConfig(method="draft", draft_model=draft, top_k=3, depth=4, total_tokens=10)
     hf_specdec.generate(target, ids, speculative=config, max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert len(levels) == 3  # the first proposal fed depths 1, 2 and 3

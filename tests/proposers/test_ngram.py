@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from hf_specdec import SpeculativeConfig
-from hf_specdec.decoding.state import DecodeState
 from hf_specdec.proposers.ngram import NgramProposer, find_ngram_continuation
+from hf_specdec.step import DecodeState
 
 
 def _find(tokens, min_n=1, max_n=3, k=4):
@@ -49,7 +49,9 @@ def test_batched_proposer_ragged_rows_and_budget():
     ids = torch.tensor([[0, 0, 6, 7, 8, 6, 7], [1, 2, 3, 4, 1, 2, 3], [0, 9, 10, 11, 12, 13, 14]])
     mask = (ids != 0).long()
     state = DecodeState.start(ids, mask, max_length=9, extra_capacity=5, pad_token_id=pad)
-    proposal = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4)).propose(state)
+    proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    proposer.start(state, mask)
+    proposal = proposer.propose(state)
     # budget: max_length 9 - length 7 - 1 = 1 draft token per row
     assert proposal.num_draft_tokens.tolist() == [1, 1, 0]
     assert proposal.draft_token_ids[:, :1].tolist()[:2] == [[8], [4]]
@@ -60,7 +62,9 @@ def test_left_padding_is_never_matched():
     ids = torch.tensor([[0, 0, 0, 5, 0]])
     mask = torch.tensor([[0, 0, 0, 1, 1]])
     state = DecodeState.start(ids, mask, max_length=20, extra_capacity=5, pad_token_id=0)
-    proposal = NgramProposer(SpeculativeConfig(method="ngram")).propose(state)
+    proposer = NgramProposer(SpeculativeConfig(method="ngram"))
+    proposer.start(state, mask)
+    proposal = proposer.propose(state)
     assert proposal.num_draft_tokens.tolist() == [0]
 
 

@@ -72,7 +72,7 @@ def _sampled_tree(generator, root, second, width=3, depth=2):
         q = q_root.expand(N, -1) if parent == 0 else q_second[tokens[:, parent]]
         tokens[:, node] = torch.multinomial(q, 1, generator=generator).squeeze(1)
         draft_probs[:, node] = q
-    return TokenTree.from_template(template, tokens, draft_probs=draft_probs)
+    return TokenTree.from_template(template, tokens, draft_probs=draft_probs[:, 1:])  # node 0 (the root) has none
 
 
 def _topk_tree(root, second, width=2):

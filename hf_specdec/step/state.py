@@ -1,23 +1,47 @@
-"""Per-step decoding state shared by the engine and the proposers, and what a proposer returns: a `Proposal`
-(a chain of draft tokens per row) or a `TreeProposal` (a token tree per row)."""
+"""The committed text of every row (`DecodeState`), shared by the engine and the proposers, what the host knows of
+it (`HostView`), and what `generate` prepared for the prompt besides its token ids (`PromptInputs`).
+
+Device facts stay on the device and host facts on the host: the state lives in tensors, and once per step
+`DecodeState.report` copies the few per-row numbers the host needs (lengths, finished rows, what the step emitted)
+in one transfer, the step's one host sync. Every host decision (draft widths, budgets, which rows to drop, when to
+stop) reads `DecodeState.host`, never the device.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from hf_specdec.tree.tree import TokenTree
+
+@dataclass(frozen=True)
+class HostView:
+    """Per-row facts on the host, as of the last `DecodeState.report`."""
+
+    # committed length of each row (prompt and padding included)
+    lengths: list[int]
+    finished: list[bool]
+    # tokens each row emitted in the last step, and draft tokens it accepted
+    num_emitted: list[int]
+    num_accepted: list[int]
+    # [B, W]: the last step's output tokens (row b emitted its first num_emitted[b]); None unless asked for
+    emitted: np.ndarray | None = None
+
+    @classmethod
+    def start(cls, batch_size: int, prompt_length: int) -> HostView:
+        return cls([prompt_length] * batch_size, [False] * batch_size, [0] * batch_size, [0] * batch_size)
 
 
 @dataclass
 class DecodeState:
     """The committed tokens of every row.
 
-    Row b holds its prompt (with its padding, left or right) and its committed tokens in `sequences[b, :lengths[b]]`,
-    exactly the row plain `generate` would have built (padding included). The columns after `lengths[b]` hold `pad_token_id`,
-    except while a step writes draft tokens there so the logits processors can see each position's true prefix.
+    Row b holds its prompt (with its padding, left or right) and its committed tokens in
+    `sequences[b, :lengths[b]]`, exactly the row plain `generate` would have built (padding included). The columns
+    after `lengths[b]` hold `pad_token_id`, except while a step writes draft tokens there so the logits processors
+    can see each position's true prefix.
     """
 
     # [B, capacity]
@@ -38,6 +62,7 @@ class DecodeState:
     # tokens the last step committed: entry j produced the step's j-th token. Before the first proposal it holds
     # the prompt's features instead (entry j produced prompt token j + 1; the last one, the first new token).
     target_features: torch.Tensor | None = None
+    host: HostView = field(default=None)
 
     @classmethod
     def start(
@@ -66,6 +91,7 @@ class DecodeState:
             prompt_length=prompt_length,
             max_length=max_length,
             pad_token_id=pad_token_id,
+            host=HostView.start(batch, prompt_length),
         )
 
     @property
@@ -80,6 +106,35 @@ class DecodeState:
         """[B]: draft tokens worth proposing: the tokens still allowed after the step's own final token."""
         budget = (self.max_length - self.lengths - 1).clamp(min=0)
         return torch.where(self.finished, 0, budget)
+
+    def host_draft_budget(self) -> list[int]:
+        """`draft_budget` from the host's view (no sync)."""
+        host = self.host
+        return [0 if done else max(self.max_length - length - 1, 0)
+                for length, done in zip(host.lengths, host.finished)]
+
+    def report(
+        self,
+        # [B]: tokens each row emitted this step
+        num_emitted: torch.Tensor,
+        # [B]: draft tokens each row accepted this step
+        num_accepted: torch.Tensor,
+        # [B, W] or None: the step's output tokens, when the host needs them (a streamer, a host-side proposer)
+        tokens: torch.Tensor | None = None,
+    ) -> HostView:
+        """Copy what the host needs to `self.host`: one device-to-host transfer, the step's one host sync."""
+        columns = [self.lengths, self.finished.long(), num_emitted, num_accepted]
+        packed = torch.stack([c.to(self.lengths.device) for c in columns], dim=1)
+        if tokens is not None:
+            packed = torch.cat([packed, tokens.to(packed.device)], dim=1)
+        values = packed.tolist()  # the one host read
+        rows = list(zip(*values)) if values else [()] * 4
+        emitted = None
+        if tokens is not None:
+            emitted = np.array([row[4:] for row in values], dtype=np.int64).reshape(len(values), tokens.shape[1])
+        self.host = HostView(lengths=list(rows[0]), finished=[bool(f) for f in rows[1]], num_emitted=list(rows[2]),
+                             num_accepted=list(rows[3]), emitted=emitted)
+        return self.host
 
     def write(
         self,
@@ -117,34 +172,3 @@ class PromptInputs:
     inputs_embeds: torch.Tensor | None = None
     # a filled transformers cache holding the prompt's first tokens (continuing an earlier call), or None
     past_key_values: Any = None
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """Draft tokens for one step: a chain per row."""
-
-    # [B, k]: entries at or after num_draft_tokens[b] are padding
-    draft_token_ids: torch.Tensor
-    # [B]
-    num_draft_tokens: torch.Tensor
-    # [B, k, V_target]: the distributions the drafts were sampled from; None for point-mass proposers
-    draft_probs: torch.Tensor | None
-
-    @classmethod
-    def empty(cls, batch_size: int, device: torch.device) -> Proposal:
-        return cls(
-            draft_token_ids=torch.zeros((batch_size, 0), dtype=torch.long, device=device),
-            num_draft_tokens=torch.zeros(batch_size, dtype=torch.long, device=device),
-            draft_probs=None,
-        )
-
-    @property
-    def width(self) -> int:
-        return self.draft_token_ids.shape[1]
-
-
-@dataclass(frozen=True)
-class TreeProposal:
-    """Draft tokens for one step: a token tree per row, node 0 being the row's last committed token."""
-
-    tree: TokenTree

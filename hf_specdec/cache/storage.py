@@ -1,0 +1,150 @@
+"""KV storage in preallocated buffers, written where the engine says: the layers of a transformers `Cache` that a
+model updates as usual, while the engine (`hf_specdec.cache.ragged`) decides the slots.
+
+Each layer keeps its keys and values in buffers [B, H, capacity, D]. Before a forward the owning `SlotCache` is
+told where the new tokens go: `write_start`, a host int (the slots [write_start, write_start + W), the same for
+every row), or, for compiled forwards, `write_index`, a tensor [W] of slots, so the slot can change from call to
+call without a new graph. A layer's `update` writes there and returns the buffers up to the written slots (eager)
+or whole (compiled: one shape for every call; the attention mask hides what is not in use).
+
+Nothing here appends with `torch.cat` (which copies a layer's whole cache at every forward) or reads the device:
+growing the buffers (eager, capacity doubled when full) and moving slots (`move`) are explicit calls.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+MIN_CAPACITY = 64
+
+
+class SlotLayer(DynamicLayer):
+    """One layer's keys and values in buffers with a fixed slot axis; see the module docstring."""
+
+    def __init__(self, owner: SlotCache) -> None:
+        super().__init__()
+        self.owner = owner
+        self.key_buffer: torch.Tensor | None = None  # [B, H, capacity, D]
+        self.value_buffer: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        batch, heads = key_states.shape[:2]
+        capacity = self.owner.capacity
+        self.key_buffer = key_states.new_zeros(batch, heads, capacity, key_states.shape[-1])
+        self.value_buffer = value_states.new_zeros(batch, value_states.shape[1], capacity, value_states.shape[-1])
+        if self.owner.static and not torch.compiler.is_compiling():
+            # fixed addresses: compiled graphs (and CUDA graphs) update the buffers in place
+            torch._dynamo.mark_static_address(self.key_buffer)
+            torch._dynamo.mark_static_address(self.value_buffer)
+
+    def update(
+        self,
+        # [B, H, W, D]
+        key_states: torch.Tensor,
+        # [B, H, W, D]
+        value_states: torch.Tensor,
+        *args,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        owner = self.owner
+        if owner.write_index is not None:
+            self.key_buffer.index_copy_(2, owner.write_index, key_states)
+            self.value_buffer.index_copy_(2, owner.write_index, value_states)
+            return self.key_buffer, self.value_buffer
+        end = owner.write_start + key_states.shape[-2]
+        self.key_buffer[:, :, owner.write_start : end].copy_(key_states)
+        self.value_buffer[:, :, owner.write_start : end].copy_(value_states)
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.owner.write_start
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.write_start + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("slots are kept or dropped by hf_specdec.cache.ragged.RaggedKVCache.commit")
+
+    def grow(self, capacity: int) -> None:
+        """New buffers of `capacity` slots holding the old ones' slots."""
+        if self.key_buffer is None or capacity <= self.key_buffer.shape[2]:
+            return
+        old = self.key_buffer.shape[2]
+        for name in ("key_buffer", "value_buffer"):
+            buffer = getattr(self, name)
+            grown = buffer.new_zeros(*buffer.shape[:2], capacity, buffer.shape[3])
+            grown[:, :, :old].copy_(buffer)
+            setattr(self, name, grown)
+
+    def select_rows(
+        self,
+        # [B'] long
+        rows: torch.Tensor,
+    ) -> None:
+        if self.key_buffer is not None:
+            self.key_buffer = self.key_buffer[rows.to(self.key_buffer.device)]
+            self.value_buffer = self.value_buffer[rows.to(self.value_buffer.device)]
+
+    def move(
+        self,
+        # [B, M] long: slots read
+        sources: torch.Tensor,
+        # [B, M] long: slots written (distinct within a row)
+        targets: torch.Tensor,
+    ) -> None:
+        """buffer[b, :, targets[b, i]] = buffer[b, :, sources[b, i]], all reads before any write: one gather and
+        one scatter per buffer."""
+        if self.key_buffer is None:
+            return
+        for buffer in (self.key_buffer, self.value_buffer):
+            shape = (-1, buffer.shape[1], -1, buffer.shape[3])
+            read = sources.to(buffer.device)[:, None, :, None].expand(*shape)
+            written = targets.to(buffer.device)[:, None, :, None].expand(*shape)
+            buffer.scatter_(2, written, buffer.gather(2, read))
+
+
+class SlotCache(DynamicCache):
+    """A `DynamicCache` (so every model treats it as one) of `SlotLayer`s, created lazily per layer."""
+
+    def __init__(self, capacity: int, static: bool = False) -> None:
+        Cache.__init__(self, layer_class_to_replicate=functools.partial(SlotLayer, self))
+        self.capacity = capacity
+        # True: the buffers never change address (compiled forwards write into them through `write_index`)
+        self.static = static
+        self.write_start = 0
+        self.write_index: torch.Tensor | None = None
+
+    def grow(self, capacity: int) -> None:
+        for layer in self.layers:
+            layer.grow(capacity)
+        self.capacity = max(self.capacity, capacity)
+
+    def select_rows(
+        self,
+        # [B'] long
+        rows: torch.Tensor,
+    ) -> None:
+        for layer in self.layers:
+            layer.select_rows(rows)
+
+    def move(
+        self,
+        # [B, M] long
+        sources: torch.Tensor,
+        # [B, M] long
+        targets: torch.Tensor,
+    ) -> None:
+        for layer in self.layers:
+            layer.move(sources, targets)
+
+    def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys [B, H, capacity, D], values)."""
+        return [(layer.key_buffer, layer.value_buffer) for layer in self.layers]

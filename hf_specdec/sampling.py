@@ -1,0 +1,57 @@
+"""Sampling pieces the proposers and the verifier share.
+
+`sample` draws one index per row from unnormalised probabilities without a host sync: the exponential race
+(gpt-fast's `multinomial_sample_one_no_sync`, vLLM's recovered-token sampler). With E_i independent Exp(1),
+argmax_i p_i / E_i is index j with probability p_j / sum(p): E_i / p_i is Exp(p_i), and the smallest of
+independent exponentials is the j-th with probability p_j / sum(p). It is exactly the law `torch.multinomial`
+draws from, but it is one elementwise pass and an argmax, where `multinomial` checks its input on the host (two
+syncs per call on CUDA). The noise comes from the caller's `torch.Generator`, so seeded runs repeat.
+
+`prefix_free` names the user's logits processors that depend on the scores alone: a drafter applies those to its
+own logits, so it samples from the same warped law the target uses.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+PREFIX_FREE_PROCESSORS = (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+
+def prefix_free(logits_processor: LogitsProcessorList) -> LogitsProcessorList:
+    """The processors that depend only on the scores (what a draft model can apply to its own logits)."""
+    return LogitsProcessorList([p for p in logits_processor if isinstance(p, PREFIX_FREE_PROCESSORS)])
+
+
+def sample(
+    # [..., V] non-negative, not necessarily normalised; rows that are all zero give index 0
+    probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """[...]: one index per row, drawn with probability proportional to `probs` (see the module docstring)."""
+    noise = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device).exponential_(generator=generator)
+    # exponential_ may round to exactly 0: p / 0 would be inf (or nan for p = 0); the smallest positive value
+    # keeps every zero-probability index at 0
+    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)

@@ -1,0 +1,57 @@
+"""Slot storage: writes land where the owner says, buffers keep their address until they must grow, and a move
+reads every source before it writes."""
+
+import torch
+from transformers import DynamicCache
+
+from hf_specdec.cache.storage import SlotCache, SlotLayer
+
+
+def _states(generator: torch.Generator, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(2, 3, width, 4, generator=generator), torch.randn(2, 3, width, 4, generator=generator)
+
+
+def test_writes_at_the_given_slots_and_returns_the_used_part():
+    generator = torch.Generator().manual_seed(0)
+    cache = SlotCache(capacity=16)
+    assert isinstance(cache, DynamicCache)
+    first = _states(generator, 5)
+    keys, values = cache.update(*first, 0)
+    torch.testing.assert_close(keys, first[0], rtol=0, atol=0)
+    cache.write_start = 9  # a region after a gap: slots 5..8 stay as they were (zeros)
+    second = _states(generator, 3)
+    keys, values = cache.update(*second, 0)
+    assert keys.shape[2] == 12
+    torch.testing.assert_close(keys[:, :, :5], first[0], rtol=0, atol=0)
+    assert not keys[:, :, 5:9].any()
+    torch.testing.assert_close(values[:, :, 9:], second[1], rtol=0, atol=0)
+    assert isinstance(cache.layers[0], SlotLayer) and cache.get_seq_length() == 9
+
+
+def test_index_writes_return_the_whole_buffer_at_a_fixed_address():
+    generator = torch.Generator().manual_seed(1)
+    cache = SlotCache(capacity=10, static=True)
+    cache.update(*_states(generator, 4), 0)
+    buffer = cache.layers[0].key_buffer
+    cache.write_index = torch.tensor([7, 8])
+    new = _states(generator, 2)
+    keys, _ = cache.update(*new, 0)
+    assert keys is buffer and keys.shape[2] == 10
+    torch.testing.assert_close(keys[:, :, 7:9], new[0], rtol=0, atol=0)
+
+
+def test_grow_keeps_the_slots_and_move_reads_before_it_writes():
+    generator = torch.Generator().manual_seed(2)
+    cache = SlotCache(capacity=8)
+    states = _states(generator, 8)
+    cache.update(*states, 0)
+    cache.grow(20)
+    assert cache.layers[0].key_buffer.shape[2] == 20
+    torch.testing.assert_close(cache.layers[0].key_buffer[:, :, :8], states[0], rtol=0, atol=0)
+    # row 0: slots 5, 6 -> 2, 3; row 1: 2, 3 -> 3, 4 (slot 3 is read before it is overwritten)
+    cache.move(torch.tensor([[5, 6], [2, 3]]), torch.tensor([[2, 3], [3, 4]]))
+    keys = cache.layers[0].key_buffer
+    torch.testing.assert_close(keys[0, :, 2:4], states[0][0, :, 5:7], rtol=0, atol=0)
+    torch.testing.assert_close(keys[1, :, 3:5], states[0][1, :, 2:4], rtol=0, atol=0)
+    cache.select_rows(torch.tensor([1]))
+    assert cache.layers[0].key_buffer.shape[0] == 1
