@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from hf_specdec.heads import EagleConfig, EagleHead, MedusaHeads, adapter
+from hf_specdec.heads import EagleConfig, EagleHead, MedusaHeads, MlpSpeculator, adapter
 from tests.heads.medusa.test_convert import _assert_same, _random_heads
 
 
@@ -65,7 +65,7 @@ def test_a_local_looking_path_that_does_not_exist_says_no_such_folder(monkeypatc
         raise AssertionError("a local-looking path must not reach the Hub")
 
     monkeypatch.setattr(adapter, "snapshot_download", hub_called)
-    for loader in (MedusaHeads.from_pretrained, EagleHead.from_pretrained):
+    for loader in (MedusaHeads.from_pretrained, EagleHead.from_pretrained, MlpSpeculator.from_pretrained):
         with pytest.raises(ValueError, match=f"no such folder: '{re.escape(name)}'"):
             loader(name)
 
@@ -100,7 +100,8 @@ def test_damaged_files_are_named(tmp_path):
 def test_registry_maps_adapter_types_to_their_heads_and_refuses_a_second_owner():
     assert adapter.registered_head("medusa") is MedusaHeads
     assert adapter.registered_head("eagle") is adapter.registered_head("eagle3") is EagleHead
-    assert adapter.registered_head("mlp_speculator") is None
+    assert adapter.registered_head("mlp_speculator") is MlpSpeculator
+    assert adapter.registered_head("other") is None
 
     class Other:
         adapter_types = ("other", "medusa")

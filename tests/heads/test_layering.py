@@ -30,7 +30,7 @@ def _imports(path: Path) -> tuple[set[str], list[int]]:
 
 
 def test_every_method_has_its_folder():
-    assert METHODS == ["eagle", "medusa"]
+    assert METHODS == ["eagle", "medusa", "mlp_speculator"]
 
 
 def test_adapter_imports_no_head():

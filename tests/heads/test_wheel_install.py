@@ -1,6 +1,7 @@
 """The package as users install it: a wheel built from the sources, installed into a fresh virtual environment, saves
-Medusa and EAGLE heads and pushes them to a mocked Hub with their model cards (the templates ship inside the
-package). An editable install reads files from the source tree and cannot show a file missing from the wheel."""
+Medusa and EAGLE heads and an MLP speculator and pushes them to a mocked Hub with their model cards (the templates
+ship inside the package). An editable install reads files from the source tree and cannot show a file missing from
+the wheel."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import ModelCard
 
-from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +29,7 @@ import torch
 from huggingface_hub import HfApi
 
 import hf_specdec
-from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
+from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, MlpSpeculator, MlpSpeculatorConfig
 
 uploads = Path(sys.argv[1])
 
@@ -52,9 +53,13 @@ medusa = MedusaHeads(MedusaConfig(hidden_size=16, vocab_size=40, num_heads=3, ba
 eagle = EagleHead(EagleConfig(version="eagle3", hidden_size=16, intermediate_size=32, num_attention_heads=2,
                               num_key_value_heads=2, vocab_size=40, fc_bias=False, feature_layers=(1, 2, 3),
                               draft_vocab_size=24, base_model_name_or_path="local/target"))
+mlp = MlpSpeculator(MlpSpeculatorConfig(emb_dim=16, vocab_size=40, inner_dim=8, tie_weights=True,
+                                        base_model_name_or_path="local/target"))
 medusa.save_pretrained(uploads / "saved-medusa")
 eagle.save_pretrained(uploads / "saved-eagle")
-results = [medusa.push_to_hub("user/medusa", measured={"mean_acceptance_length": 2.5}), eagle.push_to_hub("user/eagle")]
+mlp.save_pretrained(uploads / "saved-mlp")
+results = [medusa.push_to_hub("user/medusa", measured={"mean_acceptance_length": 2.5}), eagle.push_to_hub("user/eagle"),
+           mlp.push_to_hub("user/mlp")]
 print(json.dumps({"hf_specdec": hf_specdec.__file__, "results": results}))
 """
 
@@ -92,12 +97,12 @@ def test_wheel_ships_the_card_templates_and_pushes_heads_with_their_cards(tmp_pa
     report = json.loads(_run(str(python), str(tmp_path / "push_heads.py"), str(uploads), cwd=tmp_path, env=env))
     installed = Path(report["hf_specdec"]).resolve()
     assert installed.is_relative_to(venv.resolve()), installed
-    assert report["results"] == ["commit-info", "commit-info"]
+    assert report["results"] == ["commit-info", "commit-info", "commit-info"]
 
     files = ["README.md", "adapter_config.json", "adapter_model.safetensors"]
-    medusa_folder, eagle_folder = uploads / "user--medusa", uploads / "user--eagle"
-    assert sorted(p.name for p in medusa_folder.iterdir()) == files
-    assert sorted(p.name for p in eagle_folder.iterdir()) == files
+    medusa_folder, eagle_folder, mlp_folder = (uploads / f"user--{kind}" for kind in ("medusa", "eagle", "mlp"))
+    for folder in (medusa_folder, eagle_folder, mlp_folder):
+        assert sorted(p.name for p in folder.iterdir()) == files
 
     medusa_card = ModelCard.load(medusa_folder / "README.md")
     assert medusa_card.data.library_name == "hf-specdec" and medusa_card.data.base_model == "local/target"
@@ -116,8 +121,14 @@ def test_wheel_ships_the_card_templates_and_pushes_heads_with_their_cards(tmp_pa
     assert 'EagleHead.from_pretrained("user/eagle")' in eagle_card.text
     assert "Not measured yet." in eagle_card.text
 
+    mlp_card = ModelCard.load(mlp_folder / "README.md")
+    assert mlp_card.data.library_name == "hf-specdec" and mlp_card.data.base_model == "local/target"
+    assert mlp_card.data.tags == ["speculative-decoding", "mlp_speculator", "hf-specdec"]
+    assert "# MLP speculator for local/target" in mlp_card.text
+    assert 'MlpSpeculator.from_pretrained("user/mlp")' in mlp_card.text
+
     # what the installed package wrote (and uploaded) loads here, and is what it saved
-    for kind, cls in (("medusa", MedusaHeads), ("eagle", EagleHead)):
+    for kind, cls in (("medusa", MedusaHeads), ("eagle", EagleHead), ("mlp", MlpSpeculator)):
         uploaded, saved = cls.from_pretrained(uploads / f"user--{kind}"), cls.from_pretrained(uploads / f"saved-{kind}")
         assert uploaded.config == saved.config
         for (name, a), (_, b) in zip(uploaded.state_dict().items(), saved.state_dict().items(), strict=True):
@@ -125,4 +136,5 @@ def test_wheel_ships_the_card_templates_and_pushes_heads_with_their_cards(tmp_pa
 
     with zipfile.ZipFile(wheel) as archive:
         cards = sorted(name for name in archive.namelist() if name.endswith("card.md"))
-    assert cards == ["hf_specdec/heads/eagle/card.md", "hf_specdec/heads/medusa/card.md"]
+    assert cards == ["hf_specdec/heads/eagle/card.md", "hf_specdec/heads/medusa/card.md",
+                     "hf_specdec/heads/mlp_speculator/card.md"]

@@ -1,0 +1,211 @@
+"""The MLP speculator (Wertheimer et al. 2024, arXiv 2404.19124) as IBM fms-extras trains it and vLLM serves it
+(`method="mlp_speculator"`): a small recurrent MLP on the target's final hidden state that guesses `n_predict`
+tokens after the last committed one, each stage conditioned on the token before the one it guesses.
+
+Stage i (0-based) reads the state s_i and the token t_i of the chain: s_0 is the target's final normed hidden state
+h at the position that produced the last committed token x, t_0 = x, and t_i (i > 0) is stage i - 1's guess (in
+training, the row's true token there). Then
+
+    s_{i+1}  = GELU(norm_i(proj_i(s_i) + (emb_weight / state_weight) * emb_i(t_i)))
+    logits_i = head_i(s_{i+1})        # stage i's guess for the token after t_i, i + 1 tokens after x
+
+* state_weight = 0.5 ** (0.5 / n_predict) and emb_weight = sqrt((1 - state_weight^2) * inner / 2): fms-extras'
+  weighted add state_weight * proj + emb_weight * emb, divided by state_weight (the scale-free norm absorbs it);
+* norm_i is what fms-extras and vLLM call their LayerNorm: x / sqrt(mean(x^2) + 1e-6), no mean subtracted, then
+  times a weight plus a bias (keys `ln.{i}.weight`, `ln.{i}.bias`);
+* `scale_input`: s_0 = norm(h) / sqrt(2), the same normalisation without weight or bias (fms-extras' `ln0`: no keys);
+* proj_0 maps emb_dim -> inner and proj_i (i > 0) inner -> inner, without bias; emb_i is a [V, inner] embedding and
+  head_i a [V, inner] projection without bias (inner = `inner_dim`, 0 meaning emb_dim);
+* `tie_weights`: every stage uses emb.0, ln.0 and head.0, and every stage after the first proj.1 (proj.0 keeps its
+  own: its input width differs). The module then holds only those, so its state dict is the deduplicated one the
+  published checkpoints of tied speculators hold.
+
+What it costs: the embeddings and heads are vocabulary-sized, 2 * V * inner parameters per distinct stage (one when
+tied, n_predict otherwise), beside emb_dim * inner + inner^2 per further distinct projection. For SmolLM2-135M
+(V = 49152, emb_dim 576) with 3 tied stages that is 57.3 M parameters at inner 576 (115 MB in bf16) and 25.4 M at inner
+256 (51 MB); untied, 170.9 M and 75.8 M. The vocabulary part dominates: a small `inner_dim` and `tie_weights` keep
+files small.
+
+Stored as our adapter folder (method "mlp_speculator"); fms-extras' published layout is converted on load and
+written by `export_fms_extras` (`convert.py`), which vLLM loads.
+"""
+
+from __future__ import annotations
+
+import math
+from importlib.resources import files
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hf_specdec.heads.adapter import AdapterMixin, write_json, write_safetensors
+from hf_specdec.heads.mlp_speculator.config import MlpSpeculatorConfig
+from hf_specdec.heads.mlp_speculator.convert import PUBLISHED_WEIGHTS_NAME, read_published, to_fms_extras
+
+NORM_EPS = 1e-6  # fms-extras' and vLLM's
+
+
+def rms_normalize(
+    # [..., D]
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + 1e-6) over the last dimension, in x's dtype (no mean subtracted)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+
+
+class StageNorm(nn.Module):
+    """A stage's norm: `rms_normalize`, then times `weight` plus `bias` (fms-extras' LayerNormParameterized with
+    elementwise scale and shift)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_normalize(x) * self.weight + self.bias
+
+
+class MlpSpeculator(AdapterMixin, nn.Module):
+    config_class = MlpSpeculatorConfig
+    adapter_types = ("mlp_speculator",)
+    card_template = files(__package__).joinpath("card.md")
+    upload_message = "Upload MLP speculator (hf_specdec)"
+    read_published = staticmethod(read_published)
+
+    def __init__(self, config: MlpSpeculatorConfig) -> None:
+        super().__init__()
+        self.config = config
+        inner, stages = config.inner_size, config.n_predict
+        distinct = 1 if config.tie_weights else stages
+        self.emb = nn.ModuleList(nn.Embedding(config.vocab_size, inner) for _ in range(distinct))
+        self.proj = nn.ModuleList(nn.Linear(config.emb_dim if i == 0 else inner, inner, bias=False)
+                                  for i in range(min(stages, 2) if config.tie_weights else stages))
+        self.ln = nn.ModuleList(StageNorm(inner) for _ in range(distinct))
+        self.head = nn.ModuleList(nn.Linear(inner, config.vocab_size, bias=False) for _ in range(distinct))
+        # fms-extras' initialisation: N(0, 1 / inner) for embeddings and projections (norms start as 1 and 0)
+        with torch.no_grad():
+            for module in (*self.emb, *self.proj, *self.head):
+                module.weight.normal_(0, 1 / math.sqrt(inner))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.proj[0].weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.proj[0].weight.device
+
+    def _stage(self, stage: int) -> tuple[nn.Embedding, nn.Linear, StageNorm, nn.Linear]:
+        """The embedding, projection, norm and head stage `stage` uses."""
+        if not 0 <= stage < self.config.n_predict:
+            raise ValueError(f"MlpSpeculator: stage {stage} does not exist; the speculator has n_predict "
+                             f"{self.config.n_predict} stages (0 to {self.config.n_predict - 1})")
+        if not self.config.tie_weights:
+            return self.emb[stage], self.proj[stage], self.ln[stage], self.head[stage]
+        return self.emb[0], self.proj[min(stage, 1)], self.ln[0], self.head[0]
+
+    def input_state(
+        self,
+        # [..., emb_dim]: the target's final normed hidden state at the position that produced the last token
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """s_0 [..., emb_dim] in the speculator's dtype: the hidden state, normalised and divided by sqrt(2) with
+        `scale_input`."""
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
+        return rms_normalize(hidden) / math.sqrt(2) if self.config.scale_input else hidden
+
+    def advance(
+        self,
+        stage: int,
+        # [..., emb_dim] (stage 0: `input_state`'s) or [..., inner] (the previous stage's)
+        state: torch.Tensor,
+        # [...]: the token the chain holds at this stage (stage 0: the last committed one)
+        tokens: torch.Tensor,
+    ) -> torch.Tensor:
+        """The next state [..., inner]: GELU(norm(proj(state) + (emb_weight / state_weight) * emb(tokens)))."""
+        emb, proj, norm, _ = self._stage(stage)
+        mixed = proj(state) + emb(tokens.to(self.device)) * (self.config.emb_weight / self.config.state_weight)
+        return nn.functional.gelu(norm(mixed))
+
+    def stage_logits(
+        self,
+        stage: int,
+        # [..., inner]: the state `advance(stage, ...)` returned
+        state: torch.Tensor,
+    ) -> torch.Tensor:
+        """Float logits [..., V]: stage `stage`'s guess for the token after the one it read."""
+        return self._stage(stage)[3](state).float()
+
+    def forward(
+        self,
+        # [..., emb_dim]: the target's final normed hidden state at the position that produced tokens[..., 0]
+        hidden: torch.Tensor,
+        # [..., T], T <= n_predict: the last committed token, then the path's drafted tokens
+        tokens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Float logits [..., T, V] along a token path: entry j is stage j's guess for the token after tokens[..., j]
+        (j + 1 tokens after the last committed one), given the path's tokens up to j."""
+        length = tokens.shape[-1]
+        if not 1 <= length <= self.config.n_predict:
+            raise ValueError(f"MlpSpeculator.forward: tokens: expected 1 to n_predict {self.config.n_predict} tokens "
+                             f"per path, got {length}")
+        state, logits = self.input_state(hidden), []
+        for stage in range(length):
+            state = self.advance(stage, state, tokens[..., stage])
+            logits.append(self.stage_logits(stage, state))
+        return torch.stack(logits, dim=-2)
+
+    @torch.no_grad()
+    def greedy_chain(
+        self,
+        # [B, emb_dim]: the target's final normed hidden state at the position that produced `last_tokens`
+        hidden: torch.Tensor,
+        # [B]: the last committed token of each row
+        last_tokens: torch.Tensor,
+        num_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain of `num_tokens` (1 to n_predict) greedy guesses: tokens [B, k] and the float logits [B, k, V] each
+        was chosen from (each stage reads the previous stage's guess)."""
+        most = self.config.n_predict
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens <= most:
+            raise ValueError(f"MlpSpeculator.greedy_chain: num_tokens: expected an int from 1 to n_predict "
+                             f"{self.config.n_predict} (the speculator guesses at most that many tokens ahead), got "
+                             f"{num_tokens!r}")
+        state, token = self.input_state(hidden), last_tokens
+        chosen, logits = [], []
+        for stage in range(num_tokens):
+            state = self.advance(stage, state, token)
+            logits.append(self.stage_logits(stage, state))
+            token = logits[-1].argmax(-1)
+            chosen.append(token)
+        return torch.stack(chosen, dim=-1), torch.stack(logits, dim=-2)
+
+    def check_target(self, target: nn.Module, owner: str = "SpeculativeConfig.heads") -> None:
+        """Clear errors when the speculator was made for another model shape (hidden size or vocabulary)."""
+        text = target.config.get_text_config(decoder=True)
+        self.config.check_sizes(text.hidden_size, text.vocab_size, owner)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def card_fields(self) -> dict:
+        config = self.config
+        tying = ("tied: one embedding, norm and lm_head for every stage" if config.tie_weights
+                 else "each stage with its own embedding, norm and lm_head")
+        return dict(n_predict=config.n_predict, emb_dim=config.emb_dim, inner=config.inner_size,
+                    vocab_size=config.vocab_size, tying=tying, scale_input=config.scale_input,
+                    parameters=f"{self.num_parameters() / 1e6:.1f} M")
+
+
+def export_fms_extras(head: MlpSpeculator, folder: str | Path) -> None:
+    """Write `config.json` and `model.safetensors` in IBM fms-extras' published layout (`model_type`
+    "mlp_speculator", keys `speculator.{emb,proj,ln,head}.{i}.*`), which vLLM serves with
+    `speculative_config={"method": "mlp_speculator", "model": folder}`. The tensors keep the head's dtype (convert
+    it first, e.g. `head.to(torch.bfloat16)`, for a smaller file); our `revision` has no place in the format."""
+    values, tensors = to_fms_extras(head.config, head.state_dict())
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / "config.json", values)
+    write_safetensors(folder / PUBLISHED_WEIGHTS_NAME, tensors)
