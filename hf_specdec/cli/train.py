@@ -6,7 +6,7 @@ processes run on the CPU over gloo). By default the target first writes the trai
 (cached in DIR, or in --generated-data, where every method's trainer can share it), then runs once over it and its
 features are cached (DIR/target_features, or --feature-cache), so training steps never run it; checkpoints land in
 DIR/checkpoint, and a rerun resumes from them and reuses both caches. The options are the fields of the method's
-training config (`hf_specdec.training.*.{Medusa,Eagle,Draft}TrainConfig`).
+training config (`hf_specdec.training.*.{Medusa,Eagle,Draft,MlpSpeculator}TrainConfig`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from hf_specdec.training.draft_model import DraftTrainConfig, train_draft
 from hf_specdec.training.eagle import EagleTrainConfig, train_eagle
 from hf_specdec.training.medusa import MedusaTrainConfig, train_medusa
+from hf_specdec.training.mlp_speculator import MlpSpeculatorTrainConfig, train_mlp_speculator
 
 # method: (config class, trainer, what the command trains, what it writes)
 METHODS: dict[str, tuple[type, Callable[..., dict], str, str]] = {
@@ -31,6 +32,9 @@ METHODS: dict[str, tuple[type, Callable[..., dict], str, str]] = {
               "{config.version} head in {config.out}"),
     "draft": (DraftTrainConfig, train_draft, "a draft model cut from the target (some of its layers, fine-tuned to "
               "imitate it; load with hf_specdec.pruned_draft.load_pruned_draft)", "draft model in {config.out}"),
+    "mlp_speculator": (MlpSpeculatorTrainConfig, train_mlp_speculator, "an MLP speculator (fms-extras / vLLM "
+                       "mlp_speculator) on a frozen target: stage 1 on text, stage 2 on the target's own output",
+                       "MLP speculator in {config.out}"),
 }
 
 
@@ -73,8 +77,9 @@ def _without_none(kind):
 
 def add_subcommands(commands) -> None:
     """`train` with one subcommand per method."""
-    train = commands.add_parser("train", help="train a drafter (medusa, eagle, draft) for a target, on accelerate",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train = commands.add_parser("train", help="train a drafter (medusa, eagle, draft, mlp_speculator) for a target, "
+                                "on accelerate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     methods = train.add_subparsers(dest="method", required=True)
     for name, (config_class, trainer, summary, written) in METHODS.items():
         parser = methods.add_parser(name, help=summary, description=sys.modules[trainer.__module__].__doc__,

@@ -156,7 +156,7 @@ def test_prompt_records_stop_at_eos_and_train_on_the_continuation(base, target, 
 
 def _objective(method: str, target, base):
     """A fresh objective of each method for the tiny target."""
-    from hf_specdec.training import draft_model, eagle, medusa
+    from hf_specdec.training import draft_model, eagle, medusa, mlp_speculator
 
     torch.manual_seed(0)
     common = dict(base=base, data=DATA, out=base, batch_size=3, seq_len=9, prompt_len=4)
@@ -166,10 +166,13 @@ def _objective(method: str, target, base):
         return eagle.make_objective(config, target, _rows())
     if method == "medusa":
         return medusa.make_objective(medusa.MedusaTrainConfig(**common, num_heads=2), target, _rows())
+    if method == "mlp_speculator":
+        config = mlp_speculator.MlpSpeculatorTrainConfig(**common, n_predict=2)
+        return mlp_speculator.make_objective(config, target, _rows())
     return draft_model.make_objective(draft_model.DraftTrainConfig(**common, target_layers=(0, -1)), target, _rows())
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "draft"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "draft", "mlp_speculator"])
 def test_padding_and_untrained_predictions_change_no_loss(base, target, method):
     from dataclasses import replace
 

@@ -1,0 +1,155 @@
+"""MLP speculator training: the loss is the sum over stages of cross-entropy against the row's token i + 2 after each
+position (teacher-forced), it goes down, the saved folder loads, stage 2 starts from stage 1's folder, the target's
+embeddings and lm_head can seed a new speculator, bad options are clear errors, and 2 processes run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+from hf_specdec.cli.main import main as cli_main
+from hf_specdec.heads import MlpSpeculator
+from hf_specdec.testbed import loading
+from hf_specdec.training.config import GENERATED_FILE
+from hf_specdec.training.generated import TrainingRows
+from hf_specdec.training.mlp_speculator import MlpSpeculatorTrainConfig, make_objective
+from hf_specdec.training.target_features import target_batch
+from tests.training.test_eagle_training import DATA, ROOT, base  # noqa: F401  (base is a fixture)
+
+
+def _args(target: Path, out: Path, steps: int, extra: list[str] = ()) -> list[str]:
+    return ["train", "mlp_speculator", "--base", str(target), "--tokenizer", str(loading.testbed_dir() / "tokenizer"),
+            "--data", *map(str, DATA), "--out", str(out), "--steps", str(steps), "--batch-size", "4", "--seq-len",
+            "32", "--learning-rate", "3e-2", "--warmup-steps", "0", "--save-every", "10", "--inner-dim", "24",
+            "--top-k-tokens-per-head", "3", "2", "2", *extra]
+
+
+def _metrics(out: Path) -> dict:
+    return json.loads((out / "train_metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def stage1(base, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("stage1")
+    assert cli_main(_args(base, out, steps=20, extra=["--data-source", "text"])) == 0
+    return out
+
+
+def test_stage_one_lowers_the_loss_and_saves_a_loadable_speculator(base, stage1):  # noqa: F811
+    metrics = _metrics(stage1)
+    history = metrics["loss_history"]
+    assert len(history) == 20
+    assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 - 2.0  # per-step noise is about 0.2
+    assert all(len(m["stage_loss"]) == 3 and len(m["stage_accuracy"]) == 3 for m in metrics["metrics_history"])
+    assert history[0] == pytest.approx(sum(metrics["metrics_history"][0]["stage_loss"]), rel=1e-5)
+    head = MlpSpeculator.from_pretrained(stage1)
+    config = head.config
+    assert (config.emb_dim, config.vocab_size, config.n_predict, config.inner_dim) == (32, 4096, 3, 24)
+    assert config.tie_weights and config.scale_input and config.top_k_tokens_per_head == [3, 2, 2]
+    assert config.base_model_name_or_path == str(base)
+    assert {t.dtype for t in load_file(stage1 / "adapter_model.safetensors").values()} == {torch.float32}
+
+
+def test_the_loss_is_each_stages_cross_entropy_on_the_rows_own_tokens(base):  # noqa: F811
+    """The objective against the speculator's own per-path logits: at position t the path is x_{t+1..t+3} and stage
+    j's label x_{t+2+j}; only trained labels count (here rows 1 and 2 are trained from tokens 5 and 7 on)."""
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    config = MlpSpeculatorTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4,
+                                      inner_dim=16, tie_weights=False)
+    torch.manual_seed(0)
+    ids = torch.randint(2, 4096, (3, 12))
+    rows = TrainingRows(ids, torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
+    objective = make_objective(config, target, rows)
+    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    with torch.no_grad():
+        loss, metrics = objective(batch, target)
+        hidden = target.model(ids).last_hidden_state
+        expected = []
+        for stage in range(3):
+            terms = []
+            for row in range(3):
+                for t in range(12 - 2 - stage):
+                    label = 2 + stage + t
+                    if not rows.starts[row] <= label < rows.lengths[row]:
+                        continue
+                    logits = objective.head(hidden[row, t], ids[row, t + 1 : t + 4])[stage]
+                    terms.append(torch.nn.functional.cross_entropy(logits[None], ids[row, label][None]))
+            expected.append(float(torch.stack(terms).mean()))
+    assert metrics["stage_loss"] == pytest.approx(expected, rel=1e-5)
+    assert float(loss) == pytest.approx(sum(expected), rel=1e-5)
+
+
+def test_stage_two_starts_from_stage_ones_folder_on_generated_rows(base, stage1, tmp_path):  # noqa: F811
+    # a learning rate too small to move the weights: what is saved is what was loaded
+    extra = ["--init-from", str(stage1), "--num-samples", "3", "--prompt-len", "16", "--temperature", "1",
+             "--learning-rate", "1e-12"]
+    assert cli_main(_args(base, tmp_path, steps=2, extra=extra)) == 0
+    assert load_file(tmp_path / GENERATED_FILE)["input_ids"].shape == (3, 32)
+    before, after = MlpSpeculator.from_pretrained(stage1), MlpSpeculator.from_pretrained(tmp_path)
+    assert after.config == before.config
+    for (name, a), b in zip(after.state_dict().items(), before.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_new_speculator_can_start_from_the_targets_embeddings_and_lm_head(base, tmp_path):  # noqa: F811
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    common = {"base": base, "data": DATA, "out": tmp_path, "seq_len": 12, "prompt_len": 4}
+    rows = TrainingRows.full(torch.randint(2, 4096, (2, 12)))
+    config = MlpSpeculatorTrainConfig(**common, init_from_target=True, tie_weights=False)
+    head = make_objective(config, target, rows).head
+    for stage in range(3):
+        assert torch.equal(head.emb[stage].weight, target.get_input_embeddings().weight)
+        assert torch.equal(head.head[stage].weight, target.get_output_embeddings().weight)
+    fresh = make_objective(MlpSpeculatorTrainConfig(**common), target, rows).head
+    assert not torch.equal(fresh.emb[0].weight, target.get_input_embeddings().weight)
+
+
+def test_bad_options_are_clear_errors(base, stage1, tmp_path):  # noqa: F811
+    def refused(extra: list[str], message: str) -> None:
+        with pytest.raises(SystemExit, match=message):
+            cli_main(_args(base, tmp_path / "x", steps=1, extra=["--data-source", "text", *extra]))
+
+    refused(["--n-predict", "0"], "MlpSpeculatorTrainConfig.n_predict: expected an int >= 1, got 0")
+    refused(["--n-predict", "1"], "MlpSpeculatorTrainConfig.tie_weights: ties the weights of several stages; "
+                                  "n_predict is 1")
+    refused(["--n-predict", "2"], r"MlpSpeculatorTrainConfig.top_k_tokens_per_head: expected 2 ints >= 1 .*got "
+                                  r"\[3, 2, 2\]")
+    refused(["--inner-dim", "-3"], "MlpSpeculatorTrainConfig.inner_dim: expected an int >= 0, got -3")
+    refused(["--seq-len", "4"], "MlpSpeculatorTrainConfig.seq_len: .*expected at least n_predict \\+ 2 = 5 tokens")
+    refused(["--n-candidates", "13"], "MlpSpeculatorTrainConfig.n_candidates: expected at most the tree's 12 paths")
+    refused(["--init-from-target"], "MlpSpeculatorTrainConfig.init_from_target: copies the target's embedding "
+                                    "matrix and lm_head \\(32 wide\\) into the stages, which are inner_dim 24 wide")
+    refused(["--init-from", str(tmp_path / "nowhere")], "MlpSpeculatorTrainConfig.init_from: no such folder")
+    refused(["--init-from", str(stage1), "--no-tie-weights"],
+            "init_from: .* holds a speculator with tie_weights True, this run asks for False; pass the options it "
+            "was trained with")
+    refused(["--init-from", str(stage1), "--inner-dim", "0"], "holds a speculator with inner_dim 24, this run asks "
+                                                              "for 32")
+    refused(["--init-from", str(stage1), "--inner-dim", "0", "--init-from-target"],
+            "init_from_target: starts a new speculator from the target's embeddings, and init_from")
+    other = tmp_path / "other"
+    MlpSpeculator(replace(MlpSpeculator.from_pretrained(stage1).config, vocab_size=50)).save_pretrained(other)
+    refused(["--init-from", str(other)], "MlpSpeculatorTrainConfig.init_from: the MLP speculator's vocab_size 50 "
+                                         "does not match the target's vocab_size 4096")
+
+
+def test_two_cpu_processes_under_accelerate(base, tmp_path):  # noqa: F811
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "hf_specdec.cli", *_args(base, tmp_path, steps=2, extra=["--num-samples", "3", "--prompt-len",
+                                                                               "24"])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert load_file(tmp_path / GENERATED_FILE)["input_ids"].shape == (3, 32)
+    assert len(_metrics(tmp_path)["loss_history"]) == 2
+    assert MlpSpeculator.from_pretrained(tmp_path).config.n_predict == 3
