@@ -24,9 +24,11 @@ from hf_specdec.testbed.loading import heads_dir, load_testbed
 from hf_specdec.testbed.workloads import load_workload
 
 
-def timed(owner, name: str, totals: dict, counts: dict):
-    """Wrap owner.name so its wall time and calls add up in totals[name], counts[name]."""
+def timed(owner, name: str, totals: dict, counts: dict, restore: list):
+    """Wrap owner.name so its wall time and calls add up in totals[name], counts[name]; `restore` collects what
+    puts it back."""
     original = getattr(owner, name)
+    restore.append(lambda: setattr(owner, name, original))
 
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
@@ -71,13 +73,18 @@ def main(argv: list[str] | None = None) -> None:
     run()  # warm-up
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    timed(SpeculativeDecoder, "verify", totals, counts)
+    restore: list = []
+    timed(SpeculativeDecoder, "verify", totals, counts, restore)
     proposer = type(hf_specdec.proposers.base._REGISTRY[config.method](config, target, None))
-    timed(proposer, "propose", totals, counts)
+    timed(proposer, "propose", totals, counts, restore)
     if args.method != "medusa":
-        timed(EagleHead, "forward", totals, counts)
-        timed(EagleHead, "logits", totals, counts)
-    wall, steps = run()
+        timed(EagleHead, "forward", totals, counts, restore)
+        timed(EagleHead, "logits", totals, counts, restore)
+    try:
+        wall, steps = run()
+    finally:
+        for undo in restore:
+            undo()
     print(f"{args.method}, k={args.k}, top_k={args.top_k}: {steps} steps, {1000 * wall / steps:.2f} ms per step")
     print(f"  target verify forward  {1000 * totals['verify'] / steps:6.2f} ms per step")
     print(f"  proposer               {1000 * totals['propose'] / steps:6.2f} ms per step")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.configuration_utils import GenerationMode
 
 from hf_specdec.cache.ragged import AttentionLayout
+from hf_specdec.compile import STATIC_CACHE_IMPLEMENTATIONS
 
 # model_kwargs that `generate` prepares and the engine understands; anything else (pixel_values, ...) would be
 # silently dropped, so it is refused.
@@ -16,7 +17,7 @@ KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_
                       "output_hidden_states"}
 # Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` does not have.
 NEEDS_PROMPT_IDS = ("draft", "eagle")
-SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic")
+SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", *STATIC_CACHE_IMPLEMENTATIONS)
 
 
 def check_generation_supported(
@@ -43,14 +44,21 @@ def check_generation_supported(
         raise ValueError("synced_gpus=True (DeepSpeed ZeRO-3 / FSDP) is not supported by speculative decoding")
     if generation_config.cache_implementation not in SUPPORTED_CACHE_IMPLEMENTATIONS:
         raise ValueError(
-            f"cache_implementation={generation_config.cache_implementation!r}: speculative decoding needs a "
-            "dynamic cache it can roll back per row; drop cache_implementation"
+            f"cache_implementation={generation_config.cache_implementation!r}: speculative decoding keeps its own "
+            "KV cache, dynamic or (with 'static') of fixed capacity for compiled forwards; it does not offload or "
+            f"quantize it; use one of {[c for c in SUPPORTED_CACHE_IMPLEMENTATIONS if c]} or drop cache_implementation"
         )
     cache = model_kwargs.get("past_key_values")
-    if cache is not None and type(cache) is not DynamicCache:
+    if isinstance(cache, StaticCache) and cache.get_seq_length() > 0:
+        raise ValueError(
+            "past_key_values: a filled StaticCache; speculative decoding continues a conversation only from a "
+            "DynamicCache (what generate returns by default); pass an empty StaticCache, or a DynamicCache"
+        )
+    if cache is not None and type(cache) not in (DynamicCache, StaticCache):
         raise ValueError(
             f"past_key_values: a {type(cache).__name__}; speculative decoding continues only from a transformers "
-            "DynamicCache (what generate returns by default); drop it or pass a DynamicCache"
+            "DynamicCache (what generate returns by default) and takes an empty StaticCache; drop it or pass one "
+            "of those"
         )
     cached = 0 if cache is None else cache.get_seq_length()
     if cached > 0:

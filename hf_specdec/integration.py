@@ -110,6 +110,7 @@ def _generate(
         custom_generate=speculative_generate,
         speculative_config=config,
         spec_streamer=streamer,
+        spec_user_cache=kwargs.get("past_key_values"),
         **kwargs,
     )
 

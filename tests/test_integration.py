@@ -180,7 +180,7 @@ NGRAM = SpeculativeConfig(method="ngram")
     [
         (dict(speculative=NGRAM, num_beams=2), "num_beams=2: beam search cannot be combined"),
         (dict(speculative=NGRAM, penalty_alpha=0.6, top_k=4), "generation mode 'contrastive_search'"),
-        (dict(speculative=NGRAM, cache_implementation="static"), "cache_implementation='static'"),
+        (dict(speculative=NGRAM, cache_implementation="offloaded"), "cache_implementation='offloaded'"),
         (dict(speculative=NGRAM, prefix_allowed_tokens_fn=lambda b, ids: [3]), "prefix_allowed_tokens_fn"),
         (dict(speculative=NGRAM, assistant=make_draft()), "assistant=: conflicts with speculative's draft_model"),
         (dict(spec_method="ngram", assistant=make_draft()),

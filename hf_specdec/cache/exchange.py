@@ -9,13 +9,14 @@ over their final sequences, as plain `generate` saw them. Prompt padding is writ
 masks it.
 
 In: a filled `DynamicCache` (from an earlier call) becomes the engine's first slots; sliding-window layers, which
-keep only their window, are zero-filled in front (the window masks those slots anyway).
+keep only their window, are zero-filled in front (the window masks those slots anyway). An empty `StaticCache`
+passed in sets the capacity of static shapes (`hf_specdec.compile`) and comes back filled.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from hf_specdec.step.state import PromptInputs
 
@@ -28,6 +29,18 @@ def full_layers(
     """A transformers `DynamicCache` laid out as `generate` makes it for this model (sliding layers keep their
     window), from every layer's full keys and values."""
     cache = DynamicCache(config=config.get_text_config(decoder=True))
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys, values, index)
+    return cache
+
+
+def fill_static_cache(
+    cache: StaticCache,
+    # per layer ([B, H, S, D] keys, [B, H, S, D] values)
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+) -> StaticCache:
+    """An empty transformers `StaticCache` filled with every layer's keys and values, through its own `update` (its
+    sliding-window layers keep their window), as plain `generate` leaves the StaticCache it was given."""
     for index, (keys, values) in enumerate(layers):
         cache.update(keys, values, index)
     return cache

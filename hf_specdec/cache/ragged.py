@@ -30,6 +30,11 @@ Design
 * While no row has padding, every row has the same length and a chain has no dummies (batch 1, say), and there is
   no sliding window, a forward needs only a plain causal mask, or none for one query per row.
 * Capacity: the buffers grow by doubling (`hf_specdec.cache.storage`).
+* Static shapes (`make_static`, for compiled forwards; see `hf_specdec.compile`): a fixed capacity allocated once,
+  `width` fixed at the committed capacity, so the region always starts at the same slot; a forward writes through
+  an index tensor and attends over the whole buffers under a mask that covers every slot (built into a buffer kept
+  per shape), and the model call can be a compiled one. The shapes of a forward then depend only on its width, so
+  each kind of forward is one compiled graph. Prompts (`prefill`, `prefill_chain`) stay eager, as in transformers.
 
 The prefill goes through the model's own mask preparation (a 2-D mask), as plain `generate` does, so the prompt
 is encoded with the same kernels and gives the same numbers.
@@ -110,6 +115,14 @@ def _check_positions_come_from_the_mask(model, config) -> None:
 
 
 @dataclass(frozen=True)
+class StaticLayout:
+    """Fixed capacity: slots for committed tokens, then slots for one step's region."""
+
+    committed: int
+    region: int
+
+
+@dataclass(frozen=True)
 class ModelOutputs:
     """The model's per-layer outputs of one forward, and the order of every slot it attended over."""
 
@@ -126,8 +139,11 @@ class RaggedKVCache:
 
     def __init__(self, model) -> None:
         self.model = model
+        self.model_call = model  # what runs a forward (a compiled forward under static shapes)
         self.layout = AttentionLayout.from_model(model)
         self.kv = SlotCache(MIN_CAPACITY)
+        self.static: StaticLayout | None = None
+        self._mask_buffers: dict[tuple, torch.Tensor] = {}  # static shapes: one mask buffer per (width, window)
         # device state
         self.valid: torch.Tensor | None = None  # [B, capacity] bool: False at prompt padding
         self.lengths: torch.Tensor | None = None  # [B] long: committed slots of each row (= its next order)
@@ -157,6 +173,14 @@ class RaggedKVCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
+    def make_static(self, committed: int, region: int, model_call=None) -> None:
+        """Static shapes from the next prefill on (see the module docstring): room for `committed` committed
+        tokens per row and `region` slots of a step, allocated once; `model_call` runs the forwards after the
+        prompt (a compiled forward; default the model)."""
+        self.static = StaticLayout(committed, region)
+        self.kv = SlotCache(committed + region, static=True)
+        self.model_call = self.model if model_call is None else model_call
+
     def prefill(
         self,
         # [B, P]
@@ -184,8 +208,12 @@ class RaggedKVCache:
         self._reserve(batch, length, device)
         self.lengths = input_ids.new_full((batch,), length)
         self.host_lengths, self.width = [length] * batch, length
+        if self.static is not None and length > self.static.committed:
+            raise ValueError(f"the prompt ({length} tokens) does not fit the static cache's {self.static.committed} "
+                             "committed slots")
         if length == 0:
             self.next_position = input_ids.new_zeros(batch)
+            self._settle_width()
             return None
         if attention_mask is None:
             attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
@@ -212,8 +240,9 @@ class RaggedKVCache:
             model_kwargs["logits_to_keep"] = logits_to_keep
         inputs = self.model.prepare_inputs_for_generation(input_ids, **model_kwargs)
         keep = length if self.record_prompt_features else logits_to_keep
-        self.kv.write_start = 0
-        logits = self._call_model(inputs, keep_hidden=keep, orders=self._slot_orders(length))
+        self.kv.write_start, self.kv.write_index = 0, None
+        logits = self._call_model(inputs, keep_hidden=keep, orders=self._slot_orders(length), call=self.model)
+        self._settle_width()
         return logits[:, -logits_to_keep:]  # models without `logits_to_keep` return every position's
 
     def _prefill_after(
@@ -232,25 +261,50 @@ class RaggedKVCache:
         logits_to_keep: int,
     ) -> torch.Tensor:
         """Start from a filled transformers cache of the first C prompt tokens and encode the other P - C as one
-        region, committed whole."""
+        chain, kept whole."""
         cached = past_key_values.get_seq_length()
         batch, length = attention_mask.shape
-        self.kv.write_start = 0
+        self.kv.write_start, self.kv.write_index = 0, None
         for index, (keys, values) in enumerate(filled_layers(past_key_values, cached)):
             self.kv.update(keys, values, index)
-        width = length - cached
         self.lengths = self.lengths.new_full((batch,), cached)
         self.host_lengths, self.width = [cached] * batch, cached
-        self.next_position = position_ids[:, cached]
-        rest = {} if token_type_ids is None else {"token_type_ids": token_type_ids[:, cached:]}
+        rest = {"position_ids": position_ids[:, cached:]}
+        if token_type_ids is not None:
+            rest["token_type_ids"] = token_type_ids[:, cached:]
         if inputs_embeds is not None:
             rest["inputs_embeds"] = inputs_embeds[:, cached:]
-        depths = torch.arange(width, device=attention_mask.device).expand(batch, -1)
-        logits = self.forward(None if inputs_embeds is not None else input_ids[:, cached:], depths,
-                              real=attention_mask[:, cached:].bool(), **rest)
-        self.commit(self.lengths.new_full((batch,), width), kept_on_host=[width] * batch)
+        logits = self.prefill_chain(None if inputs_embeds is not None else input_ids[:, cached:],
+                                    attention_mask[:, cached:].bool(), [length - cached] * batch, keep_all=True,
+                                    **rest)
         self.next_position = position_ids[:, -1] + 1
         return logits[:, -logits_to_keep:]
+
+    def prefill_chain(
+        self,
+        # [B, W] (None when `model_inputs` give `inputs_embeds`)
+        input_ids: torch.Tensor | None,
+        # [B, W] bool: each row's real tokens
+        real: torch.Tensor,
+        # per row, the tokens it keeps: its real ones (a prefix of its W), or all W with `keep_all`
+        kept_on_host: list[int],
+        keep_all: bool = False,
+        **model_inputs,
+    ) -> torch.Tensor:
+        """Feed W tokens per row right after the committed ones as one chain and commit them: a prompt the model's
+        own input preparation does not take (a draft head's, or the rest of a prompt after a filled cache). It runs
+        eagerly and at the committed slots, also under static shapes. Returns logits [B, W, V]."""
+        static, self.static = self.static, None
+        self.width = max(self.host_lengths)  # every row's length: the chain goes right after it
+        try:
+            logits = self.forward(input_ids, torch.arange(real.shape[1], device=real.device).expand_as(real), real,
+                                  **model_inputs)
+            kept = torch.full_like(self.lengths, real.shape[1]) if keep_all else real.sum(dim=1).to(self.lengths.device)
+            self.commit(kept, kept_on_host=kept_on_host)
+        finally:
+            self.static = static
+        self._settle_width()
+        return logits
 
     def forward(
         self,
@@ -271,18 +325,28 @@ class RaggedKVCache:
         batch, width = depths.shape
         start = self.region
         end = start + width
-        self._reserve(batch, self.width + end, depths.device)
         orders = self.lengths[:, None] + depths
         real_or_all = torch.ones_like(depths, dtype=torch.bool) if real is None else real
-        if start == 0:
-            self.region_orders, self.region_real = orders, real_or_all
+        if self.static is not None:
+            if end > self.static.region:
+                raise RuntimeError(f"a step wrote {end} region slots; the static cache holds {self.static.region}")
+            if start == 0 and (self.region_orders is None or self.region_orders.shape != (batch, self.static.region)):
+                self.region_orders = orders.new_zeros(batch, self.static.region)
+                self.region_real = torch.zeros(batch, self.static.region, dtype=torch.bool, device=orders.device)
+            self.region_orders[:, start:end] = orders
+            self.region_real[:, start:end] = real_or_all
+            self.kv.write_index = self._write_index(start, width, depths.device)
         else:
-            self.region_orders = torch.cat([self.region_orders, orders], dim=1)
-            self.region_real = torch.cat([self.region_real, real_or_all], dim=1)
+            self._reserve(batch, self.width + end, depths.device)
+            if start == 0:
+                self.region_orders, self.region_real = orders, real_or_all
+            else:
+                self.region_orders = torch.cat([self.region_orders, orders], dim=1)
+                self.region_real = torch.cat([self.region_real, real_or_all], dim=1)
+            self.kv.write_start, self.kv.write_index = self.width + start, None
         self.region = end
         self.dense_region &= real is None and visible is None
         mask = self._dense_mask(batch, width, depths.device) if self._dense() else self._mask(orders, visible, start)
-        self.kv.write_start = self.width + start
         inputs = dict(
             input_ids=input_ids,
             position_ids=self.next_position[:, None] + depths,
@@ -290,12 +354,13 @@ class RaggedKVCache:
             past_key_values=self.kv,
             use_cache=True,
             **{name: value[:, None].expand(-1, width) for name, value in self.row_inputs.items()},
-            **model_inputs,
         )
+        inputs.update(model_inputs)  # an explicit `position_ids` (a prompt's) replaces the computed ones
         if input_ids is None:
             del inputs["input_ids"]
-        region_orders = self.region_orders
-        return self._call_model(inputs, keep_hidden=width,
+        region_orders = self.region_orders[:, : self.region if self.static is None else None]
+        call = self.model if self.static is None else self.model_call
+        return self._call_model(inputs, keep_hidden=width, call=call,
                                 orders=lambda: torch.cat([self._slot_orders(self.width), region_orders], dim=1))
 
     def commit(
@@ -312,7 +377,8 @@ class RaggedKVCache:
     ) -> None:
         """End the region: each row keeps `num_kept` of its region slots, moved right after its committed tokens
         (one gather per layer, skipped when they are already there)."""
-        in_place = sources is None and self.host_lengths is not None and all(n == self.width for n in self.host_lengths)
+        in_place = (self.static is None and sources is None and self.host_lengths is not None
+                    and all(n == self.width for n in self.host_lengths))
         if not in_place and self.region:
             count = self.region if sources is None else sources.shape[1]
             steps = torch.arange(count, device=num_kept.device)[None, :]
@@ -324,10 +390,11 @@ class RaggedKVCache:
             self.host_lengths = [n + k for n, k in zip(self.host_lengths, kept_on_host)]
             self.width = max(self.host_lengths, default=0)
         else:
-            if width_bound is None:
+            if width_bound is None and self.static is None:
                 raise ValueError("RaggedKVCache.commit: give kept_on_host or width_bound")
             self.host_lengths, self.width = None, width_bound
         self.region, self.dense_region = 0, True
+        self._settle_width()
 
     def select_rows(
         self,
@@ -351,13 +418,24 @@ class RaggedKVCache:
         keep = (self.valid[:, :length] & (self._slot_orders(length) < self.lengths[:, None]))[:, None, :, None]
         return [(keys[:, :, :length] * keep, values[:, :, :length] * keep) for keys, values in self.kv.buffers()]
 
+    def _settle_width(self) -> None:
+        """Under static shapes the region always starts after the committed capacity."""
+        if self.static is not None:
+            self.width = self.static.committed
+
+    def _write_index(self, start: int, width: int, device: torch.device) -> torch.Tensor:
+        """[W]: the slots a static forward writes (after the committed capacity)."""
+        return torch.arange(width, device=device) + (self.static.committed + start)
+
     def _reserve(self, batch: int, slots: int, device: torch.device) -> None:
-        """Room for `slots` slots per row (buffers doubled when full)."""
+        """Room for `slots` slots per row (buffers doubled when full; allocated once under static shapes)."""
         capacity = self.kv.capacity
         if self.valid is None:
-            capacity = max(2 * slots, MIN_CAPACITY)
+            capacity = capacity if self.kv.static else max(2 * slots, MIN_CAPACITY)
             self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=device)
         elif slots > capacity:
+            if self.kv.static:
+                raise RuntimeError(f"{slots} slots do not fit the static cache's {capacity}")
             capacity = 2 * slots
             grown = torch.ones(self.valid.shape[0], capacity, dtype=torch.bool, device=self.valid.device)
             grown[:, : self.valid.shape[1]] = self.valid
@@ -371,7 +449,7 @@ class RaggedKVCache:
     def _dense(self) -> bool:
         """A plain causal mask (or none) is exact: no padding, rows of one length, a chain without dummies, no
         window (all host facts)."""
-        return (self.dense_region and not self.padded and self.layout.sliding_window is None
+        return (self.static is None and self.dense_region and not self.padded and self.layout.sliding_window is None
                 and self.host_lengths is not None and all(n == self.width for n in self.host_lengths))
 
     def _dense_mask(self, batch: int, width: int, device: torch.device) -> torch.Tensor | None:
@@ -396,12 +474,21 @@ class RaggedKVCache:
         if visible is None:  # a chain: every earlier region slot and itself
             slots = torch.arange(self.region, device=query_orders.device)
             visible = (slots[None, :] <= start + torch.arange(width, device=slots.device)[:, None])[None]
+        region = self.region_real.shape[1]  # the region so far, or its whole capacity under static shapes
+        if visible.shape[2] < region:
+            visible = torch.nn.functional.pad(visible, (0, region - visible.shape[2]))
         visible = visible & self.region_real[:, None, :]
         committed = self.valid[:, : self.width] & (self._slot_orders(self.width) < self.lengths[:, None])
 
         def mask(window: int | None) -> torch.Tensor:
-            return ancestry_attention_mask(committed, self._slot_orders(self.width), query_orders, visible, window,
-                                           self.model.dtype, self.region_orders, start)
+            built = ancestry_attention_mask(committed, self._slot_orders(self.width), query_orders, visible, window,
+                                            self.model.dtype, self.region_orders, start)
+            if self.static is None:
+                return built
+            buffer = self._mask_buffers.get((width, window))
+            if buffer is None or buffer.shape != built.shape:  # kept per shape: a fixed address for CUDA graphs
+                buffer = self._mask_buffers[(width, window)] = torch.empty_like(built)
+            return buffer.copy_(built)
 
         window = self.layout.sliding_window
         if window is None:
@@ -410,15 +497,15 @@ class RaggedKVCache:
             return {FULL_ATTENTION: mask(None), SLIDING_ATTENTION: mask(window)}
         return mask(window)
 
-    def _call_model(self, inputs: dict, keep_hidden: int, orders) -> torch.Tensor:
-        """The model's logits; also its features (`feature_layers`) of the last `keep_hidden` tokens, and its
-        per-layer hidden states and attentions when `output_hidden_states` / `output_attentions` are set (with
-        `orders`, [B, S] or a function giving it: the order of every key slot)."""
+    def _call_model(self, inputs: dict, keep_hidden: int, orders, call) -> torch.Tensor:
+        """The model's logits (run by `call`); also its features (`feature_layers`) of the last `keep_hidden`
+        tokens, and its per-layer hidden states and attentions when `output_hidden_states` / `output_attentions` are
+        set (with `orders`, [B, S] or a function giving it: the order of every key slot)."""
         record = self.feature_layers is not None
         flags = {"output_hidden_states": True} if record or self.output_hidden_states else {}
         if self.output_attentions:
             flags["output_attentions"] = True
-        out = self.model(**inputs, **flags, return_dict=True)
+        out = call(**inputs, **flags, return_dict=True)
         if self.output_hidden_states or self.output_attentions:
             self.model_outputs = ModelOutputs(
                 hidden_states=out.hidden_states if self.output_hidden_states else None,

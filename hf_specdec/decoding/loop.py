@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StaticCache, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_specdec.cache.exchange import full_layers, recompute
+from hf_specdec.cache.exchange import fill_static_cache, full_layers, recompute
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported
+from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward, uses_static_shapes
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.decoding.outputs import OutputLog
 from hf_specdec.decoding.scores import PositionScorer
@@ -86,6 +87,8 @@ class SpeculativeDecoder:
         stopping_criteria: StoppingCriteriaList,
         generation_config: GenerationConfig,
         streamer: Any,
+        # an empty transformers StaticCache the caller passed, filled with the output at the end
+        static_cache: StaticCache | None = None,
     ) -> None:
         self.model = model
         do_sample = bool(generation_config.do_sample)
@@ -118,6 +121,16 @@ class SpeculativeDecoder:
         self.held_rows: list[int] = []  # the same on the host (all rows until some are dropped)
         # the host needs each step's tokens: to stream them, or for a proposer that matches on the text
         self.report_tokens = streamer is not None or self.proposer.reads_emitted_tokens
+        # static shapes and compiled forwards (`hf_specdec.compile`); the compile checks come before any forward
+        self.static_cache = static_cache
+        self.static_shapes = uses_static_shapes(generation_config, static_cache)
+        self.compile_settings = None
+        if self.static_shapes:
+            self.compile_settings = CompileSettings.from_generation(model, generation_config)
+            if self.compile_settings is not None:
+                check_compilable(model, "the target")
+            max_length = self.stopper.max_length or generation_config.max_length
+            self.proposer.fix_shapes(max_length, self.compile_settings)
 
     def run(
         self,
@@ -145,6 +158,8 @@ class SpeculativeDecoder:
             raise ValueError("pad_token_id is not set: batched generation with an EOS needs it to pad finished rows; "
                              "pass pad_token_id=...")
         attention_mask = prompt.attention_mask
+        if self.static_shapes:
+            self.make_static(input_ids.shape[1] if prompt.inputs_embeds is None else prompt.inputs_embeds.shape[1])
         self.state = DecodeState.start(
             input_ids,
             attention_mask if input_ids.shape[1] else None,  # an embedded prompt without ids: no ids to mask
@@ -178,6 +193,23 @@ class SpeculativeDecoder:
         self.log(result, scores, logits)
         if self.cache.output_hidden_states or self.cache.output_attentions:
             self.output_log.prefill(self.cache.model_outputs)
+
+    def make_static(self, prompt_length: int) -> None:
+        """The target cache at a fixed capacity: every committed token (up to the length limit), then one verify
+        region of the proposer's fixed width; a transformers StaticCache passed in must hold as much."""
+        max_length = self.stopper.max_length or self.generation_config.max_length
+        committed, nodes = max(max_length, prompt_length), self.proposer.num_nodes(self.config)
+        if self.static_cache is not None:
+            capacity = self.static_cache.get_max_length()
+            if capacity < committed + nodes:
+                raise ValueError(
+                    f"past_key_values: a StaticCache of max_cache_len={capacity}; speculative decoding needs the "
+                    f"prompt ({prompt_length}) + max_new_tokens ({committed - prompt_length}) + the draft budget "
+                    f"({nodes} verified tokens per step) = {committed + nodes} slots; build it with max_cache_len "
+                    f">= {committed + nodes}"
+                )
+        model_call = None if self.compile_settings is None else compiled_forward(self.model, self.compile_settings)
+        self.cache.make_static(committed, nodes, model_call)
 
     def step(self) -> None:
         """propose -> verify -> accept -> emit -> commit."""
@@ -295,7 +327,10 @@ class SpeculativeDecoder:
         self.proposer.commit(self.state, result)
 
     def drop_finished_rows(self) -> None:
-        """Drop finished rows from the target's cache once they are DROP_FINISHED_SHARE of the rows it holds."""
+        """Drop finished rows from the target's cache once they are DROP_FINISHED_SHARE of the rows it holds
+        (under static shapes every row keeps its slot: the shapes stay those the forwards were compiled for)."""
+        if self.static_shapes:
+            return
         finished = self.state.host.finished
         done = sum(finished[row] for row in self.held_rows)
         if done < max(1.0, DROP_FINISHED_SHARE * len(self.held_rows)):
@@ -348,9 +383,10 @@ class SpeculativeDecoder:
     def output_length(self) -> int:
         return int(self.stop_lengths.max())
 
-    def output_cache(self, length: int) -> DynamicCache:
+    def output_cache(self, length: int) -> DynamicCache | StaticCache:
         """The cache plain generate returns with an output `length` tokens long (see `hf_specdec.cache.exchange`):
-        rows whose cache is complete are gathered by order, the others computed again in one forward."""
+        rows whose cache is complete are gathered by order, the others computed again in one forward. A StaticCache
+        passed in comes back filled, as plain generate returns it."""
         prompt = self.prompt
         # positions fed before the first output column: an embedded prompt without token ids has none there
         embedded = 0 if prompt.inputs_embeds is None else prompt.inputs_embeds.shape[1] - self.prompt_ids.shape[1]
@@ -373,6 +409,8 @@ class SpeculativeDecoder:
             self.stats.record_forward(~complete)
             for (keys, values), (new_keys, new_values) in zip(layers, again):
                 keys[rows.to(keys.device)], values[rows.to(keys.device)] = new_keys, new_values
+        if self.static_cache is not None:
+            return fill_static_cache(self.static_cache, layers)
         return full_layers(layers, self.model.config)
 
 
@@ -395,16 +433,20 @@ def speculative_generate(
     synced_gpus: bool = False,
     speculative_config: SpeculativeConfig | None = None,
     spec_streamer: Any = None,
+    spec_user_cache: Any = None,
     **model_kwargs: Any,
 ):
-    """The `custom_generate` callable: transformers has prepared everything, this runs the speculative loop."""
+    """The `custom_generate` callable: transformers has prepared everything, this runs the speculative loop.
+    `spec_user_cache` is the `past_key_values` the caller passed (a StaticCache `generate` prepared for
+    `cache_implementation="static"` is not theirs: the engine sizes its own)."""
     if speculative_config is None:
         raise ValueError("speculative_config: hf_specdec's custom_generate needs a SpeculativeConfig")
     check_generation_supported(model, generation_config, model_kwargs, synced_gpus, speculative_config.method)
-    decoder = SpeculativeDecoder(
-        model, speculative_config, logits_processor, stopping_criteria, generation_config, spec_streamer
-    )
     past = model_kwargs.get("past_key_values")
+    static_cache = past if isinstance(past, StaticCache) and past is spec_user_cache else None
+    decoder = SpeculativeDecoder(
+        model, speculative_config, logits_processor, stopping_criteria, generation_config, spec_streamer, static_cache
+    )
     prompt = PromptInputs(
         attention_mask=model_kwargs.get("attention_mask"),
         position_ids=model_kwargs.get("position_ids"),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList
 
+from hf_specdec.compile import CompileSettings
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
@@ -43,10 +44,27 @@ class Proposer(ABC):
     target_feature_layers: tuple[int, ...] | None = None
     needs_prompt_features: bool = False
     reads_emitted_tokens: bool = False
+    # static shapes (`fix_shapes`): widths from the config, never from the host's lengths
+    fixed_shapes: bool = False
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         """The deepest draft token a step proposes (`spec_stats` counts acceptance per position up to it)."""
         return config.max_draft_depth
+
+    def num_nodes(self, config: SpeculativeConfig) -> int:
+        """Nodes of a proposal under fixed shapes, the root included (the width of every verify forward)."""
+        if config.tree_total_tokens is not None:
+            return 1 + config.tree_total_tokens
+        if config.tree_paths is not None:
+            return len(config.tree_paths) + 1
+        return 1 + config.tree_width * config.num_speculative_tokens
+
+    def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
+        """Propose with the same shapes at every step, so compiled forwards are reused (see `hf_specdec.compile`):
+        widths from the config; a drafter's cache of fixed capacity for `max_length` tokens per row; its forwards
+        compiled with `compile_settings` when given. Called before `start`, before any forward; raises ValueError
+        for a drafter that cannot be compiled."""
+        self.fixed_shapes = True
 
     def start(
         self,

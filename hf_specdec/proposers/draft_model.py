@@ -24,6 +24,7 @@ import functools
 import torch
 
 from hf_specdec.cache.ragged import RaggedKVCache
+from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.sampling import sample
@@ -98,6 +99,23 @@ class DraftModelProposer(Proposer):
         check_draft_compatible(target, config.draft_model)
         return config.draft_model
 
+    # how the drafter is named in errors
+    role = "the draft model"
+
+    def _max_feed(self) -> int:
+        """Committed tokens a step can feed: after a chain or fixed branches the draft has seen all but the last one
+        or two; after a dynamic tree, whose unfed nodes may be accepted, up to k + 1."""
+        return self.k + 1 if self.total_tokens is not None else 2
+
+    def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
+        super().fix_shapes(max_length, compile_settings)
+        if compile_settings is not None:
+            check_compilable(self.draft, self.role)
+        # the feed, then the drafted nodes it feeds: k - 1 per branch (one per level for a dynamic tree's frontier)
+        region = self._max_feed() + (self.k - 1) * self.tree_width
+        model_call = None if compile_settings is None else compiled_forward(self.draft, compile_settings)
+        self.cache.make_static(max_length, region, model_call)
+
     def _feed_inputs(self, state: DecodeState, width: int) -> dict:
         """Extra inputs of the forward that feeds each row's unseen committed tokens (`width` per row)."""
         return {}
@@ -121,7 +139,7 @@ class DraftModelProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]
-        self._num_drafted = max(budget_host, default=0)
+        self._num_drafted = self.k if self.fixed_shapes else max(budget_host, default=0)
         logits = self._feed_unseen(state)
         if self.total_tokens is not None:
             return self._propose_dynamic_tree(state, budget, logits)
@@ -157,13 +175,14 @@ class DraftModelProposer(Proposer):
         self._fed_host = [0 if done else length - seen
                           for length, seen, done in zip(host.lengths, self.cached_host, host.finished)]
         fed = torch.where(state.finished, 0, state.lengths - self.cached_lengths)  # >= 1 for unfinished rows
-        width = self._feed_width = max(1, max(self._fed_host, default=0))
+        width = self._feed_width = self._max_feed() if self.fixed_shapes else max(1, max(self._fed_host, default=0))
         column = torch.arange(width, device=fed.device)[None, :]
         index = (self.cached_lengths[:, None] + column).clamp(max=state.sequences.shape[1] - 1)
         unseen = state.sequences.gather(1, index)
         device = self.draft.device
         self._fed = fed
-        real = None if all(n == width for n in self._fed_host) else (column < fed[:, None]).to(device)
+        dense = not self.fixed_shapes and all(n == width for n in self._fed_host)
+        real = None if dense else (column < fed[:, None]).to(device)
         logits = self.cache.forward(unseen.to(device), column.to(device).expand(unseen.shape[0], -1), real,
                                     **self._feed_inputs(state, width))
         last = (fed.clamp(min=1) - 1).to(device)[:, None, None]
@@ -341,9 +360,11 @@ class DraftModelProposer(Proposer):
             fed_depth = max(self._num_drafted, 1) - 1
             kept_host = [0 if done else n + min(a, fed_depth)
                          for n, a, done in zip(self._fed_host, host.num_accepted, host.finished)]
+        elif self.fixed_shapes:  # fixed shapes need no exact lengths on the host
+            kept_host = None
         else:  # a dynamic tree feeds the frontier only, which the host does not know: one read
             kept_host = num_kept.tolist()
-        in_order = self.tree_width == 1 and self.total_tokens is None and all(
+        in_order = self.tree_width == 1 and self.total_tokens is None and not self.fixed_shapes and all(
             done or n == self._feed_width for n, done in zip(self._fed_host, host.finished))
         sources = None
         if not in_order:  # slot i < fed: the feed; then the kept nodes' slots, after the feed
@@ -354,7 +375,8 @@ class DraftModelProposer(Proposer):
         device = self.draft.device
         self.cache.commit(num_kept.to(device), None if sources is None else sources.to(device), kept_on_host=kept_host)
         self.cached_lengths = self.cached_lengths + num_kept.to(self.cached_lengths.device)
-        self.cached_host = [n + k for n, k in zip(self.cached_host, kept_host)]
+        if kept_host is not None:
+            self.cached_host = [n + k for n, k in zip(self.cached_host, kept_host)]
 
 
 def _rows(

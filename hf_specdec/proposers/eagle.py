@@ -18,10 +18,11 @@ stays lossless either way.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import weakref
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.heads.eagle import EagleHead
@@ -64,11 +65,14 @@ class EagleDrafter(nn.Module):
         use_cache: bool = True,
         output_hidden_states: bool = False,
         return_dict: bool = True,
-    ) -> SimpleNamespace:
+    ) -> CausalLMOutputWithPast:
         embeds = self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))
         hidden = self.head(embeds.to(self.device), features.to(self.device), position_ids.to(self.device),
                            attention_mask, past_key_values, from_target=from_target)
-        return SimpleNamespace(logits=self.head.logits(hidden, self.lm_head), hidden_states=(hidden,))
+        return CausalLMOutputWithPast(logits=self.head.logits(hidden, self.lm_head), hidden_states=(hidden,))
+
+
+_DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class EagleProposer(DraftModelProposer):
@@ -81,7 +85,11 @@ class EagleProposer(DraftModelProposer):
 
     def _drafter(self, config: SpeculativeConfig, target: nn.Module) -> nn.Module:
         config.heads.check_target(target)
-        return EagleDrafter(config.heads, target)
+        # one drafter per (head, target), so a compiled forward of it is reused by later calls
+        per_target = _DRAFTERS.setdefault(config.heads, weakref.WeakKeyDictionary())
+        if target not in per_target:
+            per_target[target] = EagleDrafter(config.heads, target)
+        return per_target[target]
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         """Feed prompt token p with the target's feature at p - 1 (p >= 1; a row's first real token has no feature
@@ -99,17 +107,24 @@ class EagleProposer(DraftModelProposer):
         order = (~real).long().argsort(dim=1, stable=True)  # each row's real pairs first, in order
         features = state.target_features[:, :-1]
         features = features.gather(1, order[:, :, None].to(features.device).expand(-1, -1, features.shape[2]))
-        depths = torch.arange(real.shape[1], device=device).expand(real.shape[0], -1)
-        self.cache.forward(prompt[:, 1:].gather(1, order).to(device), depths, real.gather(1, order).to(device),
-                           features=features, from_target=True)
-        pairs = real.sum(dim=1)
-        self.cache.commit(pairs.to(device), kept_on_host=pairs.tolist())  # once per call, at the prompt
+        pairs = real.sum(dim=1).tolist()  # once per call, at the prompt
+        self.cache.prefill_chain(prompt[:, 1:].gather(1, order).to(device), real.gather(1, order).to(device), pairs,
+                                 features=features, from_target=True)
+
+    role = "the EAGLE head"
+
+    def _max_feed(self) -> int:
+        return self.k + 1  # the head keeps no draft: every committed token of a step is fed again
 
     def _feed_inputs(self, state: DecodeState, width: int) -> dict:
-        return {"features": state.target_features[:, :width], "from_target": True}
+        features = state.target_features[:, :width]
+        if features.shape[1] < width:  # fixed shapes: dummies after the real tokens
+            features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[1]))
+        return {"features": features.contiguous(), "from_target": True}
 
     def _draft_inputs(self, parent_hidden: torch.Tensor | None) -> dict:
-        return {"features": parent_hidden, "from_target": False}
+        # contiguous: a compiled forward is specialised to its inputs' strides as well as their shapes
+        return {"features": parent_hidden.contiguous(), "from_target": False}
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Keep the committed tokens fed this step and no draft: the accepted ones are fed again next step with

@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from hf_specdec.compile import CompileSettings, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.step import DecodeState, Proposal
@@ -26,6 +27,7 @@ class MedusaProposer(Proposer):
 
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module) -> None:
         self.heads = config.heads
+        self.heads_call = self.heads  # compiled under static shapes with a compile config
         self.heads.check_target(target)
         self.lm_head = target.get_output_embeddings()
         num_heads = self.heads.config.num_heads
@@ -46,9 +48,18 @@ class MedusaProposer(Proposer):
     def draft_depth(self, config: SpeculativeConfig) -> int:
         return self.k if self.template is None else self.template.max_depth
 
+    def num_nodes(self, config: SpeculativeConfig) -> int:
+        return 1 + self.k if self.template is None else self.template.num_nodes
+
+    def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
+        super().fix_shapes(max_length, compile_settings)
+        if compile_settings is not None:
+            self.heads_call = compiled_forward(self.heads, compile_settings)
+
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal:
-        logits = self.heads(state.target_hidden.to(self.heads.device), self.lm_head).float()  # [B, K, V]
+        hidden = state.target_hidden.to(self.heads.device)
+        logits = self.heads_call(hidden=hidden, lm_head=self.lm_head).float()  # [B, K, V]
         logits = logits.to(state.sequences.device)
         budget = state.draft_budget()
         depth = self.k if self.template is None else self.template.max_depth

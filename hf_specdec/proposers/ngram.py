@@ -173,7 +173,7 @@ class NgramProposer(Proposer):
             drafts[row, : found.size] = found
             counts[row] = found.size
         device = state.sequences.device
-        width = int(counts.max()) if counts.size else 0
+        width = self.k if self.fixed_shapes else int(counts.max()) if counts.size else 0
         return Proposal.chain(state.last_tokens(), torch.from_numpy(drafts[:, :width]).to(device),
                               torch.from_numpy(counts).to(device), dense=bool((counts == width).all()))
 

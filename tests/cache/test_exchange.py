@@ -89,6 +89,7 @@ def test_filled_cache_refused_for_eagle_and_other_cache_types():
         hf_specdec.generate(target, first.sequences, attention_mask=longer, past_key_values=first.past_key_values,
                             speculative=eagle, max_new_tokens=2)
     static = StaticCache(config=target.config, max_cache_len=32)
-    with pytest.raises(ValueError, match="past_key_values: a StaticCache"):
-        hf_specdec.generate(target, ids, attention_mask=mask, past_key_values=static, spec_method="ngram",
-                            max_new_tokens=2)
+    target.generate(ids, attention_mask=mask, past_key_values=static, max_new_tokens=2)  # now filled
+    with pytest.raises(ValueError, match="past_key_values: a filled StaticCache"):
+        hf_specdec.generate(target, first.sequences, attention_mask=longer, past_key_values=static,
+                            spec_method="ngram", max_new_tokens=2)

@@ -38,8 +38,7 @@ TEMPERATURE, TOP_K = 0.7, 4
 PROMPT = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])  # repeats, so the n-gram proposer has something to propose
 
 
-@pytest.fixture(scope="module")
-def target():
+def make_target():
     torch.manual_seed(11)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **DECODER, pad_token_id=0, eos_token_id=None, bos_token_id=None)).eval()
     with torch.no_grad():
@@ -47,6 +46,11 @@ def target():
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
 
 
 def exact_law(model, temperature: float) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""Static shapes and compiled forwards, switched on by transformers' own options.
+
+With `cache_implementation="static"` (or one of transformers' other static cache names), a `compile_config`, or an
+empty `StaticCache` passed as `past_key_values`, the engine runs with *static shapes*: every cache has a fixed
+capacity allocated once, every verify forward has the same width for a (batch, k or tree budget), every drafter
+forward the same width per kind (feed, draft step), and finished rows keep their slot (masked). The forwards are
+then *compiled* with `torch.compile` when `compile_config` is set, or for a static cache on an accelerator (as
+transformers' own `generate` does), unless `disable_compile=True`: the target's verify forward and the drafter's
+forwards, each compiled once per shape (`dynamic=False`), kept on the module and reused across steps and calls.
+`mode="reduce-overhead"` (transformers' default) captures CUDA graphs on CUDA; on a CPU, where there are none, the
+default inductor mode is used.
+
+`CompiledForward` counts the calls that compiled, per input shapes, so a test can hold recompiles to one per shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+from transformers import GenerationConfig
+
+# transformers' names of static caches (5.23): the engine takes each as "fixed capacity, fixed shapes"
+STATIC_CACHE_IMPLEMENTATIONS = ("static", "sliding_window", "hybrid", "hybrid_chunked")
+# each compiled forward may need a graph per shape it meets (batch sizes, widths); dynamo's default stops at 8
+RECOMPILE_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How to compile: transformers' `CompileConfig` fields, with `dynamic=False` unless asked otherwise."""
+
+    backend: Any = "inductor"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool = False
+    options: tuple[tuple[str, Any], ...] | None = None
+
+    @classmethod
+    def from_generation(cls, model: torch.nn.Module, generation_config: GenerationConfig) -> CompileSettings | None:
+        """The settings when this call compiles, else None (see the module docstring)."""
+        if generation_config.disable_compile:
+            return None
+        config = generation_config.compile_config
+        on_accelerator = model.device.type in ("cuda", "xpu")
+        if config is None:
+            if not (uses_static_shapes(generation_config) and on_accelerator):
+                return None
+            from transformers import CompileConfig
+
+            config = CompileConfig()
+        mode = config.mode
+        if mode == "reduce-overhead" and model.device.type != "cuda":
+            mode = None  # CUDA graphs need CUDA
+        options = None if config.options is None else tuple(sorted(config.options.items()))
+        return cls(backend=config.backend, mode=None if options else mode, fullgraph=bool(config.fullgraph),
+                   dynamic=bool(config.dynamic), options=options)
+
+
+def uses_static_shapes(generation_config: GenerationConfig, past_key_values: Any = None) -> bool:
+    """Whether this call runs with static shapes (see the module docstring)."""
+    from transformers import StaticCache
+
+    return (generation_config.cache_implementation in STATIC_CACHE_IMPLEMENTATIONS
+            or generation_config.compile_config is not None or isinstance(past_key_values, StaticCache))
+
+
+def check_compilable(model: torch.nn.Module, role: str) -> None:
+    """Raise ValueError, naming `role` ("the target", "the draft model"), when `model` cannot be compiled."""
+    name = type(model).__name__
+    if getattr(model, "_can_compile_fullgraph", True) is False:
+        raise ValueError(
+            f"compile_config: {role} ({name}) cannot be compiled (transformers marks it _can_compile_fullgraph=False); "
+            "drop compile_config (and cache_implementation='static'), or pass disable_compile=True to keep static "
+            "shapes without compiling"
+        )
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    if "disk" in devices or ("cpu" in devices and len(devices) > 1):
+        raise ValueError(
+            f"compile_config: {role} ({name}) is offloaded (device_map {sorted(map(str, devices))}), which "
+            "torch.compile cannot run; load it on one device, or drop compile_config"
+        )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not getattr(quantizer, "is_compileable", False):
+        raise ValueError(
+            f"compile_config: {role} ({name}) is quantized with {type(quantizer).__name__}, which torch.compile "
+            "cannot take; drop compile_config, or use a quantization method transformers marks compileable"
+        )
+
+
+class CompiledForward:
+    """`module.forward` compiled with `settings`; counts the calls that compiled (`compiles`, per input shapes)."""
+
+    def __init__(self, module: torch.nn.Module, settings: CompileSettings) -> None:
+        options = dict(settings.options) if settings.options else None
+        self.function = torch.compile(module.forward, backend=settings.backend, mode=settings.mode,
+                                      fullgraph=settings.fullgraph, dynamic=settings.dynamic, options=options)
+        self.compiles: collections.Counter = collections.Counter()
+
+    def __call__(self, **inputs: Any) -> Any:
+        before = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+            out = self.function(**inputs)
+        if counters["stats"]["unique_graphs"] != before:
+            self.compiles[input_shapes(inputs)] += 1
+        return out
+
+
+def input_shapes(inputs: dict[str, Any]) -> tuple:
+    """A call's signature: the shapes of its tensor inputs (nested dicts of masks included) and its flags, by
+    name (each signature is one graph)."""
+    key = []
+    for name, value in sorted(inputs.items()):
+        if isinstance(value, torch.Tensor):
+            key.append((name, tuple(value.shape)))
+        elif isinstance(value, dict):
+            key.append((name, input_shapes(value)))
+        elif isinstance(value, (bool, int, str)) or value is None:
+            key.append((name, value))
+    return tuple(key)
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled_forward(module: torch.nn.Module, settings: CompileSettings) -> CompiledForward:
+    """The module's compiled forward for these settings, built once and kept for later steps and calls."""
+    per_module = _COMPILED.setdefault(module, {})
+    if settings not in per_module:
+        per_module[settings] = CompiledForward(module, settings)
+    return per_module[settings]

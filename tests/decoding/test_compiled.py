@@ -1,0 +1,236 @@
+"""Static shapes and compiled forwards stay lossless: greedy output is plain generate's and sampling follows the
+target's law; each forward signature compiles once and later calls reuse it; bad setups fail before any work.
+
+The compiled tests use inductor on a tiny model; the fast ones run in CI, the wide sweeps are marked slow."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import CompileConfig, StaticCache
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.compile import compiled_forward
+from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
+from tests.decoding import test_sampling_lossless as lossless
+from tests.heads.medusa.test_model import heads_for
+from tests.proposers.test_eagle import eagle_head
+
+LENGTHS = [12, 7, 10]  # batch 3, left padded; longer than every sliding window in conftest
+NEW_TOKENS = 16
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    """transformers wraps every model's forward in one decorator, so all models share dynamo's recompile budget
+    for that code object; each test starts from empty caches (a process serving a model or two stays far below)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _kwargs(mask: torch.Tensor, **extra) -> dict:
+    return dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, **extra)
+
+
+def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
+    return {
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        "same_draft": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=4),
+        "random_draft_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
+                                               tree_width=2),
+        "same_draft_dynamic_tree": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
+                                                     num_speculative_tokens=3, tree_width=2, tree_total_tokens=5),
+        "ngram_trie": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2),
+    }
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_static_shapes_match_plain_generate(arch):
+    """cache_implementation="static" (no compile on a CPU, as in transformers): a fixed-capacity cache, fixed
+    widths, rows that finish kept in place; the output is still plain generate's."""
+    target = make_model(arch)
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    expected = target.generate(ids, **_kwargs(mask))
+    for name, config in _proposers(target).items():
+        out = hf_specdec.generate(target, ids, speculative=config, cache_implementation="static",
+                                  return_dict_in_generate=True, **_kwargs(mask))
+        assert torch.equal(out.sequences, expected), f"{arch}/{name}"
+        assert out.spec_stats.num_draft_tokens > 0
+
+
+def _compile_config(**options) -> CompileConfig:
+    return CompileConfig(fullgraph=True, **options)
+
+
+def test_compiled_greedy_matches_plain_generate_and_compiles_once_per_shape():
+    """The verify forward is compiled once for its shape; a second call (and a call with other prompts of the same
+    batch and width) compiles nothing; the output is plain generate's every time."""
+    target = make_model("llama")
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    compiled = compiled_forward(target, _settings_of(target))
+    for seed in (3, 3, 8):
+        ids, mask = padded_batch(LENGTHS, seed=seed, repeat_period=5)
+        expected = target.generate(ids, **_kwargs(mask))
+        out = hf_specdec.generate(target, ids, speculative=config, compile_config=_compile_config(),
+                                  return_dict_in_generate=True, **_kwargs(mask))
+        assert torch.equal(out.sequences, expected), seed
+        assert out.spec_stats.num_accepted_tokens > 0
+        assert list(compiled.compiles.values()) == [1], compiled.compiles  # one verify shape, compiled once
+    (signature,) = compiled.compiles
+    assert dict(signature)["input_ids"] == (3, 5)  # k + 1 tokens per row, every step
+
+
+def _settings_of(model, compile_config: CompileConfig | None = None):
+    """The settings the engine derives from a compile config (the key of the model's compiled forward)."""
+    from transformers import GenerationConfig
+
+    from hf_specdec.compile import CompileSettings
+
+    config = GenerationConfig(compile_config=compile_config or _compile_config())
+    return CompileSettings.from_generation(model, config)
+
+
+def test_compiled_sampling_follows_the_target_law():
+    """The chi-square law test of `test_sampling_lossless` through the compiled verify forward."""
+    target = lossless.make_target()
+    law = lossless.exact_law(target, lossless.TEMPERATURE)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, seed=3)
+    samples = _compiled_draws(target, config)
+    pvalues = lossless.chi_square_pvalues(samples, law)
+    assert lossless.accepted(pvalues), pvalues
+
+
+def _compiled_draws(target, config: SpeculativeConfig) -> torch.Tensor:
+    prompts = lossless.PROMPT.expand(lossless.N, -1)
+    out = hf_specdec.generate(target, prompts, attention_mask=torch.ones_like(prompts), speculative=config,
+                              max_new_tokens=lossless.NEW_TOKENS, do_sample=True, temperature=lossless.TEMPERATURE,
+                              top_k=lossless.TOP_K, top_p=1.0, compile_config=_compile_config(),
+                              return_dict_in_generate=True)
+    assert out.spec_stats.num_draft_tokens > 100 and out.spec_stats.num_accepted_tokens > 0
+    return out.sequences[:, lossless.PROMPT.shape[1] :]
+
+
+def _every_proposer(target: torch.nn.Module, arch: str) -> dict[str, SpeculativeConfig]:
+    configs = _proposers(target)
+    if arch in ("llama", "qwen2", "mistral", "phi3", "gemma2"):  # heads built for a Llama-like target
+        configs["medusa_tree"] = SpeculativeConfig(method="medusa", heads=heads_for(target),
+                                                   tree_paths=[(0,), (1,), (0, 0)])
+        configs["eagle_dynamic_tree"] = SpeculativeConfig(method="eagle", heads=eagle_head(target), top_k=2, depth=3,
+                                                          total_tokens=5)
+    return configs
+
+
+# two architectures in CI (an absolute-position one, and one with a sliding window), every one marked slow
+CI_ARCHITECTURES = ("gpt2", "mistral")
+
+
+@pytest.mark.parametrize("arch", [a if a in CI_ARCHITECTURES else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in sorted(ARCHITECTURES)])
+def test_captured_graphs_match_plain_generate_on_every_architecture(arch):
+    """Every forward traced into one graph per shape (`fullgraph=True`) and run by `aot_eager` (captured and
+    functionalised, eager kernels: the plumbing of compiled forwards without inductor's build time)."""
+    target = make_model(arch)
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    expected = target.generate(ids, **_kwargs(mask))
+    for name, config in _every_proposer(target, arch).items():
+        out = hf_specdec.generate(target, ids, speculative=config, compile_config=_compile_config(backend="aot_eager"),
+                                  **_kwargs(mask))
+        assert torch.equal(out, expected), f"{arch}/{name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+def test_compiled_greedy_on_architectures_and_proposers(arch):
+    """Inductor on every proposer (minutes on a CPU)."""
+    target = make_model(arch)
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    expected = target.generate(ids, **_kwargs(mask))
+    for name, config in _every_proposer(target, arch).items():
+        out = hf_specdec.generate(target, ids, speculative=config, compile_config=_compile_config(), **_kwargs(mask))
+        assert torch.equal(out, expected), f"{arch}/{name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["noisy_draft", "noisy_draft_dynamic_tree", "medusa_tree", "eagle", "eagle3"])
+def test_compiled_sampling_follows_the_target_law_for_drafters(name):
+    target = lossless.make_target()
+    law = lossless.exact_law(target, lossless.TEMPERATURE)
+    pvalues = lossless.chi_square_pvalues(_compiled_draws(target, lossless.PROPOSERS[name](target)), law)
+    assert lossless.accepted(pvalues), f"{name}: p = {pvalues}"
+
+
+def test_static_cache_too_short_fails_before_any_forward(forward_counter):
+    target = make_model("llama")
+    ids, mask = padded_batch([6, 4], seed=1)
+    count = forward_counter(target)
+    short = StaticCache(config=target.config, max_cache_len=6 + 8)  # room for the prompt and max_new_tokens only
+    with pytest.raises(ValueError, match=r"past_key_values: a StaticCache of max_cache_len=14; speculative decoding "
+                                         r"needs the prompt \(6\) \+ max_new_tokens \(8\) \+ the draft budget \(6 "
+                                         r"verified tokens per step\) = 20 slots; build it with max_cache_len >= 20"):
+        hf_specdec.generate(target, ids, attention_mask=mask, past_key_values=short, max_new_tokens=8,
+                            speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=5))
+    assert count() == 0
+
+
+def test_uncompilable_target_or_drafter_fails_before_any_forward(forward_counter):
+    target = make_model("llama")
+    ids, mask = padded_batch([6, 4], seed=1)
+    count = forward_counter(target)
+    draft = make_draft()
+    draft._can_compile_fullgraph = False
+    with pytest.raises(ValueError, match=r"compile_config: the draft model \(LlamaForCausalLM\) cannot be compiled"):
+        hf_specdec.generate(target, ids, attention_mask=mask, max_new_tokens=4, compile_config=_compile_config(),
+                            speculative=SpeculativeConfig(method="draft", draft_model=draft))
+    target._can_compile_fullgraph = False
+    with pytest.raises(ValueError, match=r"compile_config: the target \(LlamaForCausalLM\) cannot be compiled"):
+        hf_specdec.generate(target, ids, attention_mask=mask, max_new_tokens=4, compile_config=_compile_config(),
+                            spec_method="ngram")
+    assert count() == 0
+
+
+def test_static_cache_is_accepted_and_comes_back_filled():
+    """An empty StaticCache passed in sets the capacity and comes back holding plain generate's keys and values."""
+    target = make_model("gemma2")  # sliding-window layers: the StaticCache keeps their window
+    ids, mask = padded_batch([9, 6], seed=2, repeat_period=3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                  return_dict_in_generate=True)
+    expected = target.generate(ids, past_key_values=StaticCache(config=target.config, max_cache_len=40), **kwargs)
+    cache = StaticCache(config=target.config, max_cache_len=40)
+    out = hf_specdec.generate(target, ids, past_key_values=cache, spec_method="ngram", **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert out.past_key_values is cache and cache.get_seq_length() == expected.past_key_values.get_seq_length()
+    fed = torch.cat([mask, mask.new_ones(2, 5)], dim=1)  # every position fed but the last token
+    for ours, theirs in zip(cache.layers, expected.past_key_values.layers):
+        seen = fed[:, None, :, None].bool()
+        if ours.keys.shape[2] < fed.shape[1]:  # a sliding layer: its window of the last positions
+            continue
+        length = fed.shape[1]
+        torch.testing.assert_close(ours.keys[:, :, :length] * seen, theirs.keys[:, :, :length] * seen)
+    with pytest.raises(ValueError, match="past_key_values: a filled StaticCache"):
+        hf_specdec.generate(target, out.sequences, past_key_values=cache, spec_method="ngram", max_new_tokens=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_match_plain_generate():
+    """transformers' default CompileConfig (mode="reduce-overhead": CUDA graphs) on CUDA, float32 so greedy output
+    can be compared token for token; a second call replays the captured graphs without compiling."""
+    target = make_model("llama").to("cuda")
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    ids, mask = ids.cuda(), mask.cuda()
+    expected = target.generate(ids, **_kwargs(mask))
+    configs = _every_proposer(target, "llama")
+    for config in configs.values():
+        for heads in (config.heads, config.draft_model):
+            if heads is not None:
+                heads.to("cuda")
+    compiled = compiled_forward(target, _settings_of(target, CompileConfig()))
+    for name, config in configs.items():
+        for _ in range(2):
+            out = hf_specdec.generate(target, ids, speculative=config, compile_config=CompileConfig(), **_kwargs(mask))
+            assert torch.equal(out, expected), name
+    assert set(compiled.compiles.values()) == {1}, compiled.compiles
