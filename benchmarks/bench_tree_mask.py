@@ -5,9 +5,11 @@ a random tree per row, checks that the kernel's mask equals the reference's, the
 `triton.testing.do_bench` (median of repeated launches, CUDA-synchronised) and prints the speedup. The goal is a
 kernel at least 5x faster than the reference on the headline case: batch 16, 64 nodes, 4096 cached slots, fp16.
 
-Without a CUDA device (or without triton) it says so and exits 0: there is nothing to time.
+Without a CUDA device (or without triton) it says so and exits 0: there is nothing to time. `--smoke` runs one
+tiny case on the CPU instead (the kernel under the Triton interpreter when TRITON_INTERPRET=1 is set, else the
+reference alone), to check that the script runs; its times mean nothing.
 
-Run: PYTHONPATH=. python benchmarks/bench_tree_mask.py [--dtype fp16] [--json results.json]
+Run: PYTHONPATH=. python benchmarks/bench_tree_mask.py [--dtype fp16] [--json results.json] [--smoke]
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="mask dtype (default fp16)")
     parser.add_argument("--json", type=Path, help="also write the results here, as JSON")
+    parser.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (checks that it runs)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke(DTYPES[args.dtype], args.json)
 
     if not torch.cuda.is_available():
         print("bench_tree_mask: no CUDA device, nothing to time (the kernel targets GPUs); skipping.")
@@ -97,6 +102,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report = {"environment": environment(device, dtype), "results": results}
         args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def smoke(dtype: torch.dtype, json_path: Path | None) -> int:
+    """One tiny case on the CPU: the kernel (under the Triton interpreter, when on) against the reference."""
+    import time
+
+    from hf_specdec.kernels.tree_mask import triton, triton_interpreter_enabled
+
+    device = torch.device("cpu")
+    inputs = make_inputs(2, 8, 64, device)
+    start = time.perf_counter()
+    expected = tree_attention_mask_reference(*inputs, None, dtype)
+    result = {"batch": 2, "nodes": 8, "slots": 64, "window": None, "reference_ms": 1000 * (time.perf_counter() - start)}
+    if triton is not None and triton_interpreter_enabled():
+        start = time.perf_counter()
+        torch.testing.assert_close(tree_attention_mask_triton(*inputs, None, dtype), expected, rtol=0, atol=0)
+        result["kernel_ms"] = 1000 * (time.perf_counter() - start)
+    print(f"bench_tree_mask --smoke: {result}")
+    if json_path:
+        json_path.write_text(json.dumps({"environment": environment(device, dtype), "results": [result]}, indent=2,
+                                        sort_keys=True) + "\n")
     return 0
 
 

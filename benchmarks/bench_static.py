@@ -1,0 +1,259 @@
+"""Static shapes and compiled forwards against transformers' own fastest plain path, on the same prompts.
+
+Cases, each the wall time of generating every prompt one at a time (batch 1, greedy), interleaved over repeats
+(the first round warms up and compiles):
+
+- `plain`: transformers' `generate`, eager;
+- `plain-compiled`: transformers' `generate` with `cache_implementation="static"` and a `CompileConfig` (on a CPU
+  with `_compile_all_devices`, which transformers needs to compile there);
+- `<method>`: hf_specdec, eager; `<method>-compiled`: hf_specdec with the same two switches;
+- with `--baseline PATH`, `<method>@baseline`: the eager case run by another checkout of hf_specdec (its own
+  process, one round of it before each round here), so "before and after" share the machine's state.
+
+Reported: tok/s per case (median of repeats), the ratios the goals name (compiled hf_specdec / compiled plain,
+eager / baseline eager) as medians of the per-round paired ratios and as ratios of the best rounds, tokens per
+target forward, and for hf_specdec cases the engine's share of a step outside model forwards (timed in a separate
+pass around every model call the cache makes: target and drafter). Every output is checked against plain's.
+
+    python benchmarks/bench_static.py [--model testbed|smollm2|PATH] [--methods ngram eagle medusa]
+        [--prompts 4] [--max-new-tokens 48] [--repeats 3] [--threads 1] [--baseline /path/to/other/checkout]
+        [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import CompileConfig
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+
+METHODS = ("ngram", "draft", "medusa", "eagle", "eagle3")
+# the settings the README measured best per method on the test bed (greedy, batch 1, CPU)
+SETTINGS = {"ngram": dict(num_speculative_tokens=5), "draft": dict(num_speculative_tokens=3),
+            "medusa": dict(num_speculative_tokens=3), "eagle": dict(num_speculative_tokens=5),
+            "eagle3": dict(num_speculative_tokens=5)}
+
+
+def load(model: str, device: torch.device, dtype: torch.dtype):
+    """(tokenizer, target, {method: drafter or None}, prompts as [1, P] tensors' token lists)."""
+    if model == "testbed":
+        from hf_specdec.heads import EagleHead, MedusaHeads
+        from hf_specdec.testbed import load_testbed
+        from hf_specdec.testbed.loading import heads_dir
+        from hf_specdec.testbed.workloads import load_workload
+
+        tokenizer, target, draft = load_testbed(dtype=dtype)
+        drafters = {"ngram": None, "draft": draft, "medusa": MedusaHeads.from_pretrained(heads_dir("medusa")),
+                    "eagle": EagleHead.from_pretrained(heads_dir("eagle")),
+                    "eagle3": EagleHead.from_pretrained(heads_dir("eagle3"))}
+        prompts = [tokenizer(text).input_ids for text in load_workload("completion")]
+    else:
+        from hf_specdec.testbed.real_model import load_real_model
+        from hf_specdec.testbed.spec_bench import spec_bench_prompts
+
+        target, tokenizer = load_real_model(model, dtype=dtype)
+        drafters = {"ngram": None}
+        prompts = [ids for _, ids in spec_bench_prompts(tokenizer, num_per_category=2)]
+    drafters = {m: d if d is None else d.to(device).eval() for m, d in drafters.items()}
+    return tokenizer, target.to(device).eval(), drafters, prompts
+
+
+def speculative(method: str, drafter) -> SpeculativeConfig:
+    if method == "ngram":
+        return SpeculativeConfig(method="ngram", **SETTINGS[method])
+    if method == "draft":
+        return SpeculativeConfig(method="draft", draft_model=drafter, **SETTINGS[method])
+    kind = "medusa" if method == "medusa" else "eagle"
+    return SpeculativeConfig(method=kind, heads=drafter, **SETTINGS[method])
+
+
+def compile_switches(device: torch.device) -> dict:
+    config = CompileConfig()
+    config._compile_all_devices = True  # transformers compiles on a CPU only with this flag
+    return dict(cache_implementation="static", compile_config=config)
+
+
+class Runner:
+    def __init__(self, model: str, device: torch.device, dtype: torch.dtype, prompts: int, max_new_tokens: int):
+        self.tokenizer, self.target, self.drafters, all_prompts = load(model, device, dtype)
+        self.device = device
+        self.prompts = [torch.tensor([ids], device=device) for ids in all_prompts[:prompts]]
+        self.max_new_tokens = max_new_tokens
+        self.expected: list[torch.Tensor] = []
+
+    def generate(self, case: str) -> tuple[float, list[torch.Tensor], int]:
+        """(seconds, outputs, target forwards) of one pass over the prompts."""
+        method, _, variant = case.partition("-")
+        options = dict(max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
+        if variant == "compiled":
+            options |= compile_switches(self.device)
+        outputs, forwards = [], 0
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for ids in self.prompts:
+            mask = torch.ones_like(ids)
+            if method == "plain":
+                out = self.target.generate(ids, attention_mask=mask, **options)
+                forwards += out.shape[1] - ids.shape[1]
+            else:
+                config = speculative(method, self.drafters[method])
+                result = hf_specdec.generate(self.target, ids, attention_mask=mask, speculative=config,
+                                             return_dict_in_generate=True, use_cache=False, **options)
+                out, forwards = result.sequences, forwards + result.spec_stats.target_forward_passes
+            outputs.append(out)
+        sync()
+        return time.perf_counter() - start, outputs, forwards
+
+    def outside_share(self, case: str) -> float:
+        """The share of wall time outside model calls (a separate pass, with a timer around every model call)."""
+        from hf_specdec.cache.ragged import RaggedKVCache
+
+        inside = [0.0]
+        original = RaggedKVCache._call_model
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+
+        def timed(cache, *args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            try:
+                return original(cache, *args, **kwargs)
+            finally:
+                sync()
+                inside[0] += time.perf_counter() - start
+
+        RaggedKVCache._call_model = timed
+        try:
+            seconds, _, _ = self.generate(case)
+        finally:
+            RaggedKVCache._call_model = original
+        return 1 - inside[0] / seconds
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One round of the eager hf_specdec cases (for `--baseline`), printed as JSON."""
+    runner = Runner(args.model, torch.device(args.device), getattr(torch, args.dtype), args.prompts,
+                    args.max_new_tokens)
+    runner.generate(args.methods[0])  # warm-up
+    rounds = {}
+    for method in args.methods:
+        seconds, outputs, forwards = runner.generate(method)
+        rounds[method] = {"seconds": seconds, "forwards": forwards, "outside": runner.outside_share(method),
+                          "tokens": [o[0].tolist() for o in outputs]}
+    print("WORKER " + json.dumps(rounds))
+
+
+def run_baseline(args: argparse.Namespace) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(Path(args.baseline).resolve()), "OMP_NUM_THREADS": str(args.threads)}
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", args.model, "--device",
+               args.device, "--dtype", args.dtype, "--prompts", str(args.prompts), "--max-new-tokens",
+               str(args.max_new_tokens), "--threads", str(args.threads), "--methods", *args.methods]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=args.baseline)
+    line = next(line for line in out.stdout.splitlines() if line.startswith("WORKER "))
+    return json.loads(line.removeprefix("WORKER "))
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="testbed", help="testbed, smollm2, or a model folder")
+    parser.add_argument("--methods", nargs="+", default=["ngram", "medusa", "eagle"], choices=METHODS)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--baseline", default=None, help="another hf_specdec checkout: its eager cases run alongside")
+    parser.add_argument("--no-compiled", action="store_true", help="skip the compiled cases")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.worker:
+        worker(args)
+        return None
+    if args.model != "testbed":
+        args.methods = [m for m in args.methods if m == "ngram"]  # only the test bed has committed drafters
+    runner = Runner(args.model, torch.device(args.device), getattr(torch, args.dtype), args.prompts,
+                    args.max_new_tokens)
+    cases = ["plain"] + args.methods
+    if not args.no_compiled:
+        cases += ["plain-compiled"] + [f"{m}-compiled" for m in args.methods]
+    rounds: list[dict] = []
+    for round_index in range(args.repeats + 1):  # round 0 warms up and compiles
+        timings = {}
+        if args.baseline:
+            for method, entry in run_baseline(args).items():
+                timings[f"{method}@baseline"] = entry
+        for case in cases:
+            seconds, outputs, forwards = runner.generate(case)
+            if case == "plain":
+                runner.expected = outputs
+            same = all(torch.equal(a, b) for a, b in zip(outputs, runner.expected))
+            timings[case] = {"seconds": seconds, "forwards": forwards, "identical": same}
+        for case, entry in timings.items():
+            if case.endswith("@baseline"):
+                expected = [e[0].tolist() for e in runner.expected]
+                entry["identical"] = entry.pop("tokens") == expected
+        if round_index:
+            rounds.append(timings)
+        print(f"round {round_index}: " + ", ".join(f"{c} {t['seconds']:.2f}s" for c, t in timings.items()), flush=True)
+    tokens = sum(int(e.shape[1] - p.shape[1]) for e, p in zip(runner.expected, runner.prompts))
+    report = summarise(args, runner, rounds, tokens)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return report
+
+
+def summarise(args, runner: Runner, rounds: list[dict], tokens: int) -> dict:
+    from hf_specdec.cli.environment import environment
+
+    cases = list(rounds[0])
+    results = {}
+    print(f"\n{'case':>26} {'tok/s':>8} {'tok/forward':>11} {'outside forwards':>16} {'identical':>9}")
+    for case in cases:
+        seconds = [r[case]["seconds"] for r in rounds]
+        entry = {"tok_per_s": tokens / statistics.median(seconds), "seconds": seconds,
+                 "tokens_per_forward": tokens / rounds[0][case]["forwards"],
+                 "identical": all(r[case]["identical"] for r in rounds)}
+        if case.endswith("@baseline"):
+            entry["outside_forwards"] = statistics.median(r[case]["outside"] for r in rounds)
+        elif not case.startswith("plain"):
+            entry["outside_forwards"] = runner.outside_share(case)
+        results[case] = entry
+        outside = entry.get("outside_forwards")
+        print(f"{case:>26} {entry['tok_per_s']:>8.1f} {entry['tokens_per_forward']:>11.2f} "
+              f"{'' if outside is None else f'{outside:.1%}':>16} {str(entry['identical']):>9}")
+    ratios = {}
+
+    def ratio(name: str, numerator: str, denominator: str) -> None:
+        if numerator in results and denominator in results:
+            paired = statistics.median(r[denominator]["seconds"] / r[numerator]["seconds"] for r in rounds)
+            best = min(results[denominator]["seconds"]) / min(results[numerator]["seconds"])
+            ratios[name] = {"paired_median": paired, "best_of_rounds": best}
+            print(f"{name}: {paired:.2f}x paired median, {best:.2f}x best rounds")
+
+    print()
+    for method in args.methods:
+        ratio(f"{method}-compiled / plain-compiled", f"{method}-compiled", "plain-compiled")
+        ratio(f"{method} / {method}@baseline", method, f"{method}@baseline")
+        ratio(f"{method}-compiled / {method}", f"{method}-compiled", method)
+    ratio("plain-compiled / plain", "plain-compiled", "plain")
+    device = torch.device(args.device)
+    return {"environment": environment(device, getattr(torch, args.dtype)), "results": results, "ratios": ratios,
+            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "worker")} | {"tokens": tokens}}
+
+
+if __name__ == "__main__":
+    main()

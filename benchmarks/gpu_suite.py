@@ -1,0 +1,123 @@
+"""Everything that needs a GPU, in one go (`benchmarks/gpu.sh` runs this):
+
+1. the GPU-marked tests (`pytest -m gpu`: CUDA half precision, CUDA graphs of the compiled path);
+2. the Triton tree-mask kernel against its torch reference (`bench_tree_mask.py`; headline batch 16, 64 nodes,
+   4096 cached slots; goal >= 5x);
+3. the engine's per-step overhead against the bare target forward at 1B scale (`step_overhead.py`: random Llama,
+   bf16, a forced-acceptance draft; eager and compiled with CUDA graphs; goal <= 10%);
+4. the real-model bench: SmolLM2-135M-Instruct (`hf-specdec bench --model smollm2`, eager, and
+   `bench_static.py --model smollm2`, compiled against transformers' compiled static-cache plain generate). It
+   needs the converted model in hf_specdec's cache (`$HF_SPECDEC_CACHE`) or a package index to fetch it from;
+   without either it is skipped, and the JSON says why.
+
+Every part runs even if an earlier one failed; the JSON (`benchmarks/results/gpu_<device>.json`, device name
+included) records each part's outcome, output tail and numbers. `--smoke` runs every part at tiny sizes on the CPU
+to check that the command works where there is no GPU (it measures nothing).
+
+    benchmarks/gpu.sh [--smoke] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TAIL = 4000  # characters of each part's output kept in the JSON
+
+
+def run_part(name: str, command: list[str], env: dict | None = None, timeout: int = 3600) -> dict:
+    """Run one part as its own process (one failing part never stops the others)."""
+    print(f"\n=== {name}: {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
+        output, code = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as error:
+        output, code = f"timed out after {timeout} s\n{error.stdout or ''}", -1
+    print(output[-TAIL:], flush=True)
+    seconds = time.perf_counter() - start
+    return {"command": command, "returncode": code, "seconds": seconds, "output_tail": output[-TAIL:]}
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def device_name(smoke: bool) -> str:
+    if torch.cuda.is_available() and not smoke:
+        return torch.cuda.get_device_name(0)
+    return "cpu-smoke" if smoke else "cpu"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="every part at tiny sizes on the CPU")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="folder of the JSON")
+    args = parser.parse_args(argv)
+    python = sys.executable
+    device = device_name(args.smoke)
+    report: dict = {"device": device, "smoke": args.smoke, "parts": {}}
+    if not torch.cuda.is_available() and not args.smoke:
+        print("gpu_suite: no CUDA device; the numbers below are the CPU's (use --smoke for a quick check)")
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        tests = ["-m", "gpu"] if not args.smoke else ["-m", "gpu", "tests/decoding/test_dtypes.py"]
+        part = run_part("GPU-marked tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests])
+        part["summary"] = next((line for line in reversed(part["output_tail"].splitlines())
+                                if re.search(r"\d+ (passed|skipped|failed|deselected)", line)), None)
+        report["parts"]["gpu_tests"] = part
+
+        mask_json = scratch / "mask.json"
+        mask = [python, "benchmarks/bench_tree_mask.py", "--json", str(mask_json)] + (["--smoke"] if args.smoke else [])
+        part = run_part("tree-mask kernel vs reference", mask, env={"TRITON_INTERPRET": "1"} if args.smoke else None)
+        report["parts"]["tree_mask"] = part | {"results": read_json(mask_json)}
+
+        overhead_json = scratch / "overhead.json"
+        overhead = [python, "benchmarks/step_overhead.py", "--json", str(overhead_json)]
+        part = run_part("per-step overhead at 1B scale", overhead + (["--smoke"] if args.smoke else []))
+        report["parts"]["step_overhead"] = part | {"results": read_json(overhead_json)}
+
+        bench_json = scratch / "bench.json"
+        if args.smoke:  # the test bed instead of SmolLM2, a few tokens
+            bench = [python, "-m", "hf_specdec.cli", "bench", "--method", "plain", "ngram", "--workload", "completion",
+                     "--batch-size", "1", "-k", "3", "--num-prompts", "1", "--max-new-tokens", "8"]
+        else:
+            bench = [python, "-m", "hf_specdec.cli", "bench", "--model", "smollm2", "--method", "plain", "ngram",
+                     "hf-lookup", "--workload", "spec-bench", "--batch-size", "1", "8", "-k", "3", "5",
+                     "--num-prompts", "24", "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "3"]
+        part = run_part("real-model bench (eager)", bench + ["--json", str(bench_json)])
+        report["parts"]["real_model_bench"] = part | {"results": read_json(bench_json)}
+
+        static_json = scratch / "static.json"
+        if args.smoke:
+            static = [python, "benchmarks/bench_static.py", "--methods", "ngram", "--prompts", "1",
+                      "--max-new-tokens", "8", "--repeats", "1", "--no-compiled"]
+        else:
+            static = [python, "benchmarks/bench_static.py", "--model", "smollm2", "--methods", "ngram", "--prompts",
+                      "12", "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "3"]
+        part = run_part("real-model bench (compiled)", static + ["--json", str(static_json)])
+        report["parts"]["real_model_static"] = part | {"results": read_json(static_json)}
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    path = args.out / f"gpu_{slug}.json"
+    path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(f"\ngpu_suite: wrote {path}")
+    for name, part in report["parts"].items():
+        print(f"  {name:>18}: {'ok' if part['returncode'] == 0 else 'FAILED (exit %d)' % part['returncode']}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""The GPU command's pieces run where there is no GPU (smoke sizes; no speed is asserted)."""
+
+import importlib.util
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_overhead_smoke(tmp_path):
+    report = _module("step_overhead").main(["--smoke", "--json", str(tmp_path / "overhead.json")])
+    cases = {(case["mode"], case["batch"]) for case in report["cases"]}
+    assert cases == {("eager", 1), ("eager", 2), ("compiled", 1), ("compiled", 2)}
+    assert all(case["step_ms"] > 0 and case["forward_ms"] > 0 for case in report["cases"])
+    assert (tmp_path / "overhead.json").is_file()
+
+
+def test_gpu_sh_runs_the_suite():
+    script = (BENCHMARKS / "gpu.sh").read_text()
+    assert "benchmarks/gpu_suite.py" in script and (BENCHMARKS / "gpu.sh").stat().st_mode & 0o111
