@@ -3,7 +3,9 @@
 With `cache_implementation="static"` (or one of transformers' other static cache names), a `compile_config`, or an
 empty `StaticCache` passed as `past_key_values`, the engine runs with *static shapes*: every cache has a fixed
 capacity allocated once, every verify forward has the same width for a (batch, k or tree budget), every drafter
-forward the same width per kind (feed, draft step), and finished rows keep their slot (masked). The forwards are
+forward the same width per kind (feed, draft step), and finished rows keep their slot (masked). A proposer that
+knows on the host that no row drafts this step (an n-gram lookup without a match) verifies one token per row: a
+second verify shape. The forwards are
 then *compiled* with `torch.compile` when `compile_config` is set, or for a static cache on an accelerator (as
 transformers' own `generate` does), unless `disable_compile=True`: the target's verify forward and the drafter's
 forwards, each compiled once per shape (`dynamic=False`), kept on the module and reused across steps and calls.
@@ -26,7 +28,8 @@ from transformers import GenerationConfig
 
 # transformers' names of static caches (5.23): the engine takes each as "fixed capacity, fixed shapes"
 STATIC_CACHE_IMPLEMENTATIONS = ("static", "sliding_window", "hybrid", "hybrid_chunked")
-# each compiled forward may need a graph per shape it meets (batch sizes, widths); dynamo's default stops at 8
+# transformers wraps every model's forward in one decorator, so every compiled model forward shares dynamo's cache
+# of that code object: a target, its drafter, a few batch sizes and widths make more than dynamo's default of 8
 RECOMPILE_LIMIT = 64
 
 
@@ -97,14 +100,15 @@ class CompiledForward:
 
     def __init__(self, module: torch.nn.Module, settings: CompileSettings) -> None:
         options = dict(settings.options) if settings.options else None
+        # raised when compiling is asked for (never at import): a per-call patch would cost ~20 us a forward
+        torch._dynamo.config.recompile_limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
         self.function = torch.compile(module.forward, backend=settings.backend, mode=settings.mode,
                                       fullgraph=settings.fullgraph, dynamic=settings.dynamic, options=options)
         self.compiles: collections.Counter = collections.Counter()
 
     def __call__(self, **inputs: Any) -> Any:
         before = counters["stats"]["unique_graphs"]
-        with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
-            out = self.function(**inputs)
+        out = self.function(**inputs)
         if counters["stats"]["unique_graphs"] != before:
             self.compiles[input_shapes(inputs)] += 1
         return out

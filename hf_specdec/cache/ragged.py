@@ -141,7 +141,8 @@ class RaggedKVCache:
         self.model = model
         self.model_call = model  # what runs a forward (a compiled forward under static shapes)
         self.layout = AttentionLayout.from_model(model)
-        self.kv = SlotCache(MIN_CAPACITY)
+        self.num_layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+        self.kv = SlotCache(MIN_CAPACITY, num_layers=self.num_layers)
         self.static: StaticLayout | None = None
         self._mask_buffers: dict[tuple, torch.Tensor] = {}  # static shapes: one mask buffer per (width, window)
         # device state
@@ -178,7 +179,7 @@ class RaggedKVCache:
         tokens per row and `region` slots of a step, allocated once; `model_call` runs the forwards after the
         prompt (a compiled forward; default the model)."""
         self.static = StaticLayout(committed, region)
-        self.kv = SlotCache(committed + region, static=True)
+        self.kv = SlotCache(committed + region, static=True, num_layers=self.num_layers)
         self.model_call = self.model if model_call is None else model_call
 
     def prefill(

@@ -8,7 +8,9 @@ call without a new graph. A layer's `update` writes there and returns the buffer
 or whole (compiled: one shape for every call; the attention mask hides what is not in use).
 
 Nothing here appends with `torch.cat` (which copies a layer's whole cache at every forward) or reads the device:
-growing the buffers (eager, capacity doubled when full) and moving slots (`move`) are explicit calls.
+growing the buffers (eager, capacity doubled when full) and moving slots (`move`) are explicit calls. When every
+layer's keys and values have one shape (told the number of layers, as the engine does), they are views of one
+tensor [L, 2, B, H, capacity, D], so a move is one gather and one scatter for the whole model.
 """
 
 from __future__ import annotations
@@ -28,15 +30,13 @@ class SlotLayer(DynamicLayer):
     def __init__(self, owner: SlotCache) -> None:
         super().__init__()
         self.owner = owner
+        self.index = len(owner.layers)  # the cache appends each layer as it creates it
         self.key_buffer: torch.Tensor | None = None  # [B, H, capacity, D]
         self.value_buffer: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        batch, heads = key_states.shape[:2]
-        capacity = self.owner.capacity
-        self.key_buffer = key_states.new_zeros(batch, heads, capacity, key_states.shape[-1])
-        self.value_buffer = value_states.new_zeros(batch, value_states.shape[1], capacity, value_states.shape[-1])
+        self.key_buffer, self.value_buffer = self.owner.allocate(self.index, key_states, value_states)
         if self.owner.static and not torch.compiler.is_compiling():
             # fixed addresses: compiled graphs (and CUDA graphs) update the buffers in place
             torch._dynamo.mark_static_address(self.key_buffer)
@@ -74,7 +74,7 @@ class SlotLayer(DynamicLayer):
         raise NotImplementedError("slots are kept or dropped by hf_specdec.cache.ragged.RaggedKVCache.commit")
 
     def grow(self, capacity: int) -> None:
-        """New buffers of `capacity` slots holding the old ones' slots."""
+        """New buffers of `capacity` slots holding the old ones' slots (own buffers; see `SlotCache.grow`)."""
         if self.key_buffer is None or capacity <= self.key_buffer.shape[2]:
             return
         old = self.key_buffer.shape[2]
@@ -89,6 +89,7 @@ class SlotLayer(DynamicLayer):
         # [B'] long
         rows: torch.Tensor,
     ) -> None:
+        """Keep these batch rows (own buffers; see `SlotCache.select_rows`)."""
         if self.key_buffer is not None:
             self.key_buffer = self.key_buffer[rows.to(self.key_buffer.device)]
             self.value_buffer = self.value_buffer[rows.to(self.value_buffer.device)]
@@ -114,17 +115,54 @@ class SlotLayer(DynamicLayer):
 class SlotCache(DynamicCache):
     """A `DynamicCache` (so every model treats it as one) of `SlotLayer`s, created lazily per layer."""
 
-    def __init__(self, capacity: int, static: bool = False) -> None:
+    def __init__(self, capacity: int, static: bool = False, num_layers: int | None = None) -> None:
         Cache.__init__(self, layer_class_to_replicate=functools.partial(SlotLayer, self))
         self.capacity = capacity
-        # True: the buffers never change address (compiled forwards write into them through `write_index`)
+        # True: the buffers never change address (compiled graphs write into them through `write_index`)
         self.static = static
         self.write_start = 0
         self.write_index: torch.Tensor | None = None
+        self.num_layers = num_layers
+        # [L, 2, B, H, capacity, D]: every layer's keys and values, while they all fit one shape (else None)
+        self.joint: torch.Tensor | None = None
+        self.joint_layers = 0  # layers whose buffers are views of `joint`
+
+    def allocate(
+        self,
+        index: int,
+        # [B, H, W, D]
+        key_states: torch.Tensor,
+        # [B, H, W, D]
+        value_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s buffers [B, H, capacity, D]: views of the joint tensor when it fits, else its own."""
+        batch, heads, _, dim = key_states.shape
+        shape = (batch, heads, self.capacity, dim)
+        fits = self.num_layers is not None and index < self.num_layers and value_states.shape == key_states.shape
+        if fits and self.joint is None and index == 0:
+            self.joint = key_states.new_zeros(self.num_layers, 2, *shape)
+            if self.static and not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.joint)
+        joint = self.joint
+        if fits and joint is not None and joint.shape[2:] == shape and joint.dtype == key_states.dtype \
+                and joint.device == key_states.device:
+            self.joint_layers += 1
+            return joint[index, 0], joint[index, 1]
+        self.joint = None  # a layer of another shape: every layer moves on its own
+        return (key_states.new_zeros(shape),
+                value_states.new_zeros(batch, value_states.shape[1], self.capacity, value_states.shape[3]))
+
+    def _joint_ready(self) -> bool:
+        return self.joint is not None and self.joint_layers == len(self.layers) == self.num_layers
 
     def grow(self, capacity: int) -> None:
-        for layer in self.layers:
-            layer.grow(capacity)
+        if capacity > self.capacity and self._joint_ready():
+            grown = self.joint.new_zeros(*self.joint.shape[:4], capacity, self.joint.shape[5])
+            grown[..., : self.capacity, :].copy_(self.joint)
+            self._repoint(grown)
+        else:
+            for layer in self.layers:
+                layer.grow(capacity)
         self.capacity = max(self.capacity, capacity)
 
     def select_rows(
@@ -132,8 +170,20 @@ class SlotCache(DynamicCache):
         # [B'] long
         rows: torch.Tensor,
     ) -> None:
+        if self._joint_ready():
+            self._repoint(self.joint[:, :, rows.to(self.joint.device)])
+            return
         for layer in self.layers:
             layer.select_rows(rows)
+
+    def _repoint(
+        self,
+        # [L, 2, B, H, capacity, D]
+        joint: torch.Tensor,
+    ) -> None:
+        self.joint = joint
+        for index, layer in enumerate(self.layers):
+            layer.key_buffer, layer.value_buffer = joint[index, 0], joint[index, 1]
 
     def move(
         self,
@@ -142,8 +192,15 @@ class SlotCache(DynamicCache):
         # [B, M] long
         targets: torch.Tensor,
     ) -> None:
-        for layer in self.layers:
-            layer.move(sources, targets)
+        if not self._joint_ready():
+            for layer in self.layers:
+                layer.move(sources, targets)
+            return
+        joint = self.joint
+        shape = (*joint.shape[:2], -1, joint.shape[3], -1, joint.shape[5])
+        read = sources.to(joint.device)[None, None, :, None, :, None].expand(*shape)
+        written = targets.to(joint.device)[None, None, :, None, :, None].expand(*shape)
+        joint.scatter_(4, written, joint.gather(4, read))
 
     def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys [B, H, capacity, D], values)."""

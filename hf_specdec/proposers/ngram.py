@@ -173,18 +173,24 @@ class NgramProposer(Proposer):
             drafts[row, : found.size] = found
             counts[row] = found.size
         device = state.sequences.device
-        width = self.k if self.fixed_shapes else int(counts.max()) if counts.size else 0
+        longest = int(counts.max()) if counts.size else 0
+        # fixed shapes: k drafts, or none when no row found a match (a second, one-token verify shape)
+        width = (self.k if longest else 0) if self.fixed_shapes else longest
         return Proposal.chain(state.last_tokens(), torch.from_numpy(drafts[:, :width]).to(device),
                               torch.from_numpy(counts).to(device), dense=bool((counts == width).all()))
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:
         num_nodes = 1 + self.tree_width * self.k
-        rows = []
+        rows, any_found = [], False
         for row in range(state.batch_size):
             tokens = self.text[row, self.starts[row] : self.ends[row]]
             found = find_ngram_continuations(tokens, self.min_n, self.max_n, budget[row], self.tree_width)
+            any_found |= bool(found)
             rows.append(build_trie(int(self.text[row, self.ends[row] - 1]), found, num_nodes))
         device = state.sequences.device
+        if not any_found:  # no row drafts: verify each row's last token alone
+            none = torch.zeros(state.batch_size, 0, dtype=torch.long, device=device)
+            return Proposal.chain(state.last_tokens(), none, none.new_zeros(state.batch_size), dense=True)
         tokens, parents, valid = (torch.from_numpy(np.stack(column)).to(device) for column in zip(*rows))
         # a trie of w continuations of k tokens: at most k deep, at most w children per node
         return Proposal(TokenTree(token_ids=tokens, parents=parents, valid=valid, max_depth=self.k,

@@ -55,3 +55,21 @@ def test_grow_keeps_the_slots_and_move_reads_before_it_writes():
     torch.testing.assert_close(keys[1, :, 3:5], states[0][1, :, 2:4], rtol=0, atol=0)
     cache.select_rows(torch.tensor([1]))
     assert cache.layers[0].key_buffer.shape[0] == 1
+
+
+def test_layers_of_one_shape_share_one_tensor_and_move_together():
+    generator = torch.Generator().manual_seed(3)
+    joint, single = SlotCache(capacity=8, num_layers=2), SlotCache(capacity=8)
+    states = [_states(generator, 6) for _ in range(2)]
+    for cache in (joint, single):
+        for index, layer_states in enumerate(states):
+            cache.update(*layer_states, index)
+    assert joint.joint is not None and joint.layers[1].key_buffer.data_ptr() == joint.joint[1, 0].data_ptr()
+    for cache in (joint, single):
+        cache.move(torch.tensor([[4, 5], [1, 0]]), torch.tensor([[0, 1], [0, 1]]))
+        cache.grow(12)
+        cache.select_rows(torch.tensor([1, 0]))
+    for ours, theirs in zip(joint.buffers(), single.buffers()):
+        torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=0)
+        torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=0)
+    assert joint.layers[0].key_buffer.shape[2] == 12

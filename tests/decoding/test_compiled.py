@@ -67,7 +67,7 @@ def _compile_config(**options) -> CompileConfig:
 
 
 def test_compiled_greedy_matches_plain_generate_and_compiles_once_per_shape():
-    """The verify forward is compiled once for its shape; a second call (and a call with other prompts of the same
+    """The verify forward is compiled once per shape; a second call (and a call with other prompts of the same
     batch and width) compiles nothing; the output is plain generate's every time."""
     target = make_model("llama")
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
@@ -79,9 +79,9 @@ def test_compiled_greedy_matches_plain_generate_and_compiles_once_per_shape():
                                   return_dict_in_generate=True, **_kwargs(mask))
         assert torch.equal(out.sequences, expected), seed
         assert out.spec_stats.num_accepted_tokens > 0
-        assert list(compiled.compiles.values()) == [1], compiled.compiles  # one verify shape, compiled once
-    (signature,) = compiled.compiles
-    assert dict(signature)["input_ids"] == (3, 5)  # k + 1 tokens per row, every step
+        assert set(compiled.compiles.values()) == {1}, compiled.compiles  # each verify shape compiled once
+    # k + 1 tokens per row, or 1 when the lookup found nothing in any row
+    assert {dict(signature)["input_ids"] for signature in compiled.compiles} == {(3, 5), (3, 1)}
 
 
 def _settings_of(model, compile_config: CompileConfig | None = None):
