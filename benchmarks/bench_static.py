@@ -45,27 +45,28 @@ SETTINGS = {"ngram": dict(num_speculative_tokens=5), "draft": dict(num_speculati
 
 
 def load(model: str, device: torch.device, dtype: torch.dtype):
-    """(tokenizer, target, {method: drafter or None}, prompts as [1, P] tensors' token lists)."""
+    """(tokenizer, target, {method: drafter or None}, prompts as token-id lists): the test bed's completion
+    workload, or one Spec-Bench question per category through a chat model's template."""
+    from hf_specdec.testbed.drafters import has_drafter, load_drafter
+
     if model == "testbed":
-        from hf_specdec.heads import EagleHead, MedusaHeads
         from hf_specdec.testbed import load_testbed
-        from hf_specdec.testbed.loading import heads_dir
         from hf_specdec.testbed.workloads import load_workload
 
-        tokenizer, target, draft = load_testbed(dtype=dtype)
-        drafters = {"ngram": None, "draft": draft, "medusa": MedusaHeads.from_pretrained(heads_dir("medusa")),
-                    "eagle": EagleHead.from_pretrained(heads_dir("eagle")),
-                    "eagle3": EagleHead.from_pretrained(heads_dir("eagle3"))}
+        tokenizer, target, _ = load_testbed(dtype=dtype)
         prompts = [tokenizer(text).input_ids for text in load_workload("completion")]
     else:
         from hf_specdec.testbed.real_model import load_real_model
         from hf_specdec.testbed.spec_bench import spec_bench_prompts
 
         target, tokenizer = load_real_model(model, dtype=dtype)
-        drafters = {"ngram": None}
-        prompts = [ids for _, ids in spec_bench_prompts(tokenizer, num_per_category=2)]
-    drafters = {m: d if d is None else d.to(device).eval() for m, d in drafters.items()}
-    return tokenizer, target.to(device).eval(), drafters, prompts
+        prompts = [ids for _, ids in spec_bench_prompts(tokenizer, num_per_category=1)]
+    target = target.to(device).eval()
+    drafters = {"ngram": None}
+    for method in METHODS[1:]:
+        if model in ("testbed", "smollm2") and has_drafter(model, method):
+            drafters[method] = load_drafter(model, method, target).to(device, dtype).eval()
+    return tokenizer, target, drafters, prompts
 
 
 def speculative(method: str, drafter) -> SpeculativeConfig:
@@ -84,8 +85,12 @@ def compile_switches(device: torch.device) -> dict:
 
 
 class Runner:
-    def __init__(self, model: str, device: torch.device, dtype: torch.dtype, prompts: int, max_new_tokens: int):
+    def __init__(self, model: str, device: torch.device, dtype: torch.dtype, prompts: int, max_new_tokens: int,
+                 methods: list[str]):
         self.tokenizer, self.target, self.drafters, all_prompts = load(model, device, dtype)
+        missing = [m for m in methods if m not in self.drafters]
+        if missing:
+            raise ValueError(f"--methods {missing}: no committed drafter for {model!r}")
         self.device = device
         self.prompts = [torch.tensor([ids], device=device) for ids in all_prompts[:prompts]]
         self.max_new_tokens = max_new_tokens
@@ -143,7 +148,7 @@ class Runner:
 def worker(args: argparse.Namespace) -> None:
     """One round of the eager hf_specdec cases (for `--baseline`), printed as JSON."""
     runner = Runner(args.model, torch.device(args.device), getattr(torch, args.dtype), args.prompts,
-                    args.max_new_tokens)
+                    args.max_new_tokens, args.methods)
     runner.generate(args.methods[0])  # warm-up
     rounds = {}
     for method in args.methods:
@@ -182,10 +187,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.worker:
         worker(args)
         return None
-    if args.model != "testbed":
-        args.methods = [m for m in args.methods if m == "ngram"]  # only the test bed has committed drafters
     runner = Runner(args.model, torch.device(args.device), getattr(torch, args.dtype), args.prompts,
-                    args.max_new_tokens)
+                    args.max_new_tokens, args.methods)
     cases = ["plain"] + args.methods
     if not args.no_compiled:
         cases += ["plain-compiled"] + [f"{m}-compiled" for m in args.methods]

@@ -44,14 +44,16 @@ class CompileSettings:
     options: tuple[tuple[str, Any], ...] | None = None
 
     @classmethod
-    def from_generation(cls, model: torch.nn.Module, generation_config: GenerationConfig) -> CompileSettings | None:
-        """The settings when this call compiles, else None (see the module docstring)."""
-        if generation_config.disable_compile:
+    def from_generation(
+        cls, model: torch.nn.Module, generation_config: GenerationConfig, static_shapes: bool = True
+    ) -> CompileSettings | None:
+        """The settings when this call (running with `static_shapes` or not) compiles, else None (see the module
+        docstring)."""
+        if generation_config.disable_compile or not static_shapes:
             return None
         config = generation_config.compile_config
-        on_accelerator = model.device.type in ("cuda", "xpu")
         if config is None:
-            if not (uses_static_shapes(generation_config) and on_accelerator):
+            if model.device.type not in ("cuda", "xpu"):
                 return None
             from transformers import CompileConfig
 

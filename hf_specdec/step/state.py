@@ -128,12 +128,12 @@ class DecodeState:
         if tokens is not None:
             packed = torch.cat([packed, tokens.to(packed.device)], dim=1)
         values = packed.tolist()  # the one host read
-        rows = list(zip(*values)) if values else [()] * 4
         emitted = None
         if tokens is not None:
             emitted = np.array([row[4:] for row in values], dtype=np.int64).reshape(len(values), tokens.shape[1])
-        self.host = HostView(lengths=list(rows[0]), finished=[bool(f) for f in rows[1]], num_emitted=list(rows[2]),
-                             num_accepted=list(rows[3]), emitted=emitted)
+        self.host = HostView(lengths=[row[0] for row in values], finished=[bool(row[1]) for row in values],
+                             num_emitted=[row[2] for row in values], num_accepted=[row[3] for row in values],
+                             emitted=emitted)
         return self.host
 
     def write(
