@@ -47,8 +47,7 @@ SETTINGS = {"ngram": dict(num_speculative_tokens=5), "draft": dict(num_speculati
 def load(model: str, device: torch.device, dtype: torch.dtype):
     """(tokenizer, target, {method: drafter or None}, prompts as token-id lists): the test bed's completion
     workload, or one Spec-Bench question per category through a chat model's template."""
-    from hf_specdec.testbed.drafters import has_drafter, load_drafter
-
+    has_drafter, load_drafter = _committed_drafters()
     if model == "testbed":
         from hf_specdec.testbed import load_testbed
         from hf_specdec.testbed.workloads import load_workload
@@ -67,6 +66,26 @@ def load(model: str, device: torch.device, dtype: torch.dtype):
         if model in ("testbed", "smollm2") and has_drafter(model, method):
             drafters[method] = load_drafter(model, method, target).to(device, dtype).eval()
     return tokenizer, target, drafters, prompts
+
+
+def _committed_drafters():
+    """`has_drafter`, `load_drafter`; a checkout older than `hf_specdec.testbed.drafters` (a `--baseline`) has the
+    test bed's only, in their older places."""
+    try:
+        from hf_specdec.testbed.drafters import has_drafter, load_drafter
+    except ImportError:
+        from hf_specdec.heads import EagleHead, MedusaHeads
+        from hf_specdec.testbed import load_testbed
+        from hf_specdec.testbed.loading import heads_dir
+
+        def has_drafter(model: str, kind: str) -> bool:
+            return model == "testbed"
+
+        def load_drafter(model: str, kind: str, target):
+            if kind == "draft":
+                return load_testbed(dtype=target.dtype)[2]
+            return (MedusaHeads if kind == "medusa" else EagleHead).from_pretrained(heads_dir(kind))
+    return has_drafter, load_drafter
 
 
 def speculative(method: str, drafter) -> SpeculativeConfig:
