@@ -371,13 +371,11 @@ class RaggedKVCache:
         # [B, M] long or None: the region slot each kept token comes from, in order (a tree's accepted path);
         # None: the first num_kept region slots (a chain's prefix)
         sources: torch.Tensor | None = None,
-        # num_kept on the host when the caller knows it; else `width_bound` must be given
+        # num_kept on the host (needed unless shapes are static, whose widths need no lengths)
         kept_on_host: Sequence[int] | None = None,
-        # a host bound on every row's length after the commit, used when `kept_on_host` is None
-        width_bound: int | None = None,
     ) -> None:
         """End the region: each row keeps `num_kept` of its region slots, moved right after its committed tokens
-        (one gather per layer, skipped when they are already there)."""
+        (one indexed read and write, skipped when they are already there)."""
         in_place = (self.static is None and sources is None and self.host_lengths is not None
                     and all(n == self.width for n in self.host_lengths))
         if not in_place and self.region:
@@ -391,9 +389,9 @@ class RaggedKVCache:
             self.host_lengths = [n + k for n, k in zip(self.host_lengths, kept_on_host)]
             self.width = max(self.host_lengths, default=0)
         else:
-            if width_bound is None and self.static is None:
-                raise ValueError("RaggedKVCache.commit: give kept_on_host or width_bound")
-            self.host_lengths, self.width = None, width_bound
+            if self.static is None:
+                raise ValueError("RaggedKVCache.commit: kept_on_host is needed unless shapes are static")
+            self.host_lengths = None
         self.region, self.dense_region = 0, True
         self._settle_width()
 
