@@ -3,7 +3,9 @@
 The draft runs its own forward passes (no nested `generate()`, which costs about 2 ms a round on CPU) on a
 `RaggedKVCache`, so it is batched with ragged acceptance exactly like the target. Each step first feeds the
 committed tokens the draft has not seen (one, or two after a fully accepted step), then drafts one token per
-forward. After verification it keeps the drafts the target accepted and drops the rest with one rollback.
+forward, all into one region of its cache. After verification the cache keeps the fed tokens and the drafts the
+target accepted, moved after each row's tokens in one commit, and drops the rest. Under static shapes (see
+`hf_specdec.compile`) every step drafts k tokens and feeds a fixed width, so its forwards compile once per shape.
 
 With `tree_width` w > 1 it drafts a token tree: the w best first tokens (deterministic top-w candidates), each
 continued as a chain, one forward per depth for all branches at once; a branch's tokens see only their own branch
