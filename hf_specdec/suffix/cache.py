@@ -230,7 +230,7 @@ class SuffixRequest:
     cache's global tree. Used from one thread; `finish` (or leaving a `with` block) drops the local tree."""
 
     def __init__(self, cache: SuffixCache, prompt: list[int]) -> None:
-        self._cache = cache
+        self.cache = cache  # the cache that started the request
         self._local: SuffixTree | None = cache._new_tree()
         self._local_seq = self._local.new_sequence()
         self._local.extend(self._local_seq, prompt)
@@ -248,8 +248,8 @@ class SuffixRequest:
         self.local.extend(self._local_seq, tokens)
         if self._output is not None:
             tree, seq = self._output
-            with self._cache._lock:
-                if tree is self._cache._tree and tree.has_sequence(seq):
+            with self.cache._lock:
+                if tree is self.cache._tree and tree.has_sequence(seq):
                     tree.extend(seq, tokens)
                 else:  # evicted, or the cache was cleared
                     self._output = None
@@ -258,7 +258,7 @@ class SuffixRequest:
         """The request is done: its output stays in the global tree, its local tree is dropped."""
         if self._output is not None:
             tree, seq = self._output
-            with self._cache._lock:
+            with self.cache._lock:
                 if tree.has_sequence(seq):
                     tree.finish(seq)
             self._output = None

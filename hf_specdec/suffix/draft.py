@@ -136,11 +136,14 @@ def propose_suffix_draft(
     max_tokens: int,
 ) -> SuffixDraft:
     """The draft for a request: the better of its local tree's (prompt and output so far) and the cache's global
-    tree's (outputs of earlier requests), local on a tie; `EMPTY_DRAFT` when neither matches. `context` is the
-    request's tokens (prompt and output; a list, tuple or 1-D array of ids), `max_tokens` the node budget.
-    Reads only; the global tree is read under the cache's lock."""
+    tree's (outputs of earlier requests), local on a tie; `EMPTY_DRAFT` when neither matches. `request` None drafts
+    from the global tree alone. `context` is the request's tokens (prompt and output, as its local tree holds them;
+    a list, tuple or 1-D array of ids), `max_tokens` the node budget. Reads only; the global tree is read under the
+    cache's lock."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
         raise ValueError(f"propose_suffix_draft: max_tokens must be an int >= 0, got {max_tokens!r}")
+    if request is not None and request.cache is not cache:
+        raise ValueError("propose_suffix_draft: the request was started by another SuffixCache")
     config = cache.config
     tail = context[-config.max_depth:]
     tail = tail.tolist() if hasattr(tail, "tolist") else list(tail)

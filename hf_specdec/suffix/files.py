@@ -38,7 +38,9 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     `tokenizers.Tokenizer`)."""
     get_vocab = getattr(tokenizer, "get_vocab", None)
     if not callable(get_vocab):
-        raise ValueError(f"tokenizer_fingerprint: expected a tokenizer with get_vocab(), got {type(tokenizer).__name__}")
+        raise ValueError(
+            f"tokenizer_fingerprint: expected a tokenizer with get_vocab(), got {type(tokenizer).__name__}"
+        )
     items = sorted((int(index), str(token)) for token, index in get_vocab().items())
     return "sha256:" + hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
 

@@ -26,8 +26,10 @@ Design
 * Lookups. `locate` finds the point of every suffix of a query context that occurs (O(max_depth^2) token
   comparisons, run as slice comparisons in C, and O(max_depth x nodes on a path) steps in Python);
   `continuations` lists what follows a point, in order of count. Drafting never takes a child holding less than
-  `heavy_fraction` of its parent's count, so nodes with many children keep a list of their heavy children,
-  maintained on every count increment: a lookup never scans thousands of children.
+  `heavy_fraction` of its parent's count, so every node with more than HEAVY_LIST_DEGREE children keeps a list of
+  its heavy children (`HeavyChildren`): complete above a threshold it records, kept so on every count increment,
+  tightened by filtering as the parent's count grows and rebuilt by a scan only when evictions halve it. A lookup
+  then reads a few dozen children, never thousands.
 * Memory: the node fields are Python lists (fast to index), children are one dict per branching node, and the
   tokens are int32 arrays; `memory_bytes` estimates the total. Node ids of deleted nodes are reused.
 """
@@ -38,8 +40,20 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 
-# Nodes with more children than this answer `continuations` from their list of heavy children.
+# Nodes with more children than this keep a list of their heavy children.
 HEAVY_LIST_DEGREE = 16
+
+
+class HeavyChildren:
+    """The children of one node with a count of at least `threshold` (and possibly lighter ones, dropped when the
+    list is tightened). Built with threshold = heavy_fraction x count / 2, so it stays complete for lookups
+    (which need heavy_fraction x count) until the node's count halves."""
+
+    __slots__ = ("threshold", "members")
+
+    def __init__(self, threshold: float, members: list[int]) -> None:
+        self.threshold = threshold
+        self.members = members
 # Bytes of a Python int object outside the small-int cache.
 _INT_BYTES = 32
 
@@ -73,9 +87,8 @@ class SuffixTree:
         # sequence id -> the nodes where its suffixes shorter than max_depth end, longest suffix first; only while
         # the sequence can still grow
         self._active: dict[int, list[int]] = {}
-        # node -> its children with at least heavy_fraction of its count (and possibly lighter ones), for nodes
-        # with more than HEAVY_LIST_DEGREE children that were looked up since their count last went down
-        self._heavy: dict[int, list[int]] = {}
+        # node -> its heavy children, for the nodes (other than the root) with more than HEAVY_LIST_DEGREE children
+        self._heavy: dict[int, HeavyChildren] = {}
         self._next_sequence = 0
         self.num_tokens = 0
 
@@ -165,8 +178,11 @@ class SuffixTree:
             if node:
                 ends[node] -= 1  # the node keeps another endpoint or now has two children: no merge
                 heavy = self._heavy.get(node)
-                if heavy is not None and 1 >= self.heavy_fraction * count[node]:
-                    heavy.append(child)
+                if heavy is not None:
+                    if 1 >= heavy.threshold:
+                        heavy.members.append(child)
+                elif len(kids) > HEAVY_LIST_DEGREE:
+                    self._build_heavy(node)
             return child
         length = self._length
         if length[child] > 1:  # split the edge after its first token
@@ -181,8 +197,8 @@ class SuffixTree:
             length[lower] = edge - 1
             kids[token] = child
             heavy = self._heavy.get(node)
-            if heavy is not None and lower in heavy:
-                heavy[heavy.index(lower)] = child
+            if heavy is not None and lower in heavy.members:
+                heavy.members[heavy.members.index(lower)] = child
         count[child] += 1
         ends[child] += 1
         if seq >= self._ref_seq[child]:
@@ -190,8 +206,10 @@ class SuffixTree:
             self._ref_end[child] = end
         if node:
             heavy = self._heavy.get(node)
-            if heavy is not None and count[child] >= self.heavy_fraction * count[node] and child not in heavy:
-                heavy.append(child)
+            if heavy is not None and count[child] >= heavy.threshold and child not in heavy.members:
+                heavy.members.append(child)
+                if 4 * heavy.threshold < self.heavy_fraction * count[node]:
+                    self._tighten_heavy(node, heavy)
             ends[node] -= 1
             if ends[node] == 0 and len(kids) == 1:
                 self._merge_into_child(node, child)
@@ -231,9 +249,25 @@ class SuffixTree:
         self._parent[child] = parent
         self._children[parent][first] = child
         heavy = self._heavy.get(parent)
-        if heavy is not None and node in heavy:
-            heavy[heavy.index(node)] = child
+        if heavy is not None and node in heavy.members:
+            heavy.members[heavy.members.index(node)] = child
         self._release(node)
+
+    def _build_heavy(self, node: int) -> HeavyChildren:
+        """A node's heavy list, from a scan of its children: O(children)."""
+        count = self._count
+        threshold = self.heavy_fraction * count[node] / 2
+        members = [child for child in self._children[node].values() if count[child] >= threshold]
+        heavy = HeavyChildren(threshold, members)
+        self._heavy[node] = heavy
+        return heavy
+
+    def _tighten_heavy(self, node: int, heavy: HeavyChildren) -> None:
+        """The node's count grew: raise the threshold to half of what lookups need and drop the members below it
+        (no scan: every child above the new threshold is above the old one, so already a member)."""
+        count = self._count
+        heavy.threshold = self.heavy_fraction * count[node] / 2
+        heavy.members = [child for child in heavy.members if count[child] >= heavy.threshold]
 
     def _release(self, node: int) -> None:
         self._heavy.pop(node, None)
@@ -265,13 +299,14 @@ class SuffixTree:
                 reached = depth[node]
             self._ends[node] -= 1
             count[0] -= 1
-            for visited in path:  # their counts went down: children may have become heavy
-                self._heavy.pop(visited, None)
             while path and count[path[-1]] == 0:
                 gone = path.pop()
                 parent = self._parent[gone]
                 kids = children[parent]
                 del kids[text[start + depth[gone] - self._length[gone]]]
+                heavy = self._heavy.get(parent)
+                if heavy is not None and gone in heavy.members:
+                    heavy.members.remove(gone)
                 if not kids and parent:
                     children[parent] = None
                 self._release(gone)
@@ -354,14 +389,13 @@ class SuffixTree:
                 f"SuffixTree.continuations: min_count {min_count} is below heavy_fraction x count ({floor}); "
                 "lighter children are not indexed"
             )
-        if node and len(kids) > HEAVY_LIST_DEGREE:  # never at the root, whose list nothing would maintain
+        if node and len(kids) > HEAVY_LIST_DEGREE:
             heavy = self._heavy.get(node)
-            if heavy is None:
-                heavy = [child for child in kids.values() if count[child] >= floor]
-            else:
-                heavy = [child for child in heavy if count[child] >= floor]  # drop the ones that got light
-            self._heavy[node] = heavy
-            candidates = heavy
+            if heavy is None or heavy.threshold > floor:  # none yet, or evictions halved the count: scan
+                heavy = self._build_heavy(node)
+            elif 4 * heavy.threshold < floor:
+                self._tighten_heavy(node, heavy)
+            candidates = heavy.members
         else:
             candidates = kids.values()
         below = depth + 1
@@ -383,7 +417,7 @@ class SuffixTree:
         total += _INT_BYTES * self.num_nodes
         total += sum(sys.getsizeof(text) for text in self._tokens.values())
         total += sum(sys.getsizeof(active) for active in self._active.values())
-        total += sum(sys.getsizeof(heavy) for heavy in self._heavy.values())
+        total += sum(sys.getsizeof(heavy.members) + 64 for heavy in self._heavy.values())
         return total
 
     def check(self) -> None:
@@ -395,6 +429,14 @@ class SuffixTree:
             kids = self._children[node] or {}
             assert self._count[node] == self._ends[node] + sum(self._count[c] for c in kids.values()), \
                 f"node {node}: count is not endpoints plus children"
+            heavy = self._heavy.get(node)
+            # every node past HEAVY_LIST_DEGREE children has a list (kept, and maintained, if evictions thin it out)
+            assert heavy is None if node == 0 else heavy is not None or len(kids) <= HEAVY_LIST_DEGREE, \
+                f"node {node}: heavy list"
+            if heavy is not None:
+                assert set(heavy.members) <= set(kids.values()), f"node {node}: heavy list holds a non-child"
+                assert all(c in heavy.members for c in kids.values() if self._count[c] >= heavy.threshold), \
+                    f"node {node}: heavy list misses a child"
             for token, child in kids.items():
                 assert self._parent[child] == node, f"node {child}: parent"
                 assert self._first_token(child) == token, f"node {child}: keyed by another token"

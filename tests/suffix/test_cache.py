@@ -151,7 +151,7 @@ def test_vocabulary_binding_and_bad_tokens():
         cache.bind(50, None)
     with pytest.raises(ValueError, match="fingerprint sha256:abc, used with sha256:def"):
         cache.bind(None, "sha256:def")
-    with pytest.raises(ValueError, match=r"SuffixCache.add: output: token ids must lie in \[0, 99\], got min 5 and max 100"):
+    with pytest.raises(ValueError, match=r"add: output: token ids must lie in \[0, 99\], got min 5 and max 100"):
         cache.add([5, 100])
     with pytest.raises(ValueError, match=r"start_request: prompt: token ids must lie in \[0, 99\]"):
         cache.start_request([-1])

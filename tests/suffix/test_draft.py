@@ -72,6 +72,8 @@ def test_contexts_as_arrays_and_bad_budgets():
     assert propose_suffix_draft(cache, None, [1, 2], 4).tokens == (3,)  # global tree only
     with pytest.raises(ValueError, match="max_tokens must be an int >= 0, got -1"):
         propose_suffix_draft(cache, request, [1, 2], -1)
+    with pytest.raises(ValueError, match="started by another SuffixCache"):
+        propose_suffix_draft(SuffixCache(), request, [1, 2], 4)
     request.finish()
     with pytest.raises(ValueError, match="request is finished"):
         propose_suffix_draft(cache, request, [1, 2], 4)

@@ -154,3 +154,41 @@ def test_misuse_is_refused():
         SuffixTree(0, 0.1)
     with pytest.raises(ValueError, match="heavy_fraction"):
         SuffixTree(3, 0.0)
+
+
+def test_heavy_lists_stay_complete_while_outputs_come_and_go():
+    rng = random.Random(5)
+    tree = SuffixTree(3, heavy_fraction=0.05)
+    texts: dict[int, list[int]] = {}
+    for round_ in range(40):
+        hot = [1 + (round_ // 8 + i) % 12 for i in range(3)]  # the frequent successors change over time
+        text = [t for _ in range(60) for t in (0, rng.choice(hot) if rng.random() < 0.5 else rng.randrange(13, 90))]
+        seq = tree.new_sequence()
+        tree.extend(seq, text)
+        texts[seq] = text
+        if len(texts) > 4:
+            del texts[tree.remove_oldest()]
+        tree.check()  # includes: every child above a heavy list's threshold is on it
+        counts = string_counts(list(texts.values()), 3)
+        node, depth = tree.find([0])
+        total = tree.node_count(node)
+        for fraction in (0.05, 0.1, 0.3):
+            expected = sorted((-c, s[1]) for s, c in counts.items() if len(s) == 2 and s[0] == 0 and
+                              c >= fraction * total)
+            found = tree.continuations(node, depth, fraction * total)
+            assert [(-c, t) for c, t, _, _ in found] == expected
+    assert node in tree._heavy  # white box: the lookups went through the heavy list
+
+
+def test_a_child_made_heavy_by_an_eviction_is_found():
+    tree = SuffixTree(2, heavy_fraction=0.05)
+    tree.extend(tree.new_sequence(), [t for r in range(100, 500) for t in (0, r)])  # 0, then 400 different tokens
+    # 0 then 5 three times (light next to the 400), and 0 then 20 other tokens once each
+    tree.extend(tree.new_sequence(), [0, 5] * 3 + [t for r in range(600, 620) for t in (0, r)])
+    node, depth = tree.find([0])
+    assert [t for _, t, _, _ in tree.continuations(node, depth, 0.05 * tree.node_count(node))] == []
+    tree.remove_oldest()  # the 400 go: 5 now follows 0 in 3 of 23 cases
+    node, depth = tree.find([0])
+    assert len(tree._children[node]) > HEAVY_LIST_DEGREE  # white box: still answered from the heavy list
+    assert [(c, t) for c, t, _, _ in tree.continuations(node, depth, 0.05 * tree.node_count(node))] == [(3, 5)]
+    tree.check()
