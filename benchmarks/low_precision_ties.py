@@ -21,6 +21,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.testbed import drafters
 
 PROCESSORS = {
     "none": {},
@@ -29,20 +30,41 @@ PROCESSORS = {
 
 
 def load(model: str, dtype: torch.dtype):
-    """(tokenizer, target, draft or None, prompts as lists of token ids)."""
+    """(target, the methods to compare with plain generate, prompts as lists of token ids). The committed drafters
+    of the test bed or of SmolLM2 join n-gram lookup when they are there."""
     if model == "testbed":
         from hf_specdec.testbed.loading import load_testbed
         from hf_specdec.testbed.workloads import load_workload
 
-        tokenizer, target, draft = load_testbed(dtype=dtype)
+        tokenizer, target, _ = load_testbed(dtype=dtype)
         prompts = [tokenizer(p).input_ids for p in load_workload("completion") + load_workload("edit")]
-        return tokenizer, target, draft, prompts
-    from hf_specdec.testbed.real_model import load_real_model
-    from hf_specdec.testbed.spec_bench import spec_bench_prompts
+    else:
+        from hf_specdec.testbed.real_model import load_real_model
+        from hf_specdec.testbed.spec_bench import spec_bench_prompts
 
-    target, tokenizer = load_real_model(model, dtype=dtype)
-    prompts = [ids for _, ids in spec_bench_prompts(tokenizer, num_per_category=8)]
-    return tokenizer, target, None, prompts
+        target, tokenizer = load_real_model(model, dtype=dtype)
+        prompts = [ids for _, ids in spec_bench_prompts(tokenizer, num_per_category=8)]
+    return target, methods(model, target), prompts
+
+
+def methods(model: str, target) -> dict[str, SpeculativeConfig]:
+    found = {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=5),
+             "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=4, tree_width=3)}
+    if model not in drafters.MODELS:
+        return found
+    have = {kind: drafters.load_drafter(model, kind, target) for kind in drafters.KINDS
+            if drafters.has_drafter(model, kind)}
+    if "draft" in have:
+        found["draft"] = SpeculativeConfig(method="draft", draft_model=have["draft"], num_speculative_tokens=5)
+    if "medusa" in have:
+        found["medusa_tree"] = SpeculativeConfig(method="medusa", heads=have["medusa"], tree_paths="default")
+    if "eagle" in have:
+        found["eagle_tree"] = SpeculativeConfig(method="eagle", heads=have["eagle"], top_k=4, depth=5,
+                                                total_tokens=24)
+    if "eagle3" in have:
+        found["eagle3_tree"] = SpeculativeConfig(method="eagle", heads=have["eagle3"], top_k=4, depth=5,
+                                                 total_tokens=24)
+    return found
 
 
 def spacing(value: float, dtype: torch.dtype) -> float:
@@ -51,11 +73,7 @@ def spacing(value: float, dtype: torch.dtype) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(value), 1e-30))) - mantissa_bits)
 
 
-def run(target, draft, prompts, dtype, max_new_tokens: int) -> dict:
-    methods = {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=5),
-               "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=4, tree_width=3)}
-    if draft is not None:
-        methods["draft"] = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=5)
+def run(target, methods: dict[str, SpeculativeConfig], prompts, dtype, max_new_tokens: int) -> dict:
     results = {}
     pad = target.generation_config.pad_token_id or target.generation_config.eos_token_id
     for processors, extra in PROCESSORS.items():
@@ -97,9 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     report = {}
     for dtype in (getattr(torch, args.dtype), torch.float32):
-        _, target, draft, prompts = load(args.model, dtype)
+        target, found, prompts = load(args.model, dtype)
         print(f"{args.model} in {dtype}, {min(args.prompts, len(prompts))} prompts, {args.max_new_tokens} new tokens")
-        report[str(dtype).removeprefix("torch.")] = run(target, draft, prompts[: args.prompts], dtype,
+        report[str(dtype).removeprefix("torch.")] = run(target, found, prompts[: args.prompts], dtype,
                                                         args.max_new_tokens)
     if args.json:
         with open(args.json, "w") as f:
