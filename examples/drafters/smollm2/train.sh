@@ -29,6 +29,7 @@ train() {  # kind, then the trainer's own options
 
 for kind in "${@:-eagle3 eagle medusa draft}"; do
     for one in $kind; do
+        begin=$SECONDS
         case $one in
             eagle3) train eagle3 eagle "${COMMON[@]}" --feature-cache "$WORK/features_eagle3" --version eagle3 \
                         --draft-vocab-size 8192 --ttt-steps 4 --steps 600 --batch-size 8 --learning-rate 1e-3 \
@@ -41,27 +42,6 @@ for kind in "${@:-eagle3 eagle medusa draft}"; do
                        --batch-size 4 --learning-rate 3e-4 --warmup-steps 20 ;;
             *) echo "unknown drafter $one (expected draft, medusa, eagle, eagle3)" >&2; exit 2 ;;
         esac
-        python - "$WORK/$one" "$HERE/$one" "$one" <<'EOF'
-import shutil
-import sys
-from pathlib import Path
-
-import torch
-
-from hf_specdec.heads import EagleHead, MedusaHeads
-
-source, dest, kind = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-if dest.exists():
-    shutil.rmtree(dest)
-if kind == "draft":  # saved in bfloat16 already, without the tensors it shares with the target
-    dest.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(source / name, dest / name)
-else:
-    heads = (MedusaHeads if kind == "medusa" else EagleHead).from_pretrained(source)
-    heads.to(torch.bfloat16).save_pretrained(dest)
-shutil.copy(source / "train_metrics.json", dest / "train_metrics.json")
-print(f"{kind}: copied to {dest}")
-EOF
+        python "$HERE/publish.py" "$WORK/$one" "$HERE/$one" "$one" "$(( (SECONDS - begin) / 60 ))"
     done
 done

@@ -1,0 +1,114 @@
+"""Copy a drafter trained by train.sh into this folder, in bfloat16, with a README that gives its exact training
+command and its training curve (from the trainer's train_metrics.json).
+
+    python examples/drafters/smollm2/publish.py WORK/KIND examples/drafters/smollm2/KIND KIND MINUTES
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_specdec.heads import EagleHead, MedusaHeads
+
+WINDOW = 10  # steps averaged per point of the curve
+DESCRIPTIONS = {
+    "draft": "A draft model cut from the target (its layers 0, 1 and 29, `hf_specdec.pruned_draft`), distilled on "
+             "the target's answers. Stored without the embeddings and lm_head it shares with the target: "
+             "`hf_specdec.pruned_draft.load_pruned_draft(folder, target)` puts them back.",
+    "medusa": "Four Medusa heads (one residual block each) over the target's final hidden state, sharing the "
+              "target's lm_head; the tree fitted to them in training is saved with them (`MedusaHeads.tree()`).",
+    "eagle": "An EAGLE-1/2 head (fc over the token embedding and the target's final hidden state, one decoder "
+             "layer; the target's embeddings and lm_head reused). With a dynamic tree it is EAGLE-2.",
+    "eagle3": "An EAGLE-3 head (the residual stream entering three target layers fused by fc, one decoder layer, "
+              "its own norm and lm_head over an 8192-token draft vocabulary), trained with 4 steps of "
+              "training-time test.",
+    "mlp_speculator": "An MLP speculator (IBM's design: one small MLP stage per drafted position over the target's "
+                      "final hidden state and the previous token), trained on the target's cached features.",
+}
+
+
+def copy(source: Path, dest: Path, kind: str) -> None:
+    if dest.exists():
+        shutil.rmtree(dest)
+    if kind == "draft":  # saved in bfloat16 already, without the tensors it shares with the target
+        dest.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(source / name, dest / name)
+    elif kind == "mlp_speculator":
+        from hf_specdec.heads import MLPSpeculator
+
+        MLPSpeculator.from_pretrained(source).to(torch.bfloat16).save_pretrained(dest)
+    else:
+        heads = (MedusaHeads if kind == "medusa" else EagleHead).from_pretrained(source)
+        heads.to(torch.bfloat16).save_pretrained(dest)
+
+
+def _mean(values: list) -> float | list[float]:
+    if isinstance(values[0], list):  # per head / per unrolled step
+        return [sum(v[i] for v in values) / len(values) for i in range(len(values[0]))]
+    return sum(values) / len(values)
+
+
+def _fmt(value) -> str:
+    return ", ".join(f"{v:.3f}" for v in value) if isinstance(value, list) else f"{value:.3f}"
+
+
+def curve(metrics: dict) -> str:
+    """A markdown table: loss and every metric, averaged over WINDOW steps at five points of training."""
+    losses, history = metrics["loss_history"], metrics["metrics_history"]
+    steps = len(losses)
+    starts = sorted({0, steps // 4, steps // 2, 3 * steps // 4, max(0, steps - WINDOW)})
+    names = [k for k, v in history[0].items() if isinstance(v, (float, list))]
+    lines = ["| steps | loss | " + " | ".join(names) + " |", "|---" * (2 + len(names)) + "|"]
+    for start in starts:
+        window = slice(start, min(steps, start + WINDOW))
+        cells = [_fmt(_mean([m[name] for m in history[window]])) for name in names]
+        lines.append(f"| {window.start + 1}-{window.stop} | {_fmt(_mean(losses[window]))} | " + " | ".join(cells)
+                     + " |")
+    return "\n".join(lines)
+
+
+def readme(dest: Path, kind: str, metrics: dict, minutes: float) -> str:
+    size = sum(p.stat().st_size for p in dest.rglob("*.safetensors")) / 2**20
+    config = metrics["config"]
+    return f"""# {kind} drafter for SmolLM2-135M-Instruct
+
+{DESCRIPTIONS[kind]} bfloat16, {size:.1f} MB. `hf-specdec bench --model smollm2` and `hf-specdec demo` use it by
+default; `hf_specdec.testbed.drafters.load_drafter("smollm2", "{kind}", target)` loads it.
+
+Trained on this repository's CPU (2 torch threads on a shared 2-core machine; `train.sh` ran {minutes:.0f} min for it,
+the target's answers and feature cache included where it built them) by
+self-distillation: the target (bfloat16) answered the first {config['num_samples']} requests of
+`examples/drafters/smollm2/prompts.jsonl` greedily (at most {config['max_new_tokens']} new tokens each; the
+requests share no 8-word run with Spec-Bench or the code workload), and the drafter learned the target's answers
+from the target's cached features, with bf16 autocast:
+
+```bash
+bash examples/drafters/smollm2/train.sh {kind}
+```
+
+({config['steps']} steps of batch {config['batch_size']}, learning rate {config['learning_rate']} with
+{config['warmup_steps']} warm-up steps then cosine decay; the full trainer options are in `train.sh`.)
+
+Training curve (mean over {WINDOW} steps at five points; accuracy = top-1 agreement with the target on the
+training rows; lists are per head or per unrolled step):
+
+{curve(metrics)}
+"""
+
+
+def main(argv: list[str]) -> None:
+    source, dest, kind, minutes = Path(argv[0]), Path(argv[1]), argv[2], float(argv[3])
+    copy(source, dest, kind)
+    metrics = json.loads((source / "train_metrics.json").read_text())
+    (dest / "README.md").write_text(readme(dest, kind, metrics, minutes))
+    print(f"{kind}: copied to {dest}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
