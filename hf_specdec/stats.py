@@ -13,6 +13,45 @@ import torch
 
 
 @dataclass(frozen=True)
+class ScheduleStats:
+    """What the step schedule decided for a row (or, summed, for the batch)."""
+
+    schedule: str
+    # steps by the draft tokens allowed: entry k counts the steps that allowed k (entry 0: plain steps)
+    k_histogram: list[int]
+    plain_steps: int
+    # accepted draft tokens the schedule expected at its decisions, and what was accepted in those steps
+    estimated_accepted_tokens: float
+    scheduled_draft_tokens: int
+    scheduled_accepted_tokens: int
+
+    @property
+    def estimated_acceptance_rate(self) -> float:
+        return self.estimated_accepted_tokens / self.scheduled_draft_tokens if self.scheduled_draft_tokens else 0.0
+
+    @property
+    def measured_acceptance_rate(self) -> float:
+        return self.scheduled_accepted_tokens / self.scheduled_draft_tokens if self.scheduled_draft_tokens else 0.0
+
+    @classmethod
+    def total(cls, rows: list[ScheduleStats]) -> ScheduleStats:
+        return cls(
+            schedule=rows[0].schedule,
+            k_histogram=[sum(column) for column in zip(*(r.k_histogram for r in rows))],
+            plain_steps=sum(r.plain_steps for r in rows),
+            estimated_accepted_tokens=sum(r.estimated_accepted_tokens for r in rows),
+            scheduled_draft_tokens=sum(r.scheduled_draft_tokens for r in rows),
+            scheduled_accepted_tokens=sum(r.scheduled_accepted_tokens for r in rows),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {
+            "estimated_acceptance_rate": self.estimated_acceptance_rate,
+            "measured_acceptance_rate": self.measured_acceptance_rate,
+        }
+
+
+@dataclass(frozen=True)
 class RowSpecStats:
     num_drafts: int
     num_draft_tokens: int
@@ -20,6 +59,8 @@ class RowSpecStats:
     # [k]: how often the draft token at each position was accepted
     accepted_per_position: list[int]
     target_forward_passes: int
+    # the step schedule's decisions (None when every step drafted k: `schedule="fixed"` without batch-size rules)
+    schedule: ScheduleStats | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -33,6 +74,7 @@ class RowSpecStats:
         return asdict(self) | {
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "schedule": None if self.schedule is None else self.schedule.to_dict(),
         }
 
 
@@ -81,7 +123,8 @@ class SpecStatsRecorder:
         self.total_forwards += 1
         self.counts[3] += rows.long().to(self.counts.device)
 
-    def finish(self) -> SpecStats:
+    def finish(self, schedule: list[ScheduleStats] | None = None) -> SpecStats:
+        """The statistics, with the schedule's per-row decisions when there was a schedule."""
         drafts, drafted, accepted, forwards = self.counts.cpu().tolist()
         per_position = self.accepted_per_position.cpu()
         rows = tuple(
@@ -91,6 +134,7 @@ class SpecStatsRecorder:
                 num_accepted_tokens=accepted[b],
                 accepted_per_position=per_position[b].tolist(),
                 target_forward_passes=forwards[b],
+                schedule=None if schedule is None else schedule[b],
             )
             for b in range(len(drafts))
         )
@@ -102,4 +146,5 @@ class SpecStatsRecorder:
             target_forward_passes=self.total_forwards,
             per_row=rows,
             num_speculative_tokens=self.positions.shape[1],
+            schedule=None if schedule is None else ScheduleStats.total(schedule),
         )

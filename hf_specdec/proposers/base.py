@@ -59,6 +59,14 @@ class Proposer(ABC):
             return len(config.tree_paths) + 1
         return 1 + config.tree_width * config.num_speculative_tokens
 
+    def cost_key(self, config: SpeculativeConfig, static_shapes: bool) -> str:
+        """Names what a step of this proposer costs, for the schedule's step-time table (kept per target model
+        for the life of the process): the method, its drafter and the shape settings."""
+        drafter = config.draft_model if config.draft_model is not None else config.heads
+        shapes = "static" if static_shapes else "dynamic"
+        return (f"{config.method}/{type(self).__name__}/{id(drafter)}/w{config.tree_width}/t{config.tree_total_tokens}"
+                f"/{shapes}")
+
     def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
         """Propose with the same shapes at every step, so compiled forwards are reused (see `hf_specdec.compile`):
         widths from the config; a drafter's cache of fixed capacity for `max_length` tokens per row; its forwards
