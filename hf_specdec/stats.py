@@ -7,7 +7,7 @@ counts every target forward, the prefill included.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -24,6 +24,8 @@ class ScheduleStats:
     estimated_accepted_tokens: float
     scheduled_draft_tokens: int
     scheduled_accepted_tokens: int
+    # method="auto": steps in which the row drafted with each candidate proposer
+    method_steps: dict[str, int] = field(default_factory=dict)
 
     @property
     def estimated_acceptance_rate(self) -> float:
@@ -42,6 +44,7 @@ class ScheduleStats:
             estimated_accepted_tokens=sum(r.estimated_accepted_tokens for r in rows),
             scheduled_draft_tokens=sum(r.scheduled_draft_tokens for r in rows),
             scheduled_accepted_tokens=sum(r.scheduled_accepted_tokens for r in rows),
+            method_steps={m: sum(r.method_steps.get(m, 0) for r in rows) for m in rows[0].method_steps},
         )
 
     def to_dict(self) -> dict:

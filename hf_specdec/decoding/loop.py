@@ -132,8 +132,7 @@ class SpeculativeDecoder:
                 check_compilable(model, "the target")
             max_length = self.stopper.max_length or generation_config.max_length
             self.proposer.fix_shapes(max_length, self.compile_settings)
-        self.schedule = build_schedule(config, model, self.proposer.cost_key(config, self.static_shapes),
-                                       self.max_depth, self.static_shapes)
+        self.schedule = build_schedule(config, model, self.proposer, self.max_depth, self.static_shapes)
 
     def run(
         self,

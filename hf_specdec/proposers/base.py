@@ -86,6 +86,11 @@ class Proposer(ABC):
     def propose(self, state: DecodeState) -> Proposal:
         """Up to `state.draft_budget()` draft tokens per row (per branch of a tree); finished rows get none."""
 
+    def skip(self, state: DecodeState) -> None:
+        """Called instead of `propose` (and then no `commit`) for a step another proposer drafts (`method="auto"`),
+        with `state` as `propose` would see it: a proposer that keeps a copy of the text catches up with the last
+        step's tokens here. A proposer with a cache catches up at its next proposal."""
+
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Called after `state` took the step's tokens (finished rows are marked in `state.finished`, and
         `state.host` is up to date), with what the target accepted (`result.num_accepted`, and the accepted path

@@ -160,6 +160,9 @@ class NgramProposer(Proposer):
                 self.text[row, end:length] = host.emitted[row, : length - end]
                 self.ends[row] = length
 
+    def skip(self, state: DecodeState) -> None:
+        self._catch_up(state)
+
     def propose(self, state: DecodeState) -> Proposal:
         self._catch_up(state)
         budget = [min(b, self.k) for b in state.host_draft_budget()]

@@ -68,6 +68,8 @@ class DecodeState:
     draft_limits: list[int] | None = None
     draft_limit_tensor: torch.Tensor | None = None
     draft_width: int | None = None
+    # the proposer a schedule chose for the step (`method="auto"`), None otherwise
+    draft_method: str | None = None
 
     @classmethod
     def start(

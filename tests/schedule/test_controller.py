@@ -49,7 +49,7 @@ def simulate(schedule: Schedule, batch: int, accept, steps: int, clock: FakeCloc
 
 def _schedule(costs: CostTable, k: int = 4, clock=None, **config) -> Schedule:
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, **config)
-    return Schedule(config, k, costs, static_shapes=False, **({} if clock is None else {"clock": clock}))
+    return Schedule(config, k, {None: costs}, static_shapes=False, **({} if clock is None else {"clock": clock}))
 
 
 def test_turns_off_under_zero_acceptance_and_probes():
