@@ -7,8 +7,10 @@ from typing import Any, Literal, get_args
 
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
 
-SpecMethod = Literal["draft", "ngram", "medusa", "eagle"]
+SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "auto"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
+Schedule = Literal["adaptive", "fixed"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 # Beyond this many draft tokens per step the verify forward is mostly wasted work; vLLM caps at 128.
 MAX_SPECULATIVE_TOKENS = 64
@@ -64,6 +66,24 @@ class SpeculativeConfig:
         default=None,
         metadata={"help": "seed of the torch.Generator used for sampling; None uses torch's global RNG"},
     )
+    schedule: Schedule = field(
+        default="adaptive",
+        metadata={
+            "help": "'adaptive': each step drafts 0..k tokens per row (0: the row decodes plainly), chosen from "
+            "measured acceptance and costs to maximise tokens per second; 'fixed': always k"
+        },
+    )
+    disable_by_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "no speculation while this many rows or more are generating (vLLM's name)"},
+    )
+    num_speculative_tokens_per_batch_size: Any = field(
+        default=None,
+        metadata={
+            "help": "[[start, end, k], ...]: at most k draft tokens while the rows generating are in [start, end] "
+            "(sorted, non-overlapping; k = 0 turns speculation off there)"
+        },
+    )
     # EAGLE's names for the dynamic tree, accepted as aliases: top_k = tree_width, depth = num_speculative_tokens,
     # total_tokens = tree_total_tokens
     top_k: InitVar[int | None] = None
@@ -97,6 +117,12 @@ class SpeculativeConfig:
                     "SpeculativeConfig.draft_model: expected a transformers causal LM (a PreTrainedModel), got "
                     f"{describe(self.draft_model)}{method_hint(self.draft_model)}"
                 )
+        elif self.method == "auto":
+            if self.draft_model is not None and not is_causal_lm(self.draft_model):
+                raise ValueError(
+                    "SpeculativeConfig.draft_model: method='auto' takes an optional draft model (a transformers "
+                    f"causal LM), got {describe(self.draft_model)}{method_hint(self.draft_model)}"
+                )
         elif self.draft_model is not None:
             raise ValueError(
                 f"SpeculativeConfig.draft_model: method={self.method!r} does not use a draft model; "
@@ -108,9 +134,17 @@ class SpeculativeConfig:
                     f"SpeculativeConfig.heads: method={self.method!r} needs {HEADS_CLASS[self.method]}, got "
                     f"{describe(self.heads)}{method_hint(self.heads)}"
                 )
+        elif self.method == "auto" and self.heads is not None:
+            if not isinstance(self.heads, heads_class("medusa")):
+                raise ValueError(
+                    f"SpeculativeConfig.heads: method='auto' chooses among n-gram lookup, a draft model and Medusa "
+                    f"heads (stateless, so a step may skip them); got {describe(self.heads)}; use "
+                    f"method={'eagle'!r} for EAGLE heads"
+                )
         elif self.heads is not None:
             raise ValueError(
-                f"SpeculativeConfig.heads: only methods 'medusa' and 'eagle' use heads, got method={self.method!r}"
+                f"SpeculativeConfig.heads: only methods 'medusa', 'eagle' and 'auto' use heads, got "
+                f"method={self.method!r}"
             )
         if self.tree_paths is not None and self.method != "medusa":
             raise ValueError(
@@ -155,6 +189,17 @@ class SpeculativeConfig:
             raise ValueError("SpeculativeConfig.lossy_typical_acceptance: expected True or False")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, None)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"SpeculativeConfig.schedule: unknown schedule {self.schedule!r}; expected one of {list(SCHEDULES)}"
+            )
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
+        if self.num_speculative_tokens_per_batch_size is not None:
+            from hf_specdec.schedule.rules import check_batch_size_schedule
+
+            self.num_speculative_tokens_per_batch_size = check_batch_size_schedule(
+                self.num_speculative_tokens_per_batch_size, self.num_speculative_tokens)
 
 
     @property

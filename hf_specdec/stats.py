@@ -7,9 +7,51 @@ counts every target forward, the prefill included.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class ScheduleStats:
+    """What the step schedule decided for a row (or, summed, for the batch)."""
+
+    schedule: str
+    # steps by the draft tokens allowed: entry k counts the steps that allowed k (entry 0: plain steps)
+    k_histogram: list[int]
+    plain_steps: int
+    # accepted draft tokens the schedule expected at its decisions, and what was accepted in those steps
+    estimated_accepted_tokens: float
+    scheduled_draft_tokens: int
+    scheduled_accepted_tokens: int
+    # method="auto": steps in which the row drafted with each candidate proposer
+    method_steps: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def estimated_acceptance_rate(self) -> float:
+        return self.estimated_accepted_tokens / self.scheduled_draft_tokens if self.scheduled_draft_tokens else 0.0
+
+    @property
+    def measured_acceptance_rate(self) -> float:
+        return self.scheduled_accepted_tokens / self.scheduled_draft_tokens if self.scheduled_draft_tokens else 0.0
+
+    @classmethod
+    def total(cls, rows: list[ScheduleStats]) -> ScheduleStats:
+        return cls(
+            schedule=rows[0].schedule,
+            k_histogram=[sum(column) for column in zip(*(r.k_histogram for r in rows))],
+            plain_steps=sum(r.plain_steps for r in rows),
+            estimated_accepted_tokens=sum(r.estimated_accepted_tokens for r in rows),
+            scheduled_draft_tokens=sum(r.scheduled_draft_tokens for r in rows),
+            scheduled_accepted_tokens=sum(r.scheduled_accepted_tokens for r in rows),
+            method_steps={m: sum(r.method_steps.get(m, 0) for r in rows) for m in rows[0].method_steps},
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {
+            "estimated_acceptance_rate": self.estimated_acceptance_rate,
+            "measured_acceptance_rate": self.measured_acceptance_rate,
+        }
 
 
 @dataclass(frozen=True)
@@ -20,6 +62,8 @@ class RowSpecStats:
     # [k]: how often the draft token at each position was accepted
     accepted_per_position: list[int]
     target_forward_passes: int
+    # the step schedule's decisions (None when every step drafted k: `schedule="fixed"` without batch-size rules)
+    schedule: ScheduleStats | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -33,6 +77,7 @@ class RowSpecStats:
         return asdict(self) | {
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "schedule": None if self.schedule is None else self.schedule.to_dict(),
         }
 
 
@@ -81,7 +126,8 @@ class SpecStatsRecorder:
         self.total_forwards += 1
         self.counts[3] += rows.long().to(self.counts.device)
 
-    def finish(self) -> SpecStats:
+    def finish(self, schedule: list[ScheduleStats] | None = None) -> SpecStats:
+        """The statistics, with the schedule's per-row decisions when there was a schedule."""
         drafts, drafted, accepted, forwards = self.counts.cpu().tolist()
         per_position = self.accepted_per_position.cpu()
         rows = tuple(
@@ -91,6 +137,7 @@ class SpecStatsRecorder:
                 num_accepted_tokens=accepted[b],
                 accepted_per_position=per_position[b].tolist(),
                 target_forward_passes=forwards[b],
+                schedule=None if schedule is None else schedule[b],
             )
             for b in range(len(drafts))
         )
@@ -102,4 +149,5 @@ class SpecStatsRecorder:
             target_forward_passes=self.total_forwards,
             per_row=rows,
             num_speculative_tokens=self.positions.shape[1],
+            schedule=None if schedule is None else ScheduleStats.total(schedule),
         )

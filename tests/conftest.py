@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -22,6 +23,9 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from hf_specdec.schedule import controller
+from hf_specdec.schedule.estimates import CostTable
 
 VOCAB = 128
 PAD, EOS, BOS = 0, 1, 2
@@ -101,3 +105,32 @@ def forward_counter():
     yield attach
     for handle in handles:
         handle.remove()
+
+
+# The adaptive schedule decides from measured step times, which differ from run to run. Every test runs it on a
+# fixed cost curve instead (a step drafting w tokens costs 1 + INJECTED_SLOPE * w plain steps), so its decisions
+# depend on accepted counts alone and every run is deterministic; tests/schedule cover the measured path apart.
+INJECTED_SLOPE = 0.05
+
+
+class InjectedCosts(CostTable):
+    """A step-time table that ignores measurements: predicts `1 + slope * width` at every batch size."""
+
+    def __init__(self, slope: float = INJECTED_SLOPE) -> None:
+        super().__init__()
+        self.slope = slope
+
+    def observe(self, batch_size: int, width: int, seconds: float) -> None:
+        pass
+
+    def measured(self, batch_size: int, width: int) -> bool:
+        return True
+
+    def predict(self, batch_size: int, max_k: int) -> np.ndarray:
+        return 1.0 + self.slope * np.arange(max_k + 1, dtype=float)
+
+
+@pytest.fixture(autouse=True)
+def injected_step_costs(monkeypatch):
+    """The schedule's step-time tables are `InjectedCosts` in every test (see above)."""
+    monkeypatch.setattr(controller, "cost_table", lambda model, key: InjectedCosts())

@@ -56,7 +56,12 @@ from hf_specdec.testbed.loading import testbed_dir
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "hf-assistant", "hf-lookup", "hf-early-exit")
+CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "auto", "hf-assistant", "hf-lookup",
+         "hf-early-exit")
+# hf_specdec's cases, which run under each --schedule
+SCHEDULED_CASES = ("draft", "ngram", "medusa", "eagle", "eagle3", "auto")
+# an unpredictable workload: random token ids (nothing to look up, nothing a draft can guess)
+RANDOM_WORKLOAD, RANDOM_PROMPT_TOKENS = "random", 48
 # cases drafting with heads, and the option naming their folder
 HEAD_CASES = {"medusa": "heads", "eagle": "eagle_head", "eagle3": "eagle3_head"}
 NATIVE_CASES = ("hf-assistant", "hf-lookup", "hf-early-exit")
@@ -91,7 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", nargs="+", default=None, choices=CASES, dest="methods",
                         help="cases to run (default: all; head cases only with their folder or on the test-bed "
                              "target); plain always runs as the reference")
-    parser.add_argument("--workload", default="edit", choices=(*TESTBED_WORKLOADS, *CHAT_WORKLOADS),
+    parser.add_argument("--schedule", nargs="+", default=["adaptive"], choices=("adaptive", "fixed"),
+                        dest="schedules",
+                        help="speculation schedules to run every hf_specdec case under: adaptive (k per row and "
+                        "step from measured acceptance and cost) and/or fixed (k every step); default adaptive")
+    parser.add_argument("--workload", default="edit",
+                        choices=(*TESTBED_WORKLOADS, *CHAT_WORKLOADS, RANDOM_WORKLOAD),
                         help="test-bed prompts (completion, edit, long; default edit, where lookup shines), or for a "
                              "chat model Spec-Bench's questions (spec-bench: per category and overall) or coding "
                              "requests (code), through the model's chat template")
@@ -136,6 +146,7 @@ class Measurement:
     k: int | None
     tree_width: int = 1
     category: str = ""
+    schedule: str = ""  # "adaptive" or "fixed" for hf_specdec's cases
     seconds: float = 0.0  # the median of repeat_seconds
     repeat_seconds: list[float] = field(default_factory=list)
     instrumented_seconds: float = 0.0
@@ -150,12 +161,17 @@ class Measurement:
     num_accepted: int = 0
     num_draft_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # the schedule's decisions: steps by allowed k (summed over rows), accepted drafts it expected
+    k_histogram: list[int] = field(default_factory=list)
+    estimated_accepted: float = 0.0
+    scheduled_draft_tokens: int = 0
+    scheduled_accepted: int = 0
     # None: not compared (sampling)
     identical: bool | None = True
 
     @property
     def key(self) -> tuple:
-        return self.case, self.category, self.batch_size, self.k, self.tree_width
+        return self.case, self.category, self.batch_size, self.k, self.tree_width, self.schedule
 
 
 def _load(path: Path, dtype: torch.dtype, device: torch.device):
@@ -215,7 +231,17 @@ def _load_draft(path: Path | None, target, committed: str | None):
 
 
 def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict | None,
-                        tree_nodes: int | None = None) -> SpeculativeConfig:
+                        tree_nodes: int | None = None, schedule: str = "adaptive") -> SpeculativeConfig:
+    config = _method_config(case, draft, k, tree_width, heads, tree_nodes)
+    config.schedule = schedule
+    return config
+
+
+def _method_config(case: str, draft, k: int, tree_width: int, heads: dict | None,
+                   tree_nodes: int | None = None) -> SpeculativeConfig:
+    if case == "auto":  # n-gram lookup, and the draft model and Medusa heads when loaded
+        return SpeculativeConfig(method="auto", draft_model=draft, heads=(heads or {}).get("medusa"),
+                                 num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX)
     if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default)
         return SpeculativeConfig(method="medusa", heads=heads[case], num_speculative_tokens=k,
                                  tree_paths=heads[case].tree() if tree_width > 1 else None)
@@ -230,7 +256,8 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
 
 
 def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads: dict | None = None,
-                 early_exit_layer: int | None = None, tree_nodes: int | None = None) -> Callable[..., torch.Tensor]:
+                 early_exit_layer: int | None = None, tree_nodes: int | None = None,
+                 schedule: str = "adaptive") -> Callable[..., torch.Tensor]:
     if case == "plain":
         return lambda ids, **kw: target.generate(ids, **kw)
     if case == "hf-assistant":
@@ -246,7 +273,7 @@ def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, h
         return lambda ids, **kw: target.generate(ids, assistant_early_exit=layer, num_assistant_tokens=k,
                                                  num_assistant_tokens_schedule="constant",
                                                  assistant_confidence_threshold=0.0, **kw)
-    config = _speculative_config(case, draft, k, tree_width, heads, tree_nodes)
+    config = _speculative_config(case, draft, k, tree_width, heads, tree_nodes, schedule)
     return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, **SPECULATIVE_OUTPUTS, **kw)
 
 
@@ -257,12 +284,13 @@ def _add_counts(total: list[int], counts: list[int]) -> list[int]:
 
 def _measure(case: str, category: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft,
              kwargs, references, repeats: int, heads=None, early_exit_layer: int | None = None,
-             tree_nodes: int | None = None):
-    generate = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer, tree_nodes)
+             tree_nodes: int | None = None, schedule: str = ""):
+    generate = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer, tree_nodes,
+                            schedule or "adaptive")
     if kwargs.get("do_sample"):
         generate = _seeded(generate)
     m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, category=category,
-                    identical=None if kwargs.get("do_sample") else True)
+                    schedule=schedule, identical=None if kwargs.get("do_sample") else True)
     outputs = []
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft if case in NEEDS_DRAFT else None)
     start = time.perf_counter()
@@ -282,6 +310,11 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
                 m.num_accepted += stats.num_accepted_tokens
                 m.num_draft_tokens += stats.num_draft_tokens
                 m.accepted_per_position = _add_counts(m.accepted_per_position, stats.accepted_per_position)
+                if stats.schedule is not None:
+                    m.k_histogram = _add_counts(m.k_histogram, stats.schedule.k_histogram)
+                    m.estimated_accepted += stats.schedule.estimated_accepted_tokens
+                    m.scheduled_draft_tokens += stats.schedule.scheduled_draft_tokens
+                    m.scheduled_accepted += stats.schedule.scheduled_accepted_tokens
     finally:
         target_timer.close()
         draft_timer.close()
@@ -331,6 +364,10 @@ def load_prompts(args: argparse.Namespace, tokenizer, count: int) -> list[Prompt
         except ValueError as error:
             raise SystemExit(f"error: --workload {args.workload}: {error}") from error
         return [Prompt(category, list(ids)) for category, ids in prompts]
+    if args.workload == RANDOM_WORKLOAD:
+        generator = torch.Generator().manual_seed(0)
+        return [Prompt(RANDOM_WORKLOAD, torch.randint(len(tokenizer), (RANDOM_PROMPT_TOKENS,), generator=generator)
+                       .tolist()) for _ in range(count)]
     texts = load_workload(args.workload)
     if count > len(texts):
         raise SystemExit(f"error: {count} prompts asked (--num-prompts, or the largest --batch-size), but "
@@ -348,10 +385,12 @@ def _merge(parts: list[Measurement]) -> Measurement:
     """Results of one case from every process: counts add up, wall time (of each repeat) is the slowest
     process's."""
     merged = Measurement(case=parts[0].case, batch_size=parts[0].batch_size, k=parts[0].k,
-                         tree_width=parts[0].tree_width, category=parts[0].category, identical=parts[0].identical)
+                         tree_width=parts[0].tree_width, category=parts[0].category, schedule=parts[0].schedule,
+                         identical=parts[0].identical)
     for part in parts:
         for name in ("calls", "new_tokens", "rows", "target_forwards", "target_forward_seconds", "draft_forwards",
-                     "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens"):
+                     "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens", "estimated_accepted",
+                     "scheduled_draft_tokens", "scheduled_accepted"):
             setattr(merged, name, getattr(merged, name) + getattr(part, name))
         merged.repeat_seconds = [max(pair) for pair in zip(merged.repeat_seconds or part.repeat_seconds,
                                                            part.repeat_seconds)]
@@ -360,6 +399,8 @@ def _merge(parts: list[Measurement]) -> Measurement:
             merged.identical = part.identical and merged.identical is not False
         if part.accepted_per_position:
             merged.accepted_per_position = _add_counts(merged.accepted_per_position, part.accepted_per_position)
+        if part.k_histogram:
+            merged.k_histogram = _add_counts(merged.k_histogram, part.k_histogram)
     merged.seconds = statistics.median(merged.repeat_seconds)
     return merged
 
@@ -367,11 +408,12 @@ def _merge(parts: list[Measurement]) -> Measurement:
 def _overall(parts: list[Measurement]) -> Measurement:
     """One case over every category: counts and wall times (of each repeat) add up."""
     total = Measurement(case=parts[0].case, batch_size=parts[0].batch_size, k=parts[0].k,
-                        tree_width=parts[0].tree_width, category=OVERALL, identical=parts[0].identical)
+                        tree_width=parts[0].tree_width, category=OVERALL, schedule=parts[0].schedule,
+                        identical=parts[0].identical)
     for part in parts:
         for name in ("calls", "new_tokens", "rows", "target_forwards", "target_forward_seconds", "draft_forwards",
                      "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens",
-                     "instrumented_seconds"):
+                     "instrumented_seconds", "estimated_accepted", "scheduled_draft_tokens", "scheduled_accepted"):
             setattr(total, name, getattr(total, name) + getattr(part, name))
         total.repeat_seconds = [a + b for a, b in zip(total.repeat_seconds or [0.0] * len(part.repeat_seconds),
                                                       part.repeat_seconds)]
@@ -379,6 +421,8 @@ def _overall(parts: list[Measurement]) -> Measurement:
             total.identical = part.identical and total.identical is not False
         if part.accepted_per_position:
             total.accepted_per_position = _add_counts(total.accepted_per_position, part.accepted_per_position)
+        if part.k_histogram:
+            total.k_histogram = _add_counts(total.k_histogram, part.k_histogram)
     total.seconds = statistics.median(total.repeat_seconds)
     return total
 
@@ -390,6 +434,13 @@ def summarize(m: Measurement, plain: Measurement, native: Measurement | None = N
     efficiency = (m.target_forward_seconds + m.draft_forward_seconds) / m.instrumented_seconds
     return {
         "case": m.case, "category": m.category, "batch_size": m.batch_size, "k": m.k, "tree_width": m.tree_width,
+        "schedule": m.schedule or None,
+        # row-steps by the draft tokens the schedule allowed (entry 0: plain), and its expected vs measured
+        # acceptance over the tokens it allowed
+        "k_histogram": m.k_histogram or None,
+        "plain_share": m.k_histogram[0] / sum(m.k_histogram) if sum(m.k_histogram) else None,
+        "estimated_acceptance": m.estimated_accepted / m.scheduled_draft_tokens if m.scheduled_draft_tokens else None,
+        "measured_acceptance": m.scheduled_accepted / m.scheduled_draft_tokens if m.scheduled_draft_tokens else None,
         "tokens_per_second": m.new_tokens / m.seconds,
         "speedup_vs_plain": speedup,
         # against transformers' matching path (same draft or lookup, same k) on the same prompts
@@ -422,16 +473,22 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per case; with several categories (Spec-Bench) grouped by category, 'overall' last. `vs hf` is the
     speedup over transformers' matching path; `same`: identical to plain generate (n/a when sampling)."""
     width = max(len("category"), *(len(r["category"]) for r in rows)) + 2
-    print(f"{'category':<{width}}{'case':<14}{'batch':>6}{'k':>4}{'w':>3}{'tok/s':>9}{'speedup':>9}{'vs hf':>8}"
-          f"{'tok/fwd':>9}{'mean len':>9}{'accept':>8}{'eff.':>7}{'same':>6}  acceptance per position")
+    print(f"{'category':<{width}}{'case':<24}{'batch':>6}{'k':>4}{'w':>3}{'tok/s':>9}{'speedup':>9}{'vs hf':>8}"
+          f"{'tok/fwd':>9}{'mean len':>9}{'accept':>8}{'eff.':>7}{'same':>6}  acceptance per position"
+          f"{' | schedule: k histogram, plain share, estimated/measured acceptance' if any(r['k_histogram'] for r in rows) else ''}")
     for r in rows:
         per_pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"] or [])
         vs_hf = _fmt(r["speedup_vs_transformers"], ".2f") + ("x" if r["speedup_vs_transformers"] else "")
-        print(f"{r['category']:<{width}}{r['case']:<14}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tree_width']:>3}"
+        case = r["case"] + (f" ({r['schedule']})" if r["schedule"] else "")
+        schedule = ""
+        if r["k_histogram"]:
+            schedule = (f" | {r['k_histogram']} {r['plain_share']:.2f} {_fmt(r['estimated_acceptance'], '.2f')}/"
+                        f"{_fmt(r['measured_acceptance'], '.2f')}")
+        print(f"{r['category']:<{width}}{case:<24}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tree_width']:>3}"
               f"{r['tokens_per_second']:>9.1f}{r['speedup_vs_plain']:>8.2f}x{vs_hf:>8}"
               f"{_fmt(r['tokens_per_target_forward'], '.2f'):>9}"
               f"{_fmt(r['mean_acceptance_length'], '.2f'):>9}{_fmt(r['acceptance_rate'], '.2f'):>8}"
-              f"{_fmt(r['efficiency'], '.2f'):>7}{SAME[r['identical_to_plain']]:>6}  {per_pos}")
+              f"{_fmt(r['efficiency'], '.2f'):>7}{SAME[r['identical_to_plain']]:>6}  {per_pos}{schedule}")
 
 
 def build_figure(rows: list[dict[str, Any]]):
@@ -587,13 +644,15 @@ def run(args: argparse.Namespace) -> int:
                   do_sample=args.temperature > 0, **({"temperature": args.temperature} if args.temperature else {}))
     measurements: list[Measurement] = []
     cases = ["plain", *[c for c in args.methods if c != "plain"]]
-    plan = [(category, b, case, k, w) for category in categories for b in args.batch_sizes for case in cases
+    plan = [(category, b, case, k, w, schedule) for category in categories for b in args.batch_sizes
+            for case in cases
             for k in ([None] if case == "plain" else args.ks)
             for w in (args.tree_widths if case in ("draft", "ngram", *HEAD_CASES) else [1])
+            for schedule in (args.schedules if case in SCHEDULED_CASES else [""])
             if not (case in NATIVE_CASES and b > 1)]
     with state.split_between_processes(prompts) as mine:
         references: dict[tuple, list[torch.Tensor]] = {}
-        for category, batch_size, case, k, tree_width in tqdm(plan, desc=f"bench (process {state.process_index})",
+        for category, batch_size, case, k, tree_width, schedule in tqdm(plan, desc=f"bench (process {state.process_index})",
                                                               disable=not state.is_local_main_process):
             ids = [p.ids for p in mine if p.category == category]
             batches = list(_batches(tokenizer, ids, batch_size, state.device))
@@ -603,7 +662,8 @@ def run(args: argparse.Namespace) -> int:
             generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
             greedy_references = None if kwargs["do_sample"] else references.get((category, batch_size))
             m, outputs = _measure(case, category, batch_size, k, tree_width, batches, target, draft, kwargs,
-                                  greedy_references, args.repeats, heads, args.early_exit_layer, args.tree_nodes)
+                                  greedy_references, args.repeats, heads, args.early_exit_layer, args.tree_nodes,
+                                  schedule)
             if case == "plain":
                 references[(category, batch_size)] = outputs
             measurements.append(m)
@@ -618,15 +678,15 @@ def run(args: argparse.Namespace) -> int:
     if len(categories) > 1:
         by_case: dict[tuple, list[Measurement]] = {}
         for m in merged.values():
-            by_case.setdefault((m.case, m.batch_size, m.k, m.tree_width), []).append(m)
+            by_case.setdefault((m.case, m.batch_size, m.k, m.tree_width, m.schedule), []).append(m)
         for parts in by_case.values():
             total = _overall(parts)
             merged[total.key] = total
     rows = []
     for m in merged.values():
         native = MATCHING_NATIVE.get(m.case)
-        matching = merged.get((native, m.category, m.batch_size, m.k, 1)) if m.tree_width == 1 else None
-        rows.append(summarize(m, merged[("plain", m.category, m.batch_size, None, 1)], matching))
+        matching = merged.get((native, m.category, m.batch_size, m.k, 1, "")) if m.tree_width == 1 else None
+        rows.append(summarize(m, merged[("plain", m.category, m.batch_size, None, 1, "")], matching))
     print_table(rows)
     for r in rows:
         if r["efficiency"] is not None and r["efficiency"] < LOW_EFFICIENCY:
@@ -637,7 +697,7 @@ def run(args: argparse.Namespace) -> int:
         settings = {"num_processes": state.num_processes, "workload": args.workload, "categories": categories,
                     "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                     "methods": args.methods, "batch_sizes": args.batch_sizes, "ks": args.ks,
-                    "tree_widths": args.tree_widths, "tree_nodes": args.tree_nodes, "temperature": args.temperature,
+                    "tree_widths": args.tree_widths, "schedules": args.schedules, "tree_nodes": args.tree_nodes, "temperature": args.temperature,
                     "model": args.model or str(args.target or "test bed")}
         if args.workload in CHAT_WORKLOADS:
             from hf_specdec.testbed.spec_bench import WORKLOAD_VERSION

@@ -37,6 +37,7 @@ from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
 from hf_specdec.proposers import DraftSampling, build_proposer
 from hf_specdec.sampling import prefix_free
+from hf_specdec.schedule.controller import build_schedule
 from hf_specdec.stats import SpecStats, SpecStatsRecorder
 from hf_specdec.step import DecodeState, PromptInputs, Proposal, VerificationResult
 from hf_specdec.verify.verifier import TypicalAcceptance, Verifier
@@ -131,6 +132,7 @@ class SpeculativeDecoder:
                 check_compilable(model, "the target")
             max_length = self.stopper.max_length or generation_config.max_length
             self.proposer.fix_shapes(max_length, self.compile_settings)
+        self.schedule = build_schedule(config, model, self.proposer, self.max_depth, self.static_shapes)
 
     def run(
         self,
@@ -170,6 +172,8 @@ class SpeculativeDecoder:
         batch = input_ids.shape[0]
         self.held_rows = list(range(batch))
         self.stats = SpecStatsRecorder(batch, self.max_depth, input_ids.device)
+        if self.schedule is not None:
+            self.schedule.start(batch)
         self.stop_lengths = torch.full_like(self.state.lengths, -1)  # [B]: length at each row's first stop
         self.score_log, self.logit_log = ScoreLog(batch), ScoreLog(batch)
         config = self.generation_config
@@ -215,12 +219,16 @@ class SpeculativeDecoder:
         """propose -> verify -> accept -> emit -> commit."""
         self.drop_finished_rows()
         lengths = self.state.host.lengths
+        if self.schedule is not None:
+            self.schedule.plan(self.state, len(self.held_rows))
         proposal = self.proposer.propose(self.state)
         logits = self.verify(proposal)
         scores = self.score(proposal, logits)
         result = self.verifier(proposal, scores)
         num_emitted = self.emit(result, scores, logits)
         self.commit(proposal, result, num_emitted, logits.shape[1])
+        if self.schedule is not None:
+            self.schedule.observe(self.state)
         self.log(result, scores, logits)
         if self.cache.output_hidden_states or self.cache.output_attentions:
             self.output_log.add(self.cache.model_outputs, result.path_nodes, self.state.host.num_emitted, lengths,
@@ -469,5 +477,5 @@ def speculative_generate(
         past_key_values=past_key_values,
         hidden_states=decoder.output_log.hidden_steps(steps),
         attentions=decoder.output_log.attention_steps(steps),
-        spec_stats=decoder.stats.finish(),
+        spec_stats=decoder.stats.finish(None if decoder.schedule is None else decoder.schedule.finish()),
     )

@@ -59,6 +59,14 @@ class Proposer(ABC):
             return len(config.tree_paths) + 1
         return 1 + config.tree_width * config.num_speculative_tokens
 
+    def cost_key(self, config: SpeculativeConfig, static_shapes: bool) -> str:
+        """Names what a step of this proposer costs, for the schedule's step-time table (kept per target model
+        for the life of the process): the method, its drafter and the shape settings."""
+        drafter = config.draft_model if config.draft_model is not None else config.heads
+        shapes = "static" if static_shapes else "dynamic"
+        return (f"{config.method}/{type(self).__name__}/{id(drafter)}/w{config.tree_width}/t{config.tree_total_tokens}"
+                f"/{shapes}")
+
     def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
         """Propose with the same shapes at every step, so compiled forwards are reused (see `hf_specdec.compile`):
         widths from the config; a drafter's cache of fixed capacity for `max_length` tokens per row; its forwards
@@ -77,6 +85,11 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, state: DecodeState) -> Proposal:
         """Up to `state.draft_budget()` draft tokens per row (per branch of a tree); finished rows get none."""
+
+    def skip(self, state: DecodeState) -> None:
+        """Called instead of `propose` (and then no `commit`) for a step another proposer drafts (`method="auto"`),
+        with `state` as `propose` would see it: a proposer that keeps a copy of the text catches up with the last
+        step's tokens here. A proposer with a cache catches up at its next proposal."""
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Called after `state` took the step's tokens (finished rows are marked in `state.finished`, and

@@ -141,8 +141,10 @@ class DraftModelProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]
-        self._num_drafted = self.k if self.fixed_shapes else max(budget_host, default=0)
+        self._num_drafted = state.step_width(self.k) if self.fixed_shapes else max(budget_host, default=0)
         logits = self._feed_unseen(state)
+        if self._num_drafted == 0 and state.draft_width == 0:  # a plain step under a schedule: no draft nodes
+            return self._propose_chain(state, budget, logits, dense=True)
         if self.total_tokens is not None:
             return self._propose_dynamic_tree(state, budget, logits)
         if self.tree_width > 1:

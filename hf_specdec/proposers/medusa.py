@@ -62,11 +62,12 @@ class MedusaProposer(Proposer):
         logits = self.heads_call(hidden=hidden, lm_head=self.lm_head).float()  # [B, K, V]
         logits = logits.to(state.sequences.device)
         budget = state.draft_budget()
-        depth = self.k if self.template is None else self.template.max_depth
-        dense = all(b >= depth for b in state.host_draft_budget())  # every row takes every node (a host fact)
-        if self.template is None:
-            return Proposal.chain(state.last_tokens(), logits[:, : self.k].argmax(dim=-1), budget.clamp(max=self.k),
+        if self.template is None or state.draft_width == 0:  # a chain (of no drafts in a schedule's plain step)
+            depth = state.step_width(self.k)
+            dense = all(b >= depth for b in state.host_draft_budget())  # every row takes every node (a host fact)
+            return Proposal.chain(state.last_tokens(), logits[:, :depth].argmax(dim=-1), budget.clamp(max=depth),
                                   dense=dense)
+        dense = all(b >= self.template.max_depth for b in state.host_draft_budget())
         candidates = logits[:, : self.template.max_depth].topk(self.template.max_rank + 1, dim=-1).indices
         depths = torch.tensor(self.template.depths[1:], device=logits.device)
         ranks = torch.tensor(self.template.ranks[1:], device=logits.device)

@@ -160,6 +160,9 @@ class NgramProposer(Proposer):
                 self.text[row, end:length] = host.emitted[row, : length - end]
                 self.ends[row] = length
 
+    def skip(self, state: DecodeState) -> None:
+        self._catch_up(state)
+
     def propose(self, state: DecodeState) -> Proposal:
         self._catch_up(state)
         budget = [min(b, self.k) for b in state.host_draft_budget()]
@@ -175,12 +178,12 @@ class NgramProposer(Proposer):
         device = state.sequences.device
         longest = int(counts.max()) if counts.size else 0
         # fixed shapes: k drafts, or none when no row found a match (a second, one-token verify shape)
-        width = (self.k if longest else 0) if self.fixed_shapes else longest
+        width = (state.step_width(self.k) if longest else 0) if self.fixed_shapes else longest
         return Proposal.chain(state.last_tokens(), torch.from_numpy(drafts[:, :width]).to(device),
                               torch.from_numpy(counts).to(device), dense=bool((counts == width).all()))
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:
-        num_nodes = 1 + self.tree_width * self.k
+        num_nodes = 1 + self.tree_width * state.step_width(self.k)
         rows, any_found = [], False
         for row in range(state.batch_size):
             tokens = self.text[row, self.starts[row] : self.ends[row]]

@@ -63,6 +63,13 @@ class DecodeState:
     # the prompt's features instead (entry j produced prompt token j + 1; the last one, the first new token).
     target_features: torch.Tensor | None = None
     host: HostView = field(default=None)
+    # the step's draft limits from a schedule (`hf_specdec.schedule`), None without one: per row on the host and
+    # [B] on the device, and the step's width (the most any row drafts; under static shapes one of a fixed set)
+    draft_limits: list[int] | None = None
+    draft_limit_tensor: torch.Tensor | None = None
+    draft_width: int | None = None
+    # the proposer a schedule chose for the step (`method="auto"`), None otherwise
+    draft_method: str | None = None
 
     @classmethod
     def start(
@@ -105,13 +112,30 @@ class DecodeState:
     def draft_budget(self) -> torch.Tensor:
         """[B]: draft tokens worth proposing: the tokens still allowed after the step's own final token."""
         budget = (self.max_length - self.lengths - 1).clamp(min=0)
+        if self.draft_limit_tensor is not None:
+            budget = torch.minimum(budget, self.draft_limit_tensor)
         return torch.where(self.finished, 0, budget)
 
     def host_draft_budget(self) -> list[int]:
         """`draft_budget` from the host's view (no sync)."""
         host = self.host
-        return [0 if done else max(self.max_length - length - 1, 0)
-                for length, done in zip(host.lengths, host.finished)]
+        budget = [0 if done else max(self.max_length - length - 1, 0)
+                  for length, done in zip(host.lengths, host.finished)]
+        if self.draft_limits is not None:
+            budget = [min(b, limit) for b, limit in zip(budget, self.draft_limits)]
+        return budget
+
+    def step_width(self, max_k: int) -> int:
+        """Draft positions a proposal of fixed width has this step: `max_k`, or fewer under a schedule."""
+        return max_k if self.draft_width is None else min(max_k, self.draft_width)
+
+    def set_draft_limits(self, limits: list[int], width: int) -> None:
+        """A schedule's limits for the next proposal (copied to the device without waiting for it)."""
+        self.draft_limits, self.draft_width = limits, width
+        values = torch.tensor(limits, dtype=self.lengths.dtype)
+        if self.lengths.device.type == "cuda":
+            values = values.pin_memory()
+        self.draft_limit_tensor = values.to(self.lengths.device, non_blocking=True)
 
     def report(
         self,

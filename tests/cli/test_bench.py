@@ -32,7 +32,8 @@ def test_json_records_environment_settings_and_every_repeat(tmp_path):
     assert env["git_commit"] == (head or None)
     assert report["settings"] == {"num_processes": 1, "workload": "completion", "num_prompts": 1, "max_new_tokens": 8,
                                   "repeats": 3, "methods": ["plain", "ngram"], "batch_sizes": [1], "ks": [3],
-                                  "tree_widths": [1], "tree_nodes": None, "categories": ["completion"], "temperature": 0.0,
+                                  "tree_widths": [1], "schedules": ["adaptive"], "tree_nodes": None,
+                                  "categories": ["completion"], "temperature": 0.0,
                                   "model": "test bed"}
 
     rows = {r["case"]: r for r in report["results"]}

@@ -14,6 +14,7 @@ from transformers import CompileConfig, StaticCache
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.compile import compiled_forward
+from hf_specdec.schedule.decision import width_ladder
 from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
@@ -51,11 +52,14 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_static_shapes_match_plain_generate(arch):
     """cache_implementation="static" (no compile on a CPU, as in transformers): a fixed-capacity cache, fixed
-    widths, rows that finish kept in place; the output is still plain generate's."""
+    widths, rows that finish kept in place; the output is still plain generate's. Pinned to schedule="fixed":
+    the test needs every proposer to draft, and the adaptive schedule stops asking rows whose lookup keeps
+    finding nothing (tests/schedule/test_lossless.py covers it under static shapes)."""
     target = make_model(arch)
     ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
     expected = target.generate(ids, **_kwargs(mask))
     for name, config in _proposers(target).items():
+        config.schedule = "fixed"
         out = hf_specdec.generate(target, ids, speculative=config, cache_implementation="static",
                                   return_dict_in_generate=True, **_kwargs(mask))
         assert torch.equal(out.sequences, expected), f"{arch}/{name}"
@@ -68,9 +72,10 @@ def _compile_config(**options) -> CompileConfig:
 
 def test_compiled_greedy_matches_plain_generate_and_compiles_once_per_shape():
     """The verify forward is compiled once per shape; a second call (and a call with other prompts of the same
-    batch and width) compiles nothing; the output is plain generate's every time."""
+    batch and width) compiles nothing; the output is plain generate's every time. First with schedule="fixed"
+    (its shapes are known: k + 1 or 1), then adaptive: widths from its ladder only, each compiled once."""
     target = make_model("llama")
-    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, schedule="fixed")
     compiled = compiled_forward(target, _settings_of(target))
     for seed in (3, 3, 8):
         ids, mask = padded_batch(LENGTHS, seed=seed, repeat_period=5)
@@ -82,6 +87,14 @@ def test_compiled_greedy_matches_plain_generate_and_compiles_once_per_shape():
         assert set(compiled.compiles.values()) == {1}, compiled.compiles  # each verify shape compiled once
     # k + 1 tokens per row, or 1 when the lookup found nothing in any row
     assert {dict(signature)["input_ids"] for signature in compiled.compiles} == {(3, 5), (3, 1)}
+    adaptive = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    for seed in (3, 8):
+        ids, mask = padded_batch(LENGTHS, seed=seed, repeat_period=5)
+        out = hf_specdec.generate(target, ids, speculative=adaptive, compile_config=_compile_config(),
+                                  return_dict_in_generate=True, **_kwargs(mask))
+        assert torch.equal(out.sequences, target.generate(ids, **_kwargs(mask))), seed
+        assert set(compiled.compiles.values()) == {1}, compiled.compiles
+    assert {dict(signature)["input_ids"] for signature in compiled.compiles} <= {(3, w + 1) for w in width_ladder(4)}
 
 
 def _settings_of(model, compile_config: CompileConfig | None = None):

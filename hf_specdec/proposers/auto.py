@@ -1,0 +1,106 @@
+"""`method="auto"`: each step drafts with the proposer the schedule expects to bring the most tokens per second.
+
+The candidates are every proposer the config makes available (`AUTO_CANDIDATES`: n-gram lookup always, a draft
+model or Medusa heads when given, and any method registered later with `register_auto_candidate`). The schedule
+(`hf_specdec.schedule.controller`) keeps acceptance estimates and step times per candidate and names the step's
+proposer in `state.draft_method`; the others are told of the step (`Proposer.skip`) so they stay in step with
+the text. One proposal per step: every row drafts with the chosen proposer, each within its own limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from hf_specdec.compile import CompileSettings
+from hf_specdec.config import SpeculativeConfig
+from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer, register_proposer
+from hf_specdec.step import DecodeState, Proposal, VerificationResult
+
+# name -> the config of that candidate built from an auto config, or None when the config does not make it available
+AUTO_CANDIDATES: dict[str, Callable[[SpeculativeConfig], SpeculativeConfig | None]] = {}
+
+
+def register_auto_candidate(method: str, make_config: Callable[[SpeculativeConfig], SpeculativeConfig | None]) -> None:
+    """Let `method="auto"` choose `method` (a registered proposer) when `make_config(auto_config)` gives a config."""
+    if method in AUTO_CANDIDATES:
+        raise ValueError(f"an auto candidate is already registered for method {method!r}")
+    AUTO_CANDIDATES[method] = make_config
+
+
+def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    values.update(draft_model=None, heads=None, tree_paths=None, tree_total_tokens=None, schedule="fixed",
+                  disable_by_batch_size=None, num_speculative_tokens_per_batch_size=None)
+    values.update(method=method, **fields)
+    return SpeculativeConfig(**values)
+
+
+register_auto_candidate("ngram", lambda config: _as("ngram", config))
+register_auto_candidate("draft", lambda config: None if config.draft_model is None else _as(
+    "draft", config, draft_model=config.draft_model, tree_total_tokens=config.tree_total_tokens))
+register_auto_candidate("medusa", lambda config: None if config.heads is None else _as(
+    "medusa", config, heads=config.heads, tree_width=1))
+
+
+class AutoProposer(Proposer):
+    reads_emitted_tokens = True
+
+    def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
+        self.candidates: dict[str, Proposer] = {}
+        self.configs: dict[str, SpeculativeConfig] = {}
+        for method, make_config in AUTO_CANDIDATES.items():
+            sub = make_config(config)
+            if sub is not None:
+                self.configs[method] = sub
+                self.candidates[method] = build_proposer(sub, target, sampling)
+        layers = sorted({layer for p in self.candidates.values() for layer in (p.target_feature_layers or ())})
+        self.target_feature_layers = tuple(layers) or None
+        self.needs_prompt_features = any(p.needs_prompt_features for p in self.candidates.values())
+        self.chosen: Proposer | None = None
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(self.candidates)
+
+    def draft_depth(self, config: SpeculativeConfig) -> int:
+        return max(p.draft_depth(self.configs[m]) for m, p in self.candidates.items())
+
+    def num_nodes(self, config: SpeculativeConfig) -> int:
+        return max(p.num_nodes(self.configs[m]) for m, p in self.candidates.items())
+
+    def cost_key(self, config: SpeculativeConfig, static_shapes: bool) -> str:
+        return "auto"
+
+    def candidate_cost_key(self, method: str, static_shapes: bool) -> str:
+        return "auto:" + self.candidates[method].cost_key(self.configs[method], static_shapes)
+
+    def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
+        if "draft" in self.candidates:
+            raise ValueError(
+                "SpeculativeConfig.method: 'auto' with a draft model needs dynamic shapes (a step drafted by another "
+                "proposer leaves the draft model's cache behind, which it catches up in one forward of free width); "
+                "drop the static cache / compile_config, or use method='draft'"
+            )
+        super().fix_shapes(max_length, compile_settings)
+        for proposer in self.candidates.values():
+            proposer.fix_shapes(max_length, compile_settings)
+
+    def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
+        for proposer in self.candidates.values():
+            proposer.start(state, attention_mask)
+
+    def propose(self, state: DecodeState) -> Proposal:
+        self.chosen = self.candidates[state.draft_method or next(iter(self.candidates))]
+        for proposer in self.candidates.values():
+            if proposer is not self.chosen:
+                proposer.skip(state)
+        return self.chosen.propose(state)
+
+    def commit(self, state: DecodeState, result: VerificationResult) -> None:
+        self.chosen.commit(state, result)
+
+
+register_proposer("auto", AutoProposer)

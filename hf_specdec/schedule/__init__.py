@@ -1,0 +1,2 @@
+"""How many tokens each row drafts per step: the adaptive schedule (measured acceptance and step costs decide,
+speculation turns off where it does not pay) and the user's batch-size rules. See `controller`."""

@@ -1,0 +1,161 @@
+"""The schedule the decode loop consults before each step: per-row draft limits, from the estimates
+(`hf_specdec.schedule.estimates`) through the decision rule (`hf_specdec.schedule.decision`), within the user's
+batch-size rules (`hf_specdec.schedule.rules`).
+
+Lossless by construction: a limit only masks draft positions, and the limits depend on nothing but the accepted
+counts and step times of earlier steps (never on the target's probabilities at the positions being decided), so
+every step verifies its drafts exactly as a fixed-k step does.
+
+Timing reads the host clock at the start of a step and after its one host sync (`DecodeState.report`, which
+waits for the device), so a step's measured time covers its device work; nothing else is read from the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from hf_specdec.config import SpeculativeConfig
+from hf_specdec.proposers.base import Proposer
+from hf_specdec.schedule.decision import Decision, decide, expected_accepted, width_ladder
+from hf_specdec.schedule.estimates import AcceptanceEstimate, CostTable, cost_table
+from hf_specdec.schedule.rules import batch_size_cap
+from hf_specdec.stats import ScheduleStats
+from hf_specdec.step import DecodeState
+
+# a row that has not drafted for this many steps probes; each probe that finds nothing doubles the wait, up to
+# PROBE_MAX_INTERVAL
+PROBE_INTERVAL = 4
+PROBE_MAX_INTERVAL = 64
+# draft positions a probe asks for (within the step's cap)
+PROBE_LENGTH = 2
+
+
+class Schedule:
+    """Per-row draft limits for each step. `adaptive=False` applies the batch-size rules alone (k otherwise).
+    With several candidate proposers (`costs` keyed by method, `method="auto"`), each step also names the one
+    expected to bring the most tokens per second (`state.draft_method`); a single proposer is keyed None."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_k: int,
+        costs: dict[str | None, CostTable],
+        static_shapes: bool,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.adaptive = config.schedule == "adaptive"
+        self.max_k = max_k
+        self.disable_by_batch_size = config.disable_by_batch_size
+        self.per_batch_size = config.num_speculative_tokens_per_batch_size
+        self.costs = costs
+        self.widths = width_ladder(max_k) if static_shapes else tuple(range(max_k + 1))
+        self.clock = clock
+
+    def start(self, batch_size: int) -> None:
+        """A new call: per-row estimates start afresh (step times carry over)."""
+        self.acceptance = {method: AcceptanceEstimate(batch_size, self.max_k) for method in self.costs}
+        self.idle = np.zeros(batch_size, dtype=int)  # steps since each row last drafted
+        self.interval = np.full(batch_size, PROBE_INTERVAL)
+        self.histogram = np.zeros((batch_size, self.max_k + 1), dtype=np.int64)
+        self.estimated = np.zeros(batch_size)
+        self.allowed_total = np.zeros(batch_size, dtype=np.int64)
+        self.accepted_total = np.zeros(batch_size, dtype=np.int64)
+        self.method_steps = {method: np.zeros(batch_size, dtype=np.int64) for method in self.costs}
+        self.steps = 0
+        self.decision: Decision | None = None
+
+    def step_times(self, rows_computed: int) -> dict[str | None, np.ndarray]:
+        """Predicted step time by width for each candidate; a candidate never measured is put on the scale of
+        the others' plain step (a plain step costs about the same whichever proposer is idle)."""
+        times = {method: table.predict(rows_computed, self.max_k) for method, table in self.costs.items()}
+        known = [times[method][0] for method, table in self.costs.items() if table.times]
+        if known:
+            for method, table in self.costs.items():
+                if not table.times:
+                    times[method] = times[method] * min(known)
+        return times
+
+    def plan(self, state: DecodeState, rows_computed: int) -> Decision:
+        """Set the next proposal's limits (and proposer) on `state`; `rows_computed`: the rows the verify forward
+        computes."""
+        active = np.asarray([not done for done in state.host.finished], dtype=bool)
+        cap = batch_size_cap(int(active.sum()), self.max_k, self.disable_by_batch_size, self.per_batch_size)
+        widths = [w for w in self.widths if w <= cap] or [0]
+        probe = (self.idle >= self.interval) & active
+        if self.adaptive and self.steps == 1 and not all(t.measured(rows_computed, 0) for t in self.costs.values()):
+            widths = [0]  # calibrate: one plain step at this batch size (the first step drafted)
+        best: tuple[float, str | None, Decision] | None = None
+        for method, step_time in self.step_times(rows_computed).items():
+            acceptance = self.acceptance[method].values
+            if self.adaptive:
+                decision = decide(acceptance, step_time, active, probe, widths, min(PROBE_LENGTH, cap))
+            else:
+                limits = np.where(active, cap, 0)
+                expected = expected_accepted(acceptance)[np.arange(len(active)), limits]
+                decision = Decision(cap, tuple(int(x) for x in limits), float((expected + active).sum()),
+                                    float(step_time[cap]), tuple(float(x) for x in expected))
+            rate = decision.expected_tokens / max(decision.expected_time, 1e-12)
+            if best is None or rate > best[0] * (1.0 + 1e-9):
+                best = (rate, method, decision)
+        _, method, decision = best
+        self.allowed = np.minimum(decision.limits, state.host_draft_budget())  # the length limit cuts too
+        self.expected = expected_accepted(self.acceptance[method].values)[np.arange(len(active)), self.allowed]
+        state.set_draft_limits(list(decision.limits), decision.width)
+        state.draft_method = method
+        self.decision, self.method, self.active, self.probed = decision, method, active, probe
+        self.rows_computed, self.started = rows_computed, self.clock()
+        return decision
+
+    def observe(self, state: DecodeState) -> None:
+        """After the step's host sync: its time and each row's accepted count update the estimates."""
+        seconds = self.clock() - self.started
+        decision = self.decision
+        self.steps += 1
+        if self.adaptive or len(self.costs) > 1:
+            self.costs[self.method].observe(self.rows_computed, decision.width, seconds)
+        accepted = np.asarray(state.host.num_accepted)
+        self.acceptance[self.method].update(self.allowed, accepted)
+        drafted = self.allowed > 0
+        self.histogram[np.arange(len(self.active)), np.asarray(decision.limits)] += self.active
+        self.method_steps[self.method] += drafted
+        self.estimated += self.expected
+        self.allowed_total += self.allowed
+        self.accepted_total += accepted * drafted
+        # a probe that found nothing doubles the wait before the next; an accepted draft resets it
+        self.interval = np.where(drafted & (accepted > 0), PROBE_INTERVAL,
+                                 np.where(self.probed & (accepted == 0),
+                                          np.minimum(self.interval * 2, PROBE_MAX_INTERVAL), self.interval))
+        self.idle = np.where(drafted, 0, self.idle + 1)
+        state.draft_limits = state.draft_limit_tensor = state.draft_width = state.draft_method = None
+
+    def finish(self) -> list[ScheduleStats]:
+        return [
+            ScheduleStats(
+                schedule="adaptive" if self.adaptive else "fixed",
+                k_histogram=self.histogram[b].tolist(),
+                plain_steps=int(self.histogram[b, 0]),
+                estimated_accepted_tokens=float(self.estimated[b]),
+                scheduled_draft_tokens=int(self.allowed_total[b]),
+                scheduled_accepted_tokens=int(self.accepted_total[b]),
+                method_steps={m: int(v[b]) for m, v in self.method_steps.items() if m is not None},
+            )
+            for b in range(self.histogram.shape[0])
+        ]
+
+
+def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer, max_k: int,
+                   static_shapes: bool) -> Schedule | None:
+    """The step schedule `config` asks for; None for `schedule="fixed"` without batch-size rules (k every step)
+    with a single proposer."""
+    methods = getattr(proposer, "methods", None)
+    if methods is not None:  # method="auto": a step-time table per candidate
+        costs = {m: cost_table(model, proposer.candidate_cost_key(m, static_shapes)) for m in methods}
+        return Schedule(config, max_k, costs, static_shapes)
+    if (config.schedule == "fixed" and config.disable_by_batch_size is None
+            and config.num_speculative_tokens_per_batch_size is None):
+        return None
+    return Schedule(config, max_k, {None: cost_table(model, proposer.cost_key(config, static_shapes))},
+                    static_shapes)

@@ -1,0 +1,112 @@
+"""The adaptive schedule's decision rule, a pure function of estimates: how many tokens each row drafts this step.
+
+Row b's estimate is `acceptance[b, j]`, the chance that its draft at position j + 1 is accepted given the ones
+before it were. Drafting k tokens then emits `1 + sum_{j<k} reach[b, j]` tokens in expectation, with
+`reach[b, j] = prod_{i<=j} acceptance[b, i]` (the chance to get that far). The step's cost `step_time[w]` is the
+predicted wall time of a step whose widest row drafts w tokens (draft and verify together).
+
+1. Each row's own length: position j pays for a row when its reach is at least the extra cost of one more
+   position in tokens of a plain step, `(step_time[j] - step_time[j - 1]) / step_time[0]` (a batch of B rows
+   shares a step: a plain step emits B tokens in `step_time[0]`, one more position per row costs
+   `step_time[j] - step_time[j - 1]` for B slots). The row keeps the prefix with the largest net gain.
+2. The step's width: among the allowed widths w, the one with the most expected tokens per second,
+   `sum_b E_b(min(w, L_b)) / step_time[w]`; width 0 is the plain step.
+3. Rows that have not drafted for a while probe (they draft `probe_length` tokens), so a row whose text becomes
+   predictable turns speculation back on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Decision:
+    # the step's draft width: the most tokens any row drafts (0: a plain step)
+    width: int
+    # per row: draft tokens allowed this step (0 for rows that decode plainly or are not generating)
+    limits: tuple[int, ...]
+    # expected tokens the step emits over the generating rows, and its predicted wall time
+    expected_tokens: float
+    expected_time: float
+    # per row: expected accepted drafts at its limit (the "estimated acceptance" `spec_stats` reports)
+    expected_accepted: tuple[float, ...]
+
+
+def expected_accepted(
+    # [B, K]: conditional acceptance of each draft position
+    acceptance: np.ndarray,
+) -> np.ndarray:
+    """[B, K + 1]: expected accepted drafts when drafting k = 0..K tokens."""
+    reach = np.cumprod(np.clip(acceptance, 0.0, 1.0), axis=1)
+    return np.concatenate([np.zeros((acceptance.shape[0], 1)), np.cumsum(reach, axis=1)], axis=1)
+
+
+def row_lengths(
+    # [B, K]
+    acceptance: np.ndarray,
+    # [K + 1]: predicted step time by width
+    step_time: np.ndarray,
+) -> np.ndarray:
+    """[B] each row's own best draft length: the prefix whose expected accepted tokens exceed its cost the most
+    (in tokens of a plain step; ties go to the shorter prefix)."""
+    marginal = np.maximum(np.diff(step_time), 0.0) / max(float(step_time[0]), 1e-12)  # [K]
+    gain = expected_accepted(acceptance) - np.concatenate([[0.0], np.cumsum(marginal)])[None, :]
+    return gain.argmax(axis=1)  # argmax keeps the first of equal maxima
+
+
+def decide(
+    # [B, K]: conditional acceptance of each draft position, per row
+    acceptance: np.ndarray,
+    # [K + 1]: predicted wall time of a step of each width 0..K at this batch size
+    step_time: np.ndarray,
+    # [B]: rows generating this step
+    active: Sequence[bool],
+    # [B]: rows due a probe
+    probe: Sequence[bool],
+    # the widths a step may take (0 included), ascending
+    widths: Sequence[int],
+    probe_length: int,
+) -> Decision:
+    batch, max_k = acceptance.shape
+    active_rows = np.asarray(active, dtype=bool)
+    probing = np.asarray(probe, dtype=bool) & active_rows
+    widths = [w for w in widths if w <= max_k]
+    accepted = expected_accepted(acceptance)  # [B, K + 1]
+    own = np.where(active_rows, row_lengths(acceptance, step_time), 0)
+    rows = np.arange(batch)
+    best_width, best_rate = 0, -1.0
+    for w in widths:
+        tokens = float(((1.0 + accepted[rows, np.minimum(own, w)]) * active_rows).sum())
+        rate = tokens / max(float(step_time[w]), 1e-12)
+        if rate > best_rate * (1.0 + 1e-9):  # the narrower width wins a tie
+            best_width, best_rate = w, rate
+    limits = np.minimum(own, best_width)
+    limits = np.where(probing, np.maximum(limits, min(probe_length, max_k)), limits)
+    limits = np.where(active_rows, limits, 0)
+    width = int(limits.max()) if batch else 0
+    if width and widths:  # round up to an allowed width (a fixed set of shapes)
+        width = min((w for w in widths if w >= width), default=max(widths))
+        limits = np.minimum(limits, width)
+    expected = accepted[rows, limits] * active_rows
+    return Decision(
+        width=width,
+        limits=tuple(int(x) for x in limits),
+        expected_tokens=float((expected + active_rows).sum()),
+        expected_time=float(step_time[width]),
+        expected_accepted=tuple(float(x) for x in expected),
+    )
+
+
+def width_ladder(max_k: int) -> tuple[int, ...]:
+    """The widths a step may take under static shapes: 0, the powers of two below k, and k (each a compiled
+    shape)."""
+    rungs = {0, max_k}
+    power = 1
+    while power < max_k:
+        rungs.add(power)
+        power *= 2
+    return tuple(sorted(rungs))

@@ -1,0 +1,102 @@
+"""Online estimates the adaptive schedule decides from: per-row acceptance by draft position, and the wall time of
+a step by batch size and width, measured during the run.
+
+Step times are kept per target model and proposer for the life of the process (`cost_table`), so a later call on
+the same model starts from what earlier calls measured; acceptance is per row, so every call starts afresh.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+
+# weight of a new observation in the acceptance moving average
+ACCEPTANCE_RATE = 0.3
+# acceptance assumed before a row's first observation at a position (optimistic: a new row drafts, and measures)
+ACCEPTANCE_PRIOR = 0.7
+# step time moving averages: a faster measurement moves the estimate more than a slower one (a one-off stall,
+# a first call's warm-up, should not stop a width from being tried again)
+TIME_RATE_DOWN, TIME_RATE_UP = 0.5, 0.2
+# before a width is measured at a batch size: a step of width w costs (1 + PRIOR_SLOPE * w) plain steps
+PRIOR_SLOPE = 0.1
+
+
+class AcceptanceEstimate:
+    """Per row and draft position: an exponential moving average of whether the draft there was accepted, updated
+    only where the row drafted and every earlier draft was accepted (where the outcome was observed). A position
+    the row was allowed but did not draft (the proposer found nothing) counts as not accepted: the estimate is of
+    what asking for k tokens brings."""
+
+    def __init__(self, batch_size: int, max_k: int) -> None:
+        self.values = np.full((batch_size, max_k), ACCEPTANCE_PRIOR)
+
+    def update(
+        self,
+        # per row: drafts allowed this step (after the length budget)
+        allowed: Sequence[int],
+        # per row: drafts accepted
+        accepted: Sequence[int],
+    ) -> None:
+        positions = np.arange(self.values.shape[1])[None, :]
+        allowed_rows = np.asarray(allowed)[:, None]
+        accepted_rows = np.asarray(accepted)[:, None]
+        observed = (positions < allowed_rows) & (positions <= accepted_rows)
+        outcome = (positions < accepted_rows).astype(float)
+        self.values = np.where(observed, (1 - ACCEPTANCE_RATE) * self.values + ACCEPTANCE_RATE * outcome,
+                               self.values)
+
+
+class CostTable:
+    """Wall time of a step, by (rows computed, width): moving averages of measurements, and a prediction for every
+    width at a batch size (measured widths as measured; the others on a line through the measured ones, or the
+    prior slope from a single one)."""
+
+    def __init__(self) -> None:
+        self.times: dict[tuple[int, int], float] = {}
+
+    def observe(self, batch_size: int, width: int, seconds: float) -> None:
+        key = (batch_size, width)
+        old = self.times.get(key)
+        if old is None:
+            self.times[key] = seconds
+        else:
+            rate = TIME_RATE_DOWN if seconds < old else TIME_RATE_UP
+            self.times[key] = (1 - rate) * old + rate * seconds
+
+    def measured(self, batch_size: int, width: int) -> bool:
+        return (batch_size, width) in self.times
+
+    def predict(self, batch_size: int, max_k: int) -> np.ndarray:
+        """[max_k + 1] predicted step time at widths 0..max_k for `batch_size` rows (relative units before any
+        measurement: only ratios between widths matter to the decision)."""
+        points = {w: t for (b, w), t in self.times.items() if b == batch_size}
+        if not points:  # the nearest batch size measured stands in (ratios between widths vary slowly with it)
+            sizes = sorted({b for b, _ in self.times}, key=lambda b: (abs(np.log(b / batch_size)), b))
+            points = {w: t for (b, w), t in self.times.items() if sizes and b == sizes[0]}
+        widths = np.arange(max_k + 1, dtype=float)
+        if not points:
+            return 1.0 + PRIOR_SLOPE * widths
+        measured = np.array(sorted(points), dtype=float)
+        values = np.array([points[w] for w in sorted(points)])
+        if measured.size == 1:
+            base = values[0] / (1.0 + PRIOR_SLOPE * measured[0])
+            line = base * (1.0 + PRIOR_SLOPE * widths)
+        else:
+            slope, intercept = np.polyfit(measured, values, 1)
+            line = intercept + max(slope, 0.0) * widths
+            line = np.maximum(line, values.min() * 0.5)
+        for w, t in points.items():
+            if w <= max_k:
+                line[w] = t
+        return np.maximum.accumulate(line)  # a wider step never costs less than a narrower one
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cost_table(model: object, key: str) -> CostTable:
+    """The step-time table of `model` with the proposer named `key`, kept for the life of the process."""
+    per_model = _TABLES.setdefault(model, {})
+    return per_model.setdefault(key, CostTable())

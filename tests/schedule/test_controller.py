@@ -1,0 +1,122 @@
+"""The schedule on synthetic traces: accepted counts from a script, step times from an injected clock."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hf_specdec import SpeculativeConfig
+from hf_specdec.schedule.controller import PROBE_INTERVAL, Schedule
+from hf_specdec.schedule.estimates import CostTable
+from hf_specdec.step.state import DecodeState, HostView
+from tests.conftest import InjectedCosts
+
+
+class FakeClock:
+    """Step time = `cost(width)`; the schedule reads it at the start and the end of each step."""
+
+    def __init__(self, cost) -> None:
+        self.now, self.cost, self.width = 0.0, cost, 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run_step(self, width: int) -> None:
+        self.now += self.cost(width)
+
+
+def simulate(schedule: Schedule, batch: int, accept, steps: int, clock: FakeClock | None = None):
+    """Runs `steps` steps; `accept(step, limits)` gives each row's accepted count. Returns the limits per step."""
+    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.start(batch)
+    history = []
+    for step in range(steps):
+        decision = schedule.plan(state, batch)
+        assert state.host_draft_budget() == list(decision.limits)
+        assert state.draft_budget().tolist() == list(decision.limits)
+        limits = list(decision.limits)
+        if clock is not None:
+            clock.run_step(decision.width)
+        accepted = [min(a, k) for a, k in zip(accept(step, limits), limits)]
+        host = state.host
+        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted)
+        schedule.observe(state)
+        assert state.draft_limits is None  # the limits last one step
+        history.append(limits)
+    return np.array(history)
+
+
+def _schedule(costs: CostTable, k: int = 4, clock=None, **config) -> Schedule:
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, **config)
+    return Schedule(config, k, {None: costs}, static_shapes=False, **({} if clock is None else {"clock": clock}))
+
+
+def test_turns_off_under_zero_acceptance_and_probes():
+    history = simulate(_schedule(InjectedCosts(0.1)), 2, lambda step, limits: [0, 0], steps=60)
+    assert history[0].tolist() == [4, 4]  # a new row drafts (its estimate starts optimistic)
+    off = history[10:]
+    assert (off == 0).mean() > 0.85, off.tolist()
+    probes = np.flatnonzero(off[:, 0] > 0)
+    assert len(probes) >= 2 and np.all(np.diff(probes) >= PROBE_INTERVAL)  # probes, further and further apart
+    assert np.all(np.diff(np.diff(probes)) >= 0)
+
+
+def test_turns_on_again_when_acceptance_returns():
+    """Unpredictable text for 40 steps, then a repeated passage: every draft accepted."""
+    history = simulate(_schedule(InjectedCosts(0.1)), 1, lambda step, limits: [0 if step < 40 else 99],
+                       steps=120)
+    assert (history[30:40] == 0).mean() > 0.5
+    assert history[-20:].min() == 4, history[40:].ravel().tolist()
+
+
+def test_longer_drafts_when_acceptance_is_high_and_drafting_cheap():
+    def accept_with(p):
+        rng = np.random.default_rng(0)
+        return lambda step, limits: [int(np.argmin(np.append(rng.random(8) < p, False)))]
+
+    def mean_limit(p, slope):
+        history = simulate(_schedule(InjectedCosts(slope), k=8), 1, accept_with(p), steps=200)
+        return history[50:].mean()
+
+    assert mean_limit(0.9, 0.02) > mean_limit(0.5, 0.02) > mean_limit(0.2, 0.02)
+    assert mean_limit(0.9, 0.02) > mean_limit(0.9, 0.3)
+    assert mean_limit(0.9, 0.02) > 6
+
+
+def test_measured_step_times_drive_the_decision():
+    """Clock-measured costs: when a drafted position costs more than it brings (acceptance 0.3, each position
+    0.5 plain steps), the schedule learns it and stops; when it costs little, it keeps drafting."""
+    for slope, expect_off in ((0.5, True), (0.01, False)):
+        rng = np.random.default_rng(1)
+
+        def accept(step, limits):
+            return [int(np.argmin(np.append(rng.random(8) < 0.3, False)))]
+
+        clock = FakeClock(lambda width, s=slope: 1.0 + s * width)
+        costs = CostTable()
+        history = simulate(_schedule(costs, clock=clock), 1, accept, steps=80, clock=clock)
+        assert costs.measured(1, 0) and costs.measured(1, 4)  # the first steps calibrate: width 4, then plain
+        assert history[1].tolist() == [0]
+        plain_share = (history[20:] == 0).mean()
+        assert (plain_share > 0.7) if expect_off else (plain_share < 0.2), (slope, history.ravel().tolist())
+
+
+def test_batch_size_rules_cap_the_adaptive_and_the_fixed_schedule():
+    always = lambda step, limits: [99] * len(limits)  # noqa: E731
+    for schedule in ("adaptive", "fixed"):
+        capped = simulate(_schedule(InjectedCosts(0.01), schedule=schedule,
+                                    num_speculative_tokens_per_batch_size=[[1, 2, 4], [3, 8, 2]]), 3, always, 10)
+        assert capped.max() == 2 and capped[-1].tolist() == [2, 2, 2]
+        off = simulate(_schedule(InjectedCosts(0.01), schedule=schedule, disable_by_batch_size=3), 3, always, 10)
+        assert off.max() == 0
+
+
+def test_schedule_stats_count_decisions():
+    schedule = _schedule(InjectedCosts(0.1))
+    simulate(schedule, 2, lambda step, limits: [limits[0], 0], steps=30)
+    rows = schedule.finish()
+    assert all(sum(r.k_histogram) == 30 for r in rows)
+    assert rows[0].plain_steps == 0 and rows[1].plain_steps > 20
+    assert rows[0].measured_acceptance_rate == 1.0 and rows[1].measured_acceptance_rate == 0.0
+    assert rows[0].estimated_acceptance_rate > 0.9

@@ -1,0 +1,91 @@
+"""The decision rule as a pure function: acceptance estimates and a step-time curve in, per-row limits out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hf_specdec.schedule.decision import decide, expected_accepted, row_lengths, width_ladder
+
+
+def _decide(acceptance, slope, probe=None, widths=None, probe_length=2):
+    acceptance = np.asarray(acceptance, dtype=float)
+    batch, max_k = acceptance.shape
+    step_time = 1.0 + slope * np.arange(max_k + 1)
+    return decide(acceptance, step_time, [True] * batch, probe or [False] * batch,
+                  widths or list(range(max_k + 1)), probe_length)
+
+
+def test_expected_accepted_is_the_sum_of_reach_probabilities():
+    got = expected_accepted(np.array([[0.5, 0.5, 1.0], [1.0, 0.0, 1.0]]))
+    np.testing.assert_allclose(got, [[0, 0.5, 0.75, 1.0], [0, 1.0, 1.0, 1.0]])
+
+
+def test_zero_acceptance_decodes_plainly():
+    decision = _decide(np.zeros((3, 5)), slope=0.05)
+    assert decision.width == 0 and decision.limits == (0, 0, 0)
+    assert decision.expected_tokens == 3.0
+
+
+def test_high_acceptance_and_cheap_drafting_drafts_the_maximum():
+    decision = _decide(np.full((2, 5), 0.9), slope=0.02)
+    assert decision.width == 5 and decision.limits == (5, 5)
+
+
+def test_costly_positions_shorten_the_draft():
+    """reach 0.8, 0.64, 0.51, 0.41, 0.33 against a marginal cost of 0.45 plain steps per position: the row's own
+    prefix keeps 3 positions (reach >= 0.45); tokens per unit time, (1 + 0.8 + 0.64) / 1.9 = 1.284 at width 2
+    against 2.952 / 2.35 = 1.256 at width 3, take 2."""
+    acceptance = np.full((1, 5), 0.8)
+    assert row_lengths(acceptance, 1.0 + 0.45 * np.arange(6)).tolist() == [3]
+    assert _decide(acceptance, slope=0.45).width == 2
+    assert _decide(acceptance, slope=0.9).width == 0  # not even the first position pays
+
+
+def test_longer_drafts_when_acceptance_is_higher():
+    widths = [_decide(np.full((1, 6), a), slope=0.2).width for a in (0.1, 0.4, 0.6, 0.8, 0.95)]
+    assert widths == sorted(widths) and widths[0] == 0 and widths[-1] == 6
+
+
+def test_rows_get_their_own_lengths_within_the_step_width():
+    decision = _decide([[0.95] * 4, [0.5, 0.1, 0.1, 0.1], [0.0] * 4], slope=0.1)
+    assert decision.width == 4
+    assert decision.limits == (4, 1, 0)
+
+
+def test_batch_wide_rate_decides_the_width():
+    """One predictable row among many unpredictable ones: its gain does not pay for the whole batch's wider
+    step when the width costs per row."""
+    acceptance = np.vstack([np.full((1, 4), 0.9), np.zeros((15, 4))])
+    step_time = np.array([1.0, 1.3, 1.6, 1.9, 2.2])  # a wide step costs the whole batch
+    decision = decide(acceptance, step_time, [True] * 16, [False] * 16, [0, 1, 2, 3, 4], 2)
+    assert decision.width == 0
+
+
+def test_probes_draft_where_estimates_say_no():
+    decision = _decide(np.zeros((2, 4)), slope=0.05, probe=[True, False], probe_length=2)
+    assert decision.limits == (2, 0) and decision.width == 2
+
+
+def test_finished_rows_get_nothing():
+    acceptance = np.full((2, 3), 0.9)
+    decision = decide(acceptance, 1.0 + 0.01 * np.arange(4), [True, False], [False, True], [0, 1, 2, 3], 2)
+    assert decision.limits == (3, 0)
+    assert decision.expected_tokens == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+
+
+def test_width_rounds_up_to_the_ladder():
+    """Static shapes: the step takes an allowed width; rows keep their own limits below it."""
+    assert width_ladder(5) == (0, 1, 2, 4, 5)
+    assert width_ladder(1) == (0, 1)
+    acceptance = np.array([[0.99, 0.99, 0.5, 0.0, 0.0], [0.99, 0.0, 0.0, 0.0, 0.0]])
+    free = _decide(acceptance, slope=0.05)
+    assert free.width == 3 and free.limits == (3, 1)
+    laddered = _decide(acceptance, slope=0.05, widths=list(width_ladder(5)))
+    assert laddered.width == 4 and laddered.limits == (3, 1)
+
+
+def test_the_decision_reads_no_clock():
+    """Same inputs, same decision (the rule is a pure function)."""
+    acceptance = np.random.default_rng(0).uniform(size=(8, 5))
+    assert _decide(acceptance, slope=0.1) == _decide(acceptance.copy(), slope=0.1)

@@ -1,0 +1,99 @@
+"""The adaptive schedule changes how many tokens rows draft, never what they emit: greedy output equals plain
+`generate` and sampling follows the target's law, with steps where rows draft different k and steps where every
+row decodes plainly (checked: the statistics must show them)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.schedule import estimates
+from tests.conftest import make_draft, make_model, padded_batch
+from tests.decoding import test_sampling_lossless as lossless
+from tests.heads.medusa.test_model import heads_for
+
+
+@pytest.fixture
+def mixed_priors(monkeypatch):
+    """Rows start from different acceptance estimates (row b: 0, 0.3, 0.95 for b % 3 = 0, 1, 2): from the first
+    step, some rows draft k, some fewer, some none, so the steps mix limits."""
+    make = estimates.AcceptanceEstimate.__init__
+
+    def init(self, batch_size, max_k):
+        make(self, batch_size, max_k)
+        priors = np.array([0.0, 0.3, 0.95])[np.arange(batch_size) % 3]
+        self.values = priors[:, None] * np.ones((1, max_k))
+
+    monkeypatch.setattr(estimates.AcceptanceEstimate, "__init__", init)
+
+
+def _configs(target):
+    return {
+        "draft": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=4),
+        "random_draft_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
+                                               tree_width=2),
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        "medusa_tree": SpeculativeConfig(method="medusa", heads=heads_for(target),
+                                         tree_paths=[(0,), (1,), (0, 0), (1, 0)]),
+        "auto": SpeculativeConfig(method="auto", draft_model=copy.deepcopy(target), num_speculative_tokens=3),
+    }
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+def test_adaptive_greedy_matches_plain_generate(arch, static, mixed_priors):
+    target = make_model(arch)
+    ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    extra = {"cache_implementation": "static"} if static else {}
+    for name, config in _configs(target).items():
+        if static and name == "auto":
+            continue  # auto with a draft model needs dynamic shapes
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs, **extra)
+        assert torch.equal(out.sequences, expected), f"{arch}/{name}"
+        schedule = out.spec_stats.schedule
+        assert schedule.schedule == "adaptive"
+        histogram = schedule.k_histogram
+        assert histogram[0] > 0 and sum(histogram[1:]) > 0, (name, histogram)  # plain and drafting row-steps
+        if name in ("draft", "auto"):  # copies of the target: accepted wherever drafted
+            assert out.spec_stats.num_accepted_tokens > 0, name
+
+
+def test_fixed_schedule_reproduces_the_fixed_statistics():
+    """`schedule="fixed"` is today's engine: no schedule statistics, the same counts whatever the estimates."""
+    target = make_model("llama")
+    ids, mask = padded_batch([12, 7, 10], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    config = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=4,
+                               schedule="fixed")
+    stats = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs).spec_stats
+    assert stats.schedule is None
+    assert stats.target_forward_passes == 1 + -(-23 // 5) and stats.acceptance_rate == 1.0
+
+
+ADAPTIVE_PROPOSERS = ("noisy_draft", "ngram", "medusa_tree", "eagle", "noisy_draft_dynamic_tree")
+
+
+@pytest.mark.parametrize("name", ADAPTIVE_PROPOSERS)
+def test_adaptive_sampling_matches_exact_target_law(name, mixed_priors):
+    """The chi-square test of tests/decoding/test_sampling_lossless.py with rows drafting 0, some or all of k in
+    the step that shapes the tested tokens; its power is checked there, and drafts are checked here."""
+    target = lossless.make_target()
+    law = lossless.exact_law(target, lossless.TEMPERATURE)
+    config = lossless.PROPOSERS[name](target)
+    prompts = lossless.PROMPT.expand(lossless.N, -1)
+    out = hf_specdec.generate(target, prompts, attention_mask=torch.ones_like(prompts), speculative=config,
+                              max_new_tokens=lossless.NEW_TOKENS, do_sample=True, temperature=lossless.TEMPERATURE,
+                              top_k=lossless.TOP_K, top_p=1.0, return_dict_in_generate=True)
+    histogram = out.spec_stats.schedule.k_histogram
+    assert histogram[0] > 1000 and sum(histogram[1:]) > 1000, histogram
+    assert out.spec_stats.num_accepted_tokens > 0
+    samples = out.sequences[:, lossless.PROMPT.shape[1]:]
+    pvalues = lossless.chi_square_pvalues(samples, law)
+    assert lossless.accepted(pvalues), f"{name}: p = {pvalues}"
