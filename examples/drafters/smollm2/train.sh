@@ -3,11 +3,11 @@
 #
 #     bash examples/drafters/smollm2/train.sh [draft|medusa|eagle|eagle3 ...]   (default: all four)
 #
-# The target writes its own answers to the prompts of prompts.jsonl once (greedy, up to 256 tokens, bfloat16); every
+# The target writes its own answers to the prompts of prompts.jsonl once (greedy, up to 192 tokens, bfloat16); every
 # trainer reads those rows and the target's cached features (EAGLE-1/2, Medusa and the draft share the final hidden
 # states, EAGLE-3 has its fused layers), so only the first run pays for them. Work files go to $WORK (default
 # ~/.cache/hf_specdec/smollm2-drafters, several GB); each drafter lands in $WORK/<kind> with train_metrics.json,
-# and is copied here in bfloat16. THREADS (default 2) sets the torch threads; NUM_SAMPLES (default 1536) how many
+# and is copied here in bfloat16. THREADS (default 2) sets the torch threads; NUM_SAMPLES (default 640) how many
 # prompts of prompts.jsonl the target answers (the first ones).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -15,9 +15,9 @@ HERE=examples/drafters/smollm2
 WORK=${WORK:-$HOME/.cache/hf_specdec/smollm2-drafters}
 THREADS=${THREADS:-2}
 BASE=$(python -c "from hf_specdec.testbed.real_model import ensure_smollm2; print(ensure_smollm2())")
-PROMPTS=${NUM_SAMPLES:-1536}
-COMMON=(--base "$BASE" --data "$HERE/prompts.jsonl" --prompt-records --num-samples "$PROMPTS" --max-new-tokens 256
-        --seq-len 768 --generate-batch-size 64 --generated-data "$WORK/generated_data.safetensors"
+PROMPTS=${NUM_SAMPLES:-640}
+COMMON=(--base "$BASE" --data "$HERE/prompts.jsonl" --prompt-records --num-samples "$PROMPTS" --max-new-tokens 192
+        --seq-len 512 --generate-batch-size 64 --generated-data "$WORK/generated_data.safetensors"
         --target-dtype bfloat16 --mixed-precision bf16 --threads "$THREADS" --save-every 100)
 FINAL=(--feature-cache "$WORK/features_final")
 
@@ -32,13 +32,13 @@ for kind in "${@:-eagle3 eagle medusa draft}"; do
         begin=$SECONDS
         case $one in
             eagle3) train eagle3 eagle "${COMMON[@]}" --feature-cache "$WORK/features_eagle3" --version eagle3 \
-                        --draft-vocab-size 8192 --ttt-steps 4 --steps 600 --batch-size 8 --learning-rate 1e-3 \
+                        --draft-vocab-size 8192 --ttt-steps 4 --steps 400 --batch-size 8 --learning-rate 1e-3 \
                         --warmup-steps 40 ;;
-            eagle) train eagle eagle "${COMMON[@]}" "${FINAL[@]}" --version eagle --steps 400 --batch-size 8 \
+            eagle) train eagle eagle "${COMMON[@]}" "${FINAL[@]}" --version eagle --steps 300 --batch-size 8 \
                        --learning-rate 1e-3 --warmup-steps 30 ;;
-            medusa) train medusa medusa "${COMMON[@]}" "${FINAL[@]}" --num-heads 4 --shared-lm-head --steps 300 \
+            medusa) train medusa medusa "${COMMON[@]}" "${FINAL[@]}" --num-heads 4 --shared-lm-head --steps 200 \
                         --batch-size 4 --learning-rate 1e-3 --warmup-steps 20 --tree-nodes 32 ;;
-            draft) train draft draft "${COMMON[@]}" "${FINAL[@]}" --target-layers 0 1 -1 --steps 300 \
+            draft) train draft draft "${COMMON[@]}" "${FINAL[@]}" --target-layers 0 1 -1 --steps 200 \
                        --batch-size 4 --learning-rate 3e-4 --warmup-steps 20 ;;
             *) echo "unknown drafter $one (expected draft, medusa, eagle, eagle3)" >&2; exit 2 ;;
         esac
