@@ -14,7 +14,7 @@ SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 MAX_SPECULATIVE_TOKENS = 64
 DEFAULT_SPECULATIVE_TOKENS = 5
 # methods a suffix config may fall back to when its draft scores low (hybrid drafting)
-FALLBACK_METHODS = ("draft", "ngram", "medusa", "eagle")
+FALLBACK_METHODS = ("draft", "medusa", "eagle")
 
 
 @dataclass
@@ -99,7 +99,7 @@ class SpeculativeConfig:
     )
     fallback: Any = field(
         default=None,
-        metadata={"help": "suffix: hybrid drafting: a SpeculativeConfig (method 'draft', 'ngram', 'medusa' or "
+        metadata={"help": "suffix: hybrid drafting: a SpeculativeConfig (method 'draft', 'medusa' or "
                           "'eagle') whose drafter proposes for a row in a step where the suffix draft scores below "
                           "fallback_min_score"},
     )
