@@ -7,13 +7,16 @@ from typing import Any, Literal, get_args
 
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
 
-SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "auto"]
+SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "suffix", "auto"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 Schedule = Literal["adaptive", "fixed"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 # Beyond this many draft tokens per step the verify forward is mostly wasted work; vLLM caps at 128.
 MAX_SPECULATIVE_TOKENS = 64
+DEFAULT_SPECULATIVE_TOKENS = 5
+# methods a suffix config may fall back to when its draft scores low (hybrid drafting)
+FALLBACK_METHODS = ("draft", "medusa", "eagle")
 
 
 @dataclass
@@ -34,7 +37,11 @@ class SpeculativeConfig:
             "rank-sum <= 2 paths over fewer heads); None for a chain"
         },
     )
-    num_speculative_tokens: int = field(default=5, metadata={"help": "draft tokens proposed per step (k)"})
+    num_speculative_tokens: int | None = field(
+        default=None,
+        metadata={"help": f"draft tokens proposed per step (k); default {DEFAULT_SPECULATIVE_TOKENS}, and for "
+                          "method='suffix' max_tree_depth (a maximum: a suffix draft is as long as its score allows)"},
+    )
     prompt_lookup_min: int = field(default=1, metadata={"help": "shortest n-gram the ngram proposer matches"})
     prompt_lookup_max: int = field(default=3, metadata={"help": "longest n-gram the ngram proposer matches"})
     tree_width: int = field(
@@ -84,6 +91,44 @@ class SpeculativeConfig:
             "(sorted, non-overlapping; k = 0 turns speculation off there)"
         },
     )
+    # method='suffix' (suffix decoding; vLLM's suffix_decoding_* options, with vLLM's defaults)
+    max_tree_depth: int = field(
+        default=24,
+        metadata={"help": "suffix: longest token string the suffix trees count (a match of m tokens drafts at most "
+                          "max_tree_depth - m)"},
+    )
+    max_cached_requests: int = field(
+        default=10000,
+        metadata={"help": "suffix: outputs of earlier requests kept in the global tree, first in first out; 0 keeps "
+                          "none (each request drafts from its own prompt and output only)"},
+    )
+    max_spec_factor: float = field(
+        default=1.0,
+        metadata={"help": "suffix: a match of m tokens drafts at most m * max_spec_factor + max_spec_offset tokens"},
+    )
+    max_spec_offset: float = field(default=0.0, metadata={"help": "suffix: see max_spec_factor"})
+    min_token_prob: float = field(
+        default=0.1,
+        metadata={"help": "suffix: a draft token is proposed while its running probability (the product of count "
+                          "ratios from the match) is at least this, in (0, 1]"},
+    )
+    suffix_cache: Any = field(
+        default=None,
+        metadata={"help": "suffix: a hf_specdec.suffix.SuffixCache to draft from and add outputs to (shared by every "
+                          "call given it); None: the process-wide cache for these suffix settings"},
+    )
+    fallback: Any = field(
+        default=None,
+        metadata={"help": "suffix: hybrid drafting: a SpeculativeConfig (method 'draft', 'medusa' or "
+                          "'eagle') whose drafter proposes for a row in a step where the suffix draft scores below "
+                          "fallback_min_score"},
+    )
+    fallback_min_score: float | None = field(
+        default=None,
+        metadata={"help": "suffix with a fallback: a row drafts from the suffix trees when its suffix draft's score "
+                          "(the expected number of accepted tokens) is at least this, else from the fallback; None: "
+                          "the fallback's draft depth (its k), as ArcticInference decides"},
+    )
     # EAGLE's names for the dynamic tree, accepted as aliases: top_k = tree_width, depth = num_speculative_tokens,
     # total_tokens = tree_total_tokens
     top_k: InitVar[int | None] = None
@@ -106,6 +151,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"SpeculativeConfig.method: unknown method {self.method!r}; expected one of {list(SPEC_METHODS)}"
             )
+        self._check_suffix()
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = (self.max_tree_depth if self.method == "suffix"
+                                           else DEFAULT_SPECULATIVE_TOKENS)
         if self.method == "draft":
             if self.draft_model is None:
                 raise ValueError(
@@ -201,6 +250,84 @@ class SpeculativeConfig:
             self.num_speculative_tokens_per_batch_size = check_batch_size_schedule(
                 self.num_speculative_tokens_per_batch_size, self.num_speculative_tokens)
 
+    def _check_suffix(self) -> None:
+        """The suffix settings: only for method='suffix', valid, and agreeing with a `suffix_cache` given (whose
+        settings they then take)."""
+        from hf_specdec.suffix import SuffixCache, SuffixConfig
+
+        names = SUFFIX_FIELDS + ("suffix_cache", "fallback", "fallback_min_score")
+        defaults = {f.name: f.default for f in fields(self)}
+        if self.method != "suffix":
+            given = [name for name in names if getattr(self, name) != defaults[name]]
+            if given:
+                raise ValueError(
+                    f"SpeculativeConfig.{given[0]}: a suffix decoding setting; only method='suffix' uses it, got "
+                    f"method={self.method!r}"
+                )
+            return
+        if self.tree_width != 1 or self.tree_total_tokens is not None:
+            raise ValueError(
+                "SpeculativeConfig.tree_width: suffix drafts are token trees already (num_speculative_tokens nodes, "
+                "chosen best first by frequency); drop tree_width / tree_total_tokens with method='suffix'"
+            )
+        if self.suffix_cache is not None:
+            if not isinstance(self.suffix_cache, SuffixCache):
+                raise ValueError(
+                    f"SpeculativeConfig.suffix_cache: expected a hf_specdec.suffix.SuffixCache, got "
+                    f"{describe(self.suffix_cache)}"
+                )
+            own = self.suffix_cache.config
+            for name, own_name in zip(SUFFIX_FIELDS, SUFFIX_CONFIG_FIELDS):
+                value, cached = getattr(self, name), getattr(own, own_name)
+                if value not in (defaults[name], cached):
+                    raise ValueError(
+                        f"SpeculativeConfig.{name}={value!r} conflicts with the suffix_cache's {cached!r} (a cache "
+                        f"keeps its own settings); drop {name} or build the SuffixCache with it"
+                    )
+                setattr(self, name, cached)
+        else:
+            try:
+                SuffixConfig(**{own: getattr(self, name) for name, own in zip(SUFFIX_FIELDS, SUFFIX_CONFIG_FIELDS)})
+            except ValueError as error:
+                message = str(error)
+                for name, own in zip(SUFFIX_FIELDS, SUFFIX_CONFIG_FIELDS):
+                    message = message.replace(f"SuffixConfig.{own}:", f"SpeculativeConfig.{name}:")
+                raise ValueError(message) from None
+        fallback = self.fallback
+        if fallback is not None:
+            if not isinstance(fallback, SpeculativeConfig) or fallback.method not in FALLBACK_METHODS:
+                got = f"method={fallback.method!r}" if isinstance(fallback, SpeculativeConfig) else describe(fallback)
+                raise ValueError(
+                    f"SpeculativeConfig.fallback: expected a SpeculativeConfig with method in {list(FALLBACK_METHODS)} "
+                    f"(the drafter used where the suffix draft scores low), got {got}"
+                )
+            if fallback.seed is not None or fallback.lossy_typical_acceptance:
+                raise ValueError(
+                    "SpeculativeConfig.fallback: its seed and lossy_typical_acceptance are not used (sampling and "
+                    "verification follow the outer config); set them on the outer SpeculativeConfig"
+                )
+        score = self.fallback_min_score
+        if score is not None:
+            if fallback is None:
+                raise ValueError(
+                    "SpeculativeConfig.fallback_min_score: decides when the fallback drafter proposes; pass fallback= "
+                    "too, or drop it"
+                )
+            if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0 <= score < float("inf"):
+                raise ValueError(f"SpeculativeConfig.fallback_min_score: expected a finite number >= 0, got {score!r}")
+
+    @property
+    def min_suffix_score(self) -> float:
+        """Hybrid drafting: the suffix draft's score at which a row drafts from it rather than the fallback."""
+        if self.fallback_min_score is not None:
+            return float(self.fallback_min_score)
+        return float(self.fallback.max_draft_depth)
+
+    def suffix_config(self):
+        """The suffix trees' settings (`hf_specdec.suffix.SuffixConfig`) for method='suffix'."""
+        from hf_specdec.suffix import SuffixConfig
+
+        return SuffixConfig(**{own: getattr(self, name) for name, own in zip(SUFFIX_FIELDS, SUFFIX_CONFIG_FIELDS)})
 
     @property
     def max_draft_depth(self) -> int:
@@ -209,6 +336,10 @@ class SpeculativeConfig:
             return self.num_speculative_tokens
         return max(self.num_speculative_tokens, TreeTemplate.from_paths(self.tree_paths).max_depth)
 
+
+# SpeculativeConfig's suffix settings (vLLM's names) and the SuffixConfig fields they set
+SUFFIX_FIELDS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob")
+SUFFIX_CONFIG_FIELDS = ("max_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob")
 
 # the class each head-based method takes, as users import it
 HEADS_CLASS = {"medusa": "hf_specdec.heads.MedusaHeads", "eagle": "hf_specdec.heads.EagleHead"}

@@ -62,11 +62,12 @@ def _assistant_fields(assistant: Any, spec_method: str | None) -> dict[str, Any]
     method = spec_method
     if method is None:
         method = next((m for m in HEADS_CLASS if isinstance(assistant, heads_class(m))), "draft")
-    if method == "ngram":
+    if method in ("ngram", "suffix"):
         if assistant is not None:
+            fallback = " (a fallback drafter: speculative=SpeculativeConfig(method='suffix', fallback=...))"
             raise ValueError(
-                f"assistant=: spec_method='ngram' drafts from the prompt and takes no assistant, got "
-                f"{describe(assistant)}; drop assistant={method_hint(assistant)}"
+                f"assistant=: spec_method={method!r} drafts from the text and takes no assistant, got "
+                f"{describe(assistant)}; drop assistant={method_hint(assistant)}{fallback if method == 'suffix' else ''}"
             )
         return {"method": method}
     if assistant is None:

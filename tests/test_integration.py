@@ -184,7 +184,7 @@ NGRAM = SpeculativeConfig(method="ngram")
         (dict(speculative=NGRAM, prefix_allowed_tokens_fn=lambda b, ids: [3]), "prefix_allowed_tokens_fn"),
         (dict(speculative=NGRAM, assistant=make_draft()), "assistant=: conflicts with speculative's draft_model"),
         (dict(spec_method="ngram", assistant=make_draft()),
-         "assistant=: spec_method='ngram' drafts from the prompt and takes no assistant, got a LlamaForCausalLM"),
+         "assistant=: spec_method='ngram' drafts from the text and takes no assistant, got a LlamaForCausalLM"),
         (dict(spec_method="medusa", assistant=EAGLE),
          "assistant=: spec_method='medusa' needs hf_specdec.heads.MedusaHeads, got an EagleHead; an EagleHead is for "
          "method='eagle'"),
@@ -196,7 +196,7 @@ NGRAM = SpeculativeConfig(method="ngram")
         (dict(speculative="ngram"), "speculative: expected a hf_specdec.SpeculativeConfig"),
         (dict(spec_method="draft"), "spec_method='draft' needs assistant="),
         (dict(spec_method="eagle"), "spec_method='eagle' needs assistant="),
-        (dict(spec_method="suffix"), "spec_method='suffix': unknown method"),
+        (dict(spec_method="lookahead"), "spec_method='lookahead': unknown method"),
         (dict(assistant=make_draft(vocab=1000)), "vocabulary size 1000 does not match the target's 128"),
     ],
 )

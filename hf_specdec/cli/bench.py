@@ -4,6 +4,10 @@ Cases: `plain` (model.generate), hf_specdec `draft`, `ngram`, `medusa`, `eagle` 
 draft and head cases use the drafters committed for the test bed or, with `--model smollm2`, for SmolLM2-135M-Instruct
 unless a folder is given; with --tree-width w > 1 Medusa uses the tree fitted to its heads, and EAGLE and the draft
 model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes, k * w by default), and transformers' native
+`suffix` (suffix decoding, k its most draft tokens a step) and the hybrids `suffix+eagle` / `suffix+draft` (suffix
+drafts where they score at least the fallback's k, the EAGLE-1/2 head's or the draft model's chain of k otherwise);
+each suffix case has a cache of its own, emptied before every pass over the prompts, so a pass measures requests
+drafting from the outputs of the requests before them in that pass. And transformers' native
 `hf-assistant` (`assistant_model=`, drafting exactly k tokens a round) and `hf-lookup` (`prompt_lookup_num_tokens=k`);
 the native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is
 checked against plain generate's. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
@@ -51,15 +55,16 @@ from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tok
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.pruned_draft import CONFIG_KEY as PRUNED_KEY
 from hf_specdec.pruned_draft import load_pruned_draft
+from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.loading import testbed_dir
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "auto", "hf-assistant", "hf-lookup",
-         "hf-early-exit")
+CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "suffix", "suffix+eagle", "suffix+draft", "auto",
+         "hf-assistant", "hf-lookup", "hf-early-exit")
 # hf_specdec's cases, which run under each --schedule
-SCHEDULED_CASES = ("draft", "ngram", "medusa", "eagle", "eagle3", "auto")
+SCHEDULED_CASES = ("draft", "ngram", "medusa", "eagle", "eagle3", "suffix", "suffix+eagle", "suffix+draft", "auto")
 # an unpredictable workload: random token ids (nothing to look up, nothing a draft can guess)
 RANDOM_WORKLOAD, RANDOM_PROMPT_TOKENS = "random", 48
 # cases drafting with heads, and the option naming their folder
@@ -67,10 +72,12 @@ HEAD_CASES = {"medusa": "heads", "eagle": "eagle_head", "eagle3": "eagle3_head"}
 NATIVE_CASES = ("hf-assistant", "hf-lookup", "hf-early-exit")
 # each hf_specdec case and transformers' path it is compared with (same draft or lookup, same k, a chain)
 MATCHING_NATIVE = {"draft": "hf-assistant", "ngram": "hf-lookup"}
+# hybrid suffix cases and the case whose drafter they fall back to (with the same k)
+HYBRID_CASES = {"suffix+eagle": "eagle", "suffix+draft": "draft"}
 TESTBED_WORKLOADS = ("completion", "edit", "long")
-CHAT_WORKLOADS = ("spec-bench", "code")
+CHAT_WORKLOADS = ("spec-bench", "code", "repeat")
 OVERALL = "overall"
-NEEDS_DRAFT = ("draft", "hf-assistant")
+NEEDS_DRAFT = ("draft", "hf-assistant", "suffix+draft")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT_LOOKUP_MAX = 3
 LOW_EFFICIENCY = 0.8
@@ -103,8 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="edit",
                         choices=(*TESTBED_WORKLOADS, *CHAT_WORKLOADS, RANDOM_WORKLOAD),
                         help="test-bed prompts (completion, edit, long; default edit, where lookup shines), or for a "
-                             "chat model Spec-Bench's questions (spec-bench: per category and overall) or coding "
-                             "requests (code), through the model's chat template")
+                             "chat model Spec-Bench's questions (spec-bench: per category and overall), coding "
+                             "requests (code), or the repeated-task session (repeat: --num-prompts coding requests "
+                             "and MT-bench questions, then the requests again with small variations and the "
+                             "questions' second turns; see hf_specdec.testbed.repeated_tasks), through the model's "
+                             "chat template")
     parser.add_argument("--categories", nargs="+", default=None,
                         help="spec-bench: the categories to run (default: all six)")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -194,6 +204,7 @@ def _methods(args: argparse.Namespace) -> list[str]:
     committed = _committed(args)
 
     def has_drafter(case: str) -> bool:
+        case = HYBRID_CASES.get(case, case)
         kind = "draft" if case in NEEDS_DRAFT else case if case in HEAD_CASES else None
         if kind is None:
             return True
@@ -204,7 +215,8 @@ def _methods(args: argparse.Namespace) -> list[str]:
         return [c for c in CASES if has_drafter(c)]
     for case in args.methods:
         if not has_drafter(case):
-            option = "--" + HEAD_CASES[case].replace("_", "-") if case in HEAD_CASES else "--draft"
+            base = HYBRID_CASES.get(case, case)
+            option = "--" + HEAD_CASES[base].replace("_", "-") if base in HEAD_CASES else "--draft"
             given = "--model" if args.model is not None else "--target"
             raise SystemExit(f"error: --method {case} with {given} needs {option} (drafters are committed for the "
                              "test bed and for --model smollm2 only)")
@@ -242,6 +254,10 @@ def _method_config(case: str, draft, k: int, tree_width: int, heads: dict | None
     if case == "auto":  # n-gram lookup, and the draft model and Medusa heads when loaded
         return SpeculativeConfig(method="auto", draft_model=draft, heads=(heads or {}).get("medusa"),
                                  num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX)
+    if case == "suffix" or case in HYBRID_CASES:  # a cache of its own, emptied before each pass (`_measure`)
+        fallback = _method_config(HYBRID_CASES[case], draft, k, 1, heads) if case in HYBRID_CASES else None
+        return SpeculativeConfig(method="suffix", num_speculative_tokens=k, suffix_cache=SuffixCache(),
+                                 fallback=fallback)
     if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default)
         return SpeculativeConfig(method="medusa", heads=heads[case], num_speculative_tokens=k,
                                  tree_paths=heads[case].tree() if tree_width > 1 else None)
@@ -274,7 +290,20 @@ def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, h
                                                  num_assistant_tokens_schedule="constant",
                                                  assistant_confidence_threshold=0.0, **kw)
     config = _speculative_config(case, draft, k, tree_width, heads, tree_nodes, schedule)
-    return lambda ids, **kw: hf_specdec.generate(target, ids, speculative=config, **SPECULATIVE_OUTPUTS, **kw)
+
+    def generate(ids, **kw):
+        return hf_specdec.generate(target, ids, speculative=config, **SPECULATIVE_OUTPUTS, **kw)
+
+    generate.suffix_cache = config.suffix_cache
+    return generate
+
+
+def _empty_suffix_cache(generate: Callable[..., Any]) -> None:
+    """Suffix cases start every pass over the prompts with an empty cache: each pass sees the same requests in the
+    same order, later ones drafting from the outputs of earlier ones in the pass."""
+    cache = getattr(generate, "suffix_cache", None)
+    if cache is not None:
+        cache.clear()
 
 
 def _add_counts(total: list[int], counts: list[int]) -> list[int]:
@@ -293,6 +322,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
                     schedule=schedule, identical=None if kwargs.get("do_sample") else True)
     outputs = []
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft if case in NEEDS_DRAFT else None)
+    _empty_suffix_cache(generate)
     start = time.perf_counter()
     try:  # instrumented run: counts, component costs, statistics, and the output check
         for index, (ids, mask) in enumerate(batches):
@@ -323,6 +353,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     m.draft_forwards, m.draft_forward_seconds = draft_timer.calls, draft_timer.seconds
     timings = []
     for _ in range(repeats):
+        _empty_suffix_cache(generate)
         start = time.perf_counter()
         for ids, mask in batches:
             generate(ids, attention_mask=mask, **kwargs)
@@ -343,6 +374,7 @@ def _seeded(generate: Callable[..., Any]) -> Callable[..., Any]:
         torch.manual_seed(0)
         return generate(ids, **kw)
 
+    call.suffix_cache = getattr(generate, "suffix_cache", None)
     return call
 
 
@@ -353,8 +385,23 @@ class Prompt:
     ids: list[int]
 
 
-def load_prompts(args: argparse.Namespace, tokenizer, count: int) -> list[Prompt]:
-    """The workload's prompts: `count` test-bed prompts, or `count` per Spec-Bench category (or coding requests)."""
+def load_prompts(args: argparse.Namespace, tokenizer, count: int, target=None) -> list[Prompt]:
+    """The workload's prompts: `count` test-bed prompts, or `count` per Spec-Bench category (or coding requests), or
+    the repeated-task session of 4 * `count` requests (its second turns hold `target`'s greedy answers)."""
+    if args.workload == "repeat":
+        from hf_specdec.testbed.repeated_tasks import repeated_task_prompts
+
+        def answer(ids: list[int]) -> str:
+            prompt = torch.tensor([ids], device=target.device)
+            out = target.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                  pad_token_id=tokenizer.pad_token_id)
+            return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+        try:
+            prompts = repeated_task_prompts(tokenizer, answer, num_per_part=count)
+        except ValueError as error:
+            raise SystemExit(f"error: --workload repeat: {error}") from error
+        return [Prompt(category, list(ids)) for category, ids in prompts]
     if args.workload in CHAT_WORKLOADS:
         from hf_specdec.testbed.spec_bench import SPEC_BENCH_CATEGORIES, spec_bench_prompts
 
@@ -624,8 +671,9 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     committed = _committed(args)
     needs_draft = any(case in NEEDS_DRAFT for case in args.methods)
     draft = _load_draft(args.draft, target, committed) if needs_draft else None
+    wanted = {HYBRID_CASES.get(case, case) for case in args.methods}
     heads = {case: _load_heads(case, getattr(args, option), target, committed)
-             for case, option in HEAD_CASES.items() if case in args.methods}
+             for case, option in HEAD_CASES.items() if case in wanted}
     return BenchModels(tokenizer, target, draft, heads)
 
 
@@ -638,7 +686,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     models = load_models(args, dtype, state.device)
     tokenizer, target, draft, heads = models.tokenizer, models.target, models.draft, models.heads
-    prompts = load_prompts(args, tokenizer, args.num_prompts or max(args.batch_sizes))
+    prompts = load_prompts(args, tokenizer, args.num_prompts or max(args.batch_sizes), target)
     categories = list(dict.fromkeys(p.category for p in prompts))
     kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                   do_sample=args.temperature > 0, **({"temperature": args.temperature} if args.temperature else {}))
@@ -697,12 +745,16 @@ def run(args: argparse.Namespace) -> int:
         settings = {"num_processes": state.num_processes, "workload": args.workload, "categories": categories,
                     "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                     "methods": args.methods, "batch_sizes": args.batch_sizes, "ks": args.ks,
-                    "tree_widths": args.tree_widths, "schedules": args.schedules, "tree_nodes": args.tree_nodes, "temperature": args.temperature,
+                    "tree_widths": args.tree_widths, "schedules": args.schedules, "tree_nodes": args.tree_nodes,
+                    "temperature": args.temperature,
                     "model": args.model or str(args.target or "test bed")}
         if args.workload in CHAT_WORKLOADS:
+            from hf_specdec.testbed.repeated_tasks import REPEATED_TASKS_VERSION
             from hf_specdec.testbed.spec_bench import WORKLOAD_VERSION
 
             settings["chat_workload_version"] = WORKLOAD_VERSION
+            if args.workload == "repeat":
+                settings["repeated_tasks_version"] = REPEATED_TASKS_VERSION
         report = {"environment": environment(state.device, dtype), "settings": settings, "results": rows}
         args.json_path.parent.mkdir(parents=True, exist_ok=True)
         args.json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")

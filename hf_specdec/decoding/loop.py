@@ -140,9 +140,12 @@ class SpeculativeDecoder:
         input_ids: torch.Tensor,
         prompt: PromptInputs,
     ) -> DecodeState:
-        self.start(input_ids, prompt)
-        while not all(self.state.host.finished):
-            self.step()
+        try:
+            self.start(input_ids, prompt)
+            while not all(self.state.host.finished):
+                self.step()
+        finally:
+            self.proposer.finish()
         if self.streamer is not None:
             self.streamer.end()
         return self.state
@@ -450,6 +453,9 @@ def speculative_generate(
     if speculative_config is None:
         raise ValueError("speculative_config: hf_specdec's custom_generate needs a SpeculativeConfig")
     check_generation_supported(model, generation_config, model_kwargs, synced_gpus, speculative_config.method)
+    if speculative_config.fallback is not None:  # hybrid drafting: the fallback drafter's needs too
+        check_generation_supported(model, generation_config, model_kwargs, synced_gpus,
+                                   speculative_config.fallback.method)
     past = model_kwargs.get("past_key_values")
     static_cache = past if isinstance(past, StaticCache) and past is spec_user_cache else None
     decoder = SpeculativeDecoder(

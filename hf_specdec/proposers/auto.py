@@ -1,7 +1,8 @@
 """`method="auto"`: each step drafts with the proposer the schedule expects to bring the most tokens per second.
 
-The candidates are every proposer the config makes available (`AUTO_CANDIDATES`: n-gram lookup always, a draft
-model or Medusa heads when given, and any method registered later with `register_auto_candidate`). The schedule
+The candidates are every proposer the config makes available (`AUTO_CANDIDATES`: n-gram lookup and suffix
+decoding always, a draft model or Medusa heads when given, and any method registered later with
+`register_auto_candidate`). The schedule
 (`hf_specdec.schedule.controller`) keeps acceptance estimates and step times per candidate and names the step's
 proposer in `state.draft_method`; the others are told of the step (`Proposer.skip`) so they stay in step with
 the text. One proposal per step: every row drafts with the chosen proposer, each within its own limit.
@@ -43,6 +44,7 @@ register_auto_candidate("draft", lambda config: None if config.draft_model is No
     "draft", config, draft_model=config.draft_model, tree_total_tokens=config.tree_total_tokens))
 register_auto_candidate("medusa", lambda config: None if config.heads is None else _as(
     "medusa", config, heads=config.heads, tree_width=1))
+register_auto_candidate("suffix", lambda config: _as("suffix", config, tree_width=1))
 
 
 class AutoProposer(Proposer):

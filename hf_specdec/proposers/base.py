@@ -46,6 +46,9 @@ class Proposer(ABC):
     reads_emitted_tokens: bool = False
     # static shapes (`fix_shapes`): widths from the config, never from the host's lengths
     fixed_shapes: bool = False
+    # whether a step may pass without this proposer's `propose` and `commit` (a hybrid drafter skips its fallback
+    # when no row needs it): its state then catches up from the committed text at its next proposal
+    skippable: bool = True
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         """The deepest draft token a step proposes (`spec_stats` counts acceptance per position up to it)."""
@@ -95,6 +98,9 @@ class Proposer(ABC):
         """Called after `state` took the step's tokens (finished rows are marked in `state.finished`, and
         `state.host` is up to date), with what the target accepted (`result.num_accepted`, and the accepted path
         `result.path_nodes`)."""
+
+    def finish(self) -> None:
+        """Called once when the call ends (normally or not), after the last `commit`."""
 
 
 ProposerFactory = Callable[[SpeculativeConfig, torch.nn.Module, DraftSampling], Proposer]

@@ -77,6 +77,7 @@ _DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class EagleProposer(DraftModelProposer):
     needs_prompt_features = True
+    skippable = False  # a step's committed tokens are fed with that step's target features, kept one step only
 
     def __init__(self, config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> None:
         super().__init__(config, target, sampling)

@@ -75,6 +75,19 @@ class SuffixCache:
         if vocab_size is not None or tokenizer_fingerprint is not None:
             self.bind(vocab_size, tokenizer_fingerprint)
 
+    @classmethod
+    def shared(cls, config: SuffixConfig, vocab_size: int) -> SuffixCache:
+        """The process-wide cache for these settings and vocabulary size: what `SpeculativeConfig(method="suffix")`
+        drafts from when it is given no `suffix_cache`, so that later calls (with any config of the same settings)
+        draft from the outputs of earlier ones. Models whose tokenizers differ but share a vocabulary size share it
+        too (their drafts then just match less); pass each its own `suffix_cache` to keep them apart."""
+        key = (config, vocab_size)
+        with _SHARED_LOCK:
+            cache = _SHARED.get(key)
+            if cache is None:
+                cache = _SHARED[key] = cls(config, vocab_size=vocab_size)
+            return cache
+
     def _new_tree(self) -> SuffixTree:
         # drafting never takes a child under min_token_prob of its parent, so half of it is a safe index threshold
         return SuffixTree(self.config.max_depth, heavy_fraction=self.config.min_token_prob / 2)
@@ -271,3 +284,8 @@ class SuffixRequest:
 
     def __exit__(self, *exc_info: object) -> None:
         self.finish()
+
+
+# the process-wide caches of `SuffixCache.shared`, by (config, vocabulary size)
+_SHARED: dict[tuple[SuffixConfig, int], SuffixCache] = {}
+_SHARED_LOCK = threading.Lock()

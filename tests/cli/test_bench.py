@@ -139,3 +139,20 @@ def test_early_exit_and_sampling(tmp_path):
     assert rows["hf-early-exit"]["new_tokens"] > 0
     assert all(r["identical_to_plain"] is None for r in rows.values())  # sampling: not compared
     assert rows["ngram"]["speedup_vs_transformers"] is None  # hf-lookup did not run
+
+
+def test_suffix_cases_start_every_pass_with_an_empty_cache(tmp_path, monkeypatch):
+    """suffix, suffix+eagle and suffix+draft run on the test bed, exact; every pass (the instrumented one and each
+    repeat) starts from an empty cache, so the repeats time what the instrumented pass counted."""
+    from hf_specdec.suffix import SuffixCache
+
+    cleared = []
+    clear = SuffixCache.clear
+    monkeypatch.setattr(SuffixCache, "clear", lambda cache: (cleared.append(cache), clear(cache)))
+    out = tmp_path / "results.json"
+    argv = ["bench", "--method", "suffix", "suffix+eagle", "suffix+draft", *TINY, "--repeats", "2", "--json", str(out)]
+    assert main(argv) == 0
+    rows = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"plain", "suffix", "suffix+eagle", "suffix+draft"}
+    assert all(row["identical_to_plain"] for row in rows.values())
+    assert len(cleared) == 3 * 3 and len(set(map(id, cleared))) == 3  # one cache per case, 1 + 2 passes each

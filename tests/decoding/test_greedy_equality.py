@@ -10,6 +10,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.suffix import SuffixCache
 from tests.conftest import ARCHITECTURES, EOS, make_draft, make_model, padded_batch
 
 LENGTHS = [12, 7, 10]  # batch 3, left padded; longer than every sliding window in conftest
@@ -28,6 +29,11 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
         "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=4, tree_width=3),
         "random_draft_dynamic_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
                                                        tree_width=2, tree_total_tokens=5),
+        "suffix": SpeculativeConfig(method="suffix", suffix_cache=SuffixCache()),
+        # suffix rows and draft-model rows in the same steps (the score threshold sits between the two)
+        "suffix_hybrid": SpeculativeConfig(
+            method="suffix", suffix_cache=SuffixCache(), fallback_min_score=1.5,
+            fallback=SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3)),
     }
 
 

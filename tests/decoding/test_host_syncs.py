@@ -30,6 +30,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.decoding import loop
 from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
+from hf_specdec.suffix import SuffixCache
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
@@ -137,7 +138,18 @@ def _configs(target) -> dict[str, SpeculativeConfig]:
         "eagle_dynamic_tree": SpeculativeConfig(method="eagle", heads=eagle_head(target), top_k=2, depth=3,
                                                 total_tokens=5),
         "eagle3": SpeculativeConfig(method="eagle", heads=eagle_head(target, "eagle3"), num_speculative_tokens=3),
+        "suffix": SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_cache=SuffixCache()),
+        "suffix_hybrid_draft": SpeculativeConfig(
+            method="suffix", num_speculative_tokens=4, suffix_cache=SuffixCache(), fallback_min_score=2.0,
+            fallback=SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3)),
+        "suffix_hybrid_eagle": SpeculativeConfig(
+            method="suffix", num_speculative_tokens=4, suffix_cache=SuffixCache(), fallback_min_score=2.0,
+            fallback=SpeculativeConfig(method="eagle", heads=eagle_head(target), num_speculative_tokens=3)),
     }
+
+
+# hybrid drafting runs with dynamic shapes only
+DYNAMIC_ONLY = {"suffix_hybrid_draft", "suffix_hybrid_eagle"}
 
 
 # the draft model's dynamic tree reads which accepted nodes it had fed (its frontier) back from the device, unless
@@ -157,6 +169,8 @@ def test_at_most_two_host_syncs_per_verify_step(counted, sampling, static):
     if static:
         options["cache_implementation"] = "static"
     for name, config in _configs(target).items():
+        if static and name in DYNAMIC_ONLY:
+            continue
         config.seed = 0
         counter, out = counted(lambda: hf_specdec.generate(
             target, ids, attention_mask=mask, speculative=config, max_new_tokens=12, eos_token_id=None,

@@ -24,6 +24,7 @@ import hf_specdec
 import hf_specdec.verify.verifier as verifier
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import EagleConfig, EagleHead
+from hf_specdec.suffix import SuffixCache, SuffixConfig
 from hf_specdec.verify.chain import rejection_sample
 from tests.conftest import DECODER
 from tests.heads.medusa.test_model import heads_for
@@ -177,12 +178,20 @@ PROPOSERS = {
     "noisy_draft_dynamic_tree": lambda target: SpeculativeConfig(
         method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=2, tree_width=2, tree_total_tokens=4, seed=8
     ),
+    # the repeating prompt gives suffix drafts; rows drawn side by side share the global tree, so its trees branch
+    "suffix": lambda target: SpeculativeConfig(
+        method="suffix", num_speculative_tokens=3, seed=16,
+        suffix_cache=SuffixCache(SuffixConfig(max_spec_offset=2.0, min_token_prob=0.02))),
+    # suffix rows (deterministic nodes, one-hot draft distributions) and sampled draft-model rows in one proposal
+    "suffix_hybrid": lambda target: SpeculativeConfig(
+        method="suffix", num_speculative_tokens=3, suffix_cache=SuffixCache(), seed=17, fallback_min_score=1.0,
+        fallback=SpeculativeConfig(method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=2)),
 }
 
 
-# n-gram drafts rarely survive two sampled tokens; an EAGLE tree of an untrained head rarely holds the target's
+# n-gram and suffix drafts rarely survive two sampled tokens; an EAGLE tree of an untrained head rarely holds the target's
 # second token: their depth-2 paths are covered by the greedy tests
-SHALLOW = {"ngram", "ngram_tree", "eagle_dynamic_tree"}
+SHALLOW = {"ngram", "ngram_tree", "eagle_dynamic_tree", "suffix"}
 
 
 @pytest.mark.parametrize("name", sorted(PROPOSERS))

@@ -1,0 +1,166 @@
+"""Suffix decoding proposer (`SpeculativeConfig(method="suffix")`): drafts token trees from how often token strings
+followed the current context, in the row's own prompt and output so far and in the outputs of earlier requests
+(`hf_specdec.suffix`), with no draft model.
+
+Every row is one request of a `SuffixCache` (the config's `suffix_cache`, else the process-wide one for these
+settings, `SuffixCache.shared`): its local tree starts with its prompt, and each step adds the tokens the row
+emitted to the local tree and to the row's output in the cache's global tree, from a host copy of its text that the
+engine's one host read per step extends (`state.host.emitted`; no sequence is copied back). When the row finishes
+(or the call ends, or fails) its output stays in the global tree for later requests, first in first out.
+
+Each step drafts per row the best-scored tree of at most `num_speculative_tokens` nodes (`propose_suffix_draft`:
+best first by running probability, above `min_token_prob`, at most `match length * max_spec_factor +
+max_spec_offset` nodes), and the drafts go out as one token tree per row: a chain when every row's draft is one,
+else the rows' trees padded to the widest. Drafts are deterministic (point masses), so verification stays lossless
+when sampling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hf_specdec.config import SpeculativeConfig
+from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.step import DecodeState, Proposal, VerificationResult
+from hf_specdec.suffix import EMPTY_DRAFT, SuffixCache, SuffixDraft, SuffixRequest, propose_suffix_draft
+from hf_specdec.tree.tree import TokenTree
+
+
+def suffix_cache_for(config: SpeculativeConfig, target: torch.nn.Module) -> SuffixCache:
+    """The config's `suffix_cache`, tied to the target's vocabulary, else the process-wide cache for its
+    settings."""
+    vocab = int(target.config.get_text_config(decoder=True).vocab_size)
+    if config.suffix_cache is None:
+        return SuffixCache.shared(config.suffix_config(), vocab)
+    try:
+        config.suffix_cache.bind(vocab, None)
+    except ValueError as error:
+        raise ValueError(f"SpeculativeConfig.suffix_cache: {error}") from None
+    return config.suffix_cache
+
+
+class SuffixProposer(Proposer):
+    reads_emitted_tokens = True
+
+    def __init__(self, config: SpeculativeConfig, cache: SuffixCache) -> None:
+        self.k = config.num_speculative_tokens
+        self.cache = cache
+        self.context = cache.config.max_depth  # the tokens a lookup reads
+        self.text = np.zeros((0, 0), dtype=np.int64)  # [B, capacity]: each row's tokens, prompt padding included
+        self.starts: list[int] = []  # first token of each row after its left padding
+        self.ends: list[int] = []  # tokens of each row the copy holds
+        self.requests: list[SuffixRequest | None] = []
+
+    def draft_depth(self, config: SpeculativeConfig) -> int:
+        # a match of m >= 1 tokens drafts at most max_depth - m tokens
+        return max(1, min(self.k, self.context - 1))
+
+    def num_nodes(self, config: SpeculativeConfig) -> int:
+        return 1 + self.k
+
+    def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
+        self.finish()  # a proposer used for a second call starts clean
+        prompt = state.sequences[:, : state.prompt_length].cpu().numpy()  # once per call
+        self.text = np.zeros((state.batch_size, state.sequences.shape[1]), dtype=np.int64)
+        self.text[:, : state.prompt_length] = prompt
+        self.starts = state.pad_lengths.tolist()
+        self.ends = [state.prompt_length] * state.batch_size
+        self.requests = [self.cache.start_request(self.text[row, start : state.prompt_length])
+                         for row, start in enumerate(self.starts)]
+
+    def _catch_up(self, state: DecodeState) -> None:
+        """Add what the last step emitted to each row's text and trees; finished rows leave the cache's requests."""
+        host = state.host
+        for row, (length, end) in enumerate(zip(host.lengths, self.ends)):
+            request = self.requests[row]
+            if length > end:
+                new = host.emitted[row, : length - end]
+                self.text[row, end:length] = new
+                self.ends[row] = length
+                if request is not None:
+                    request.extend(new)
+            if host.finished[row] and request is not None:
+                request.finish()
+                self.requests[row] = None
+
+    def skip(self, state: DecodeState) -> None:
+        self._catch_up(state)
+
+    def drafts(self, state: DecodeState) -> list[SuffixDraft]:
+        """Each row's best suffix draft (`EMPTY_DRAFT` for finished rows and rows with no budget left)."""
+        self._catch_up(state)
+        drafts = []
+        for row, budget in enumerate(state.host_draft_budget()):
+            request = self.requests[row]
+            budget = min(budget, self.k)
+            if request is None or budget == 0:
+                drafts.append(EMPTY_DRAFT)
+                continue
+            end = self.ends[row]
+            context = self.text[row, max(self.starts[row], end - self.context) : end]
+            drafts.append(propose_suffix_draft(self.cache, request, context, budget))
+        return drafts
+
+    def propose(self, state: DecodeState) -> Proposal:
+        return self.proposal(state, self.drafts(state))
+
+    def proposal(self, state: DecodeState, drafts: list[SuffixDraft]) -> Proposal:
+        """The rows' drafts as one proposal: none when no row drafts, a chain when every draft is one (unless
+        shapes are fixed: then always a tree of 1 + k nodes), else a token tree padded to the widest row."""
+        batch, device = state.batch_size, state.sequences.device
+        widest = max((d.num_tokens for d in drafts), default=0)
+        if widest == 0:
+            none = torch.zeros(batch, 0, dtype=torch.long, device=device)
+            return Proposal.chain(state.last_tokens(), none, none.new_zeros(batch), dense=True)
+        width = self.k if self.fixed_shapes else widest
+        tokens = np.zeros((batch, 1 + width), dtype=np.int64)
+        parents = np.zeros((batch, 1 + width), dtype=np.int64)
+        valid = np.zeros((batch, 1 + width), dtype=bool)
+        parents[:, 0], valid[:, 0] = -1, True
+        max_children = 1
+        for row, draft in enumerate(drafts):
+            tokens[row, 0] = self.text[row, self.ends[row] - 1]
+            count = draft.num_tokens
+            tokens[row, 1 : 1 + count] = draft.tokens
+            parents[row, 1 : 1 + count] = np.asarray(draft.parents, dtype=np.int64) + 1
+            valid[row, 1 : 1 + count] = True
+            if count:
+                max_children = max(max_children, int(np.bincount(parents[row, 1 : 1 + count]).max()))
+        if not self.fixed_shapes and max_children == 1 and all(_is_chain(d) for d in drafts):
+            counts = torch.from_numpy(valid[:, 1:].sum(axis=1)).to(device)
+            return Proposal.chain(torch.from_numpy(tokens[:, 0]).to(device),
+                                  torch.from_numpy(tokens[:, 1:]).to(device), counts, dense=bool(valid.all()))
+        return Proposal(TokenTree(
+            token_ids=torch.from_numpy(tokens).to(device),
+            parents=torch.from_numpy(parents).to(device),
+            valid=torch.from_numpy(valid).to(device),
+            max_depth=max(d.max_depth for d in drafts),
+            max_children=max_children,
+        ))
+
+    def commit(self, state: DecodeState, result: VerificationResult) -> None:
+        self._catch_up(state)
+
+    def finish(self) -> None:
+        for request in self.requests:
+            if request is not None:
+                request.finish()
+        self.requests = []
+
+
+def _is_chain(draft: SuffixDraft) -> bool:
+    return all(parent == node - 1 for node, parent in enumerate(draft.parents))
+
+
+def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:
+    suffix = SuffixProposer(config, suffix_cache_for(config, target))
+    if config.fallback is None:
+        return suffix
+    from hf_specdec.proposers.base import build_proposer
+    from hf_specdec.proposers.hybrid import HybridProposer  # it builds on this module
+
+    return HybridProposer(suffix, build_proposer(config.fallback, target, sampling), config)
+
+
+register_proposer("suffix", _build)

@@ -1,0 +1,226 @@
+"""`SpeculativeConfig(method="suffix")`: its settings and errors, the cache shared across calls and threads, and
+hybrid drafting's per-row choice. Greedy equality on every architecture, the sampling law and host syncs are in
+tests/decoding/."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.proposers.hybrid import HybridProposer
+from hf_specdec.suffix import SuffixCache, SuffixConfig
+from tests.conftest import make_draft, make_model, padded_batch
+from tests.heads.medusa.test_model import heads_for
+from tests.proposers.test_eagle import eagle_head
+
+GREEDY = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
+
+
+def test_defaults_are_vllms():
+    config = SpeculativeConfig(method="suffix")
+    assert (config.max_tree_depth, config.max_cached_requests, config.max_spec_factor, config.max_spec_offset,
+            config.min_token_prob) == (24, 10000, 1.0, 0.0, 0.1)
+    assert config.num_speculative_tokens == 24  # vLLM: a maximum, max_tree_depth by default
+    assert SpeculativeConfig(method="ngram").num_speculative_tokens == 5
+    assert SpeculativeConfig(method="suffix", max_tree_depth=8).num_speculative_tokens == 8
+    assert config.suffix_config() == SuffixConfig()
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(max_cached_requests=-1), r"SpeculativeConfig.max_cached_requests: expected an int >= 0, got -1"),
+    (dict(min_token_prob=0.0), r"SpeculativeConfig.min_token_prob: expected a probability in \(0, 1\], got 0.0"),
+    (dict(min_token_prob=1.5), r"SpeculativeConfig.min_token_prob: expected a probability in \(0, 1\], got 1.5"),
+    (dict(max_tree_depth=0), r"SpeculativeConfig.max_tree_depth: expected an int >= 1, got 0"),
+    (dict(max_spec_factor=-1.0), r"SpeculativeConfig.max_spec_factor: expected a number >= 0"),
+    (dict(max_spec_offset=float("nan")), r"SpeculativeConfig.max_spec_offset: expected a finite number"),
+    (dict(tree_width=2), r"SpeculativeConfig.tree_width: suffix drafts are token trees already"),
+    (dict(suffix_cache="cache.safetensors"), r"SpeculativeConfig.suffix_cache: expected a hf_specdec.suffix.SuffixCache"),
+    (dict(suffix_cache=SuffixCache(SuffixConfig(max_depth=16)), max_tree_depth=8),
+     r"SpeculativeConfig.max_tree_depth=8 conflicts with the suffix_cache's 16"),
+    (dict(fallback=SpeculativeConfig(method="ngram")), r"SpeculativeConfig.fallback: expected a SpeculativeConfig with "
+                                                       r"method in \['draft', 'medusa', 'eagle'\].*method='ngram'"),
+    (dict(fallback=make_draft()), r"SpeculativeConfig.fallback: .*got a LlamaForCausalLM"),
+    (dict(fallback_min_score=2.0), r"SpeculativeConfig.fallback_min_score: decides when the fallback"),
+    (dict(fallback=SpeculativeConfig(method="draft", draft_model=make_draft(), seed=3)),
+     r"SpeculativeConfig.fallback: its seed and lossy_typical_acceptance are not used"),
+])
+def test_bad_settings_name_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(method="suffix", **options)
+
+
+def test_suffix_settings_need_method_suffix():
+    with pytest.raises(ValueError, match=r"SpeculativeConfig.min_token_prob: a suffix decoding setting; only "
+                                         r"method='suffix' uses it, got method='ngram'"):
+        SpeculativeConfig(method="ngram", min_token_prob=0.5)
+    with pytest.raises(ValueError, match=r"SpeculativeConfig.suffix_cache: a suffix decoding setting"):
+        SpeculativeConfig(method="ngram", suffix_cache=SuffixCache())
+
+
+def test_a_cache_gives_its_settings():
+    cache = SuffixCache(SuffixConfig(max_depth=12, min_token_prob=0.3))
+    config = SpeculativeConfig(method="suffix", suffix_cache=cache)
+    assert (config.max_tree_depth, config.min_token_prob, config.num_speculative_tokens) == (12, 0.3, 12)
+
+
+def test_cache_of_another_vocabulary_is_refused():
+    target = make_model("llama")
+    ids, mask = padded_batch([6, 4], seed=1)
+    config = SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(vocab_size=50000))
+    with pytest.raises(ValueError, match=r"SpeculativeConfig.suffix_cache: SuffixCache: built for a vocabulary of "
+                                         r"50000 tokens, used with one of 128"):
+        hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, **GREEDY)
+
+
+def test_outputs_feed_later_calls_first_in_first_out():
+    """Each call's rows go into the global tree; the next call with the same prompts drafts them whole; at most
+    max_cached_requests outputs are kept (a request's output takes its place when the request starts)."""
+    target = make_model("qwen2")
+    ids, mask = padded_batch([9, 5, 7], seed=2)  # no repeats: the first call has little to draft from
+    expected = target.generate(ids, attention_mask=mask, **GREEDY)
+    cache = SuffixCache(SuffixConfig(max_cached_requests=6))
+    forwards = []
+    for _ in range(3):
+        config = SpeculativeConfig(method="suffix", suffix_cache=cache)
+        out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config,
+                                  return_dict_in_generate=True, **GREEDY)
+        assert torch.equal(out.sequences, expected)
+        forwards.append(out.spec_stats.target_forward_passes)
+    assert forwards[1] < forwards[0] / 2, forwards
+    assert cache.num_requests == 6  # 9 outputs, the oldest 3 evicted
+    assert cache.num_tokens == 6 * GREEDY["max_new_tokens"]
+
+
+def test_process_wide_cache_without_suffix_cache():
+    target = make_model("llama")
+    ids, mask = padded_batch([7], seed=9)
+    config = SpeculativeConfig(method="suffix", max_cached_requests=7)  # settings of no other test
+    hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, **GREEDY)
+    shared = SuffixCache.shared(config.suffix_config(), 128)
+    assert shared.num_requests == 1
+    hf_specdec.generate(target, ids, attention_mask=mask,
+                        speculative=SpeculativeConfig(method="suffix", max_cached_requests=7), **GREEDY)
+    assert shared.num_requests == 2
+
+
+def test_threads_share_one_cache():
+    """Concurrent generate calls in threads, one cache: every output is plain generate's, every output is cached."""
+    target = make_model("llama")
+    cache = SuffixCache(SuffixConfig(max_cached_requests=1000))
+    batches = [padded_batch([8, 6], seed=seed, repeat_period=4) for seed in range(4)]
+    expected = [target.generate(ids, attention_mask=mask, **GREEDY) for ids, mask in batches]
+    results, errors = {}, []
+
+    def work(index: int) -> None:
+        try:
+            ids, mask = batches[index % 4]
+            for _ in range(2):
+                config = SpeculativeConfig(method="suffix", suffix_cache=cache)
+                results[index] = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, **GREEDY)
+                assert torch.equal(results[index], expected[index % 4])
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert cache.num_requests == 8 * 2 * 2
+    assert cache.num_tokens == 8 * 2 * 2 * GREEDY["max_new_tokens"]
+
+
+class Explode(StoppingCriteria):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls > 3:
+            raise RuntimeError("boom")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_a_failed_call_leaves_its_partial_outputs_finished():
+    target = make_model("llama")
+    ids, mask = padded_batch([8, 6], seed=1, repeat_period=3)
+    cache = SuffixCache()
+    config = SpeculativeConfig(method="suffix", suffix_cache=cache)
+    with pytest.raises(RuntimeError, match="boom"):
+        hf_specdec.generate(target, ids, attention_mask=mask, speculative=config,
+                            stopping_criteria=StoppingCriteriaList([Explode()]), **GREEDY)
+    assert cache.num_requests == 2
+    with cache.reading() as tree:
+        assert not tree._active  # no output left open
+
+
+def _hybrid(target, fallback: SpeculativeConfig, min_score: float | None):
+    return SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback,
+                             fallback_min_score=min_score)
+
+
+@pytest.mark.parametrize("kind", ["draft", "medusa", "eagle"])
+def test_hybrid_takes_the_fallback_where_the_suffix_score_is_low(kind, monkeypatch):
+    """Threshold 0: every row drafts from the suffix trees; a threshold no draft reaches: every row from the
+    fallback; the default (the fallback's k): both, in the same calls. Output exact throughout."""
+    target = make_model("llama")
+    fallbacks = {
+        "draft": lambda: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3),
+        "medusa": lambda: SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=2),
+        "eagle": lambda: SpeculativeConfig(method="eagle", heads=eagle_head(target), num_speculative_tokens=3),
+    }
+    ids, mask = padded_batch([10, 6, 8], seed=3, repeat_period=4)
+    expected = target.generate(ids, attention_mask=mask, **GREEDY)
+    built = []
+    init = HybridProposer.__init__
+
+    def spy(self, *args):
+        init(self, *args)
+        built.append(self)
+
+    monkeypatch.setattr(HybridProposer, "__init__", spy)
+    counts = {}
+    for min_score in (0.0, None, 1000.0):
+        config = _hybrid(target, fallbacks[kind](), min_score)
+        out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, **GREEDY)
+        assert torch.equal(out, expected), (kind, min_score)
+        counts[min_score] = (built[-1].suffix_drafts, built[-1].fallback_drafts)
+    assert counts[0.0][1] == 0 and counts[0.0][0] > 0, counts
+    assert counts[1000.0][0] == 0 and counts[1000.0][1] > 0, counts
+    assert counts[None][0] > 0 and counts[None][1] > 0, counts
+
+
+def test_hybrid_skips_a_draft_model_that_no_row_needs():
+    target = make_model("llama")
+    draft = make_draft()
+    calls = []
+    draft.register_forward_hook(lambda *args: calls.append(1))
+    ids, mask = padded_batch([10, 6], seed=3, repeat_period=4)
+    config = _hybrid(target, SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3), 0.0)
+    hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, **GREEDY)
+    assert len(calls) == 1  # its prefill only
+
+
+def test_hybrid_refuses_static_shapes():
+    target = make_model("llama")
+    ids, mask = padded_batch([6, 4], seed=1)
+    config = _hybrid(target, SpeculativeConfig(method="draft", draft_model=make_draft()), None)
+    with pytest.raises(ValueError, match=r"SpeculativeConfig.fallback: hybrid drafting runs with dynamic shapes"):
+        hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, cache_implementation="static",
+                            **GREEDY)
+
+
+def test_hybrid_checks_what_the_fallback_needs():
+    target = make_model("llama")
+    ids, mask = padded_batch([6, 4], seed=1)
+    config = _hybrid(target, SpeculativeConfig(method="eagle", heads=eagle_head(target)), None)
+    with pytest.raises(ValueError, match=r"inputs_embeds: method='eagle' drafts from the prompt's token ids"):
+        hf_specdec.generate(target, inputs_embeds=target.get_input_embeddings()(ids), attention_mask=mask,
+                            speculative=config, **GREEDY)
