@@ -244,6 +244,12 @@ class SpeculativeConfig:
             )
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
+        if self.method == "draft" and self.tree_total_tokens is not None and (
+                self.disable_by_batch_size is not None or self.num_speculative_tokens_per_batch_size is not None):
+            raise ValueError(
+                "SpeculativeConfig.disable_by_batch_size / num_speculative_tokens_per_batch_size: the draft model's "
+                "dynamic tree (tree_total_tokens) drafts k every step; drop the batch-size rules or tree_total_tokens"
+            )
         if self.num_speculative_tokens_per_batch_size is not None:
             from hf_specdec.schedule.rules import check_batch_size_schedule
 
