@@ -1,5 +1,5 @@
-"""Host syncs per verify step: at most 2 for every method, greedy and sampling (measured: 1; 2 for the draft
-model's dynamic tree, whose frontier the host cannot know).
+"""Host syncs per verify step: at most 2 for every method, greedy and sampling (measured: 1; 2 for the dynamic
+trees of the draft model and of early exit, whose frontier the host cannot know).
 
 What counts as a host sync (each is a point where the host waits for the device): at the aten level,
 `_local_scalar_dense` (`.item()`, `int(t)`, `float(t)`, `bool(t)`, `if t:`), `nonzero`, `masked_select`, `unique`
@@ -30,6 +30,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.decoding import loop
 from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
+from hf_specdec.heads import MlpSpeculator, MlpSpeculatorConfig
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
@@ -137,12 +138,27 @@ def _configs(target) -> dict[str, SpeculativeConfig]:
         "eagle_dynamic_tree": SpeculativeConfig(method="eagle", heads=eagle_head(target), top_k=2, depth=3,
                                                 total_tokens=5),
         "eagle3": SpeculativeConfig(method="eagle", heads=eagle_head(target, "eagle3"), num_speculative_tokens=3),
+        "mlp_speculator": SpeculativeConfig(method="mlp_speculator", heads=_speculator(target), num_speculative_tokens=3),
+        "mlp_speculator_branches": SpeculativeConfig(method="mlp_speculator", heads=_speculator(target),
+                                                     num_speculative_tokens=3, tree_width=2),
+        "mlp_speculator_dynamic_tree": SpeculativeConfig(method="mlp_speculator", heads=_speculator(target), top_k=2,
+                                                         depth=3, total_tokens=5),
+        "early_exit": SpeculativeConfig(method="early_exit", early_exit_layer=1, num_speculative_tokens=4),
+        "early_exit_dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2, depth=3,
+                                                     total_tokens=5),
     }
 
 
-# the draft model's dynamic tree reads which accepted nodes it had fed (its frontier) back from the device, unless
-# shapes are static (its widths then need no exact lengths)
-MEASURED = collections.defaultdict(lambda: 1, {"draft_dynamic_tree": 2})
+def _speculator(target) -> MlpSpeculator:
+    """A random MLP speculator for the target: it drafts every step (acceptance does not matter here)."""
+    torch.manual_seed(0)
+    text = target.config.get_text_config(decoder=True)
+    return MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size)).eval()
+
+
+# the dynamic tree of a draft model (early exit's too: it drafts the same way) reads which accepted nodes it had fed
+# (its frontier) back from the device, unless shapes are static (its widths then need no exact lengths)
+MEASURED = collections.defaultdict(lambda: 1, {"draft_dynamic_tree": 2, "early_exit_dynamic_tree": 2})
 MEASURED_STATIC = collections.defaultdict(lambda: 1)
 
 
