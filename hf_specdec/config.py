@@ -52,9 +52,9 @@ class SpeculativeConfig:
     tree_total_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "draft model, early exit, EAGLE head or MLP speculator: build a dynamic (EAGLE-2) tree instead of fixed branches: at each of "
-            "k depths expand the tree_width best nodes by cumulative log-probability, then keep the best "
-            "tree_total_tokens draft nodes"
+            "help": "draft model, early exit, EAGLE head or MLP speculator: build a dynamic (EAGLE-2) tree instead of "
+            "fixed branches: at each of k depths expand the tree_width best nodes by cumulative log-probability, "
+            "then keep the best tree_total_tokens draft nodes"
         },
     )
     lossy_typical_acceptance: bool = field(
