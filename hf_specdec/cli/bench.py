@@ -62,8 +62,8 @@ from hf_specdec.testbed.workloads import load_workload
 CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator", "early_exit", "hf-assistant",
          "hf-lookup", "hf-early-exit")
 # cases drafting with heads, and the option naming their folder
+EARLY_EXIT_CASES = ("early_exit", "hf-early-exit")
 HEAD_CASES = {"medusa": "heads", "eagle": "eagle_head", "eagle3": "eagle3_head", "mlp_speculator": "mlp_speculator"}
-HEAD_CLASSES = {"medusa": MedusaHeads, "eagle": EagleHead, "eagle3": EagleHead, "mlp_speculator": MlpSpeculator}
 NATIVE_CASES = ("hf-assistant", "hf-lookup", "hf-early-exit")
 # each hf_specdec case and transformers' path it is compared with (same draft or lookup, same k, a chain)
 MATCHING_NATIVE = {"draft": "hf-assistant", "ngram": "hf-lookup", "early_exit": "hf-early-exit"}
@@ -210,7 +210,7 @@ def _load_heads(case: str, path: Path | None, target, committed: str | None) -> 
         return drafters.load_drafter(committed, case, target)
     if not (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         raise SystemExit(f"error: no {case} heads at {path} (expected adapter_config.json or config.json)")
-    return HEAD_CLASSES[case].from_pretrained(path).to(device=target.device, dtype=target.dtype).eval()
+    return drafters.HEAD_CLASSES[case].from_pretrained(path).to(device=target.device, dtype=target.dtype).eval()
 
 
 def _load_draft(path: Path | None, target, committed: str | None):
@@ -608,7 +608,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     models = load_models(args, dtype, state.device)
     tokenizer, target, draft, heads = models.tokenizer, models.target, models.draft, models.heads
-    args.early_exit_layer = exit_layer(args, target)
+    if set(EARLY_EXIT_CASES) & set(args.methods):
+        args.early_exit_layer = exit_layer(args, target)
     prompts = load_prompts(args, tokenizer, args.num_prompts or max(args.batch_sizes))
     categories = list(dict.fromkeys(p.category for p in prompts))
     kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
