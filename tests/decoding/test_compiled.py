@@ -14,6 +14,7 @@ from transformers import CompileConfig, StaticCache
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.compile import compiled_forward
+from hf_specdec.heads import MlpSpeculator, MlpSpeculatorConfig
 from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
@@ -45,7 +46,17 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
         "same_draft_dynamic_tree": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
                                                      num_speculative_tokens=3, tree_width=2, tree_total_tokens=5),
         "ngram_trie": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2),
+        "early_exit_dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2, depth=3,
+                                                     total_tokens=5),
+        "mlp_speculator_tree": SpeculativeConfig(method="mlp_speculator", heads=_speculator(target), top_k=2, depth=3,
+                                                 total_tokens=5),
     }
+
+
+def _speculator(target: torch.nn.Module) -> MlpSpeculator:
+    torch.manual_seed(0)
+    text = target.config.get_text_config(decoder=True)
+    return MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size)).eval()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
