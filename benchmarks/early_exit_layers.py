@@ -12,7 +12,7 @@ prompt's prefill (each generate call's first forward of the target and of the dr
 engine spends outside forwards, so it ranks layers by the work they cause rather than by wall time (which a busy
 machine makes noisy); `hf-specdec bench --method early_exit hf-early-exit --early-exit-layer N` measures wall time.
 
-Run: python benchmarks/early_exit_layers.py [--layers 4 6 8 10 12 16] [-k 4] [--per-category 1]
+Run (from the repository root): python benchmarks/early_exit_layers.py [--layers 4 6 8 10 12 16] [-k 4] [--per-category 1]
      [--max-new-tokens 48] [--threads 2] [--json OUT.json]
 """
 
