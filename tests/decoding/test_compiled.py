@@ -14,11 +14,11 @@ from transformers import CompileConfig, StaticCache
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.compile import compiled_forward
-from hf_specdec.heads import MlpSpeculator, MlpSpeculatorConfig
 from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
+from tests.proposers.test_mlp_speculator import random_speculator
 
 LENGTHS = [12, 7, 10]  # batch 3, left padded; longer than every sliding window in conftest
 NEW_TOKENS = 16
@@ -48,15 +48,9 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
         "ngram_trie": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2),
         "early_exit_dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2, depth=3,
                                                      total_tokens=5),
-        "mlp_speculator_tree": SpeculativeConfig(method="mlp_speculator", heads=_speculator(target), top_k=2, depth=3,
-                                                 total_tokens=5),
+        "mlp_speculator_tree": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target), top_k=2,
+                                                 depth=3, total_tokens=5),
     }
-
-
-def _speculator(target: torch.nn.Module) -> MlpSpeculator:
-    torch.manual_seed(0)
-    text = target.config.get_text_config(decoder=True)
-    return MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size)).eval()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

@@ -9,9 +9,9 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.heads import MlpSpeculator, MlpSpeculatorConfig
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
+from tests.proposers.test_mlp_speculator import random_speculator
 
 GREEDY = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
 
@@ -53,7 +53,8 @@ def test_inputs_embeds_match_plain_generate(arch):
     for config in (SpeculativeConfig(method="ngram", num_speculative_tokens=3),
                    SpeculativeConfig(method="ngram", tree_width=2, num_speculative_tokens=3),
                    SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=2),
-                   SpeculativeConfig(method="mlp_speculator", heads=_speculator(target), num_speculative_tokens=2)):
+                   SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target),
+                                     num_speculative_tokens=2)):
         out = hf_specdec.generate(target, speculative=config, return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, expected), config.method
         assert out.spec_stats.num_draft_tokens > 0
@@ -68,12 +69,6 @@ def test_inputs_embeds_refused_for_proposers_that_read_prompt_ids():
         with pytest.raises(ValueError, match=f"inputs_embeds: method={config.method!r} drafts from the prompt's token "
                                              "ids"):
             hf_specdec.generate(target, inputs_embeds=embeds, attention_mask=mask, speculative=config, **GREEDY)
-
-
-def _speculator(target) -> MlpSpeculator:
-    torch.manual_seed(0)
-    text = target.config.get_text_config(decoder=True)
-    return MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size)).eval()
 
 
 def test_use_cache_false_gives_the_same_output():

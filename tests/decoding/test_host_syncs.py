@@ -30,10 +30,10 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.decoding import loop
 from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
-from hf_specdec.heads import MlpSpeculator, MlpSpeculatorConfig
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
+from tests.proposers.test_mlp_speculator import random_speculator
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
             "repeat_interleave", "equal", "is_nonzero", "multinomial"}
@@ -138,23 +138,16 @@ def _configs(target) -> dict[str, SpeculativeConfig]:
         "eagle_dynamic_tree": SpeculativeConfig(method="eagle", heads=eagle_head(target), top_k=2, depth=3,
                                                 total_tokens=5),
         "eagle3": SpeculativeConfig(method="eagle", heads=eagle_head(target, "eagle3"), num_speculative_tokens=3),
-        "mlp_speculator": SpeculativeConfig(method="mlp_speculator", heads=_speculator(target),
+        "mlp_speculator": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target),
                                             num_speculative_tokens=3),
-        "mlp_speculator_branches": SpeculativeConfig(method="mlp_speculator", heads=_speculator(target),
+        "mlp_speculator_branches": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target),
                                                      num_speculative_tokens=3, tree_width=2),
-        "mlp_speculator_dynamic_tree": SpeculativeConfig(method="mlp_speculator", heads=_speculator(target), top_k=2,
-                                                         depth=3, total_tokens=5),
+        "mlp_speculator_dynamic_tree": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target),
+                                                         top_k=2, depth=3, total_tokens=5),
         "early_exit": SpeculativeConfig(method="early_exit", early_exit_layer=1, num_speculative_tokens=4),
         "early_exit_dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2, depth=3,
                                                      total_tokens=5),
     }
-
-
-def _speculator(target) -> MlpSpeculator:
-    """A random MLP speculator for the target: it drafts every step (acceptance does not matter here)."""
-    torch.manual_seed(0)
-    text = target.config.get_text_config(decoder=True)
-    return MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size)).eval()
 
 
 # the dynamic tree of a draft model (early exit's too: it drafts the same way) reads which accepted nodes it had fed

@@ -16,6 +16,13 @@ LENGTHS = [12, 7, 10]
 NEW_TOKENS = 24
 
 
+def random_speculator(target: torch.nn.Module, seed: int = 0) -> MlpSpeculator:
+    """A random speculator sized for the target: it drafts every step, and is rarely right."""
+    torch.manual_seed(seed)
+    text = target.config.get_text_config(decoder=True)
+    return MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size)).eval()
+
+
 def fitted_speculator(
     target: torch.nn.Module,
     # [B, L]: sequences the speculator learns to continue (the test's expected outputs: drafts are then often right)
