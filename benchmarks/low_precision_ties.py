@@ -64,6 +64,9 @@ def methods(model: str, target) -> dict[str, SpeculativeConfig]:
     if "eagle3" in have:
         found["eagle3_tree"] = SpeculativeConfig(method="eagle", heads=have["eagle3"], top_k=4, depth=5,
                                                  total_tokens=24)
+    if "mlp_speculator" in have:
+        found["mlp_speculator"] = SpeculativeConfig(method="mlp_speculator", heads=have["mlp_speculator"],
+                                                    num_speculative_tokens=3)
     return found
 
 

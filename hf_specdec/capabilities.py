@@ -16,7 +16,7 @@ KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_
                       "cache_position", "token_type_ids", "inputs_embeds", "output_attentions",
                       "output_hidden_states"}
 # Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` does not have.
-NEEDS_PROMPT_IDS = ("draft", "eagle")
+NEEDS_PROMPT_IDS = ("draft", "eagle", "early_exit")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", *STATIC_CACHE_IMPLEMENTATIONS)
 
 
@@ -70,7 +70,8 @@ def check_generation_supported(
     if model_kwargs.get("inputs_embeds") is not None and method in NEEDS_PROMPT_IDS:
         raise ValueError(
             f"inputs_embeds: method={method!r} drafts from the prompt's token ids, which a prompt given as "
-            "embeddings does not have; pass input_ids, or use method='ngram' or 'medusa' with inputs_embeds"
+            "embeddings does not have; pass input_ids, or use method 'ngram', 'medusa' or 'mlp_speculator' with "
+            "inputs_embeds"
         )
     unknown = sorted(k for k, v in model_kwargs.items() if k not in KNOWN_MODEL_KWARGS and v is not None)
     if unknown:

@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
 
-SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "suffix", "auto"]
+SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "mlp_speculator", "early_exit", "suffix", "auto"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 Schedule = Literal["adaptive", "fixed"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
@@ -27,7 +27,13 @@ class SpeculativeConfig:
     draft_model: Any = field(default=None, metadata={"help": "the small model for method='draft' (same tokenizer)"})
     heads: Any = field(
         default=None,
-        metadata={"help": "draft heads: hf_specdec.heads.MedusaHeads for method='medusa', EagleHead for 'eagle'"},
+        metadata={"help": "draft heads: hf_specdec.heads.MedusaHeads for method='medusa', EagleHead for 'eagle', "
+                          "MlpSpeculator for 'mlp_speculator'"},
+    )
+    early_exit_layer: int | None = field(
+        default=None,
+        metadata={"help": "method='early_exit': draft with the target's first N layers, its final norm and lm_head "
+                          "(N from 1 to the target's layers - 1)"},
     )
     tree_paths: Any = field(
         default=None,
@@ -47,16 +53,17 @@ class SpeculativeConfig:
     tree_width: int = field(
         default=1,
         metadata={
-            "help": "branches per step: 1 drafts a chain; w > 1 drafts a token tree (the draft model's top-w first "
-            "tokens, each continued for k tokens; or up to w matched continuations for ngram)"
+            "help": "branches per step: 1 drafts a chain; w > 1 drafts a token tree (the drafter's top-w first "
+            "tokens, each continued for k tokens, for draft, early_exit and mlp_speculator; or up to w matched "
+            "continuations for ngram)"
         },
     )
     tree_total_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "draft model or EAGLE head: build a dynamic (EAGLE-2) tree instead of fixed branches: at each of "
-            "k depths expand the tree_width best nodes by cumulative log-probability, then keep the best "
-            "tree_total_tokens draft nodes"
+            "help": "draft model, early exit, EAGLE head or MLP speculator: build a dynamic (EAGLE-2) tree instead of "
+            "fixed branches: at each of k depths expand the tree_width best nodes by cumulative log-probability, "
+            "then keep the best tree_total_tokens draft nodes"
         },
     )
     lossy_typical_acceptance: bool = field(
@@ -192,9 +199,17 @@ class SpeculativeConfig:
                 )
         elif self.heads is not None:
             raise ValueError(
-                f"SpeculativeConfig.heads: only methods 'medusa', 'eagle' and 'auto' use heads, got "
+                f"SpeculativeConfig.heads: only methods {sorted(HEADS_CLASS)} and 'auto' use heads, got "
                 f"method={self.method!r}"
             )
+        if self.method == "early_exit":
+            if self.early_exit_layer is None:
+                raise ValueError("SpeculativeConfig.early_exit_layer: method='early_exit' needs the layer to draft "
+                                 "from (early_exit_layer=N: the target's first N layers)")
+            _check_int("early_exit_layer", self.early_exit_layer, 1, None)
+        elif self.early_exit_layer is not None:
+            raise ValueError(f"SpeculativeConfig.early_exit_layer: only method='early_exit' uses it, got "
+                             f"method={self.method!r}")
         if self.tree_paths is not None and self.method != "medusa":
             raise ValueError(
                 f"SpeculativeConfig.tree_paths: static trees; only method='medusa' uses them, got method={self.method!r}"
@@ -223,10 +238,10 @@ class SpeculativeConfig:
                 f"{MAX_TREE_NODES}"
             )
         if self.tree_total_tokens is not None:
-            if self.method not in ("draft", "eagle"):
+            if self.method not in DYNAMIC_TREE_METHODS:
                 raise ValueError(
-                    f"SpeculativeConfig.tree_total_tokens: dynamic trees need method 'draft' or 'eagle', got "
-                    f"{self.method!r}"
+                    f"SpeculativeConfig.tree_total_tokens: dynamic trees need a method of {list(DYNAMIC_TREE_METHODS)},"
+                    f" got {self.method!r}"
                 )
             candidates = self.tree_width + (self.num_speculative_tokens - 1) * self.tree_width**2
             _check_int("tree_total_tokens", self.tree_total_tokens, 1, min(candidates, MAX_TREE_NODES - 1))
@@ -244,7 +259,7 @@ class SpeculativeConfig:
             )
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
-        if self.method == "draft" and self.tree_total_tokens is not None and (
+        if self.method in ("draft", "early_exit") and self.tree_total_tokens is not None and (
                 self.disable_by_batch_size is not None or self.num_speculative_tokens_per_batch_size is not None):
             raise ValueError(
                 "SpeculativeConfig.disable_by_batch_size / num_speculative_tokens_per_batch_size: the draft model's "
@@ -348,14 +363,18 @@ SUFFIX_FIELDS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "ma
 SUFFIX_CONFIG_FIELDS = ("max_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob")
 
 # the class each head-based method takes, as users import it
-HEADS_CLASS = {"medusa": "hf_specdec.heads.MedusaHeads", "eagle": "hf_specdec.heads.EagleHead"}
+HEADS_CLASS = {"medusa": "hf_specdec.heads.MedusaHeads", "eagle": "hf_specdec.heads.EagleHead",
+               "mlp_speculator": "hf_specdec.heads.MlpSpeculator"}
+# methods that draft EAGLE-2 dynamic trees (`tree_total_tokens`)
+DYNAMIC_TREE_METHODS = ("draft", "eagle", "mlp_speculator", "early_exit")
 
 
 def heads_class(method: str) -> type:
     from hf_specdec.heads.eagle import EagleHead
     from hf_specdec.heads.medusa import MedusaHeads
+    from hf_specdec.heads.mlp_speculator import MlpSpeculator
 
-    return {"medusa": MedusaHeads, "eagle": EagleHead}[method]
+    return {"medusa": MedusaHeads, "eagle": EagleHead, "mlp_speculator": MlpSpeculator}[method]
 
 
 def is_causal_lm(value: Any) -> bool:

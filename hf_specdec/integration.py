@@ -1,8 +1,9 @@
 """How users reach the engine: `hf_specdec.generate(model, ...)`, or `enable()` and `model.generate(...)`.
 
 `enable()` wraps transformers' `GenerationMixin.generate` once (idempotent; `disable()` restores it) so that it
-accepts `speculative=SpeculativeConfig(...)`, or `assistant=model` / `spec_method="ngram"`. A call with none of
-them is passed through untouched. A speculative call becomes `generate(custom_generate=speculative_generate)`, so
+accepts `speculative=SpeculativeConfig(...)`, or `assistant=model` / `spec_method="ngram"`, and routes transformers'
+own `assistant_early_exit=N` (self-speculation from the first N layers) to `method="early_exit"`. A call with none
+of them is passed through untouched. A speculative call becomes `generate(custom_generate=speculative_generate)`, so
 generate's own preparation is reused; the streamer travels under another name because `custom_generate` drops it.
 """
 
@@ -62,6 +63,9 @@ def _assistant_fields(assistant: Any, spec_method: str | None) -> dict[str, Any]
     method = spec_method
     if method is None:
         method = next((m for m in HEADS_CLASS if isinstance(assistant, heads_class(m))), "draft")
+    if method == "early_exit":
+        raise ValueError("spec_method='early_exit' needs the layer to draft from: pass assistant_early_exit=N or "
+                         "speculative=SpeculativeConfig(method='early_exit', early_exit_layer=N)")
     if method in ("ngram", "suffix"):
         if assistant is not None:
             fallback = " (a fallback drafter: speculative=SpeculativeConfig(method='suffix', fallback=...))"
@@ -86,6 +90,30 @@ def _assistant_fields(assistant: Any, spec_method: str | None) -> dict[str, Any]
     return {"method": method, "draft_model": assistant}
 
 
+# transformers' options of its assisted loop that `assistant_early_exit=` reads, and what hf_specdec makes of them
+EARLY_EXIT_OPTIONS = ("assistant_early_exit", "num_assistant_tokens", "num_assistant_tokens_schedule",
+                      "assistant_confidence_threshold")
+
+
+def early_exit_config(kwargs: dict[str, Any]) -> SpeculativeConfig | None:
+    """transformers' spelling `assistant_early_exit=N` (popped from kwargs with its companions) as
+    `SpeculativeConfig(method="early_exit", early_exit_layer=N)`; `num_assistant_tokens` is k. None without it."""
+    if kwargs.get("assistant_early_exit") is None:
+        return None
+    options = {name: kwargs.pop(name) for name in EARLY_EXIT_OPTIONS if name in kwargs}
+    schedule = options.get("num_assistant_tokens_schedule")
+    if schedule not in (None, "constant"):
+        raise ValueError(f"num_assistant_tokens_schedule={schedule!r}: with assistant_early_exit, hf_specdec drafts "
+                         "num_assistant_tokens tokens every step; pass 'constant' or drop it")
+    threshold = options.get("assistant_confidence_threshold")
+    if threshold not in (None, 0, 0.0):
+        raise ValueError(f"assistant_confidence_threshold={threshold!r}: with assistant_early_exit, hf_specdec drafts "
+                         "num_assistant_tokens tokens every step and does not stop on confidence; pass 0 or drop it")
+    k = options.get("num_assistant_tokens")
+    return SpeculativeConfig(method="early_exit", early_exit_layer=options["assistant_early_exit"],
+                             **({} if k is None else {"num_speculative_tokens": k}))
+
+
 def _generate(
     original: Any,
     model: Any,
@@ -96,6 +124,12 @@ def _generate(
     spec_method: str | None,
 ):
     check_transformers_version()
+    early_exit = early_exit_config(kwargs)
+    if early_exit is not None:
+        if speculative is not None or assistant is not None or spec_method is not None:
+            raise ValueError("assistant_early_exit=: transformers' spelling of SpeculativeConfig(method='early_exit', "
+                             "early_exit_layer=N); pass it alone, or speculative=/assistant=/spec_method= without it")
+        speculative = early_exit
     config = resolve_config(speculative, assistant, spec_method)
     for name in ("assistant_model", "prompt_lookup_num_tokens", "custom_generate"):
         if kwargs.get(name) is not None:
@@ -143,13 +177,18 @@ def generate(
     **kwargs: Any,
 ):
     """`model.generate(...)` with speculative decoding, without patching transformers."""
-    if speculative is None and assistant is None and spec_method is None:
-        raise ValueError("hf_specdec.generate needs speculative=SpeculativeConfig(...), assistant=... or spec_method=...")
+    if speculative is None and assistant is None and spec_method is None and not _early_exit_asked(kwargs):
+        raise ValueError("hf_specdec.generate needs speculative=SpeculativeConfig(...), assistant=..., spec_method=... "
+                         "or assistant_early_exit=...")
     return _generate(_TRANSFORMERS_GENERATE, model, args, kwargs, speculative, assistant, spec_method)
 
 
+def _early_exit_asked(kwargs: dict[str, Any]) -> bool:
+    return kwargs.get("assistant_early_exit") is not None
+
+
 def _patched_generate(self, *args: Any, speculative=None, assistant=None, spec_method=None, **kwargs: Any):
-    if speculative is None and assistant is None and spec_method is None:
+    if speculative is None and assistant is None and spec_method is None and not _early_exit_asked(kwargs):
         return _TRANSFORMERS_GENERATE(self, *args, **kwargs)
     return _generate(_TRANSFORMERS_GENERATE, self, args, kwargs, speculative, assistant, spec_method)
 

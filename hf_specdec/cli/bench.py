@@ -1,14 +1,16 @@
 """`hf-specdec bench`: every method and transformers' own paths, on the same prompts, in one run.
 
-Cases: `plain` (model.generate), hf_specdec `draft`, `ngram`, `medusa`, `eagle` (EAGLE-1/2) and `eagle3` (the
-draft and head cases use the drafters committed for the test bed or, with `--model smollm2`, for SmolLM2-135M-Instruct
-unless a folder is given; with --tree-width w > 1 Medusa uses the tree fitted to its heads, and EAGLE and the draft
+Cases: `plain` (model.generate), hf_specdec `draft`, `ngram`, `medusa`, `eagle` (EAGLE-1/2), `eagle3`,
+`mlp_speculator` and `early_exit` (the target's first --early-exit-layer layers drafting; the draft and head cases use
+the drafters committed for the test bed or, with `--model smollm2`, for SmolLM2-135M-Instruct unless a folder is
+given; with --tree-width w > 1 Medusa uses the tree fitted to its heads, and EAGLE and the draft
 model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes, k * w by default), and transformers' native
 `suffix` (suffix decoding, k its most draft tokens a step) and the hybrids `suffix+eagle` / `suffix+draft` (suffix
 drafts where they score at least the fallback's k, the EAGLE-1/2 head's or the draft model's chain of k otherwise);
 each suffix case has a cache of its own, emptied before every pass over the prompts, so a pass measures requests
 drafting from the outputs of the requests before them in that pass. And transformers' native
-`hf-assistant` (`assistant_model=`, drafting exactly k tokens a round) and `hf-lookup` (`prompt_lookup_num_tokens=k`);
+`hf-assistant` (`assistant_model=`, drafting exactly k tokens a round), `hf-lookup` (`prompt_lookup_num_tokens=k`)
+and `hf-early-exit` (`assistant_early_exit=`, the same layer and k as `early_exit`);
 the native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is
 checked against plain generate's. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
 
@@ -52,7 +54,8 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens
-from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
+from hf_specdec.proposers.early_exit import early_exit_draft
 from hf_specdec.pruned_draft import CONFIG_KEY as PRUNED_KEY
 from hf_specdec.pruned_draft import load_pruned_draft
 from hf_specdec.suffix import SuffixCache
@@ -61,17 +64,19 @@ from hf_specdec.testbed.loading import testbed_dir
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "suffix", "suffix+eagle", "suffix+draft", "auto",
-         "hf-assistant", "hf-lookup", "hf-early-exit")
+CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator", "early_exit", "suffix",
+         "suffix+eagle", "suffix+draft", "auto", "hf-assistant", "hf-lookup", "hf-early-exit")
 # hf_specdec's cases, which run under each --schedule
-SCHEDULED_CASES = ("draft", "ngram", "medusa", "eagle", "eagle3", "suffix", "suffix+eagle", "suffix+draft", "auto")
+SCHEDULED_CASES = ("draft", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator", "early_exit", "suffix",
+                   "suffix+eagle", "suffix+draft", "auto")
 # an unpredictable workload: random token ids (nothing to look up, nothing a draft can guess)
 RANDOM_WORKLOAD, RANDOM_PROMPT_TOKENS = "random", 48
 # cases drafting with heads, and the option naming their folder
-HEAD_CASES = {"medusa": "heads", "eagle": "eagle_head", "eagle3": "eagle3_head"}
+EARLY_EXIT_CASES = ("early_exit", "hf-early-exit")
+HEAD_CASES = {"medusa": "heads", "eagle": "eagle_head", "eagle3": "eagle3_head", "mlp_speculator": "mlp_speculator"}
 NATIVE_CASES = ("hf-assistant", "hf-lookup", "hf-early-exit")
 # each hf_specdec case and transformers' path it is compared with (same draft or lookup, same k, a chain)
-MATCHING_NATIVE = {"draft": "hf-assistant", "ngram": "hf-lookup"}
+MATCHING_NATIVE = {"draft": "hf-assistant", "ngram": "hf-lookup", "early_exit": "hf-early-exit"}
 # hybrid suffix cases and the case whose drafter they fall back to (with the same k)
 HYBRID_CASES = {"suffix+eagle": "eagle", "suffix+draft": "draft"}
 TESTBED_WORKLOADS = ("completion", "edit", "long")
@@ -98,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EAGLE-1/2 head folder for the eagle case (default: the committed one)")
     parser.add_argument("--eagle3-head", type=Path, default=None,
                         help="EAGLE-3 head folder for the eagle3 case (default: the committed one)")
+    parser.add_argument("--mlp-speculator", type=Path, default=None,
+                        help="MLP speculator folder for the mlp_speculator case (ours or fms-extras' layout; default: "
+                             "the committed one)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer folder (default: the target folder if it has one, else the test bed's)")
     parser.add_argument("--method", nargs="+", default=None, choices=CASES, dest="methods",
@@ -121,8 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="0 (default): greedy, every output checked against plain generate's; > 0: sampling "
                              "at this temperature (seeded per call; outputs are not compared)")
     parser.add_argument("--early-exit-layer", type=int, default=None,
-                        help="hf-early-exit: the layer transformers' self-speculation drafts from (default: a "
-                             "quarter of the target's layers)")
+                        help="early_exit and hf-early-exit: the layers the target drafts with (default: the one "
+                             "measured for SmolLM2-135M-Instruct with --model smollm2, else a quarter of the target's "
+                             "layers)")
     parser.add_argument("--batch-size", nargs="+", type=int, default=[1, 8], dest="batch_sizes",
                         help="batch sizes (default: 1 8)")
     parser.add_argument("--num-speculative-tokens", "-k", nargs="+", type=int, default=[5], dest="ks",
@@ -223,14 +232,13 @@ def _methods(args: argparse.Namespace) -> list[str]:
     return args.methods
 
 
-def _load_heads(case: str, path: Path | None, target, committed: str | None) -> MedusaHeads | EagleHead:
+def _load_heads(case: str, path: Path | None, target, committed: str | None) -> MedusaHeads | EagleHead | MlpSpeculator:
     """The case's heads folder, or the committed ones, in the target's dtype and on its device."""
     if path is None:
         return drafters.load_drafter(committed, case, target)
     if not (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         raise SystemExit(f"error: no {case} heads at {path} (expected adapter_config.json or config.json)")
-    kind = MedusaHeads if case == "medusa" else EagleHead
-    return kind.from_pretrained(path).to(device=target.device, dtype=target.dtype).eval()
+    return drafters.HEAD_CLASSES[case].from_pretrained(path).to(device=target.device, dtype=target.dtype).eval()
 
 
 def _load_draft(path: Path | None, target, committed: str | None):
@@ -243,14 +251,15 @@ def _load_draft(path: Path | None, target, committed: str | None):
 
 
 def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict | None,
-                        tree_nodes: int | None = None, schedule: str = "adaptive") -> SpeculativeConfig:
-    config = _method_config(case, draft, k, tree_width, heads, tree_nodes)
+                        tree_nodes: int | None = None, schedule: str = "adaptive",
+                        early_exit_layer: int | None = None) -> SpeculativeConfig:
+    config = _method_config(case, draft, k, tree_width, heads, tree_nodes, early_exit_layer)
     config.schedule = schedule
     return config
 
 
 def _method_config(case: str, draft, k: int, tree_width: int, heads: dict | None,
-                   tree_nodes: int | None = None) -> SpeculativeConfig:
+                   tree_nodes: int | None = None, early_exit_layer: int | None = None) -> SpeculativeConfig:
     if case == "auto":  # n-gram lookup, and the draft model and Medusa heads when loaded
         return SpeculativeConfig(method="auto", draft_model=draft, heads=(heads or {}).get("medusa"),
                                  num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX)
@@ -265,8 +274,13 @@ def _method_config(case: str, draft, k: int, tree_width: int, heads: dict | None
     tree = dict(tree_width=tree_width, tree_total_tokens=tree_nodes or k * tree_width) if tree_width > 1 else {}
     if case in ("eagle", "eagle3"):
         return SpeculativeConfig(method="eagle", heads=heads[case], num_speculative_tokens=k, **tree)
+    if case == "mlp_speculator":
+        return SpeculativeConfig(method="mlp_speculator", heads=heads[case], num_speculative_tokens=k, **tree)
     if case == "draft":
         return SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, **tree)
+    if case == "early_exit":
+        return SpeculativeConfig(method="early_exit", early_exit_layer=early_exit_layer, num_speculative_tokens=k,
+                                 **tree)
     return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX,
                              tree_width=tree_width)
 
@@ -285,11 +299,10 @@ def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, h
         return lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=k,
                                                  max_matching_ngram_size=PROMPT_LOOKUP_MAX, **kw)
     if case == "hf-early-exit":
-        layer = early_exit_layer or max(1, target.config.num_hidden_layers // 4)
-        return lambda ids, **kw: target.generate(ids, assistant_early_exit=layer, num_assistant_tokens=k,
+        return lambda ids, **kw: target.generate(ids, assistant_early_exit=early_exit_layer, num_assistant_tokens=k,
                                                  num_assistant_tokens_schedule="constant",
                                                  assistant_confidence_threshold=0.0, **kw)
-    config = _speculative_config(case, draft, k, tree_width, heads, tree_nodes, schedule)
+    config = _speculative_config(case, draft, k, tree_width, heads, tree_nodes, schedule, early_exit_layer)
 
     def generate(ids, **kw):
         return hf_specdec.generate(target, ids, speculative=config, **SPECULATIVE_OUTPUTS, **kw)
@@ -321,7 +334,10 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, category=category,
                     schedule=schedule, identical=None if kwargs.get("do_sample") else True)
     outputs = []
-    target_timer, draft_timer = ForwardTimer(target), ForwardTimer(draft if case in NEEDS_DRAFT else None)
+    drafter = draft if case in NEEDS_DRAFT else None
+    if case == "early_exit":  # the target's first layers, timed apart from the target's own forwards
+        drafter = early_exit_draft(target, early_exit_layer)
+    target_timer, draft_timer = ForwardTimer(target), ForwardTimer(drafter)
     _empty_suffix_cache(generate)
     start = time.perf_counter()
     try:  # instrumented run: counts, component costs, statistics, and the output check
@@ -643,6 +659,18 @@ def _check(args: argparse.Namespace) -> None:
             raise SystemExit("error: --plot draws speedups over plain: add a --method other than plain")
 
 
+def exit_layer(args: argparse.Namespace, target) -> int:
+    """--early-exit-layer, or the layer measured for the committed model, or a quarter of the target's layers;
+    checked against the target."""
+    layers = target.config.get_text_config(decoder=True).num_hidden_layers
+    committed = _committed(args)
+    layer = args.early_exit_layer or drafters.EARLY_EXIT_LAYER.get(committed) or max(1, layers // 4)
+    if not 1 <= layer < layers:
+        raise SystemExit(f"error: --early-exit-layer {layer}: expected a layer from 1 to {layers - 1} (the target has "
+                         f"{layers} layers)")
+    return layer
+
+
 @dataclass(frozen=True)
 class BenchModels:
     """What the cases run: a target, its tokenizer, a draft model and heads (None where no case needs them)."""
@@ -650,7 +678,7 @@ class BenchModels:
     tokenizer: Any
     target: Any
     draft: Any | None
-    heads: dict[str, MedusaHeads | EagleHead]
+    heads: dict[str, MedusaHeads | EagleHead | MlpSpeculator]
 
 
 def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) -> BenchModels:
@@ -686,6 +714,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     models = load_models(args, dtype, state.device)
     tokenizer, target, draft, heads = models.tokenizer, models.target, models.draft, models.heads
+    if set(EARLY_EXIT_CASES) & set(args.methods):
+        args.early_exit_layer = exit_layer(args, target)
     prompts = load_prompts(args, tokenizer, args.num_prompts or max(args.batch_sizes), target)
     categories = list(dict.fromkeys(p.category for p in prompts))
     kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
@@ -695,7 +725,7 @@ def run(args: argparse.Namespace) -> int:
     plan = [(category, b, case, k, w, schedule) for category in categories for b in args.batch_sizes
             for case in cases
             for k in ([None] if case == "plain" else args.ks)
-            for w in (args.tree_widths if case in ("draft", "ngram", *HEAD_CASES) else [1])
+            for w in (args.tree_widths if case in ("draft", "ngram", "early_exit", *HEAD_CASES) else [1])
             for schedule in (args.schedules if case in SCHEDULED_CASES else [""])
             if not (case in NATIVE_CASES and b > 1)]
     with state.split_between_processes(prompts) as mine:
@@ -746,7 +776,7 @@ def run(args: argparse.Namespace) -> int:
                     "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                     "methods": args.methods, "batch_sizes": args.batch_sizes, "ks": args.ks,
                     "tree_widths": args.tree_widths, "schedules": args.schedules, "tree_nodes": args.tree_nodes,
-                    "temperature": args.temperature,
+                    "temperature": args.temperature, "early_exit_layer": args.early_exit_layer,
                     "model": args.model or str(args.target or "test bed")}
         if args.workload in CHAT_WORKLOADS:
             from hf_specdec.testbed.repeated_tasks import REPEATED_TASKS_VERSION

@@ -21,8 +21,6 @@ id the target lacks, and ids the draft lacks get draft probability 0.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hf_specdec.cache.ragged import RaggedKVCache
@@ -31,7 +29,8 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.sampling import sample
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
-from hf_specdec.tree.template import TreeTemplate
+from hf_specdec.tree.dynamic import select_best_nodes
+from hf_specdec.tree.template import branch_template
 from hf_specdec.tree.tree import TokenTree
 
 # Vocabulary sizes of one tokenizer padded for kernels differ by a few dozen rows (Phi-3: 32064 vs Llama-2: 32000,
@@ -216,7 +215,7 @@ class DraftModelProposer(Proposer):
             tokens, probs = self._draw(logits.reshape(batch * width, -1))
             levels.append(tokens.reshape(batch, width).to(state.sequences.device))
             level_probs.append(None if probs is None else probs.reshape(batch, width, -1).to(state.sequences.device))
-        template = _branch_template(width, depth)
+        template = branch_template(width, depth)
         node_depths = torch.tensor(template.depths, device=state.sequences.device)
         # node (depth d, branch r) = 1 + (d - 1) * w + r sits in region slot (d - 1) * w + r if it was fed (d < depth)
         slots = torch.arange(template.num_nodes, device=state.sequences.device) - 1
@@ -318,29 +317,11 @@ class DraftModelProposer(Proposer):
                                          torch.cat(all_cum, 1), all_depths, node_slots)
 
     def _select_dynamic_tree(self, state, budget, tokens, parents, cum, depths: list[int], node_slots) -> Proposal:
-        """Keep the best `total_tokens` nodes by cumulative log-probability (ties: shallower first), re-indexed
-        so parents precede children."""
-        batch, count = tokens.shape
-        total = min(self.total_tokens, count - 1)
-        by_depth = torch.tensor(depths, device=tokens.device)
-        order = cum[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, :total] + 1  # node ids
-        chosen = order.sort(dim=1).values  # ids grow with depth: parents before children
-        new_index = torch.full((batch, count), -1, dtype=torch.long, device=tokens.device)
-        new_index[:, 0] = 0
-        new_index.scatter_(1, chosen, torch.arange(1, total + 1, device=tokens.device).expand(batch, -1))
-        tree_parents = torch.cat([parents[:, :1], new_index.gather(1, parents.gather(1, chosen))], dim=1)
-        tree_tokens = torch.cat([state.last_tokens()[:, None].to(tokens.device), tokens.gather(1, chosen)], dim=1)
-        tree_depths = torch.cat([by_depth[:1].expand(batch, 1), by_depth[chosen]], dim=1)
+        """Keep the best `total_tokens` nodes (`select_best_nodes`); the draft remembers which it fed."""
+        tree, chosen = select_best_nodes(state.last_tokens(), tokens, parents, cum, depths, self.total_tokens, budget,
+                                         self.tree_width, state.sequences.device)
         self._node_slots = torch.cat([torch.full_like(chosen[:, :1], -1), node_slots.gather(1, chosen)], dim=1)
-        target_device = state.sequences.device
-        # deterministic candidates: point masses (draft_probs None), at most k deep, at most w children per node
-        return Proposal(TokenTree(
-            token_ids=tree_tokens.to(target_device),
-            parents=tree_parents.to(target_device),
-            valid=tree_depths.to(target_device) <= budget[:, None],
-            max_depth=max(depths),
-            max_children=self.tree_width,
-        ))
+        return Proposal(tree)
 
     def _log_probs(
         self,
@@ -391,12 +372,6 @@ def _rows(
 ) -> torch.Tensor:
     """values[b, index[b, k]] for every b, k: [B, K, ...]."""
     return values[torch.arange(values.shape[0], device=values.device)[:, None], index]
-
-
-@functools.lru_cache(maxsize=16)
-def _branch_template(width: int, depth: int) -> TreeTemplate:
-    """w chains of `depth` tokens under the root, node (d, r) = 1 + (d - 1) * w + r (built once per shape)."""
-    return TreeTemplate.from_paths([(r,) + (0,) * d for d in range(depth) for r in range(width)])
 
 
 def _one_hot(

@@ -147,9 +147,10 @@ class Schedule:
 
 
 def dynamic_draft_tree(config: SpeculativeConfig) -> bool:
-    """The draft model's EAGLE-2 dynamic tree, which runs on the fixed schedule: its draft cache keeps what each
-    step's full tree fed, and steps limited below k (or plain) leave it out of step with the target's."""
-    return config.method == "draft" and config.tree_total_tokens is not None
+    """The draft model's EAGLE-2 dynamic tree (early exit's too: it drafts the same way), which runs on the fixed
+    schedule: its draft cache keeps what each step's full tree fed, and steps limited below k (or plain) leave it out
+    of step with the target's."""
+    return config.method in ("draft", "early_exit") and config.tree_total_tokens is not None
 
 
 def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer, max_k: int,

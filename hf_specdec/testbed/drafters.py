@@ -4,10 +4,11 @@
 * `smollm2`: SmolLM2-135M-Instruct's drafters (`examples/drafters/smollm2/<kind>`), trained for it on this
   repository's trainers from the target's own answers (each folder's README has the command and curves): a draft
   cut from its layers (`pruned_draft.py`: stored without the embeddings it shares with the target), Medusa heads,
-  an EAGLE-1/2 head and an EAGLE-3 head.
+  an EAGLE-1/2 head, an EAGLE-3 head and an MLP speculator.
 
 `load_drafter(model, kind, target)` returns what `SpeculativeConfig` takes for the kind: a draft model for
-`"draft"`, `MedusaHeads` or an `EagleHead` for the heads.
+`"draft"`, `MedusaHeads`, an `EagleHead` or an `MlpSpeculator` for the heads. Early exit needs no drafter:
+`EARLY_EXIT_LAYER` is the layer measured to draft best from for a model (see the README's early-exit section).
 """
 
 from __future__ import annotations
@@ -16,12 +17,18 @@ from pathlib import Path
 
 from transformers import LlamaForCausalLM, PreTrainedModel
 
-from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 from hf_specdec.pruned_draft import load_pruned_draft
 from hf_specdec.testbed.loading import heads_dir, testbed_dir
 
 MODELS = ("testbed", "smollm2")
-KINDS = ("draft", "medusa", "eagle", "eagle3")
+KINDS = ("draft", "medusa", "eagle", "eagle3", "mlp_speculator")
+# the exit layer early exit drafts from by default, per model, chosen with benchmarks/early_exit_layers.py: SmolLM2's
+# first layers' guesses are rarely the whole model's (mean acceptance length at k = 4: 1.02 at layer 4, 1.03 at 8 and
+# 12, 1.08 at 16, 1.16 at 20, 1.40 at 24 of 30), so its default is the shallowest layer whose drafts are accepted at
+# a measurable rate
+EARLY_EXIT_LAYER: dict[str, int] = {"smollm2": 24}
+HEAD_CLASSES = {"medusa": MedusaHeads, "eagle": EagleHead, "eagle3": EagleHead, "mlp_speculator": MlpSpeculator}
 
 
 def drafter_dir(model: str, kind: str) -> Path:
@@ -55,5 +62,5 @@ def load_drafter(model: str, kind: str, target: PreTrainedModel):
         draft = LlamaForCausalLM.from_pretrained(folder, dtype=target.dtype, use_safetensors=True,
                                                  local_files_only=True)
         return draft.to(target.device).eval()
-    heads = (MedusaHeads if kind == "medusa" else EagleHead).from_pretrained(folder)
+    heads = HEAD_CLASSES[kind].from_pretrained(folder)
     return heads.to(device=target.device, dtype=target.dtype).eval()

@@ -7,6 +7,7 @@ then path), so every parent comes before its children and depth never decreases 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -111,3 +112,9 @@ def rank_budget_paths(depth: int, rank_budget: int) -> list[tuple[int, ...]]:
 
 # 4 heads, ranks summing to <= 2: 3 + 6 + 10 + 15 = 34 draft nodes (Medusa's preset trees use about 60)
 DEFAULT_MEDUSA_TREE = tuple(rank_budget_paths(depth=4, rank_budget=2))
+
+
+@functools.lru_cache(maxsize=16)
+def branch_template(width: int, depth: int) -> TreeTemplate:
+    """w chains of `depth` tokens under the root, node (d, r) = 1 + (d - 1) * w + r (built once per shape)."""
+    return TreeTemplate.from_paths([(r,) + (0,) * d for d in range(depth) for r in range(width)])

@@ -34,7 +34,7 @@ def test_json_records_environment_settings_and_every_repeat(tmp_path):
                                   "repeats": 3, "methods": ["plain", "ngram"], "batch_sizes": [1], "ks": [3],
                                   "tree_widths": [1], "schedules": ["adaptive"], "tree_nodes": None,
                                   "categories": ["completion"], "temperature": 0.0,
-                                  "model": "test bed"}
+                                  "model": "test bed", "early_exit_layer": None}
 
     rows = {r["case"]: r for r in report["results"]}
     for row in rows.values():
@@ -156,3 +156,35 @@ def test_suffix_cases_start_every_pass_with_an_empty_cache(tmp_path, monkeypatch
     assert set(rows) == {"plain", "suffix", "suffix+eagle", "suffix+draft"}
     assert all(row["identical_to_plain"] for row in rows.values())
     assert len(cleared) == 3 * 3 and len(set(map(id, cleared))) == 3  # one cache per case, 1 + 2 passes each
+
+
+def test_early_exit_beside_transformers_early_exit(tmp_path):
+    """Both early-exit cases draft from the same layer and k; ours is compared with transformers' in one run and its
+    draft forwards are timed apart from the target's."""
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "early_exit", "hf-early-exit", *TINY, "--early-exit-layer", "1",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["early_exit_layer"] == 1
+    rows = {r["case"]: r for r in report["results"]}
+    ours = rows["early_exit"]
+    assert ours["identical_to_plain"] is True and ours["speedup_vs_transformers"] is not None
+    assert ours["draft_forward_ms"] is not None and ours["mean_acceptance_length"] >= 1
+    with pytest.raises(SystemExit, match=r"--early-exit-layer 9: expected a layer from 1 to 5 \(the target has 6"):
+        main(["bench", "--method", "early_exit", *TINY, "--early-exit-layer", "9"])
+
+
+def test_mlp_speculator_case_loads_a_given_folder(tmp_path):
+    from hf_specdec.heads import MlpSpeculator, MlpSpeculatorConfig
+    from hf_specdec.testbed.loading import load_testbed
+
+    _, target, _ = load_testbed()
+    text = target.config.get_text_config(decoder=True)
+    MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size, inner_dim=16)
+                  ).save_pretrained(tmp_path / "speculator")
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "mlp_speculator", *TINY, "--mlp-speculator",
+                 str(tmp_path / "speculator"), "--json", str(out)]) == 0
+    rows = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["mlp_speculator"]["identical_to_plain"] is True
+    assert rows["mlp_speculator"]["mean_acceptance_length"] is not None

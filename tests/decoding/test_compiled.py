@@ -19,6 +19,7 @@ from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
+from tests.proposers.test_mlp_speculator import random_speculator
 
 LENGTHS = [12, 7, 10]  # batch 3, left padded; longer than every sliding window in conftest
 NEW_TOKENS = 16
@@ -46,6 +47,10 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
         "same_draft_dynamic_tree": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
                                                      num_speculative_tokens=3, tree_width=2, tree_total_tokens=5),
         "ngram_trie": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2),
+        "early_exit_dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2, depth=3,
+                                                     total_tokens=5),
+        "mlp_speculator_tree": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target), top_k=2,
+                                                 depth=3, total_tokens=5),
     }
 
 

@@ -11,6 +11,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
+from tests.proposers.test_mlp_speculator import random_speculator
 
 GREEDY = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
 
@@ -51,7 +52,9 @@ def test_inputs_embeds_match_plain_generate(arch):
     assert expected.shape == (3, GREEDY["max_new_tokens"])
     for config in (SpeculativeConfig(method="ngram", num_speculative_tokens=3),
                    SpeculativeConfig(method="ngram", tree_width=2, num_speculative_tokens=3),
-                   SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=2)):
+                   SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=2),
+                   SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target),
+                                     num_speculative_tokens=2)):
         out = hf_specdec.generate(target, speculative=config, return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, expected), config.method
         assert out.spec_stats.num_draft_tokens > 0
@@ -61,9 +64,11 @@ def test_inputs_embeds_refused_for_proposers_that_read_prompt_ids():
     target = make_model("llama")
     ids, mask = padded_batch([5, 4], seed=3)
     embeds = target.get_input_embeddings()(ids).detach()
-    config = SpeculativeConfig(method="draft", draft_model=make_draft())
-    with pytest.raises(ValueError, match="inputs_embeds: method='draft' drafts from the prompt's token ids"):
-        hf_specdec.generate(target, inputs_embeds=embeds, attention_mask=mask, speculative=config, **GREEDY)
+    for config in (SpeculativeConfig(method="draft", draft_model=make_draft()),
+                   SpeculativeConfig(method="early_exit", early_exit_layer=1)):
+        with pytest.raises(ValueError, match=f"inputs_embeds: method={config.method!r} drafts from the prompt's token "
+                                             "ids"):
+            hf_specdec.generate(target, inputs_embeds=embeds, attention_mask=mask, speculative=config, **GREEDY)
 
 
 def test_use_cache_false_gives_the_same_output():

@@ -1,5 +1,5 @@
-"""Host syncs per verify step: at most 2 for every method, greedy and sampling (measured: 1; 2 for the draft
-model's dynamic tree, whose frontier the host cannot know).
+"""Host syncs per verify step: at most 2 for every method, greedy and sampling (measured: 1; 2 for the dynamic
+trees of the draft model and of early exit, whose frontier the host cannot know).
 
 What counts as a host sync (each is a point where the host waits for the device): at the aten level,
 `_local_scalar_dense` (`.item()`, `int(t)`, `float(t)`, `bool(t)`, `if t:`), `nonzero`, `masked_select`, `unique`
@@ -34,6 +34,7 @@ from hf_specdec.suffix import SuffixCache
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
+from tests.proposers.test_mlp_speculator import random_speculator
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
             "repeat_interleave", "equal", "is_nonzero", "multinomial"}
@@ -138,6 +139,15 @@ def _configs(target) -> dict[str, SpeculativeConfig]:
         "eagle_dynamic_tree": SpeculativeConfig(method="eagle", heads=eagle_head(target), top_k=2, depth=3,
                                                 total_tokens=5),
         "eagle3": SpeculativeConfig(method="eagle", heads=eagle_head(target, "eagle3"), num_speculative_tokens=3),
+        "mlp_speculator": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target),
+                                            num_speculative_tokens=3),
+        "mlp_speculator_branches": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target),
+                                                     num_speculative_tokens=3, tree_width=2),
+        "mlp_speculator_dynamic_tree": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target),
+                                                         top_k=2, depth=3, total_tokens=5),
+        "early_exit": SpeculativeConfig(method="early_exit", early_exit_layer=1, num_speculative_tokens=4),
+        "early_exit_dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2, depth=3,
+                                                     total_tokens=5),
         "suffix": SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_cache=SuffixCache()),
         "suffix_hybrid_draft": SpeculativeConfig(
             method="suffix", num_speculative_tokens=4, suffix_cache=SuffixCache(), fallback_min_score=2.0,
@@ -152,9 +162,9 @@ def _configs(target) -> dict[str, SpeculativeConfig]:
 DYNAMIC_ONLY = {"suffix_hybrid_draft", "suffix_hybrid_eagle"}
 
 
-# the draft model's dynamic tree reads which accepted nodes it had fed (its frontier) back from the device, unless
-# shapes are static (its widths then need no exact lengths)
-MEASURED = collections.defaultdict(lambda: 1, {"draft_dynamic_tree": 2})
+# the dynamic tree of a draft model (early exit's too: it drafts the same way) reads which accepted nodes it had fed
+# (its frontier) back from the device, unless shapes are static (its widths then need no exact lengths)
+MEASURED = collections.defaultdict(lambda: 1, {"draft_dynamic_tree": 2, "early_exit_dynamic_tree": 2})
 MEASURED_STATIC = collections.defaultdict(lambda: 1)
 
 

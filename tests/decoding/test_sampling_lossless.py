@@ -28,6 +28,7 @@ from hf_specdec.suffix import SuffixCache, SuffixConfig
 from hf_specdec.verify.chain import rejection_sample
 from tests.conftest import DECODER
 from tests.heads.medusa.test_model import heads_for
+from tests.proposers.test_mlp_speculator import fitted_speculator
 
 VOCAB = 8
 N = 6_000
@@ -155,6 +156,16 @@ def _eagle_head(target, version: str) -> EagleHead:
     return head
 
 
+def _speculator(target):
+    """An MLP speculator fitted to the target's own sampled continuations: its sampled drafts are accepted often,
+    at depth 2 too, and rejected often."""
+    torch.manual_seed(0)
+    prompts = PROMPT.expand(64, -1)
+    sequences = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=8, do_sample=True,
+                                temperature=TEMPERATURE, top_k=TOP_K)
+    return fitted_speculator(target, sequences, n_predict=2, steps=30)
+
+
 PROPOSERS = {
     "plain_generate": lambda target: None,
     "noisy_draft": lambda target: SpeculativeConfig(method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=3, seed=1),
@@ -175,6 +186,14 @@ PROPOSERS = {
                                                num_speculative_tokens=2, seed=15),
     "eagle_dynamic_tree": lambda target: SpeculativeConfig(method="eagle", heads=_eagle_head(target, "eagle"),
                                                            top_k=3, depth=2, total_tokens=4, seed=14),
+    "mlp_speculator": lambda target: SpeculativeConfig(method="mlp_speculator", heads=_speculator(target),
+                                                       num_speculative_tokens=2, seed=17),
+    "mlp_speculator_dynamic_tree": lambda target: SpeculativeConfig(method="mlp_speculator", heads=_speculator(target),
+                                                                    top_k=2, depth=2, total_tokens=4, seed=18),
+    "early_exit": lambda target: SpeculativeConfig(method="early_exit", early_exit_layer=1, num_speculative_tokens=2,
+                                                   seed=19),
+    "early_exit_dynamic_tree": lambda target: SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2,
+                                                                depth=2, total_tokens=4, seed=20),
     "noisy_draft_dynamic_tree": lambda target: SpeculativeConfig(
         method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=2, tree_width=2, tree_total_tokens=4, seed=8
     ),
@@ -261,4 +280,18 @@ def test_power_verifier_without_residual_is_caught(target, monkeypatch):
     monkeypatch.setattr(verifier, "rejection_sample", without_residual)
     law = exact_law(target, TEMPERATURE)
     config = SpeculativeConfig(method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=3, seed=1)
+    assert not accepted(chi_square_pvalues(draws(target, TEMPERATURE, config), law))
+
+
+
+def test_power_speculator_drafts_drawn_from_another_law_are_caught(target, monkeypatch):
+    """The MLP speculator's sampled chain must draw its drafts from the law it hands verification: drafts drawn
+    from a flattened law (the square root of it) but verified against the stated one come out biased, and the law
+    test catches it."""
+    from hf_specdec.proposers import mlp_speculator
+
+    draw = mlp_speculator.sample
+    monkeypatch.setattr(mlp_speculator, "sample", lambda probs, generator: draw(probs.sqrt(), generator))
+    law = exact_law(target, TEMPERATURE)
+    config = SpeculativeConfig(method="mlp_speculator", heads=_speculator(target), num_speculative_tokens=2, seed=17)
     assert not accepted(chi_square_pvalues(draws(target, TEMPERATURE, config), law))

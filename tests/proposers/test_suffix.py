@@ -162,8 +162,9 @@ def test_a_failed_call_leaves_its_partial_outputs_finished():
 
 
 def _hybrid(target, fallback: SpeculativeConfig, min_score: float | None):
+    # a fixed schedule: every step asks both drafters, so the counts below see the hybrid rule alone
     return SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback,
-                             fallback_min_score=min_score)
+                             fallback_min_score=min_score, schedule="fixed")
 
 
 @pytest.mark.parametrize("kind", ["draft", "medusa", "eagle"])

@@ -40,9 +40,9 @@ def copy(source: Path, dest: Path, kind: str) -> None:
         for name in ("config.json", "model.safetensors"):
             shutil.copy(source / name, dest / name)
     elif kind == "mlp_speculator":
-        from hf_specdec.heads import MLPSpeculator
+        from hf_specdec.heads import MlpSpeculator
 
-        MLPSpeculator.from_pretrained(source).to(torch.bfloat16).save_pretrained(dest)
+        MlpSpeculator.from_pretrained(source).to(torch.bfloat16).save_pretrained(dest)
     else:
         heads = (MedusaHeads if kind == "medusa" else EagleHead).from_pretrained(source)
         heads.to(torch.bfloat16).save_pretrained(dest)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Train every committed drafter of SmolLM2-135M-Instruct, as committed in this folder:
 #
-#     bash examples/drafters/smollm2/train.sh [draft|medusa|eagle|eagle3 ...]   (default: all four)
+#     bash examples/drafters/smollm2/train.sh [draft|medusa|eagle|eagle3|mlp_speculator ...]   (default: all five)
 #
 # The target writes its own answers to the prompts of prompts.jsonl once (greedy, up to 192 tokens, bfloat16); every
-# trainer reads those rows and the target's cached features (EAGLE-1/2, Medusa and the draft share the final hidden
-# states, EAGLE-3 has its fused layers), so only the first run pays for them. Work files go to $WORK (default
+# trainer reads those rows and the target's cached features (EAGLE-1/2, Medusa, the draft and the MLP speculator share
+# the final hidden states, EAGLE-3 has its fused layers), so only the first run pays for them. Work files go to $WORK (default
 # ~/.cache/hf_specdec/smollm2-drafters, several GB); each drafter lands in $WORK/<kind> with train_metrics.json,
 # and is copied here in bfloat16. THREADS (default 2) sets the torch threads; NUM_SAMPLES (default 640) how many
 # prompts of prompts.jsonl the target answers (the first ones).
@@ -30,7 +30,7 @@ train() {  # kind, then the trainer's own options
     python -m hf_specdec.cli train "$@" --out "$WORK/$kind"
 }
 
-for kind in "${@:-eagle3 eagle medusa draft}"; do
+for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
     for one in $kind; do
         begin=$SECONDS
         case $one in
@@ -43,7 +43,9 @@ for kind in "${@:-eagle3 eagle medusa draft}"; do
                         --batch-size 4 --learning-rate 1e-3 --warmup-steps 20 --tree-nodes 32 ;;
             draft) train draft draft "${COMMON[@]}" "${FINAL[@]}" --target-layers 0 1 -1 --steps 200 \
                        --batch-size 4 --learning-rate 3e-4 --warmup-steps 20 ;;
-            *) echo "unknown drafter $one (expected draft, medusa, eagle, eagle3)" >&2; exit 2 ;;
+            mlp_speculator) train mlp_speculator mlp_speculator "${COMMON[@]}" "${FINAL[@]}" --n-predict 3 \
+                                --inner-dim 128 --steps 200 --batch-size 4 --learning-rate 1e-3 --warmup-steps 20 ;;
+            *) echo "unknown drafter $one (expected draft, medusa, eagle, eagle3, mlp_speculator)" >&2; exit 2 ;;
         esac
         python "$HERE/publish.py" "$WORK/$one" "$HERE/$one" "$one" "$(( (SECONDS - begin) / 60 ))"
     done

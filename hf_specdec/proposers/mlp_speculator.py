@@ -1,0 +1,161 @@
+"""MLP speculator proposer (`method="mlp_speculator"`): an `hf_specdec.heads.MlpSpeculator` guesses the tokens after
+each row's last committed token from the target's final hidden state at the position that produced it (kept from
+the verify forward: no extra target pass), stage by stage, each stage reading the token the previous one chose.
+
+The speculator keeps no cache: a stage is one small MLP step on a state vector, so every shape below costs k stages
+of [rows, nodes at that depth] states and no bookkeeping after verification.
+
+* Chain (`tree_width=1`): one token per stage. Greedy decoding takes each stage's argmax; sampling draws each token
+  from the stage's distribution after the target's warpers (temperature, top-k, top-p, ...) and hands that
+  distribution to verification, so drafts that follow the target's law are accepted at its rate.
+* Branches (`tree_width=w`): stage 0's top-w tokens, each continued by its own stage-by-stage argmax.
+* Dynamic tree (`tree_width=w`, `tree_total_tokens=n`): IBM fms-extras expands the top `top_k_tokens_per_head[i]`
+  tokens of every candidate at stage i and keeps the `n_candidates` best whole paths, whose number grows as the
+  product of the per-stage counts (5 x 4 x 3 = 60 paths for three stages). Here the expansion is EAGLE-2's, the one
+  the draft model and EAGLE heads use: at each depth the w best nodes by cumulative log-probability offer their
+  top-w tokens, and the best n nodes of all form the tree, so a stage costs w states per row whatever the depth.
+  The speculator's own `top_k_tokens_per_head` and `n_candidates` are kept in its files (vLLM and fms-extras read
+  them) but do not shape our trees.
+
+Tree nodes are deterministic candidates (point masses), so verification stays lossless under sampling.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from hf_specdec.config import SpeculativeConfig
+from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.sampling import sample
+from hf_specdec.step import DecodeState, Proposal
+from hf_specdec.tree.dynamic import select_best_nodes
+from hf_specdec.tree.template import branch_template
+from hf_specdec.tree.tree import TokenTree
+
+
+class MlpSpeculatorProposer(Proposer):
+    target_feature_layers = (-1,)  # the final (normed) hidden state
+
+    def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
+        self.speculator = config.heads
+        self.speculator.check_target(target)
+        n_predict = self.speculator.config.n_predict
+        self.k = min(config.num_speculative_tokens, n_predict)
+        if config.num_speculative_tokens > n_predict:
+            warnings.warn(
+                f"SpeculativeConfig.num_speculative_tokens={config.num_speculative_tokens}: this MLP speculator has "
+                f"n_predict={n_predict} stages, so each step drafts {n_predict} (spec_stats.num_speculative_tokens)",
+                stacklevel=2,
+            )
+        self.width = config.tree_width
+        self.total = config.tree_total_tokens
+        self.sampling = sampling
+        # the width of the target's logits, which drafted distributions must have
+        self.target_vocab = target.get_output_embeddings().weight.shape[0]
+
+    def draft_depth(self, config: SpeculativeConfig) -> int:
+        return self.k
+
+    def num_nodes(self, config: SpeculativeConfig) -> int:
+        if self.total is not None:
+            return 1 + min(self.total, self.width + (self.k - 1) * self.width**2)
+        return 1 + self.width * self.k
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState) -> Proposal:
+        budget = state.draft_budget().clamp(max=self.k)
+        root = state.last_tokens()
+        speculator_state = self.speculator.input_state(state.target_hidden)  # [B, emb_dim]
+        first = self.speculator.advance(0, speculator_state, root)  # [B, inner]: the state stage 0's guess is read from
+        if self.total is not None:
+            return self._dynamic_tree(state, budget, first)
+        if self.width > 1:
+            return self._branches(state, budget, first)
+        dense = all(b >= self.k for b in state.host_draft_budget())  # every row takes every draft (a host fact)
+        return self._chain(state, budget, first, dense)
+
+    def _scores(
+        self,
+        stage: int,
+        # [..., inner]
+        speculator_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """[..., V_target] float scores of the stage's guess, warped by the target's warpers when sampling."""
+        scores = self.speculator.stage_logits(stage, speculator_state)
+        if scores.shape[-1] < self.target_vocab:  # a target whose lm_head has padded rows: never proposed
+            scores = torch.nn.functional.pad(scores, (0, self.target_vocab - scores.shape[-1]), value=float("-inf"))
+        if not self.sampling.do_sample:
+            return scores
+        flat = scores.reshape(-1, scores.shape[-1])
+        warped = self.sampling.warpers(torch.zeros((flat.shape[0], 1), dtype=torch.long, device=flat.device), flat)
+        return warped.reshape(scores.shape)
+
+    def _chain(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor, dense: bool) -> Proposal:
+        tokens, probs = [], []
+        for stage in range(self.k):
+            if stage > 0:
+                current = self.speculator.advance(stage, current, tokens[-1])
+            scores = self._scores(stage, current)  # [B, V]
+            if self.sampling.do_sample:
+                stage_probs = torch.softmax(scores, dim=-1)
+                generator = self.sampling.generator
+                if generator is not None:
+                    stage_probs = stage_probs.to(generator.device)
+                tokens.append(sample(stage_probs, generator))
+                probs.append(stage_probs)
+            else:
+                tokens.append(scores.argmax(dim=-1))
+        device = state.sequences.device
+        draft_probs = torch.stack(probs, dim=1).to(device) if probs else None
+        return Proposal.chain(state.last_tokens(), torch.stack(tokens, dim=1).to(device), budget, draft_probs,
+                              dense=dense)
+
+    def _branches(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor) -> Proposal:
+        """Stage 0's top-w tokens, each continued by argmax: node (depth d, branch r) = 1 + (d - 1) * w + r."""
+        levels = [self._scores(0, current).topk(self.width, dim=-1).indices]  # [B, w]
+        current = current[:, None].expand(-1, self.width, -1)  # [B, w, inner]
+        for stage in range(1, self.k):
+            current = self.speculator.advance(stage, current, levels[-1])
+            levels.append(self._scores(stage, current).argmax(dim=-1))
+        device = state.sequences.device
+        template = branch_template(self.width, self.k)
+        depths = torch.tensor(template.depths, device=device)
+        tokens = torch.cat([state.last_tokens()[:, None], *(level.to(device) for level in levels)], dim=1)
+        return Proposal(TokenTree.from_template(template, tokens, valid=depths[None, :] <= budget[:, None]))
+
+    def _dynamic_tree(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor) -> Proposal:
+        """EAGLE-2 expansion (see the module docstring); candidate 0 is the root."""
+        width, batch = self.width, budget.shape[0]
+        cum, tokens = torch.log_softmax(self._scores(0, current), dim=-1).topk(width, dim=-1)  # [B, w]: depth 1
+        all_tokens, all_cum = [torch.zeros_like(tokens[:, :1]), tokens], [torch.zeros_like(cum[:, :1]), cum]
+        all_parents = [torch.full_like(tokens[:, :1], -1), torch.zeros_like(tokens)]
+        depths = [0] + [1] * width
+        frontier = torch.arange(1, width + 1, device=tokens.device).expand(batch, -1)  # [B, w] candidate ids
+        frontier_tokens, frontier_cum = tokens, cum
+        current = current[:, None].expand(-1, width, -1)  # [B, w, inner]: the state each frontier token came from
+        for stage in range(1, self.k):
+            current = self.speculator.advance(stage, current, frontier_tokens)  # [B, w, inner]
+            log_probs = torch.log_softmax(self._scores(stage, current), dim=-1)  # [B, w, V]
+            child_cum, child_tokens = (log_probs + frontier_cum[:, :, None]).topk(width, dim=-1)  # [B, w, w]
+            first_id = sum(t.shape[1] for t in all_tokens)
+            all_tokens.append(child_tokens.reshape(batch, -1))
+            all_cum.append(child_cum.reshape(batch, -1))
+            all_parents.append(frontier[:, :, None].expand(-1, -1, width).reshape(batch, -1))
+            depths += [stage + 1] * width * width
+            best = child_cum.reshape(batch, -1).topk(width, dim=-1).indices  # [B, w] of the w * w children
+            frontier = first_id + best
+            frontier_tokens = child_tokens.reshape(batch, -1).gather(1, best)
+            frontier_cum = child_cum.reshape(batch, -1).gather(1, best)
+            current = current.gather(1, (best // width)[:, :, None].expand(-1, -1, current.shape[-1]))
+        tree, _ = select_best_nodes(state.last_tokens(), torch.cat(all_tokens, 1), torch.cat(all_parents, 1),
+                                    torch.cat(all_cum, 1), depths, self.total, budget, width, state.sequences.device)
+        return Proposal(tree)
+
+
+def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:
+    return MlpSpeculatorProposer(config, target, sampling)
+
+
+register_proposer("mlp_speculator", _build)

@@ -1,0 +1,116 @@
+"""Early-exit self-speculation: the draft is the target's first N layers, final norm and lm_head (the target's own
+modules), its greedy output is plain generate's on every architecture (chains, branches, dynamic trees), batched
+and left padded, transformers' `assistant_early_exit=N` is routed to it, and bad layers are refused up front."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.proposers.early_exit import decoder_layers_path, early_exit_draft
+from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
+
+LENGTHS = [12, 7, 10]
+NEW_TOKENS = 24
+
+
+def _configs(layer: int) -> dict[str, SpeculativeConfig]:
+    return {
+        "chain": SpeculativeConfig(method="early_exit", early_exit_layer=layer, num_speculative_tokens=4),
+        "branches": SpeculativeConfig(method="early_exit", early_exit_layer=layer, num_speculative_tokens=3,
+                                      tree_width=2),
+        "dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=layer, top_k=2, depth=3,
+                                          total_tokens=5),
+    }
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_greedy_matches_plain_generate(arch, forward_counter):
+    target = make_model(arch)
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    layer = target.config.num_hidden_layers - 1
+    for name, config in _configs(layer).items():
+        target_forwards = forward_counter(target)
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected), f"{arch}/{name}"
+        stats = out.spec_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, (arch, name)
+        assert stats.accepted_per_position[1] > 0, f"{arch}/{name}: {stats.accepted_per_position}"
+        # the draft's forwards are not the target's: only prefill and verify steps run the whole model
+        assert target_forwards() == stats.target_forward_passes, (arch, name)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_draft_is_the_targets_first_layers_sharing_its_modules(arch):
+    """Same parameter objects (no copy), N layers, and the logits of a copy of the target cut to its first N layers
+    (its final norm and lm_head kept)."""
+    target = make_model(arch)
+    layer = 1
+    draft = early_exit_draft(target, layer)
+    assert early_exit_draft(target, layer) is draft, "built once per target and layer"
+    own = {id(p) for p in target.parameters()}
+    assert all(id(p) in own for p in draft.parameters())
+    assert draft.config.num_hidden_layers == layer and target.config.num_hidden_layers > layer
+    assert draft.get_output_embeddings() is target.get_output_embeddings()
+    reference = copy.deepcopy(target)
+    del reference.get_submodule(decoder_layers_path(reference))[layer:]
+    reference.config.num_hidden_layers = layer
+    if getattr(reference.config, "layer_types", None) is not None:
+        reference.config.layer_types = reference.config.layer_types[:layer]
+    ids, mask = padded_batch(LENGTHS, seed=3)
+    with torch.no_grad():
+        mine = draft(ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(mine, reference(ids, attention_mask=mask, use_cache=False).logits)
+        assert not torch.allclose(mine, target(ids, attention_mask=mask, use_cache=False).logits)
+
+
+def test_assistant_early_exit_is_routed_through_hf_specdec():
+    target = make_model("llama")
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    hf_specdec.enable()
+    try:
+        out = target.generate(ids, assistant_early_exit=1, num_assistant_tokens=3, return_dict_in_generate=True,
+                              **kwargs)
+        assert torch.equal(out.sequences, expected)
+        assert out.spec_stats.num_speculative_tokens == 3 and out.spec_stats.num_draft_tokens > 0
+        assert torch.equal(target.generate(ids, **kwargs), expected), "calls without it are transformers' own"
+        with pytest.raises(ValueError, match="num_assistant_tokens_schedule='heuristic': with assistant_early_exit"):
+            target.generate(ids, assistant_early_exit=1, num_assistant_tokens_schedule="heuristic", **kwargs)
+        with pytest.raises(ValueError, match="assistant_confidence_threshold=0.4: with assistant_early_exit"):
+            target.generate(ids, assistant_early_exit=1, assistant_confidence_threshold=0.4, **kwargs)
+        with pytest.raises(ValueError, match="assistant_early_exit=: transformers' spelling"):
+            target.generate(ids, assistant_early_exit=1, spec_method="ngram", **kwargs)
+    finally:
+        hf_specdec.disable()
+    out = hf_specdec.generate(target, ids, assistant_early_exit=1, **kwargs)
+    assert torch.equal(out, expected)
+
+
+def test_bad_layers_are_refused_before_any_work(forward_counter):
+    target = make_model("llama")  # 2 layers: only layer 1 leaves a draft shorter than the target
+    ids, mask = padded_batch(LENGTHS, seed=3)
+    count = forward_counter(target)
+    for layer in (2, 5):
+        with pytest.raises(ValueError, match=f"SpeculativeConfig.early_exit_layer: expected a layer from 1 to 1 "
+                                             f"\\(the target has 2 layers.*got {layer}"):
+            hf_specdec.generate(target, ids, attention_mask=mask, max_new_tokens=4,
+                                speculative=SpeculativeConfig(method="early_exit", early_exit_layer=layer))
+    assert count() == 0
+    with pytest.raises(ValueError, match="SpeculativeConfig.early_exit_layer: expected an int >= 1, got 0"):
+        SpeculativeConfig(method="early_exit", early_exit_layer=0)
+    with pytest.raises(ValueError, match="SpeculativeConfig.early_exit_layer: method='early_exit' needs the layer"):
+        SpeculativeConfig(method="early_exit")
+    with pytest.raises(ValueError, match="SpeculativeConfig.early_exit_layer: only method='early_exit' uses it"):
+        SpeculativeConfig(method="ngram", early_exit_layer=1)
+    with pytest.raises(ValueError, match="SpeculativeConfig.draft_model: method='early_exit' does not use"):
+        SpeculativeConfig(method="early_exit", early_exit_layer=1, draft_model=make_draft())
+    with pytest.raises(ValueError, match="spec_method='early_exit' needs the layer to draft from"):
+        hf_specdec.generate(target, ids, attention_mask=mask, spec_method="early_exit", max_new_tokens=4)
