@@ -19,7 +19,7 @@ from transformers import LlamaForCausalLM, PreTrainedModel
 
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 from hf_specdec.pruned_draft import load_pruned_draft
-from hf_specdec.testbed.loading import heads_dir, testbed_dir
+from hf_specdec.testbed.loading import COMMITTED_HEADS, heads_dir, testbed_dir
 
 MODELS = ("testbed", "smollm2")
 KINDS = ("draft", "medusa", "eagle", "eagle3", "mlp_speculator")
@@ -38,7 +38,10 @@ def drafter_dir(model: str, kind: str) -> Path:
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     if model == "testbed":
-        return testbed_dir() / "draft" if kind == "draft" else heads_dir(kind)
+        if kind == "draft":
+            return testbed_dir() / "draft"
+        # heads the test bed commits are checked by `heads_dir`; others (an MLP speculator) it has none of
+        return heads_dir(kind) if kind in COMMITTED_HEADS else testbed_dir().parent / "heads" / kind
     return testbed_dir().parent / "drafters" / "smollm2" / kind
 
 
