@@ -52,7 +52,7 @@ def test_bad_numbers_are_clear_errors(tmp_path, tiny_models):
     with pytest.raises(SystemExit, match="--tree-width values must be >= 1"):
         main(["bench", "--target", str(tiny_models / "target"), "--tree-width", "0"])
     with pytest.raises(SystemExit):
-        main(["bench", "--method", "suffix"])  # argparse: invalid choice
+        main(["bench", "--method", "lookahead"])  # argparse: invalid choice
     with pytest.raises(SystemExit, match="no medusa heads at"):
         main(["bench", "--target", str(tiny_models / "target"), "--method", "medusa", "--heads", str(tmp_path)])
     with pytest.raises(SystemExit, match="--method medusa with --target needs --heads"):
