@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
 
-SpecMethod = Literal["draft", "ngram", "medusa", "eagle"]
+SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "mtp"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 
 # Beyond this many draft tokens per step the verify forward is mostly wasted work; vLLM caps at 128.
@@ -22,7 +22,9 @@ class SpeculativeConfig:
     draft_model: Any = field(default=None, metadata={"help": "the small model for method='draft' (same tokenizer)"})
     heads: Any = field(
         default=None,
-        metadata={"help": "draft heads: hf_specdec.heads.MedusaHeads for method='medusa', EagleHead for 'eagle'"},
+        metadata={"help": "draft heads: hf_specdec.heads.MedusaHeads for method='medusa', EagleHead for 'eagle'; "
+                  "for 'mtp', optionally the target's MTP layers as a transformers MtpModel (default: loaded from "
+                  "the target's checkpoint)"},
     )
     tree_paths: Any = field(
         default=None,
@@ -108,9 +110,17 @@ class SpeculativeConfig:
                     f"SpeculativeConfig.heads: method={self.method!r} needs {HEADS_CLASS[self.method]}, got "
                     f"{describe(self.heads)}{method_hint(self.heads)}"
                 )
+        elif self.method == "mtp":
+            if self.heads is not None and not is_mtp_model(self.heads):
+                raise ValueError(
+                    "SpeculativeConfig.heads: method='mtp' takes the target's MTP layers as a transformers "
+                    f"MtpModel, or None to load them from the target's checkpoint; got {describe(self.heads)}"
+                    f"{method_hint(self.heads)}"
+                )
         elif self.heads is not None:
             raise ValueError(
-                f"SpeculativeConfig.heads: only methods 'medusa' and 'eagle' use heads, got method={self.method!r}"
+                f"SpeculativeConfig.heads: only methods 'medusa', 'eagle' and 'mtp' use heads, got "
+                f"method={self.method!r}"
             )
         if self.tree_paths is not None and self.method != "medusa":
             raise ValueError(
@@ -140,9 +150,9 @@ class SpeculativeConfig:
                 f"{MAX_TREE_NODES}"
             )
         if self.tree_total_tokens is not None:
-            if self.method not in ("draft", "eagle"):
+            if self.method not in ("draft", "eagle", "mtp"):
                 raise ValueError(
-                    f"SpeculativeConfig.tree_total_tokens: dynamic trees need method 'draft' or 'eagle', got "
+                    f"SpeculativeConfig.tree_total_tokens: dynamic trees need method 'draft', 'eagle' or 'mtp', got "
                     f"{self.method!r}"
                 )
             candidates = self.tree_width + (self.num_speculative_tokens - 1) * self.tree_width**2
@@ -176,6 +186,13 @@ def heads_class(method: str) -> type:
     return {"medusa": MedusaHeads, "eagle": EagleHead}[method]
 
 
+def is_mtp_model(value: Any) -> bool:
+    """transformers' container of a model's multi-token-prediction layers (what `generate(use_mtp=True)` loads)."""
+    from transformers.modeling_layers import MtpModel
+
+    return isinstance(value, MtpModel)
+
+
 def is_causal_lm(value: Any) -> bool:
     """A transformers model (or a wrapper of one, such as a peft model): what method='draft' drafts with."""
     return all(callable(getattr(value, name, None)) for name in ("forward", "get_input_embeddings")) and hasattr(
@@ -195,6 +212,8 @@ def method_hint(value: Any) -> str:
     for method in HEADS_CLASS:
         if isinstance(value, heads_class(method)):
             return f"; {describe(value)} is for method={method!r}"
+    if is_mtp_model(value):
+        return "; an MtpModel holds a target's MTP layers, for method='mtp'"
     if is_causal_lm(value):
         return "; a causal LM is a draft model, for method='draft'"
     return ""

@@ -18,7 +18,8 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
-from hf_specdec.config import HEADS_CLASS, SPEC_METHODS, SpeculativeConfig, describe, heads_class, is_causal_lm, method_hint
+from hf_specdec.config import (HEADS_CLASS, SPEC_METHODS, SpeculativeConfig, describe, heads_class, is_causal_lm,
+                               is_mtp_model, method_hint)
 from hf_specdec.decoding.loop import speculative_generate
 
 SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))  # [low, high)
@@ -61,7 +62,10 @@ def _assistant_fields(assistant: Any, spec_method: str | None) -> dict[str, Any]
         raise ValueError(f"spec_method={spec_method!r}: unknown method; expected one of {list(SPEC_METHODS)}")
     method = spec_method
     if method is None:
-        method = next((m for m in HEADS_CLASS if isinstance(assistant, heads_class(m))), "draft")
+        method = "mtp" if is_mtp_model(assistant) else next(
+            (m for m in HEADS_CLASS if isinstance(assistant, heads_class(m))), "draft")
+    if method == "mtp":  # the target's own MTP layers: loaded from its checkpoint unless given
+        return {"method": method, "heads": assistant}
     if method == "ngram":
         if assistant is not None:
             raise ValueError(
@@ -96,7 +100,7 @@ def _generate(
 ):
     check_transformers_version()
     config = resolve_config(speculative, assistant, spec_method)
-    for name in ("assistant_model", "prompt_lookup_num_tokens", "custom_generate"):
+    for name in ("assistant_model", "prompt_lookup_num_tokens", "use_mtp", "custom_generate"):
         if kwargs.get(name) is not None:
             raise ValueError(
                 f"{name}: transformers' own option cannot be combined with hf_specdec's speculative decoding; "

@@ -126,6 +126,8 @@ class DraftModelProposer(Proposer):
         self,
         # [B, W, F]: the drafter's output at each new token's parent (None when the drafter keeps none)
         parent_hidden: torch.Tensor | None,
+        # the draft depth of the fed tokens (1 for the first drafted token)
+        depth: int,
     ) -> dict:
         """Extra inputs of a drafting forward."""
         return {}
@@ -158,7 +160,7 @@ class DraftModelProposer(Proposer):
             if step > 0:
                 parent = None if hidden is None else hidden[:, None]
                 logits = self.cache.forward(tokens[-1].to(device)[:, None], self._fed.to(device)[:, None] + step - 1,
-                                            **self._draft_inputs(parent))[:, 0]
+                                            **self._draft_inputs(parent, step))[:, 0]
                 hidden = None if self.cache.hidden_states is None else self.cache.hidden_states[:, 0]
             token, token_probs = self._draw(logits)
             tokens.append(token)
@@ -208,7 +210,7 @@ class DraftModelProposer(Proposer):
                 levels[-1].to(device),
                 (fed + d - 1).expand(-1, width),
                 visible=torch.cat([feed, branch.repeat(1, d)], dim=1).expand(batch, -1, -1),  # a branch sees its own
-                **self._draft_inputs(hidden),
+                **self._draft_inputs(hidden, d),
             )
             hidden = self.cache.hidden_states
             tokens, probs = self._draw(logits.reshape(batch * width, -1))
@@ -290,7 +292,7 @@ class DraftModelProposer(Proposer):
                 nodes_tokens.gather(1, frontier),
                 (fed + d - 1).expand(-1, width),
                 visible=visible,
-                **self._draft_inputs(frontier_parent_hidden),
+                **self._draft_inputs(frontier_parent_hidden, d),
             )
             own = torch.zeros(batch, sees.shape[1], width, dtype=torch.bool, device=device)
             # frontier node i sees the region slot it was just fed in (column i)
