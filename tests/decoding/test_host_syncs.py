@@ -33,6 +33,7 @@ from hf_specdec.decoding.stopping import TokenStopper
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
+from tests.proposers.test_mtp import mtp_layers, mtp_target
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
             "repeat_interleave", "equal", "is_nonzero", "multinomial"}
@@ -167,6 +168,29 @@ def test_at_most_two_host_syncs_per_verify_step(counted, sampling, static):
         assert max(per_step) <= MAX_SYNCS_PER_STEP, (name, [dict(step) for step in counter.steps])
         measured = (MEASURED_STATIC if static else MEASURED)[name]
         assert max(per_step) == measured, (name, [dict(step) for step in counter.steps])
+        assert not counter.user_code
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_mtp_one_host_sync_per_verify_step(counted, sampling, static):
+    """method='mtp' on a model that declares MTP layers (DeepSeek-V3, two layers: drafts switch layers by depth)."""
+    target = mtp_target("deepseek_v3", num_layers=2)
+    ids, mask = padded_batch([10, 6, 8], seed=3, repeat_period=4)
+    options = dict(do_sample=True, temperature=0.8) if sampling else dict(do_sample=False)
+    if static:
+        options["cache_implementation"] = "static"
+    mtp = mtp_layers(target)
+    configs = {"chain": SpeculativeConfig(method="mtp", heads=mtp, num_speculative_tokens=3, seed=0),
+               "dynamic_tree": SpeculativeConfig(method="mtp", heads=mtp, top_k=2, depth=3, total_tokens=5, seed=0)}
+    for name, config in configs.items():
+        counter, out = counted(lambda: hf_specdec.generate(
+            target, ids, attention_mask=mask, speculative=config, max_new_tokens=12, eos_token_id=None,
+            return_dict_in_generate=True, use_cache=False, **options))
+        per_step = [sum(step.values()) for step in counter.steps]
+        assert len(per_step) == out.spec_stats.target_forward_passes - 1 >= 3, name
+        assert out.spec_stats.num_draft_tokens > 0, name
+        assert max(per_step) == 1, (name, [dict(step) for step in counter.steps])
         assert not counter.user_code
 
 
