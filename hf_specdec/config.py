@@ -20,6 +20,12 @@ class SpeculativeConfig:
 
     method: SpecMethod = field(default="draft", metadata={"help": f"proposer, one of {SPEC_METHODS}"})
     draft_model: Any = field(default=None, metadata={"help": "the small model for method='draft' (same tokenizer)"})
+    draft_tokenizer: Any = field(
+        default=None,
+        metadata={"help": "method='draft' with a draft whose tokenizer differs from the target's: the draft's "
+                  "tokenizer (with `tokenizer`, the target's); drafts are re-tokenised across the two"},
+    )
+    tokenizer: Any = field(default=None, metadata={"help": "the target's tokenizer, with draft_tokenizer"})
     heads: Any = field(
         default=None,
         metadata={"help": "draft heads: hf_specdec.heads.MedusaHeads for method='medusa', EagleHead for 'eagle'; "
@@ -99,6 +105,24 @@ class SpeculativeConfig:
                     "SpeculativeConfig.draft_model: expected a transformers causal LM (a PreTrainedModel), got "
                     f"{describe(self.draft_model)}{method_hint(self.draft_model)}"
                 )
+            if (self.draft_tokenizer is None) != (self.tokenizer is None):
+                given, missing = (("draft_tokenizer", "tokenizer") if self.tokenizer is None
+                                  else ("tokenizer", "draft_tokenizer"))
+                raise ValueError(
+                    f"SpeculativeConfig.{missing}: a draft with another tokenizer needs both tokenizers; {given} "
+                    f"was given, {missing} is missing"
+                )
+            for name in ("draft_tokenizer", "tokenizer"):
+                value = getattr(self, name)
+                if value is not None and not all(callable(getattr(value, m, None)) for m in ("encode", "decode",
+                                                                                             "get_vocab")):
+                    raise ValueError(
+                        f"SpeculativeConfig.{name}: expected a transformers tokenizer, got {describe(value)}"
+                    )
+        elif self.draft_tokenizer is not None or self.tokenizer is not None:
+            raise ValueError(
+                f"SpeculativeConfig.draft_tokenizer: only method='draft' takes tokenizers, got method={self.method!r}"
+            )
         elif self.draft_model is not None:
             raise ValueError(
                 f"SpeculativeConfig.draft_model: method={self.method!r} does not use a draft model; "

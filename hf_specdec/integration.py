@@ -9,6 +9,7 @@ generate's own preparation is reused; the streamer travels under another name be
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from typing import Any
 
@@ -99,7 +100,7 @@ def _generate(
     spec_method: str | None,
 ):
     check_transformers_version()
-    config = resolve_config(speculative, assistant, spec_method)
+    config = _with_tokenizers(resolve_config(speculative, assistant, spec_method), kwargs)
     for name in ("assistant_model", "prompt_lookup_num_tokens", "use_mtp", "custom_generate"):
         if kwargs.get(name) is not None:
             raise ValueError(
@@ -117,6 +118,23 @@ def _generate(
         spec_user_cache=kwargs.get("past_key_values"),
         **kwargs,
     )
+
+
+def _with_tokenizers(config: SpeculativeConfig, kwargs: dict[str, Any]) -> SpeculativeConfig:
+    """transformers' spelling of a draft with another tokenizer, `assistant_tokenizer=` beside `tokenizer=` (the
+    target's), as the config's `draft_tokenizer` / `tokenizer`."""
+    draft_tokenizer = kwargs.pop("assistant_tokenizer", None)
+    if draft_tokenizer is None:
+        return config
+    if config.method != "draft":
+        raise ValueError(f"assistant_tokenizer=: only a draft model (method='draft') takes it, got "
+                         f"method={config.method!r}")
+    if kwargs.get("tokenizer") is None:
+        raise ValueError("assistant_tokenizer=: a draft with another tokenizer also needs the target's tokenizer; "
+                         "pass tokenizer=... to generate")
+    if config.draft_tokenizer is not None:
+        raise ValueError("assistant_tokenizer=: conflicts with speculative.draft_tokenizer; pass it in one place")
+    return dataclasses.replace(config, draft_tokenizer=draft_tokenizer, tokenizer=kwargs["tokenizer"])
 
 
 def _stop_strings_to_criteria(model: Any, kwargs: dict[str, Any]) -> None:

@@ -142,7 +142,7 @@ def test_transformers_version_range():
         (dict(method="ngram", seed=-1), "seed: expected an int >= 0"),
         (dict(method="ngram", tree_width=0), r"tree_width: expected an int in \[1, 512\]"),
         (dict(method="ngram", tree_width=200, num_speculative_tokens=5), "over the budget of 512"),
-        (dict(method="ngram", tree_width=2, tree_total_tokens=4), "dynamic trees need method 'draft' or 'eagle'"),
+        (dict(method="ngram", tree_width=2, tree_total_tokens=4), "dynamic trees need method 'draft', 'eagle' or 'mtp'"),
         (dict(method="draft", draft_model=make_draft(), tree_width=2, num_speculative_tokens=2, tree_total_tokens=7),
          r"tree_total_tokens: expected an int in \[1, 6\]"),
     ],

@@ -50,15 +50,17 @@ def check_draft_compatible(target: torch.nn.Module, draft: torch.nn.Module) -> N
     if abs(target_vocab - draft_vocab) > MAX_VOCAB_PADDING:
         raise ValueError(
             f"SpeculativeConfig.draft_model: vocabulary size {draft_vocab} does not match the target's "
-            f"{target_vocab}; a draft must use the target's tokenizer (sizes may differ only by up to "
-            f"{MAX_VOCAB_PADDING} padded rows)"
+            f"{target_vocab}; a draft with another tokenizer needs both tokenizers: "
+            "SpeculativeConfig(method='draft', draft_model=..., draft_tokenizer=<the draft's tokenizer>, "
+            "tokenizer=<the target's tokenizer>)"
         )
     for name in SPECIAL_TOKEN_FIELDS:
         target_id, draft_id = _special_ids(target, name), _special_ids(draft, name)
         if target_id and draft_id and target_id != draft_id:
             raise ValueError(
                 f"SpeculativeConfig.draft_model: {name} {sorted(draft_id)} does not match the target's "
-                f"{sorted(target_id)}; a draft must use the target's tokenizer"
+                f"{sorted(target_id)}; a draft with another tokenizer needs both tokenizers: "
+                "SpeculativeConfig(method='draft', draft_model=..., draft_tokenizer=..., tokenizer=...)"
             )
     if draft.config.is_encoder_decoder:
         raise ValueError("SpeculativeConfig.draft_model: expected a decoder-only causal LM, got an encoder-decoder")
@@ -408,6 +410,10 @@ def _one_hot(
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:
+    from hf_specdec.proposers.cross_tokenizer import CrossTokenizerProposer, same_vocabulary
+
+    if config.draft_tokenizer is not None and not same_vocabulary(config.draft_tokenizer, config.tokenizer):
+        return CrossTokenizerProposer(config, target, sampling)
     return DraftModelProposer(config, target, sampling)
 
 

@@ -30,9 +30,11 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.decoding import loop
 from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
+from hf_specdec.testbed import load_testbed
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
+from tests.proposers.other_tokenizers import permuted
 from tests.proposers.test_mtp import mtp_layers, mtp_target
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
@@ -192,6 +194,27 @@ def test_mtp_one_host_sync_per_verify_step(counted, sampling, static):
         assert out.spec_stats.num_draft_tokens > 0, name
         assert max(per_step) == 1, (name, [dict(step) for step in counter.steps])
         assert not counter.user_code
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_other_tokenizer_host_syncs_per_verify_step(counted, sampling):
+    """A draft with another tokenizer: sampling (drafts on the shared vocabulary) 1; greedy 2, since re-tokenising
+    the drafted text reads the draft's tokens on the host."""
+    tokenizer, target, draft = load_testbed()
+    tokenizer.padding_side = "left"
+    draft_tokenizer, other = permuted(tokenizer, draft)
+    batch = tokenizer(["def parse_args(argv):\n", "import os\n"], return_tensors="pt", padding=True)
+    options = dict(do_sample=True, temperature=0.8) if sampling else dict(do_sample=False)
+    config = SpeculativeConfig(method="draft", draft_model=other, draft_tokenizer=draft_tokenizer, tokenizer=tokenizer,
+                               num_speculative_tokens=3, seed=0)
+    counter, out = counted(lambda: hf_specdec.generate(
+        target, **batch, speculative=config, max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True,
+        use_cache=False, **options))
+    per_step = [sum(step.values()) for step in counter.steps]
+    assert len(per_step) == out.spec_stats.target_forward_passes - 1 >= 3
+    assert out.spec_stats.num_draft_tokens > 0
+    assert max(per_step) == (1 if sampling else 2), [dict(step) for step in counter.steps]
+    assert not counter.user_code
 
 
 class StopAtToken(StoppingCriteria):

@@ -151,7 +151,8 @@ def test_model_without_mtp_layers_is_refused():
     assert isinstance(make_model("llama"), LlamaForCausalLM)
     built = mtp_target("deepseek_v3")  # declares MTP layers, but was built from a config: no checkpoint to read
     with pytest.raises(ValueError, match="not loaded with from_pretrained"):
-        hf_specdec.generate(built, ids, attention_mask=mask, max_new_tokens=4, speculative=SpeculativeConfig(method="mtp"))
+        hf_specdec.generate(built, ids, attention_mask=mask, max_new_tokens=4,
+                            speculative=SpeculativeConfig(method="mtp"))
     other = mtp_layers(mtp_target("deepseek_v3", num_layers=2))
     with pytest.raises(ValueError, match="2 MTP layers, but DeepseekV3ForCausalLM declares 1"):
         hf_specdec.generate(built, ids, attention_mask=mask, max_new_tokens=4,
