@@ -1,9 +1,9 @@
 """method='mtp': the target's own MTP layers draft, on tiny random models of every architecture in transformers that
 declares MTP layers and that hf_specdec runs (DeepSeek-V3, GLM-4.5 MoE, Mellum); built from configs, no downloads.
 
-Architectures with MTP layers that hf_specdec does not run (their layers keep states a KV cache cannot hold):
-Bailing-hybrid (linear attention), Nemotron-H (Mamba), Inkling (hybrid sliding layers); Step-3.5/3.7 and
-Kimi-K2.5 have no text-only causal LM class. Those are refused by the engine's layer-type check before any work.
+Architectures with MTP layers that hf_specdec does not run, by any method (their layers keep states a KV cache
+cannot hold, or mix masks it does not build): Bailing-hybrid (linear attention), Nemotron-H (Mamba), Inkling (hybrid
+sliding layers); Step-3.5/3.7 and Kimi-K2.5 have no text-only causal LM class.
 """
 
 from __future__ import annotations
