@@ -134,6 +134,7 @@ class CrossTokenizerProposer(Proposer):
         self.draft_vocab = len(self.draft_tokenizer)
         self.cache = RaggedKVCache(self.draft)
         self.rows: list[RowText] = []
+        self._fed: torch.Tensor | None = None  # [B] on the host: draft tokens fed at the start of this step
         self._fed_host: list[int] = []
 
     def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:

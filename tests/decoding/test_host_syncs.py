@@ -149,6 +149,22 @@ MEASURED = collections.defaultdict(lambda: 1, {"draft_dynamic_tree": 2})
 MEASURED_STATIC = collections.defaultdict(lambda: 1)
 
 
+def _syncs_per_step(counted, target, config: SpeculativeConfig, **kwargs) -> list[collections.Counter]:
+    """The host syncs of each verify step of one call, by kind (the call drafted, and ran no user code that
+    syncs)."""
+    counter, out = counted(lambda: hf_specdec.generate(
+        target, speculative=config, max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True,
+        use_cache=False, **kwargs))
+    assert len(counter.steps) == out.spec_stats.target_forward_passes - 1 >= 3
+    assert out.spec_stats.num_draft_tokens > 0
+    assert not counter.user_code
+    return counter.steps
+
+
+def _most(steps: list[collections.Counter]) -> int:
+    return max(sum(step.values()) for step in steps)
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
 def test_at_most_two_host_syncs_per_verify_step(counted, sampling, static):
@@ -161,16 +177,10 @@ def test_at_most_two_host_syncs_per_verify_step(counted, sampling, static):
         options["cache_implementation"] = "static"
     for name, config in _configs(target).items():
         config.seed = 0
-        counter, out = counted(lambda: hf_specdec.generate(
-            target, ids, attention_mask=mask, speculative=config, max_new_tokens=12, eos_token_id=None,
-            return_dict_in_generate=True, use_cache=False, **options))
-        per_step = [sum(step.values()) for step in counter.steps]
-        assert len(per_step) == out.spec_stats.target_forward_passes - 1 >= 3, name
-        assert out.spec_stats.num_draft_tokens > 0, name
-        assert max(per_step) <= MAX_SYNCS_PER_STEP, (name, [dict(step) for step in counter.steps])
+        steps = _syncs_per_step(counted, target, config, input_ids=ids, attention_mask=mask, **options)
+        assert _most(steps) <= MAX_SYNCS_PER_STEP, (name, [dict(step) for step in steps])
         measured = (MEASURED_STATIC if static else MEASURED)[name]
-        assert max(per_step) == measured, (name, [dict(step) for step in counter.steps])
-        assert not counter.user_code
+        assert _most(steps) == measured, (name, [dict(step) for step in steps])
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
@@ -186,14 +196,7 @@ def test_mtp_one_host_sync_per_verify_step(counted, sampling, static):
     configs = {"chain": SpeculativeConfig(method="mtp", heads=mtp, num_speculative_tokens=3, seed=0),
                "dynamic_tree": SpeculativeConfig(method="mtp", heads=mtp, top_k=2, depth=3, total_tokens=5, seed=0)}
     for name, config in configs.items():
-        counter, out = counted(lambda: hf_specdec.generate(
-            target, ids, attention_mask=mask, speculative=config, max_new_tokens=12, eos_token_id=None,
-            return_dict_in_generate=True, use_cache=False, **options))
-        per_step = [sum(step.values()) for step in counter.steps]
-        assert len(per_step) == out.spec_stats.target_forward_passes - 1 >= 3, name
-        assert out.spec_stats.num_draft_tokens > 0, name
-        assert max(per_step) == 1, (name, [dict(step) for step in counter.steps])
-        assert not counter.user_code
+        assert _most(_syncs_per_step(counted, target, config, input_ids=ids, attention_mask=mask, **options)) == 1, name
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
@@ -207,14 +210,7 @@ def test_other_tokenizer_host_syncs_per_verify_step(counted, sampling):
     options = dict(do_sample=True, temperature=0.8) if sampling else dict(do_sample=False)
     config = SpeculativeConfig(method="draft", draft_model=other, draft_tokenizer=draft_tokenizer, tokenizer=tokenizer,
                                num_speculative_tokens=3, seed=0)
-    counter, out = counted(lambda: hf_specdec.generate(
-        target, **batch, speculative=config, max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True,
-        use_cache=False, **options))
-    per_step = [sum(step.values()) for step in counter.steps]
-    assert len(per_step) == out.spec_stats.target_forward_passes - 1 >= 3
-    assert out.spec_stats.num_draft_tokens > 0
-    assert max(per_step) == (1 if sampling else 2), [dict(step) for step in counter.steps]
-    assert not counter.user_code
+    assert _most(_syncs_per_step(counted, target, config, **batch, **options)) == (1 if sampling else 2)
 
 
 class StopAtToken(StoppingCriteria):

@@ -253,3 +253,18 @@ def test_power_verifier_without_residual_is_caught(target, monkeypatch):
     law = exact_law(target, TEMPERATURE)
     config = SpeculativeConfig(method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=3, seed=1)
     assert not accepted(chi_square_pvalues(draws(target, TEMPERATURE, config), law))
+
+
+def assert_exact_law_with_drafts(model, speculative: SpeculativeConfig, deep: bool = True) -> None:
+    """For a proposer tested outside this file: it drafts in the second step, its drafts are accepted in some rows
+    and rejected in others (at depth 2 too, with `deep`), and its draws follow the exact law."""
+    prompts = PROMPT.expand(300, -1)
+    spec = hf_specdec.generate(model, prompts, attention_mask=torch.ones_like(prompts), speculative=speculative,
+                               max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                               return_dict_in_generate=True).spec_stats
+    assert spec.num_draft_tokens > 100
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    if deep:
+        assert spec.accepted_per_position[1] > 0, spec.accepted_per_position
+    pvalues = chi_square_pvalues(draws(model, TEMPERATURE, speculative), exact_law(model, TEMPERATURE))
+    assert accepted(pvalues), pvalues
