@@ -53,6 +53,35 @@ def test_greedy_matches_plain_generate(testbed, other_drafts, side):
             assert out.spec_stats.num_accepted_tokens >= 0.8 * shared.spec_stats.num_accepted_tokens > 0
 
 
+def test_the_draft_reads_the_target_text(testbed, other_drafts, monkeypatch):
+    """After every step each row's draft tokens spell exactly the text of the target tokens it has read, including
+    characters of several bytes that the target's tokens split (the draft waits for the rest of a character)."""
+    tokenizer, target, _ = testbed
+    tokenizer.padding_side = "left"
+    prompts = ["s = 'naïve café ✓ — 日本語'\n", "# → ü\nx = 1\n"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in batch.input_ids[0].tolist()), "a split character"
+    checked = []
+    commit = CrossTokenizerProposer.commit
+
+    def checking(self, state, result):
+        commit(self, state, result)
+        for row in self.rows:
+            text = tokenizer.decode(row.target[: row.read], skip_special_tokens=True)
+            assert self.draft_tokenizer.decode(row.draft, skip_special_tokens=True) == text
+            assert len(row.draft) - row.cached >= 1
+            checked.append(row.read)
+
+    monkeypatch.setattr(CrossTokenizerProposer, "commit", checking)
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    expected = target.generate(**batch, **kwargs)
+    for draft_tokenizer, draft in other_drafts.values():
+        config = SpeculativeConfig(method="draft", draft_model=draft, draft_tokenizer=draft_tokenizer,
+                                   tokenizer=tokenizer, num_speculative_tokens=3)
+        assert torch.equal(hf_specdec.generate(target, **batch, **kwargs, speculative=config), expected)
+    assert len(checked) > 8
+
+
 def test_transformers_spelling(testbed, other_drafts):
     """`model.generate(assistant=draft, assistant_tokenizer=..., tokenizer=...)`, as transformers spells it."""
     tokenizer, target, _ = testbed
