@@ -100,7 +100,7 @@ class SpeculativeConfig:
                     "SpeculativeConfig.draft_model: method='draft' needs a draft model "
                     "(a transformers causal LM that shares the target's tokenizer)"
                 )
-            if not is_causal_lm(self.draft_model):
+            if not is_causal_lm(self.draft_model) or is_mtp_model(self.draft_model):
                 raise ValueError(
                     "SpeculativeConfig.draft_model: expected a transformers causal LM (a PreTrainedModel), got "
                     f"{describe(self.draft_model)}{method_hint(self.draft_model)}"

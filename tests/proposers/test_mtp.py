@@ -170,6 +170,8 @@ def test_model_without_mtp_layers_is_refused():
                             speculative=SpeculativeConfig(method="mtp", heads=other))
     with pytest.raises(ValueError, match="SpeculativeConfig.heads: method='mtp' takes"):
         SpeculativeConfig(method="mtp", heads=make_model("llama"))
+    with pytest.raises(ValueError, match="SpeculativeConfig.draft_model: .* an MtpModel holds a target's MTP layers"):
+        SpeculativeConfig(method="draft", draft_model=other)
 
 
 # ---- MTP layers that copy the target: the drafter sees what the target saw ----
