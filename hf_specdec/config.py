@@ -19,7 +19,8 @@ class SpeculativeConfig:
     """How to speculate. Validated in `__post_init__`; every error names the field."""
 
     method: SpecMethod = field(default="draft", metadata={"help": f"proposer, one of {SPEC_METHODS}"})
-    draft_model: Any = field(default=None, metadata={"help": "the small model for method='draft' (same tokenizer)"})
+    draft_model: Any = field(default=None, metadata={"help": "the small model for method='draft' (the target's "
+                                                     "tokenizer, or another one with draft_tokenizer)"})
     draft_tokenizer: Any = field(
         default=None,
         metadata={"help": "method='draft' with a draft whose tokenizer differs from the target's: the draft's "
