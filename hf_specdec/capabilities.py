@@ -16,7 +16,7 @@ KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_
                       "cache_position", "token_type_ids", "inputs_embeds", "output_attentions",
                       "output_hidden_states"}
 # Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` does not have.
-NEEDS_PROMPT_IDS = ("draft", "eagle", "early_exit")
+NEEDS_PROMPT_IDS = ("draft", "eagle", "mtp", "early_exit")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", *STATIC_CACHE_IMPLEMENTATIONS)
 
 
@@ -62,9 +62,9 @@ def check_generation_supported(
         )
     cached = 0 if cache is None else cache.get_seq_length()
     if cached > 0:
-        if method == "eagle":
+        if method in ("eagle", "mtp"):
             raise ValueError(
-                "past_key_values: method='eagle' reads the target's features at every prompt position, which a "
+                f"past_key_values: method={method!r} reads the target's features at every prompt position, which a "
                 "filled cache does not keep; start from the whole prompt (no past_key_values) or use another method"
             )
     if model_kwargs.get("inputs_embeds") is not None and method in NEEDS_PROMPT_IDS:

@@ -7,7 +7,8 @@ from typing import Any, Literal, get_args
 
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
 
-SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "mlp_speculator", "early_exit", "suffix", "auto"]
+SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "mtp", "mlp_speculator", "early_exit", "suffix",
+                     "auto"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 Schedule = Literal["adaptive", "fixed"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
@@ -24,11 +25,19 @@ class SpeculativeConfig:
     """How to speculate. Validated in `__post_init__`; every error names the field."""
 
     method: SpecMethod = field(default="draft", metadata={"help": f"proposer, one of {SPEC_METHODS}"})
-    draft_model: Any = field(default=None, metadata={"help": "the small model for method='draft' (same tokenizer)"})
+    draft_model: Any = field(default=None, metadata={"help": "the small model for method='draft' (the target's "
+                                                     "tokenizer, or another one with draft_tokenizer)"})
+    draft_tokenizer: Any = field(
+        default=None,
+        metadata={"help": "method='draft' with a draft whose tokenizer differs from the target's: the draft's "
+                  "tokenizer (with `tokenizer`, the target's); drafts are re-tokenised across the two"},
+    )
+    tokenizer: Any = field(default=None, metadata={"help": "the target's tokenizer, with draft_tokenizer"})
     heads: Any = field(
         default=None,
         metadata={"help": "draft heads: hf_specdec.heads.MedusaHeads for method='medusa', EagleHead for 'eagle', "
-                          "MlpSpeculator for 'mlp_speculator'"},
+                          "MlpSpeculator for 'mlp_speculator'; for 'mtp', optionally the target's MTP layers as a "
+                          "transformers MtpModel (default: loaded from the target's checkpoint)"},
     )
     early_exit_layer: int | None = field(
         default=None,
@@ -168,13 +177,32 @@ class SpeculativeConfig:
                     "SpeculativeConfig.draft_model: method='draft' needs a draft model "
                     "(a transformers causal LM that shares the target's tokenizer)"
                 )
-            if not is_causal_lm(self.draft_model):
+            if not is_causal_lm(self.draft_model) or is_mtp_model(self.draft_model):
                 raise ValueError(
                     "SpeculativeConfig.draft_model: expected a transformers causal LM (a PreTrainedModel), got "
                     f"{describe(self.draft_model)}{method_hint(self.draft_model)}"
                 )
+            if (self.draft_tokenizer is None) != (self.tokenizer is None):
+                given, missing = (("draft_tokenizer", "tokenizer") if self.tokenizer is None
+                                  else ("tokenizer", "draft_tokenizer"))
+                raise ValueError(
+                    f"SpeculativeConfig.{missing}: a draft with another tokenizer needs both tokenizers; {given} "
+                    f"was given, {missing} is missing"
+                )
+            for name in ("draft_tokenizer", "tokenizer"):
+                value = getattr(self, name)
+                if value is not None and not all(callable(getattr(value, m, None)) for m in ("encode", "decode",
+                                                                                             "get_vocab")):
+                    raise ValueError(
+                        f"SpeculativeConfig.{name}: expected a transformers tokenizer, got {describe(value)}"
+                    )
+        elif self.draft_tokenizer is not None or self.tokenizer is not None:
+            raise ValueError(
+                f"SpeculativeConfig.draft_tokenizer: only method='draft' takes tokenizers, got method={self.method!r}"
+            )
         elif self.method == "auto":
-            if self.draft_model is not None and not is_causal_lm(self.draft_model):
+            if self.draft_model is not None and (not is_causal_lm(self.draft_model)
+                                                 or is_mtp_model(self.draft_model)):
                 raise ValueError(
                     "SpeculativeConfig.draft_model: method='auto' takes an optional draft model (a transformers "
                     f"causal LM), got {describe(self.draft_model)}{method_hint(self.draft_model)}"
@@ -197,9 +225,16 @@ class SpeculativeConfig:
                     f"heads (stateless, so a step may skip them); got {describe(self.heads)}; use "
                     f"method={'eagle'!r} for EAGLE heads"
                 )
+        elif self.method == "mtp":
+            if self.heads is not None and not is_mtp_model(self.heads):
+                raise ValueError(
+                    "SpeculativeConfig.heads: method='mtp' takes the target's MTP layers as a transformers "
+                    f"MtpModel, or None to load them from the target's checkpoint; got {describe(self.heads)}"
+                    f"{method_hint(self.heads)}"
+                )
         elif self.heads is not None:
             raise ValueError(
-                f"SpeculativeConfig.heads: only methods {sorted(HEADS_CLASS)} and 'auto' use heads, got "
+                f"SpeculativeConfig.heads: only methods {sorted(HEADS_CLASS)}, 'mtp' and 'auto' use heads, got "
                 f"method={self.method!r}"
             )
         if self.method == "early_exit":
@@ -366,7 +401,7 @@ SUFFIX_CONFIG_FIELDS = ("max_depth", "max_cached_requests", "max_spec_factor", "
 HEADS_CLASS = {"medusa": "hf_specdec.heads.MedusaHeads", "eagle": "hf_specdec.heads.EagleHead",
                "mlp_speculator": "hf_specdec.heads.MlpSpeculator"}
 # methods that draft EAGLE-2 dynamic trees (`tree_total_tokens`)
-DYNAMIC_TREE_METHODS = ("draft", "eagle", "mlp_speculator", "early_exit")
+DYNAMIC_TREE_METHODS = ("draft", "eagle", "mtp", "mlp_speculator", "early_exit")
 
 
 def heads_class(method: str) -> type:
@@ -375,6 +410,13 @@ def heads_class(method: str) -> type:
     from hf_specdec.heads.mlp_speculator import MlpSpeculator
 
     return {"medusa": MedusaHeads, "eagle": EagleHead, "mlp_speculator": MlpSpeculator}[method]
+
+
+def is_mtp_model(value: Any) -> bool:
+    """transformers' container of a model's multi-token-prediction layers (what `generate(use_mtp=True)` loads)."""
+    from transformers.modeling_layers import MtpModel
+
+    return isinstance(value, MtpModel)
 
 
 def is_causal_lm(value: Any) -> bool:
@@ -396,6 +438,8 @@ def method_hint(value: Any) -> str:
     for method in HEADS_CLASS:
         if isinstance(value, heads_class(method)):
             return f"; {describe(value)} is for method={method!r}"
+    if is_mtp_model(value):
+        return "; an MtpModel holds a target's MTP layers, for method='mtp'"
     if is_causal_lm(value):
         return "; a causal LM is a draft model, for method='draft'"
     return ""

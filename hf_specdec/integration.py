@@ -10,6 +10,7 @@ generate's own preparation is reused; the streamer travels under another name be
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from typing import Any
 
@@ -19,7 +20,8 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
-from hf_specdec.config import HEADS_CLASS, SPEC_METHODS, SpeculativeConfig, describe, heads_class, is_causal_lm, method_hint
+from hf_specdec.config import (HEADS_CLASS, SPEC_METHODS, SpeculativeConfig, describe, heads_class, is_causal_lm,
+                               is_mtp_model, method_hint)
 from hf_specdec.decoding.loop import speculative_generate
 
 SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))  # [low, high)
@@ -62,10 +64,13 @@ def _assistant_fields(assistant: Any, spec_method: str | None) -> dict[str, Any]
         raise ValueError(f"spec_method={spec_method!r}: unknown method; expected one of {list(SPEC_METHODS)}")
     method = spec_method
     if method is None:
-        method = next((m for m in HEADS_CLASS if isinstance(assistant, heads_class(m))), "draft")
+        method = "mtp" if is_mtp_model(assistant) else next(
+            (m for m in HEADS_CLASS if isinstance(assistant, heads_class(m))), "draft")
     if method == "early_exit":
         raise ValueError("spec_method='early_exit' needs the layer to draft from: pass assistant_early_exit=N or "
                          "speculative=SpeculativeConfig(method='early_exit', early_exit_layer=N)")
+    if method == "mtp":  # the target's own MTP layers: loaded from its checkpoint unless given
+        return {"method": method, "heads": assistant}
     if method in ("ngram", "suffix"):
         if assistant is not None:
             fallback = " (a fallback drafter: speculative=SpeculativeConfig(method='suffix', fallback=...))"
@@ -130,8 +135,8 @@ def _generate(
             raise ValueError("assistant_early_exit=: transformers' spelling of SpeculativeConfig(method='early_exit', "
                              "early_exit_layer=N); pass it alone, or speculative=/assistant=/spec_method= without it")
         speculative = early_exit
-    config = resolve_config(speculative, assistant, spec_method)
-    for name in ("assistant_model", "prompt_lookup_num_tokens", "custom_generate"):
+    config = _with_tokenizers(resolve_config(speculative, assistant, spec_method), kwargs)
+    for name in ("assistant_model", "prompt_lookup_num_tokens", "use_mtp", "custom_generate"):
         if kwargs.get(name) is not None:
             raise ValueError(
                 f"{name}: transformers' own option cannot be combined with hf_specdec's speculative decoding; "
@@ -148,6 +153,23 @@ def _generate(
         spec_user_cache=kwargs.get("past_key_values"),
         **kwargs,
     )
+
+
+def _with_tokenizers(config: SpeculativeConfig, kwargs: dict[str, Any]) -> SpeculativeConfig:
+    """transformers' spelling of a draft with another tokenizer, `assistant_tokenizer=` beside `tokenizer=` (the
+    target's), as the config's `draft_tokenizer` / `tokenizer`."""
+    draft_tokenizer = kwargs.pop("assistant_tokenizer", None)
+    if draft_tokenizer is None:
+        return config
+    if config.method != "draft":
+        raise ValueError(f"assistant_tokenizer=: only a draft model (method='draft') takes it, got "
+                         f"method={config.method!r}")
+    if kwargs.get("tokenizer") is None:
+        raise ValueError("assistant_tokenizer=: a draft with another tokenizer also needs the target's tokenizer; "
+                         "pass tokenizer=... to generate")
+    if config.draft_tokenizer is not None:
+        raise ValueError("assistant_tokenizer=: conflicts with speculative.draft_tokenizer; pass it in one place")
+    return dataclasses.replace(config, draft_tokenizer=draft_tokenizer, tokenizer=kwargs["tokenizer"])
 
 
 def _stop_strings_to_criteria(model: Any, kwargs: dict[str, Any]) -> None:

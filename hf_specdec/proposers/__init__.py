@@ -7,6 +7,7 @@ from hf_specdec.proposers import (  # noqa: F401  (registration)
     early_exit,
     medusa,
     mlp_speculator,
+    mtp,
     ngram,
     suffix,
 )

@@ -49,15 +49,17 @@ def check_draft_compatible(target: torch.nn.Module, draft: torch.nn.Module) -> N
     if abs(target_vocab - draft_vocab) > MAX_VOCAB_PADDING:
         raise ValueError(
             f"SpeculativeConfig.draft_model: vocabulary size {draft_vocab} does not match the target's "
-            f"{target_vocab}; a draft must use the target's tokenizer (sizes may differ only by up to "
-            f"{MAX_VOCAB_PADDING} padded rows)"
+            f"{target_vocab}; a draft with another tokenizer needs both tokenizers: "
+            "SpeculativeConfig(method='draft', draft_model=..., draft_tokenizer=<the draft's tokenizer>, "
+            "tokenizer=<the target's tokenizer>)"
         )
     for name in SPECIAL_TOKEN_FIELDS:
         target_id, draft_id = _special_ids(target, name), _special_ids(draft, name)
         if target_id and draft_id and target_id != draft_id:
             raise ValueError(
                 f"SpeculativeConfig.draft_model: {name} {sorted(draft_id)} does not match the target's "
-                f"{sorted(target_id)}; a draft must use the target's tokenizer"
+                f"{sorted(target_id)}; a draft with another tokenizer needs both tokenizers: "
+                "SpeculativeConfig(method='draft', draft_model=..., draft_tokenizer=..., tokenizer=...)"
             )
     if draft.config.is_encoder_decoder:
         raise ValueError("SpeculativeConfig.draft_model: expected a decoder-only causal LM, got an encoder-decoder")
@@ -125,6 +127,8 @@ class DraftModelProposer(Proposer):
         self,
         # [B, W, F]: the drafter's output at each new token's parent (None when the drafter keeps none)
         parent_hidden: torch.Tensor | None,
+        # the draft depth of the fed tokens (1 for the first drafted token)
+        depth: int,
     ) -> dict:
         """Extra inputs of a drafting forward."""
         return {}
@@ -159,7 +163,7 @@ class DraftModelProposer(Proposer):
             if step > 0:
                 parent = None if hidden is None else hidden[:, None]
                 logits = self.cache.forward(tokens[-1].to(device)[:, None], self._fed.to(device)[:, None] + step - 1,
-                                            **self._draft_inputs(parent))[:, 0]
+                                            **self._draft_inputs(parent, step))[:, 0]
                 hidden = None if self.cache.hidden_states is None else self.cache.hidden_states[:, 0]
             token, token_probs = self._draw(logits)
             tokens.append(token)
@@ -209,7 +213,7 @@ class DraftModelProposer(Proposer):
                 levels[-1].to(device),
                 (fed + d - 1).expand(-1, width),
                 visible=torch.cat([feed, branch.repeat(1, d)], dim=1).expand(batch, -1, -1),  # a branch sees its own
-                **self._draft_inputs(hidden),
+                **self._draft_inputs(hidden, d),
             )
             hidden = self.cache.hidden_states
             tokens, probs = self._draw(logits.reshape(batch * width, -1))
@@ -291,7 +295,7 @@ class DraftModelProposer(Proposer):
                 nodes_tokens.gather(1, frontier),
                 (fed + d - 1).expand(-1, width),
                 visible=visible,
-                **self._draft_inputs(frontier_parent_hidden),
+                **self._draft_inputs(frontier_parent_hidden, d),
             )
             own = torch.zeros(batch, sees.shape[1], width, dtype=torch.bool, device=device)
             # frontier node i sees the region slot it was just fed in (column i)
@@ -383,6 +387,10 @@ def _one_hot(
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:
+    from hf_specdec.proposers.cross_tokenizer import CrossTokenizerProposer, same_vocabulary
+
+    if config.draft_tokenizer is not None and not same_vocabulary(config.draft_tokenizer, config.tokenizer):
+        return CrossTokenizerProposer(config, target, sampling)
     return DraftModelProposer(config, target, sampling)
 
 

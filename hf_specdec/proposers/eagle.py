@@ -81,8 +81,12 @@ class EagleProposer(DraftModelProposer):
 
     def __init__(self, config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> None:
         super().__init__(config, target, sampling)
-        self.target_feature_layers = config.heads.target_feature_layers(target)
+        self.target_feature_layers = self._target_features(config, target)
         self.cache.feature_layers = (-1,)  # the head's outputs: the features its drafted tokens are fed with
+
+    def _target_features(self, config: SpeculativeConfig, target: nn.Module) -> tuple[int, ...]:
+        """Entries of the target's `hidden_states` the drafter reads (-1: the final one)."""
+        return config.heads.target_feature_layers(target)
 
     def _drafter(self, config: SpeculativeConfig, target: nn.Module) -> nn.Module:
         config.heads.check_target(target)
@@ -123,7 +127,7 @@ class EagleProposer(DraftModelProposer):
             features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[1]))
         return {"features": features.contiguous(), "from_target": True}
 
-    def _draft_inputs(self, parent_hidden: torch.Tensor | None) -> dict:
+    def _draft_inputs(self, parent_hidden: torch.Tensor | None, depth: int) -> dict:
         # contiguous: a compiled forward is specialised to its inputs' strides as well as their shapes
         return {"features": parent_hidden.contiguous(), "from_target": False}
 

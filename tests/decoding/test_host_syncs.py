@@ -31,10 +31,13 @@ from hf_specdec.decoding import loop
 from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
 from hf_specdec.suffix import SuffixCache
+from hf_specdec.testbed import load_testbed
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
+from tests.proposers.other_tokenizers import permuted
 from tests.proposers.test_eagle import eagle_head
 from tests.proposers.test_mlp_speculator import random_speculator
+from tests.proposers.test_mtp import mtp_layers, mtp_target
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
             "repeat_interleave", "equal", "is_nonzero", "multinomial"}
@@ -168,6 +171,22 @@ MEASURED = collections.defaultdict(lambda: 1, {"draft_dynamic_tree": 2, "early_e
 MEASURED_STATIC = collections.defaultdict(lambda: 1)
 
 
+def _syncs_per_step(counted, target, config: SpeculativeConfig, **kwargs) -> list[collections.Counter]:
+    """The host syncs of each verify step of one call, by kind (the call drafted, and ran no user code that
+    syncs)."""
+    counter, out = counted(lambda: hf_specdec.generate(
+        target, speculative=config, max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True,
+        use_cache=False, **kwargs))
+    assert len(counter.steps) == out.spec_stats.target_forward_passes - 1 >= 3
+    assert out.spec_stats.num_draft_tokens > 0
+    assert not counter.user_code
+    return counter.steps
+
+
+def _most(steps: list[collections.Counter]) -> int:
+    return max(sum(step.values()) for step in steps)
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
 def test_at_most_two_host_syncs_per_verify_step(counted, sampling, static):
@@ -182,16 +201,40 @@ def test_at_most_two_host_syncs_per_verify_step(counted, sampling, static):
         if static and name in DYNAMIC_ONLY:
             continue
         config.seed = 0
-        counter, out = counted(lambda: hf_specdec.generate(
-            target, ids, attention_mask=mask, speculative=config, max_new_tokens=12, eos_token_id=None,
-            return_dict_in_generate=True, use_cache=False, **options))
-        per_step = [sum(step.values()) for step in counter.steps]
-        assert len(per_step) == out.spec_stats.target_forward_passes - 1 >= 3, name
-        assert out.spec_stats.num_draft_tokens > 0, name
-        assert max(per_step) <= MAX_SYNCS_PER_STEP, (name, [dict(step) for step in counter.steps])
+        steps = _syncs_per_step(counted, target, config, input_ids=ids, attention_mask=mask, **options)
+        assert _most(steps) <= MAX_SYNCS_PER_STEP, (name, [dict(step) for step in steps])
         measured = (MEASURED_STATIC if static else MEASURED)[name]
-        assert max(per_step) == measured, (name, [dict(step) for step in counter.steps])
-        assert not counter.user_code
+        assert _most(steps) == measured, (name, [dict(step) for step in steps])
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_mtp_one_host_sync_per_verify_step(counted, sampling, static):
+    """method='mtp' on a model that declares MTP layers (DeepSeek-V3, two layers: drafts switch layers by depth)."""
+    target = mtp_target("deepseek_v3", num_layers=2)
+    ids, mask = padded_batch([10, 6, 8], seed=3, repeat_period=4)
+    options = dict(do_sample=True, temperature=0.8) if sampling else dict(do_sample=False)
+    if static:
+        options["cache_implementation"] = "static"
+    mtp = mtp_layers(target)
+    configs = {"chain": SpeculativeConfig(method="mtp", heads=mtp, num_speculative_tokens=3, seed=0),
+               "dynamic_tree": SpeculativeConfig(method="mtp", heads=mtp, top_k=2, depth=3, total_tokens=5, seed=0)}
+    for name, config in configs.items():
+        assert _most(_syncs_per_step(counted, target, config, input_ids=ids, attention_mask=mask, **options)) == 1, name
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_other_tokenizer_host_syncs_per_verify_step(counted, sampling):
+    """A draft with another tokenizer: sampling (drafts on the shared vocabulary) 1; greedy 2, since re-tokenising
+    the drafted text reads the draft's tokens on the host."""
+    tokenizer, target, draft = load_testbed()
+    tokenizer.padding_side = "left"
+    draft_tokenizer, other = permuted(tokenizer, draft)
+    batch = tokenizer(["def parse_args(argv):\n", "import os\n"], return_tensors="pt", padding=True)
+    options = dict(do_sample=True, temperature=0.8) if sampling else dict(do_sample=False)
+    config = SpeculativeConfig(method="draft", draft_model=other, draft_tokenizer=draft_tokenizer, tokenizer=tokenizer,
+                               num_speculative_tokens=3, seed=0)
+    assert _most(_syncs_per_step(counted, target, config, **batch, **options)) == (1 if sampling else 2)
 
 
 class StopAtToken(StoppingCriteria):

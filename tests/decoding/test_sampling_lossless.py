@@ -283,7 +283,6 @@ def test_power_verifier_without_residual_is_caught(target, monkeypatch):
     assert not accepted(chi_square_pvalues(draws(target, TEMPERATURE, config), law))
 
 
-
 def test_power_speculator_drafts_drawn_from_another_law_are_caught(target, monkeypatch):
     """The MLP speculator's sampled chain must draw its drafts from the law it hands verification: drafts drawn
     from a flattened law (the square root of it) but verified against the stated one come out biased, and the law
@@ -295,3 +294,18 @@ def test_power_speculator_drafts_drawn_from_another_law_are_caught(target, monke
     law = exact_law(target, TEMPERATURE)
     config = SpeculativeConfig(method="mlp_speculator", heads=_speculator(target), num_speculative_tokens=2, seed=17)
     assert not accepted(chi_square_pvalues(draws(target, TEMPERATURE, config), law))
+
+
+def assert_exact_law_with_drafts(model, speculative: SpeculativeConfig, deep: bool = True) -> None:
+    """For a proposer tested outside this file: it drafts in the second step, its drafts are accepted in some rows
+    and rejected in others (at depth 2 too, with `deep`), and its draws follow the exact law."""
+    prompts = PROMPT.expand(300, -1)
+    spec = hf_specdec.generate(model, prompts, attention_mask=torch.ones_like(prompts), speculative=speculative,
+                               max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                               return_dict_in_generate=True).spec_stats
+    assert spec.num_draft_tokens > 100
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    if deep:
+        assert spec.accepted_per_position[1] > 0, spec.accepted_per_position
+    pvalues = chi_square_pvalues(draws(model, TEMPERATURE, speculative), exact_law(model, TEMPERATURE))
+    assert accepted(pvalues), pvalues
