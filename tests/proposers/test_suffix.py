@@ -225,3 +225,14 @@ def test_hybrid_checks_what_the_fallback_needs():
     with pytest.raises(ValueError, match=r"inputs_embeds: method='eagle' drafts from the prompt's token ids"):
         hf_specdec.generate(target, inputs_embeds=target.get_input_embeddings()(ids), attention_mask=mask,
                             speculative=config, **GREEDY)
+
+
+def test_a_fallback_draft_with_another_tokenizer_is_refused():
+    from hf_specdec.testbed import load_testbed
+    from tests.proposers.other_tokenizers import permuted
+
+    tokenizer, _, draft = load_testbed()
+    other, moved = permuted(tokenizer, draft)
+    fallback = SpeculativeConfig(method="draft", draft_model=moved, draft_tokenizer=other, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="SpeculativeConfig.fallback: a draft with another tokenizer"):
+        SpeculativeConfig(method="suffix", fallback=fallback)
