@@ -294,7 +294,9 @@ class SpeculativeConfig:
             )
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
-        if self.method in ("draft", "early_exit") and self.tree_total_tokens is not None and (
+        from hf_specdec.schedule.controller import dynamic_draft_tree
+
+        if dynamic_draft_tree(self) and (
                 self.disable_by_batch_size is not None or self.num_speculative_tokens_per_batch_size is not None):
             raise ValueError(
                 "SpeculativeConfig.disable_by_batch_size / num_speculative_tokens_per_batch_size: the draft model's "
@@ -357,7 +359,7 @@ class SpeculativeConfig:
                     f"SpeculativeConfig.fallback: expected a SpeculativeConfig with method in {list(FALLBACK_METHODS)} "
                     f"(the drafter used where the suffix draft scores low), got {got}"
                 )
-            if getattr(fallback, "draft_tokenizer", None) is not None:
+            if fallback.draft_tokenizer is not None:
                 raise ValueError(
                     "SpeculativeConfig.fallback: a draft with another tokenizer reads the text each step, and the "
                     "hybrid skips its fallback in steps no row needs it; use a draft that shares the target's "

@@ -73,9 +73,6 @@ class AutoProposer(Proposer):
     def num_nodes(self, config: SpeculativeConfig) -> int:
         return max(p.num_nodes(self.configs[m]) for m, p in self.candidates.items())
 
-    def cost_key(self, config: SpeculativeConfig, static_shapes: bool) -> str:
-        return "auto"
-
     def candidate_cost_key(self, method: str, static_shapes: bool) -> str:
         return "auto:" + self.candidates[method].cost_key(self.configs[method], static_shapes)
 
@@ -103,6 +100,10 @@ class AutoProposer(Proposer):
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         self.chosen.commit(state, result)
+
+    def finish(self) -> None:
+        for proposer in self.candidates.values():
+            proposer.finish()
 
 
 register_proposer("auto", AutoProposer)

@@ -200,9 +200,10 @@ class CrossTokenizerProposer(Proposer):
         logits = self._feed(state)
         device = self.draft.device
         tokens, feeds, probs = [], [], []
+        fed = self._fed.to(device)[:, None]  # [B, 1]
         for step in range(num_drafted):
             if step > 0:
-                logits = self.cache.forward(feeds[-1][:, None], self._fed.to(device)[:, None] + step - 1)[:, 0]
+                logits = self.cache.forward(feeds[-1][:, None], fed + step - 1)[:, 0]
             token, feed, token_probs = self._draw(logits)
             tokens.append(token)
             feeds.append(feed)

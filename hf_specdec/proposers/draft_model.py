@@ -159,10 +159,11 @@ class DraftModelProposer(Proposer):
         tokens, probs = [], []
         device = self.draft.device
         hidden = self._root_hidden
+        fed = self._fed.to(device)[:, None]  # [B, 1]
         for step in range(self._num_drafted):
             if step > 0:
                 parent = None if hidden is None else hidden[:, None]
-                logits = self.cache.forward(tokens[-1].to(device)[:, None], self._fed.to(device)[:, None] + step - 1,
+                logits = self.cache.forward(tokens[-1].to(device)[:, None], fed + step - 1,
                                             **self._draft_inputs(parent, step))[:, 0]
                 hidden = None if self.cache.hidden_states is None else self.cache.hidden_states[:, 0]
             token, token_probs = self._draw(logits)

@@ -67,14 +67,17 @@ class MlpSpeculatorProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
         root = state.last_tokens()
+        if state.draft_width == 0:  # a schedule's plain step: no drafts, so no speculator stages
+            return Proposal.chain(root, budget.new_zeros(state.batch_size, 0), budget.clamp(max=0), dense=True)
         speculator_state = self.speculator.input_state(state.target_hidden)  # [B, emb_dim]
         first = self.speculator.advance(0, speculator_state, root)  # [B, inner]: the state stage 0's guess is read from
         if self.total is not None:
             return self._dynamic_tree(state, budget, first)
         if self.width > 1:
             return self._branches(state, budget, first)
-        dense = all(b >= self.k for b in state.host_draft_budget())  # every row takes every draft (a host fact)
-        return self._chain(state, budget, first, dense)
+        depth = state.step_width(self.k)  # k, or the width a schedule set for this step
+        dense = all(b >= depth for b in state.host_draft_budget())  # every row takes every draft (a host fact)
+        return self._chain(state, budget.clamp(max=depth), first, dense, depth)
 
     def _scores(
         self,
@@ -92,9 +95,10 @@ class MlpSpeculatorProposer(Proposer):
         warped = self.sampling.warpers(torch.zeros((flat.shape[0], 1), dtype=torch.long, device=flat.device), flat)
         return warped.reshape(scores.shape)
 
-    def _chain(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor, dense: bool) -> Proposal:
+    def _chain(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor, dense: bool,
+               depth: int) -> Proposal:
         tokens, probs = [], []
-        for stage in range(self.k):
+        for stage in range(depth):
             if stage > 0:
                 current = self.speculator.advance(stage, current, tokens[-1])
             scores = self._scores(stage, current)  # [B, V]

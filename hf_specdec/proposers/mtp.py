@@ -114,13 +114,17 @@ class MtpDrafter(nn.Module):
         features = features.to(device=device, dtype=embeds.dtype)
         drafting = 0 if from_target else depth % len(mtp.layers)
         drafted = None
+        rotaries = {}  # the rotary embedding per layer type (one for all layers without per-layer rope)
         for index, layer in enumerate(mtp.layers):
             layer_type = None if self.layer_types is None else self.layer_types[index]
             mask = attention_mask.get(layer_type) if isinstance(attention_mask, dict) else attention_mask
             rotary = None
             if mtp.rotary_emb is not None:
-                rope_kwargs = {"layer_type": layer_type} if mtp.has_per_layer_rope else {}
-                rotary = mtp.rotary_emb(embeds, position_ids=position_ids, **rope_kwargs)
+                key = layer_type if mtp.has_per_layer_rope else None
+                if key not in rotaries:
+                    rope_kwargs = {"layer_type": layer_type} if mtp.has_per_layer_rope else {}
+                    rotaries[key] = mtp.rotary_emb(embeds, position_ids=position_ids, **rope_kwargs)
+                rotary = rotaries[key]
             hidden = layer(embeds, features, position_embeddings=rotary, attention_mask=mask,
                            position_ids=position_ids, past_key_values=past_key_values)
             if mtp.use_shared_post_norm:

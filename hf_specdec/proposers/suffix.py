@@ -22,6 +22,7 @@ import torch
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.proposers.draft_model import vocab_size
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.suffix import EMPTY_DRAFT, SuffixCache, SuffixDraft, SuffixRequest, propose_suffix_draft
 from hf_specdec.tree.tree import TokenTree
@@ -30,7 +31,7 @@ from hf_specdec.tree.tree import TokenTree
 def suffix_cache_for(config: SpeculativeConfig, target: torch.nn.Module) -> SuffixCache:
     """The config's `suffix_cache`, tied to the target's vocabulary, else the process-wide cache for its
     settings."""
-    vocab = int(target.config.get_text_config(decoder=True).vocab_size)
+    vocab = vocab_size(target)
     if config.suffix_cache is None:
         return SuffixCache.shared(config.suffix_config(), vocab)
     try:

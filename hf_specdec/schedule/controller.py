@@ -51,7 +51,9 @@ class Schedule:
         self.disable_by_batch_size = config.disable_by_batch_size
         self.per_batch_size = config.num_speculative_tokens_per_batch_size
         self.costs = costs
-        self.widths = width_ladder(max_k) if static_shapes else tuple(range(max_k + 1))
+        # under static shapes each width is a compiled shape: the ladder, and the k of each batch-size rule
+        rule_ks = {k for _, _, k in self.per_batch_size or ()}
+        self.widths = tuple(sorted(set(width_ladder(max_k)) | rule_ks)) if static_shapes else tuple(range(max_k + 1))
         self.clock = clock
 
     def start(self, batch_size: int) -> None:
@@ -93,10 +95,11 @@ class Schedule:
             if self.adaptive:
                 decision = decide(acceptance, step_time, active, probe, widths, min(PROBE_LENGTH, cap))
             else:
-                limits = np.where(active, cap, 0)
+                width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
+                limits = np.where(active, width, 0)
                 expected = expected_accepted(acceptance)[np.arange(len(active)), limits]
-                decision = Decision(cap, tuple(int(x) for x in limits), float((expected + active).sum()),
-                                    float(step_time[cap]), tuple(float(x) for x in expected))
+                decision = Decision(width, tuple(int(x) for x in limits), float((expected + active).sum()),
+                                    float(step_time[width]))
             rate = decision.expected_tokens / max(decision.expected_time, 1e-12)
             if best is None or rate > best[0] * (1.0 + 1e-9):
                 best = (rate, method, decision)

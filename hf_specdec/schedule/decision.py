@@ -32,8 +32,6 @@ class Decision:
     # expected tokens the step emits over the generating rows, and its predicted wall time
     expected_tokens: float
     expected_time: float
-    # per row: expected accepted drafts at its limit (the "estimated acceptance" `spec_stats` reports)
-    expected_accepted: tuple[float, ...]
 
 
 def expected_accepted(
@@ -97,7 +95,6 @@ def decide(
         limits=tuple(int(x) for x in limits),
         expected_tokens=float((expected + active_rows).sum()),
         expected_time=float(step_time[width]),
-        expected_accepted=tuple(float(x) for x in expected),
     )
 
 

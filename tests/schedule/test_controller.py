@@ -120,3 +120,17 @@ def test_schedule_stats_count_decisions():
     assert rows[0].plain_steps == 0 and rows[1].plain_steps > 20
     assert rows[0].measured_acceptance_rate == 1.0 and rows[1].measured_acceptance_rate == 0.0
     assert rows[0].estimated_acceptance_rate > 0.9
+
+
+def test_static_shapes_keep_the_batch_size_rules_ks_among_the_compiled_widths():
+    """Under static shapes a step's width is a compiled one: a rule's k (3 here, off the ladder 0, 1, 2, 4) is one
+    of them, so the fixed schedule drafts exactly that k."""
+    always = lambda step, limits: [99] * len(limits)  # noqa: E731
+    for schedule in ("adaptive", "fixed"):
+        config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, schedule=schedule,
+                                   num_speculative_tokens_per_batch_size=[[1, 8, 3]])
+        static = Schedule(config, 4, {None: InjectedCosts(0.01)}, static_shapes=True)
+        assert static.widths == (0, 1, 2, 3, 4)
+        history = simulate(static, 2, always, 6)
+        assert set(history.ravel()) <= set(static.widths) and history.max() <= 3
+    assert simulate(static, 2, always, 6)[-1].tolist() == [3, 3]
