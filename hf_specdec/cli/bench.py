@@ -52,10 +52,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.config import SCHEDULES
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
-from hf_specdec.proposers.early_exit import early_exit_draft
+from hf_specdec.proposers.early_exit import early_exit_draft, num_layers
 from hf_specdec.pruned_draft import CONFIG_KEY as PRUNED_KEY
 from hf_specdec.pruned_draft import load_pruned_draft
 from hf_specdec.suffix import SuffixCache
@@ -67,8 +68,7 @@ from hf_specdec.testbed.workloads import load_workload
 CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator", "early_exit", "suffix",
          "suffix+eagle", "suffix+draft", "auto", "hf-assistant", "hf-lookup", "hf-early-exit")
 # hf_specdec's cases, which run under each --schedule
-SCHEDULED_CASES = ("draft", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator", "early_exit", "suffix",
-                   "suffix+eagle", "suffix+draft", "auto")
+SCHEDULED_CASES = tuple(case for case in CASES if case != "plain" and not case.startswith("hf-"))
 # an unpredictable workload: random token ids (nothing to look up, nothing a draft can guess)
 RANDOM_WORKLOAD, RANDOM_PROMPT_TOKENS = "random", 48
 # cases drafting with heads, and the option naming their folder
@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", nargs="+", default=None, choices=CASES, dest="methods",
                         help="cases to run (default: all; head cases only with their folder or on the test-bed "
                              "target); plain always runs as the reference")
-    parser.add_argument("--schedule", nargs="+", default=["adaptive"], choices=("adaptive", "fixed"),
+    parser.add_argument("--schedule", nargs="+", default=["adaptive"], choices=SCHEDULES,
                         dest="schedules",
                         help="speculation schedules to run every hf_specdec case under: adaptive (k per row and "
                         "step from measured acceptance and cost) and/or fixed (k every step); default adaptive")
@@ -662,7 +662,7 @@ def _check(args: argparse.Namespace) -> None:
 def exit_layer(args: argparse.Namespace, target) -> int:
     """--early-exit-layer, or the layer measured for the committed model, or a quarter of the target's layers;
     checked against the target."""
-    layers = target.config.get_text_config(decoder=True).num_hidden_layers
+    layers = num_layers(target)
     committed = _committed(args)
     layer = args.early_exit_layer or drafters.EARLY_EXIT_LAYER.get(committed) or max(1, layers // 4)
     if not 1 <= layer < layers:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.testbed import drafters
 
 WINDOW = 10  # steps averaged per point of the curve
 DESCRIPTIONS = {
@@ -39,13 +39,8 @@ def copy(source: Path, dest: Path, kind: str) -> None:
         dest.mkdir(parents=True)
         for name in ("config.json", "model.safetensors"):
             shutil.copy(source / name, dest / name)
-    elif kind == "mlp_speculator":
-        from hf_specdec.heads import MlpSpeculator
-
-        MlpSpeculator.from_pretrained(source).to(torch.bfloat16).save_pretrained(dest)
     else:
-        heads = (MedusaHeads if kind == "medusa" else EagleHead).from_pretrained(source)
-        heads.to(torch.bfloat16).save_pretrained(dest)
+        drafters.HEAD_CLASSES[kind].from_pretrained(source).to(torch.bfloat16).save_pretrained(dest)
 
 
 def _mean(values: list) -> float | list[float]:
