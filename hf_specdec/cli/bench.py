@@ -15,7 +15,8 @@ the native paths only run at batch size 1, which is all transformers supports. G
 checked against plain generate's. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
 
 Reported per case: tokens/s (new tokens of all rows / wall time, median of --repeats), speedup over plain at the
-same batch size (of the medians), tokens per target forward (new tokens per row / target forwards, the prefill
+same batch size (the ratio of the tokens/s: when outputs differ in length, as sampled ones do and bf16 near-ties can
+make greedy ones, a ratio of wall times would credit the shorter output), tokens per target forward (new tokens per row / target forwards, the prefill
 included), mean acceptance length (1 + accepted tokens per drafting step), acceptance per draft position, and
 efficiency: the measured speedup divided by the ideal speedup, the one predicted from the measured number of target
 and draft forwards (set by the acceptance) at their measured mean cost, with nothing spent outside model forwards.
@@ -490,10 +491,15 @@ def _overall(parts: list[Measurement]) -> Measurement:
     return total
 
 
+def _rate(m: Measurement) -> float:
+    """New tokens of all rows per second of the median wall time."""
+    return m.new_tokens / m.seconds
+
+
 def summarize(m: Measurement, plain: Measurement, native: Measurement | None = None) -> dict[str, Any]:
     """The reported row: rates, speedups and efficiency (see the module docstring)."""
     steps = m.target_forwards  # over m.calls generate calls
-    speedup = plain.seconds / m.seconds
+    speedup = _rate(m) / _rate(plain)
     efficiency = (m.target_forward_seconds + m.draft_forward_seconds) / m.instrumented_seconds
     return {
         "case": m.case, "category": m.category, "batch_size": m.batch_size, "k": m.k, "tree_width": m.tree_width,
@@ -504,10 +510,10 @@ def summarize(m: Measurement, plain: Measurement, native: Measurement | None = N
         "plain_share": m.k_histogram[0] / sum(m.k_histogram) if sum(m.k_histogram) else None,
         "estimated_acceptance": m.estimated_accepted / m.scheduled_draft_tokens if m.scheduled_draft_tokens else None,
         "measured_acceptance": m.scheduled_accepted / m.scheduled_draft_tokens if m.scheduled_draft_tokens else None,
-        "tokens_per_second": m.new_tokens / m.seconds,
+        "tokens_per_second": _rate(m),
         "speedup_vs_plain": speedup,
         # against transformers' matching path (same draft or lookup, same k) on the same prompts
-        "speedup_vs_transformers": native.seconds / m.seconds if native is not None else None,
+        "speedup_vs_transformers": _rate(m) / _rate(native) if native is not None else None,
         # new tokens per row, per target forward of the generate call that produced them (transformers' early exit
         # drafts with the target's own first layers: its draft forwards are the target's, so no such number)
         "tokens_per_target_forward": (m.new_tokens / m.rows) / (steps / m.calls)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from hf_specdec.cli.bench import build_figure
+from hf_specdec.cli.bench import Measurement, build_figure, summarize
 from hf_specdec.cli.main import main
 
 ENVIRONMENT_FIELDS = {"hf_specdec", "git_commit", "git_dirty", "torch", "transformers", "triton", "python", "platform",
@@ -188,3 +188,17 @@ def test_mlp_speculator_case_loads_a_given_folder(tmp_path):
     rows = {r["case"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["mlp_speculator"]["identical_to_plain"] is True
     assert rows["mlp_speculator"]["mean_acceptance_length"] is not None
+
+
+def test_speedups_are_ratios_of_token_rates_so_a_shorter_output_earns_nothing():
+    def measured(case: str, seconds: float, new_tokens: int) -> Measurement:
+        return Measurement(case=case, batch_size=1, k=5, seconds=seconds, repeat_seconds=[seconds],
+                           instrumented_seconds=seconds, calls=1, new_tokens=new_tokens, rows=1, target_forwards=10,
+                           target_forward_seconds=seconds / 2)
+
+    plain = measured("plain", 4.0, 100)  # 25 tokens/s
+    # half the time for 60% of the tokens (a sampled or near-tie output that stopped early): 30 tokens/s
+    row = summarize(measured("ngram", 2.0, 60), plain, native=measured("hf-lookup", 3.0, 120))
+    assert row["tokens_per_second"] == pytest.approx(30.0)
+    assert row["speedup_vs_plain"] == pytest.approx(1.2)
+    assert row["speedup_vs_transformers"] == pytest.approx(0.75)  # against 40 tokens/s
