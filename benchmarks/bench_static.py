@@ -10,7 +10,7 @@ Cases, each the wall time of generating every prompt one at a time (batch 1, gre
 - with `--baseline PATH`, `<method>@baseline`: the eager case run by another checkout of hf_specdec (its own
   process, one round of it before each round here), so "before and after" share the machine's state.
 
-Reported: tok/s per case (median of repeats), the ratios the goals name (compiled hf_specdec / compiled plain,
+Reported: tok/s per case (median of repeats), the ratios of tok/s the goals name (compiled hf_specdec / compiled plain,
 eager / baseline eager) as medians of the per-round paired ratios and as ratios of the best rounds, tokens per
 target forward, and for hf_specdec cases the engine's share of a step outside model forwards (timed in a separate
 pass around every model call the cache makes: target and drafter). Every output is checked against plain's.
@@ -222,11 +222,14 @@ def main(argv: list[str] | None = None) -> dict | None:
             if case == "plain":
                 runner.expected = outputs
             same = all(torch.equal(a, b) for a, b in zip(outputs, runner.expected))
-            timings[case] = {"seconds": seconds, "forwards": forwards, "identical": same}
+            new_tokens = sum(o.shape[1] - p.shape[1] for o, p in zip(outputs, runner.prompts))
+            timings[case] = {"seconds": seconds, "forwards": forwards, "identical": same, "new_tokens": new_tokens}
         for case, entry in timings.items():
             if case.endswith("@baseline"):
                 expected = [e[0].tolist() for e in runner.expected]
-                entry["identical"] = entry.pop("tokens") == expected
+                produced = entry.pop("tokens")
+                entry["identical"] = produced == expected
+                entry["new_tokens"] = sum(len(o) - p.shape[1] for o, p in zip(produced, runner.prompts))
         if round_index:
             rounds.append(timings)
         print(f"round {round_index}: " + ", ".join(f"{c} {t['seconds']:.2f}s" for c, t in timings.items()), flush=True)
@@ -238,6 +241,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     return report
 
 
+def _rate(timing: dict) -> float:
+    """New tokens per second of one case in one round: outputs that differ (bf16 near-ties) differ in length, so
+    ratios are of rates, not of times."""
+    return timing["new_tokens"] / timing["seconds"]
+
+
 def summarise(args, runner: Runner, rounds: list[dict], tokens: int) -> dict:
     from hf_specdec.cli.environment import environment
 
@@ -246,8 +255,9 @@ def summarise(args, runner: Runner, rounds: list[dict], tokens: int) -> dict:
     print(f"\n{'case':>26} {'tok/s':>8} {'tok/forward':>11} {'outside forwards':>16} {'identical':>9}")
     for case in cases:
         seconds = [r[case]["seconds"] for r in rounds]
-        entry = {"tok_per_s": tokens / statistics.median(seconds), "seconds": seconds,
-                 "tokens_per_forward": tokens / rounds[0][case]["forwards"],
+        entry = {"tok_per_s": statistics.median(_rate(r[case]) for r in rounds), "seconds": seconds,
+                 "new_tokens": [r[case]["new_tokens"] for r in rounds],
+                 "tokens_per_forward": rounds[0][case]["new_tokens"] / rounds[0][case]["forwards"],
                  "identical": all(r[case]["identical"] for r in rounds)}
         if case.endswith("@baseline"):
             entry["outside_forwards"] = statistics.median(r[case]["outside"] for r in rounds)
@@ -261,8 +271,8 @@ def summarise(args, runner: Runner, rounds: list[dict], tokens: int) -> dict:
 
     def ratio(name: str, numerator: str, denominator: str) -> None:
         if numerator in results and denominator in results:
-            paired = statistics.median(r[denominator]["seconds"] / r[numerator]["seconds"] for r in rounds)
-            best = min(results[denominator]["seconds"]) / min(results[numerator]["seconds"])
+            paired = statistics.median(_rate(r[numerator]) / _rate(r[denominator]) for r in rounds)
+            best = max(map(_rate, (r[numerator] for r in rounds))) / max(map(_rate, (r[denominator] for r in rounds)))
             ratios[name] = {"paired_median": paired, "best_of_rounds": best}
             print(f"{name}: {paired:.2f}x paired median, {best:.2f}x best rounds")
 
