@@ -19,9 +19,9 @@ fms-fsdp trains in two stages, which here are the same objective on different ro
 
 A run started from a folder (ours, or fms-extras' published layout) keeps its architecture: its n_predict,
 inner_dim, tie_weights, scale_input, top_k_tokens_per_head and n_candidates must be this run's options. A new
-speculator starts from fms-extras' random initialisation, or with `--init-from-target` (only when `--inner-dim` is 0
-or the target's hidden size) from copies of the target's embedding matrix (every stage's `emb`) and lm_head (every
-stage's `head`). The result is saved as our adapter folder, in float32 (`MlpSpeculator.from_pretrained(OUT)`);
+speculator starts from fms-extras' random initialisation, or with `--init-from-target` from the target's embedding
+matrix (every stage's `emb`) and lm_head (every stage's `head`): copies when `--inner-dim` is 0 or the target's
+hidden size, else both projected onto the top inner_dim right singular vectors of the target's lm_head. The result is saved as our adapter folder, in float32 (`MlpSpeculator.from_pretrained(OUT)`);
 `hf_specdec.heads.mlp_speculator.export_fms_extras` writes it in the layout vLLM loads. Defaults follow fms-fsdp:
 3 stages, tied weights, scaled input, learning rate 1e-3.
 """
@@ -62,8 +62,9 @@ class MlpSpeculatorTrainConfig(TrainConfig):
         default=None, metadata={"help": "start from this saved speculator folder (e.g. stage 1's output, for stage 2 "
                                         "on generated data)"})
     init_from_target: bool = field(
-        default=False, metadata={"help": "start every stage's embedding and lm_head as copies of the target's (needs "
-                                         "inner_dim 0 or the target's hidden size)"})
+        default=False, metadata={"help": "start every stage's embedding and lm_head from the target's: copies at "
+                                         "inner_dim 0, else both projected onto the inner_dim directions of the "
+                                         "hidden state that move the target's logits most"})
 
     def _check(self) -> None:
         owner = type(self).__name__
@@ -78,10 +79,10 @@ class MlpSpeculatorTrainConfig(TrainConfig):
         if self.init_from_target and self.init_from is not None:
             raise ValueError(f"{owner}.init_from_target: starts a new speculator from the target's embeddings, and "
                              f"init_from {self.init_from} from a saved one; pass one of them")
-        if self.init_from_target and wanted.inner_size != text.hidden_size:
-            raise ValueError(f"{owner}.init_from_target: copies the target's embedding matrix and lm_head "
-                             f"({text.hidden_size} wide) into the stages, which are inner_dim {self.inner_dim} wide; "
-                             f"use inner_dim 0 (the target's hidden size) or drop init_from_target")
+        if self.init_from_target and wanted.inner_size > text.hidden_size:
+            raise ValueError(f"{owner}.init_from_target: starts the stages' embeddings and lm_head from the target's "
+                             f"({text.hidden_size} wide), which cannot fill inner_dim {self.inner_dim}; use an "
+                             f"inner_dim of at most {text.hidden_size} (0: the target's) or drop init_from_target")
         if self.init_from is not None:
             saved = load_speculator(self.init_from, owner).config
             saved.check_sizes(text.hidden_size, text.vocab_size, f"{owner}.init_from")
@@ -112,16 +113,34 @@ def load_speculator(folder: Path, owner: str) -> MlpSpeculator:
 
 
 def init_from_target(head: MlpSpeculator, target: nn.Module) -> None:
-    """Every stage's embedding and lm_head start as copies of the target's embedding matrix and lm_head."""
+    """Every stage's embedding and lm_head start from the target's embedding matrix and lm_head: copies when the
+    speculator is as wide as the target, else both projected onto the top inner_dim right singular vectors of the
+    target's lm_head (the directions of the hidden state that move its logits most), so that every token of the
+    vocabulary, not only those the training rows hold, starts where the target puts it."""
     embeddings, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    inner = head.config.inner_size
+    if inner < lm_head.shape[1]:
+        _, _, right = torch.linalg.svd(lm_head.detach().float(), full_matrices=False)  # right: [H, H]
+        basis = right[:inner].T  # [H, inner]
+        # at the random initialisation's scale (entries of variance 1 / inner): the stages' states are normed, GELU'd
+        # vectors, not the target's hidden states, and the target's own scale makes logits far too confident
+        embeddings, lm_head = (_rescaled(matrix.detach().float() @ basis) for matrix in (embeddings, lm_head))
     with torch.no_grad():
         for modules, source, name in ((head.emb, embeddings, "embedding matrix"), (head.head, lm_head, "lm_head")):
             for module in modules:
                 if module.weight.shape != source.shape:
-                    raise ValueError(f"MlpSpeculatorTrainConfig.init_from_target: the target's {name} is "
+                    raise ValueError(f"MlpSpeculatorTrainConfig.init_from_target: the target's {name} gives "
                                      f"{tuple(source.shape)}, the speculator's is {tuple(module.weight.shape)}; drop "
                                      f"init_from_target")
                 module.weight.copy_(source)
+
+
+def _rescaled(
+    # [V, inner]
+    matrix: torch.Tensor,
+) -> torch.Tensor:
+    """`matrix` times one factor that makes its entries' mean square 1 / inner (fms-extras' initial variance)."""
+    return matrix * torch.rsqrt(matrix.pow(2).mean() * matrix.shape[1])
 
 
 class MlpSpeculatorObjective(Objective):

@@ -113,6 +113,21 @@ def test_a_new_speculator_can_start_from_the_targets_embeddings_and_lm_head(base
     assert not torch.equal(fresh.emb[0].weight, target.get_input_embeddings().weight)
 
 
+def test_a_narrower_speculator_starts_from_the_targets_top_singular_directions(base, tmp_path):  # noqa: F811
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    common = {"base": base, "data": DATA, "out": tmp_path, "seq_len": 12, "prompt_len": 4}
+    rows = TrainingRows.full(torch.randint(2, 4096, (2, 12)))
+    head = make_objective(MlpSpeculatorTrainConfig(**common, inner_dim=8, init_from_target=True), target, rows).head
+    lm_head = target.get_output_embeddings().weight.detach().float()  # [V, H]
+    basis = torch.linalg.svd(lm_head, full_matrices=False)[2][:8].T  # [H, 8]
+    torch.testing.assert_close(head.head[0].weight, lm_head @ basis)
+    torch.testing.assert_close(head.emb[0].weight, target.get_input_embeddings().weight.detach().float() @ basis)
+    # the projection keeps the logits' largest directions: the rank-8 logits correlate with the target's
+    hidden = torch.randn(64, lm_head.shape[1])
+    full, low = hidden @ lm_head.T, (hidden @ basis) @ head.head[0].weight.T
+    assert torch.corrcoef(torch.stack([full.flatten(), low.flatten()]))[0, 1] > 0.3
+
+
 def test_bad_options_are_clear_errors(base, stage1, tmp_path):  # noqa: F811
     def refused(extra: list[str], message: str) -> None:
         with pytest.raises(SystemExit, match=message):
@@ -126,8 +141,8 @@ def test_bad_options_are_clear_errors(base, stage1, tmp_path):  # noqa: F811
     refused(["--inner-dim", "-3"], "MlpSpeculatorTrainConfig.inner_dim: expected an int >= 0, got -3")
     refused(["--seq-len", "4"], "MlpSpeculatorTrainConfig.seq_len: .*expected at least n_predict \\+ 2 = 5 tokens")
     refused(["--n-candidates", "13"], "MlpSpeculatorTrainConfig.n_candidates: expected at most the tree's 12 paths")
-    refused(["--init-from-target"], "MlpSpeculatorTrainConfig.init_from_target: copies the target's embedding "
-                                    "matrix and lm_head \\(32 wide\\) into the stages, which are inner_dim 24 wide")
+    refused(["--inner-dim", "40", "--init-from-target"],
+            "MlpSpeculatorTrainConfig.init_from_target: .*\\(32 wide\\), which cannot fill inner_dim 40")
     refused(["--init-from", str(tmp_path / "nowhere")], "MlpSpeculatorTrainConfig.init_from: no such folder")
     refused(["--init-from", str(stage1), "--no-tie-weights"],
             "init_from: .* holds a speculator with tie_weights True, this run asks for False; pass the options it "

@@ -44,7 +44,8 @@ for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
             draft) train draft draft "${COMMON[@]}" "${FINAL[@]}" --target-layers 0 1 -1 --steps 200 \
                        --batch-size 4 --learning-rate 3e-4 --warmup-steps 20 ;;
             mlp_speculator) train mlp_speculator mlp_speculator "${COMMON[@]}" "${FINAL[@]}" --n-predict 3 \
-                                --inner-dim 128 --steps 200 --batch-size 4 --learning-rate 1e-3 --warmup-steps 20 ;;
+                                --inner-dim 128 --init-from-target --steps 1000 --batch-size 4 --learning-rate 1e-3 \
+                                --warmup-steps 50 ;;
             *) echo "unknown drafter $one (expected draft, medusa, eagle, eagle3, mlp_speculator)" >&2; exit 2 ;;
         esac
         python "$HERE/publish.py" "$WORK/$one" "$HERE/$one" "$one" "$(( (SECONDS - begin) / 60 ))"
