@@ -21,7 +21,8 @@ A run started from a folder (ours, or fms-extras' published layout) keeps its ar
 inner_dim, tie_weights, scale_input, top_k_tokens_per_head and n_candidates must be this run's options. A new
 speculator starts from fms-extras' random initialisation, or with `--init-from-target` from the target's embedding
 matrix (every stage's `emb`) and lm_head (every stage's `head`): copies when `--inner-dim` is 0 or the target's
-hidden size, else both projected onto the top inner_dim right singular vectors of the target's lm_head. The result is saved as our adapter folder, in float32 (`MlpSpeculator.from_pretrained(OUT)`);
+hidden size, else both projected onto the top inner_dim right singular vectors of the target's lm_head.
+The result is saved as our adapter folder, in float32 (`MlpSpeculator.from_pretrained(OUT)`);
 `hf_specdec.heads.mlp_speculator.export_fms_extras` writes it in the layout vLLM loads. Defaults follow fms-fsdp:
 3 stages, tied weights, scaled input, learning rate 1e-3.
 """
