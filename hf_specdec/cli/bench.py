@@ -15,13 +15,13 @@ the native paths only run at batch size 1, which is all transformers supports. G
 checked against plain generate's. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
 
 Reported per case: tokens/s (new tokens of all rows / wall time, median of --repeats), speedup over plain at the
-same batch size (the ratio of the tokens/s: when outputs differ in length, as sampled ones do and bf16
-near-ties can make greedy ones, a ratio of wall times would credit the shorter output), tokens per target forward
-(new tokens per row / target forwards, the prefill included), mean acceptance length (1 + accepted tokens per
-drafting step), acceptance per draft position, and efficiency: the measured speedup divided by the ideal speedup, the one predicted from the measured number of target
-and draft forwards (set by the acceptance) at their measured mean cost, with nothing spent outside model forwards.
-It is measured on one instrumented run as (time inside target and draft forwards) / (wall time); 1.0 means the
-engine's own bookkeeping costs nothing.
+same batch size (the ratio of the tokens/s: when outputs differ in length, as sampled ones do and bf16 near-ties can
+make greedy ones, a ratio of wall times would credit the shorter output), tokens per target forward (new tokens per
+row / target forwards, the prefill included), mean acceptance length (1 + accepted tokens per drafting step),
+acceptance per draft position, and efficiency: the measured speedup divided by the ideal speedup, the one predicted
+from the measured number of target and draft forwards (set by the acceptance) at their measured mean cost, with
+nothing spent outside model forwards. It is measured on one instrumented run as (time inside target and draft
+forwards) / (wall time); 1.0 means the engine's own bookkeeping costs nothing.
 
 With --json the results are written there (sorted keys): the settings, the environment (hf_specdec, torch,
 transformers and triton versions, the git commit, Python, platform, CPU and GPU, torch threads, dtype) and per case
