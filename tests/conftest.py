@@ -24,6 +24,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from hf_specdec import SpeculativeConfig
 from hf_specdec.schedule import controller
 from hf_specdec.schedule.estimates import CostTable
 
@@ -90,6 +91,16 @@ def padded_batch(
         ids[row, start : start + length] = tokens
         mask[row, start : start + length] = 1
     return ids, mask
+
+
+def draft_shapes(method: str, chain_k: int, **drafter) -> dict[str, SpeculativeConfig]:
+    """`method`'s configs in the three draft shapes a drafter with its own forwards is checked under: a chain of
+    `chain_k` tokens, branches (3 deep, 2 wide) and an EAGLE-2 dynamic tree (top 2, depth 3, 5 nodes)."""
+    return {
+        "chain": SpeculativeConfig(method=method, num_speculative_tokens=chain_k, **drafter),
+        "branches": SpeculativeConfig(method=method, num_speculative_tokens=3, tree_width=2, **drafter),
+        "dynamic_tree": SpeculativeConfig(method=method, top_k=2, depth=3, total_tokens=5, **drafter),
+    }
 
 
 @pytest.fixture

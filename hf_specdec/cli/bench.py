@@ -254,36 +254,28 @@ def _load_draft(path: Path | None, target, committed: str | None):
 def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict | None,
                         tree_nodes: int | None = None, schedule: str = "adaptive",
                         early_exit_layer: int | None = None) -> SpeculativeConfig:
-    config = _method_config(case, draft, k, tree_width, heads, tree_nodes, early_exit_layer)
-    config.schedule = schedule
-    return config
-
-
-def _method_config(case: str, draft, k: int, tree_width: int, heads: dict | None,
-                   tree_nodes: int | None = None, early_exit_layer: int | None = None) -> SpeculativeConfig:
+    """hf_specdec's config for `case` (a hybrid's fallback keeps the default schedule: the hybrid's decides)."""
+    common = dict(num_speculative_tokens=k, schedule=schedule)
     if case == "auto":  # n-gram lookup, and the draft model and Medusa heads when loaded
         return SpeculativeConfig(method="auto", draft_model=draft, heads=(heads or {}).get("medusa"),
-                                 num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX)
+                                 prompt_lookup_max=PROMPT_LOOKUP_MAX, **common)
     if case == "suffix" or case in HYBRID_CASES:  # a cache of its own, emptied before each pass (`_measure`)
-        fallback = _method_config(HYBRID_CASES[case], draft, k, 1, heads) if case in HYBRID_CASES else None
-        return SpeculativeConfig(method="suffix", num_speculative_tokens=k, suffix_cache=SuffixCache(),
-                                 fallback=fallback)
+        fallback = _speculative_config(HYBRID_CASES[case], draft, k, 1, heads) if case in HYBRID_CASES else None
+        return SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback, **common)
     if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default)
-        return SpeculativeConfig(method="medusa", heads=heads[case], num_speculative_tokens=k,
-                                 tree_paths=heads[case].tree() if tree_width > 1 else None)
+        return SpeculativeConfig(method="medusa", heads=heads[case],
+                                 tree_paths=heads[case].tree() if tree_width > 1 else None, **common)
     # tree_width > 1: an EAGLE-2 dynamic tree
     tree = dict(tree_width=tree_width, tree_total_tokens=tree_nodes or k * tree_width) if tree_width > 1 else {}
     if case in ("eagle", "eagle3"):
-        return SpeculativeConfig(method="eagle", heads=heads[case], num_speculative_tokens=k, **tree)
+        return SpeculativeConfig(method="eagle", heads=heads[case], **tree, **common)
     if case == "mlp_speculator":
-        return SpeculativeConfig(method="mlp_speculator", heads=heads[case], num_speculative_tokens=k, **tree)
+        return SpeculativeConfig(method="mlp_speculator", heads=heads[case], **tree, **common)
     if case == "draft":
-        return SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=k, **tree)
+        return SpeculativeConfig(method="draft", draft_model=draft, **tree, **common)
     if case == "early_exit":
-        return SpeculativeConfig(method="early_exit", early_exit_layer=early_exit_layer, num_speculative_tokens=k,
-                                 **tree)
-    return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=PROMPT_LOOKUP_MAX,
-                             tree_width=tree_width)
+        return SpeculativeConfig(method="early_exit", early_exit_layer=early_exit_layer, **tree, **common)
+    return SpeculativeConfig(method="ngram", prompt_lookup_max=PROMPT_LOOKUP_MAX, tree_width=tree_width, **common)
 
 
 def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads: dict | None = None,
@@ -445,42 +437,24 @@ def _batches(tokenizer, prompts: list[list[int]], batch_size: int, device: torch
         yield enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-def _merge(parts: list[Measurement]) -> Measurement:
-    """Results of one case from every process: counts add up, wall time (of each repeat) is the slowest
-    process's."""
-    merged = Measurement(case=parts[0].case, batch_size=parts[0].batch_size, k=parts[0].k,
-                         tree_width=parts[0].tree_width, category=parts[0].category, schedule=parts[0].schedule,
-                         identical=parts[0].identical)
-    for part in parts:
-        for name in ("calls", "new_tokens", "rows", "target_forwards", "target_forward_seconds", "draft_forwards",
-                     "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens", "estimated_accepted",
-                     "scheduled_draft_tokens", "scheduled_accepted"):
-            setattr(merged, name, getattr(merged, name) + getattr(part, name))
-        merged.repeat_seconds = [max(pair) for pair in zip(merged.repeat_seconds or part.repeat_seconds,
-                                                           part.repeat_seconds)]
-        merged.instrumented_seconds = max(merged.instrumented_seconds, part.instrumented_seconds)
-        if part.identical is not None:
-            merged.identical = part.identical and merged.identical is not False
-        if part.accepted_per_position:
-            merged.accepted_per_position = _add_counts(merged.accepted_per_position, part.accepted_per_position)
-        if part.k_histogram:
-            merged.k_histogram = _add_counts(merged.k_histogram, part.k_histogram)
-    merged.seconds = statistics.median(merged.repeat_seconds)
-    return merged
+# Measurement's counts: they add up over processes and over categories
+COUNTS = ("calls", "new_tokens", "rows", "target_forwards", "target_forward_seconds", "draft_forwards",
+          "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens", "estimated_accepted",
+          "scheduled_draft_tokens", "scheduled_accepted")
 
 
-def _overall(parts: list[Measurement]) -> Measurement:
-    """One case over every category: counts and wall times (of each repeat) add up."""
-    total = Measurement(case=parts[0].case, batch_size=parts[0].batch_size, k=parts[0].k,
-                        tree_width=parts[0].tree_width, category=OVERALL, schedule=parts[0].schedule,
-                        identical=parts[0].identical)
+def _combine(parts: list[Measurement], category: str, concurrent: bool) -> Measurement:
+    """One case from its parts: every process's (`concurrent`: wall times, of each repeat, are the slowest
+    process's) or every category's (wall times add up). Counts add up either way."""
+    wall = max if concurrent else sum
+    first = parts[0]
+    total = Measurement(case=first.case, batch_size=first.batch_size, k=first.k, tree_width=first.tree_width,
+                        category=category, schedule=first.schedule, identical=first.identical)
+    for name in COUNTS:
+        setattr(total, name, sum(getattr(part, name) for part in parts))
+    total.repeat_seconds = [wall(times) for times in zip(*(part.repeat_seconds for part in parts))]
+    total.instrumented_seconds = wall(part.instrumented_seconds for part in parts)
     for part in parts:
-        for name in ("calls", "new_tokens", "rows", "target_forwards", "target_forward_seconds", "draft_forwards",
-                     "draft_forward_seconds", "num_drafts", "num_accepted", "num_draft_tokens",
-                     "instrumented_seconds", "estimated_accepted", "scheduled_draft_tokens", "scheduled_accepted"):
-            setattr(total, name, getattr(total, name) + getattr(part, name))
-        total.repeat_seconds = [a + b for a, b in zip(total.repeat_seconds or [0.0] * len(part.repeat_seconds),
-                                                      part.repeat_seconds)]
         if part.identical is not None:
             total.identical = part.identical and total.identical is not False
         if part.accepted_per_position:
@@ -758,13 +732,13 @@ def run(args: argparse.Namespace) -> int:
     for item in gathered:
         m = Measurement(**item)
         groups.setdefault(m.key, []).append(m)
-    merged = {key: _merge(parts) for key, parts in groups.items()}
+    merged = {key: _combine(parts, parts[0].category, concurrent=True) for key, parts in groups.items()}
     if len(categories) > 1:
         by_case: dict[tuple, list[Measurement]] = {}
         for m in merged.values():
             by_case.setdefault((m.case, m.batch_size, m.k, m.tree_width, m.schedule), []).append(m)
         for parts in by_case.values():
-            total = _overall(parts)
+            total = _combine(parts, OVERALL, concurrent=False)
             merged[total.key] = total
     rows = []
     for m in merged.values():

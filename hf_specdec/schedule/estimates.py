@@ -21,6 +21,8 @@ ACCEPTANCE_PRIOR = 0.7
 TIME_RATE_DOWN, TIME_RATE_UP = 0.5, 0.2
 # before a width is measured at a batch size: a step of width w costs (1 + PRIOR_SLOPE * w) plain steps
 PRIOR_SLOPE = 0.1
+# samples at a batch size after which the line through its measured step times is refitted
+REFIT_SAMPLES = 8
 
 
 class AcceptanceEstimate:
@@ -51,10 +53,18 @@ class AcceptanceEstimate:
 class CostTable:
     """Wall time of a step, by (rows computed, width): moving averages of measurements, and a prediction for every
     width at a batch size (measured widths as measured; the others on a line through the measured ones, or the
-    prior slope from a single one)."""
+    prior slope from a single one).
+
+    The line through a batch size's measurements is fitted once and kept: refitted when a width is measured there
+    for the first time, and otherwise after `REFIT_SAMPLES` more samples at that batch size (measured widths always
+    read their latest averages; only the widths never measured wait for the refit)."""
 
     def __init__(self) -> None:
         self.times: dict[tuple[int, int], float] = {}
+        # samples observed at each batch size
+        self.samples: dict[int, int] = {}
+        # per batch size: the fitted line (slope, intercept), and the widths and sample count it was fitted on
+        self.lines: dict[int, tuple[float, float, tuple[int, ...], int]] = {}
 
     def observe(self, batch_size: int, width: int, seconds: float) -> None:
         key = (batch_size, width)
@@ -64,6 +74,7 @@ class CostTable:
         else:
             rate = TIME_RATE_DOWN if seconds < old else TIME_RATE_UP
             self.times[key] = (1 - rate) * old + rate * seconds
+        self.samples[batch_size] = self.samples.get(batch_size, 0) + 1
 
     def measured(self, batch_size: int, width: int) -> bool:
         return (batch_size, width) in self.times
@@ -71,26 +82,35 @@ class CostTable:
     def predict(self, batch_size: int, max_k: int) -> np.ndarray:
         """[max_k + 1] predicted step time at widths 0..max_k for `batch_size` rows (relative units before any
         measurement: only ratios between widths matter to the decision)."""
-        points = {w: t for (b, w), t in self.times.items() if b == batch_size}
-        if not points:  # the nearest batch size measured stands in (ratios between widths vary slowly with it)
-            sizes = sorted({b for b, _ in self.times}, key=lambda b: (abs(np.log(b / batch_size)), b))
-            points = {w: t for (b, w), t in self.times.items() if sizes and b == sizes[0]}
         widths = np.arange(max_k + 1, dtype=float)
-        if not points:
+        sizes = {b for b, _ in self.times}
+        if not sizes:
             return 1.0 + PRIOR_SLOPE * widths
-        measured = np.array(sorted(points), dtype=float)
-        values = np.array([points[w] for w in sorted(points)])
-        if measured.size == 1:
-            base = values[0] / (1.0 + PRIOR_SLOPE * measured[0])
+        # the nearest batch size measured stands in for one never measured (ratios between widths vary slowly)
+        source = min(sizes, key=lambda b: (abs(np.log(b / batch_size)), b))
+        points = {w: t for (b, w), t in self.times.items() if b == source}
+        measured = sorted(points)
+        if len(measured) == 1:
+            base = points[measured[0]] / (1.0 + PRIOR_SLOPE * measured[0])
             line = base * (1.0 + PRIOR_SLOPE * widths)
         else:
-            slope, intercept = np.polyfit(measured, values, 1)
+            slope, intercept = self.line(source, points)
             line = intercept + max(slope, 0.0) * widths
-            line = np.maximum(line, values.min() * 0.5)
+            line = np.maximum(line, min(points.values()) * 0.5)
         for w, t in points.items():
             if w <= max_k:
                 line[w] = t
         return np.maximum.accumulate(line)  # a wider step never costs less than a narrower one
+
+    def line(self, batch_size: int, points: dict[int, float]) -> tuple[float, float]:
+        """Slope and intercept of the least-squares line through `points` (width: time, two or more, measured at
+        `batch_size`): the kept fit, refitted as the class says."""
+        widths, samples = tuple(sorted(points)), self.samples.get(batch_size, 0)
+        kept = self.lines.get(batch_size)
+        if kept is None or kept[2] != widths or samples - kept[3] >= REFIT_SAMPLES:
+            slope, intercept = np.polyfit(np.array(widths, dtype=float), np.array([points[w] for w in widths]), 1)
+            kept = self.lines[batch_size] = (float(slope), float(intercept), widths, samples)
+        return kept[0], kept[1]
 
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -70,6 +70,8 @@ class DecodeState:
     draft_width: int | None = None
     # the proposer a schedule chose for the step (`method="auto"`), None otherwise
     draft_method: str | None = None
+    # [B]: the host tensor the draft limits travel through (pinned on CUDA), made on the first scheduled step
+    limit_buffer: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def start(
@@ -132,10 +134,13 @@ class DecodeState:
     def set_draft_limits(self, limits: list[int], width: int) -> None:
         """A schedule's limits for the next proposal (copied to the device without waiting for it)."""
         self.draft_limits, self.draft_width = limits, width
-        values = torch.tensor(limits, dtype=self.lengths.dtype)
-        if self.lengths.device.type == "cuda":
-            values = values.pin_memory()
-        self.draft_limit_tensor = values.to(self.lengths.device, non_blocking=True)
+        if self.limit_buffer is None:
+            buffer = torch.empty(len(limits), dtype=self.lengths.dtype)
+            self.limit_buffer = buffer.pin_memory() if self.lengths.device.type == "cuda" else buffer
+        # refilling is safe: the previous step's copy out of the buffer finished before that step's host sync
+        # (`report`) returned; on the CPU the buffer is itself the step's tensor, read only within the step
+        self.limit_buffer.copy_(torch.tensor(limits, dtype=self.limit_buffer.dtype))
+        self.draft_limit_tensor = self.limit_buffer.to(self.lengths.device, non_blocking=True)
 
     def report(
         self,

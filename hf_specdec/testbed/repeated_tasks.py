@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
 
-from hf_specdec.testbed.spec_bench import SpecBenchQuestion, code_requests, load_spec_bench
+from hf_specdec.testbed.spec_bench import SpecBenchQuestion, code_requests, load_spec_bench, render_chat
 
 REPEATED_TASKS_VERSION = 1
 CATEGORY = "repeat"
@@ -51,10 +51,6 @@ def vary(text: str, rng: random.Random) -> str:
     return re.sub(rf"\b{word}\b", SYNONYMS[word], text, count=1) if present else f"{text} Thanks."
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-
 def repeated_task_prompts(
     tokenizer: PreTrainedTokenizerBase,
     answer: Callable[[list[int]], str],
@@ -74,12 +70,12 @@ def repeated_task_prompts(
     code: list[SpecBenchQuestion] = sorted(rng.sample(code_requests(), num_per_part), key=lambda q: q.question_id)
     chat = [q for q in load_spec_bench() if q.category == "mt_bench" and len(q.turns) > 1]
     chat = sorted(rng.sample(chat, num_per_part), key=lambda q: q.question_id)
-    first = [_render(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in code + chat]
-    variants = [_render(tokenizer, [{"role": "user", "content": vary(q.turns[0], rng)}]) for q in code]
+    first = [render_chat(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in code + chat]
+    variants = [render_chat(tokenizer, [{"role": "user", "content": vary(q.turns[0], rng)}]) for q in code]
     second_turns = []
     for question, prompt in zip(chat, first[num_per_part:]):
         messages = [{"role": "user", "content": question.turns[0]},
                     {"role": "assistant", "content": answer(prompt)},
                     {"role": "user", "content": question.turns[1]}]
-        second_turns.append(_render(tokenizer, messages))
+        second_turns.append(render_chat(tokenizer, messages))
     return [(CATEGORY, ids) for ids in first + variants + second_turns]

@@ -120,8 +120,11 @@ def spec_bench_prompts(
         mine = sorted((q for q in questions if q.category == category), key=lambda q: q.question_id)
         if num_per_category is not None:
             mine = sorted(random.Random(seed).sample(mine, num_per_category), key=lambda q: q.question_id)
-        for question in mine:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": question.turns[0]}],
-                                                add_generation_prompt=True, tokenize=True, return_dict=False)
-            prompts.append((category, list(ids)))
+        prompts += [(category, render_chat(tokenizer, [{"role": "user", "content": q.turns[0]}])) for q in mine]
     return prompts
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of a conversation (`{"role": ..., "content": ...}` messages) through the tokenizer's chat
+    template, ending with the generation prompt (the assistant's turn to answer)."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))

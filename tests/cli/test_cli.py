@@ -122,10 +122,11 @@ def test_accelerate_two_cpu_processes_split_and_gather(tmp_path, tiny_models):
 
 def test_demo_runs_on_the_committed_test_bed(capsys):
     torch.set_num_threads(2)
-    assert main(["demo", "--testbed", "--num-prompts", "2", "--max-new-tokens", "6", "-k", "3", "--repeats", "2"]) == 0
+    assert main(["demo", "--testbed", "--num-prompts", "2", "--max-new-tokens", "6", "-k", "3", "--repeats", "2",
+                 "--methods", "all"]) == 0
     assert torch.get_num_threads() == 1  # pinned by default
     text = capsys.readouterr().out
-    for method in ("plain", "draft", "draft-tree", "ngram", "ngram-tree", "medusa", "medusa-tree", "eagle",
+    for method in ("plain", "draft", "draft-tree", "ngram", "ngram-tree", "suffix", "medusa", "medusa-tree", "eagle",
                    "eagle-tree", "eagle3"):
         assert f"  {method} " in text
     assert "How to read the tables" in text and "mean acceptance length" in text

@@ -7,11 +7,23 @@ import dataclasses
 import pytest
 import torch
 
-from hf_specdec.cli.demo import MethodRow, explain, summarize
-from hf_specdec.cli.main import main
+from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.demo import (
+    DEFAULT_METHODS,
+    METHODS,
+    DemoModels,
+    MethodRow,
+    _methods,
+    explain,
+    generate_once,
+    summarize,
+)
+from hf_specdec.cli.main import build_parser, main
 from hf_specdec.cli.runs import Generation
 from hf_specdec.cli.timing import Repeats
 from hf_specdec.stats import SpecStats
+from hf_specdec.suffix import SuffixCache
+from hf_specdec.testbed.loading import load_testbed
 
 
 def generation(forwards: int, forward_seconds: float, sequences: torch.Tensor, drafted: bool) -> Generation:
@@ -115,3 +127,38 @@ def test_chat_workloads_show_the_question_and_go_through_the_template():
     code = workloads[-1]
     assert len(code.prompts) == 2 and code.shown.startswith("(the question)\nWrite a Python")
     assert tokenizer.decode(code.prompts[0]).endswith("<|im_start|>assistant\n")
+
+
+def _demo_args(*argv: str):
+    return build_parser().parse_args(["demo", *argv])
+
+
+def test_default_methods_are_a_few_and_all_runs_every_one():
+    assert _methods(_demo_args()) == list(DEFAULT_METHODS)  # SmolLM2 has every drafter they need
+    assert _methods(_demo_args("--testbed")) == list(DEFAULT_METHODS)
+    assert _methods(_demo_args("--model", "org/model")) == ["ngram", "suffix"]  # no drafters committed for it
+    assert _methods(_demo_args("--testbed", "--methods", "all")) == list(METHODS)
+    assert _methods(_demo_args("--model", "org/model", "--methods", "all")) == ["ngram", "ngram-tree", "suffix"]
+    assert _methods(_demo_args("--testbed", "--methods", "eagle", "ngram", "eagle")) == ["eagle", "ngram"]
+
+
+def test_a_method_without_its_drafter_is_a_clear_error_before_loading():
+    with pytest.raises(SystemExit, match=r"--methods eagle3 draft: no committed drafter for 'org/model' \(draft, "
+                                         r"eagle3\); its methods are ngram, ngram-tree, suffix"):
+        main(["demo", "--model", "org/model", "--methods", "eagle3", "draft"])
+    with pytest.raises(SystemExit, match="--methods all already names every method; drop the others"):
+        main(["demo", "--testbed", "--methods", "all", "ngram"])
+
+
+def test_suffix_decoding_starts_every_call_with_an_empty_cache():
+    """Each timed call answers the prompt an earlier call answered: its cache must not hold that answer."""
+    tokenizer, target, _ = load_testbed()
+    models = DemoModels(tokenizer, target, None, None, None, None)
+    ids = torch.tensor([tokenizer("def parse_args(argv):\n")["input_ids"]])
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=3, suffix_cache=SuffixCache())
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    sizes = []
+    for _ in range(2):
+        generate_once(models, ids, torch.ones_like(ids), kwargs, config)
+        sizes.append(config.suffix_cache.info().num_tokens)
+    assert sizes[0] > 0 and sizes[1] == sizes[0]

@@ -38,19 +38,21 @@ def _kwargs(mask: torch.Tensor, **extra) -> dict:
     return dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, **extra)
 
 
-def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
+def _proposers(target: torch.nn.Module, schedule: str = "adaptive") -> dict[str, SpeculativeConfig]:
     return {
-        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-        "same_draft": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=4),
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, schedule=schedule),
+        "same_draft": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=4,
+                                        schedule=schedule),
         "random_draft_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
-                                               tree_width=2),
+                                               tree_width=2, schedule=schedule),
         "same_draft_dynamic_tree": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
-                                                     num_speculative_tokens=3, tree_width=2, tree_total_tokens=5),
-        "ngram_trie": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2),
+                                                     num_speculative_tokens=3, tree_width=2, tree_total_tokens=5,
+                                                     schedule=schedule),
+        "ngram_trie": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2, schedule=schedule),
         "early_exit_dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2, depth=3,
-                                                     total_tokens=5),
+                                                     total_tokens=5, schedule=schedule),
         "mlp_speculator_tree": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target), top_k=2,
-                                                 depth=3, total_tokens=5),
+                                                 depth=3, total_tokens=5, schedule=schedule),
     }
 
 
@@ -63,8 +65,7 @@ def test_static_shapes_match_plain_generate(arch):
     target = make_model(arch)
     ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
     expected = target.generate(ids, **_kwargs(mask))
-    for name, config in _proposers(target).items():
-        config.schedule = "fixed"
+    for name, config in _proposers(target, schedule="fixed").items():
         out = hf_specdec.generate(target, ids, speculative=config, cache_implementation="static",
                                   return_dict_in_generate=True, **_kwargs(mask))
         assert torch.equal(out.sequences, expected), f"{arch}/{name}"

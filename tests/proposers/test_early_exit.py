@@ -12,20 +12,10 @@ import torch
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.proposers.early_exit import decoder_layers_path, early_exit_draft
-from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
+from tests.conftest import ARCHITECTURES, draft_shapes, make_draft, make_model, padded_batch
 
 LENGTHS = [12, 7, 10]
 NEW_TOKENS = 24
-
-
-def _configs(layer: int) -> dict[str, SpeculativeConfig]:
-    return {
-        "chain": SpeculativeConfig(method="early_exit", early_exit_layer=layer, num_speculative_tokens=4),
-        "branches": SpeculativeConfig(method="early_exit", early_exit_layer=layer, num_speculative_tokens=3,
-                                      tree_width=2),
-        "dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=layer, top_k=2, depth=3,
-                                          total_tokens=5),
-    }
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -35,7 +25,7 @@ def test_greedy_matches_plain_generate(arch, forward_counter):
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
     expected = target.generate(ids, **kwargs)
     layer = target.config.num_hidden_layers - 1
-    for name, config in _configs(layer).items():
+    for name, config in draft_shapes("early_exit", 4, early_exit_layer=layer).items():
         target_forwards = forward_counter(target)
         out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, expected), f"{arch}/{name}"

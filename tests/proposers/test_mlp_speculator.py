@@ -10,7 +10,7 @@ import torch
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import MedusaConfig, MedusaHeads, MlpSpeculator, MlpSpeculatorConfig
-from tests.conftest import make_model, padded_batch
+from tests.conftest import draft_shapes, make_model, padded_batch
 
 LENGTHS = [12, 7, 10]
 NEW_TOKENS = 24
@@ -51,16 +51,6 @@ def fitted_speculator(
     return speculator.eval()
 
 
-def _configs(speculator: MlpSpeculator) -> dict[str, SpeculativeConfig]:
-    return {
-        "chain": SpeculativeConfig(method="mlp_speculator", heads=speculator, num_speculative_tokens=3),
-        "branches": SpeculativeConfig(method="mlp_speculator", heads=speculator, num_speculative_tokens=3,
-                                      tree_width=2),
-        "dynamic_tree": SpeculativeConfig(method="mlp_speculator", heads=speculator, top_k=2, depth=3,
-                                          total_tokens=5),
-    }
-
-
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "opt", "gemma2"])
 def test_greedy_matches_plain_generate(arch):
     target = make_model(arch)
@@ -68,7 +58,7 @@ def test_greedy_matches_plain_generate(arch):
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
     expected = target.generate(ids, **kwargs)
     speculator = fitted_speculator(target, expected, steps=15)
-    for name, config in _configs(speculator).items():
+    for name, config in draft_shapes("mlp_speculator", 3, heads=speculator).items():
         out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, expected), f"{arch}/{name}"
         stats = out.spec_stats

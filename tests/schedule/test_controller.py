@@ -33,6 +33,9 @@ def simulate(schedule: Schedule, batch: int, accept, steps: int, clock: FakeCloc
     history = []
     for step in range(steps):
         decision = schedule.plan(state, batch)
+        if step == 0:
+            buffer = state.limit_buffer
+        assert state.limit_buffer is buffer  # one host buffer per call, refilled each step
         assert state.host_draft_budget() == list(decision.limits)
         assert state.draft_budget().tolist() == list(decision.limits)
         limits = list(decision.limits)

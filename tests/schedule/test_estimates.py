@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from hf_specdec.schedule.estimates import ACCEPTANCE_PRIOR, PRIOR_SLOPE, AcceptanceEstimate, CostTable, cost_table
+from hf_specdec.schedule.estimates import (
+    ACCEPTANCE_PRIOR,
+    PRIOR_SLOPE,
+    REFIT_SAMPLES,
+    AcceptanceEstimate,
+    CostTable,
+    cost_table,
+)
 
 
 def test_acceptance_updates_only_observed_positions():
@@ -36,6 +43,29 @@ def test_cost_prediction_from_measurements():
     np.testing.assert_allclose(table.predict(8, 4), [2.0, 2.25, 2.5, 2.75, 3.0])  # nearest batch size stands in
     table.observe(8, 0, 5.0)
     assert table.predict(8, 4)[0] == 5.0
+
+
+def test_the_line_is_refitted_on_a_new_width_or_after_refit_samples():
+    """Unmeasured widths follow the kept line until a new width is measured or REFIT_SAMPLES samples arrived;
+    measured widths read their latest averages at once."""
+    table = CostTable()
+    table.observe(2, 0, 1.0)
+    table.observe(2, 4, 2.0)
+    np.testing.assert_allclose(table.predict(2, 4), [1.0, 1.25, 1.5, 1.75, 2.0])
+    table.observe(2, 4, 1.0)  # the width-4 average falls to 1.5
+    # the kept line at widths 1-3 (never below a narrower width: 1.75 at 4), not the refit's 1.125, 1.25, 1.375
+    np.testing.assert_allclose(table.predict(2, 4), [1.0, 1.25, 1.5, 1.75, 1.75])
+    table.observe(2, 2, 1.25)  # a new width: refitted through (0, 1), (2, 1.25), (4, 1.5)
+    np.testing.assert_allclose(table.predict(2, 4), [1.0, 1.125, 1.25, 1.375, 1.5])
+    for _ in range(REFIT_SAMPLES - 1):
+        table.observe(2, 4, 3.0)
+    stale = table.predict(2, 4)
+    np.testing.assert_allclose(stale[[0, 1, 2]], [1.0, 1.125, 1.25])
+    assert stale[4] == table.times[(2, 4)]
+    table.observe(2, 4, 3.0)  # the REFIT_SAMPLES-th sample since the fit
+    points = np.array([0, 2, 4]), np.array([table.times[(2, w)] for w in (0, 2, 4)])
+    slope, intercept = np.polyfit(*points, 1)
+    assert table.predict(2, 4)[1] == pytest.approx(intercept + slope)
 
 
 def test_faster_measurements_move_the_estimate_more():
