@@ -21,7 +21,7 @@ FOLDER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm
 OVERLAP_WORDS = 8
 MAX_TOTAL_MB = 80
 # the drafters committed for SmolLM2 (an MLP speculator is trained by `train.sh mlp_speculator`, not committed yet)
-COMMITTED = ("draft", "medusa", "eagle", "eagle3")
+COMMITTED = ("draft", "medusa", "eagle", "eagle3", "mlp_speculator")
 
 
 def _ngrams(text: str) -> set[tuple[str, ...]]:

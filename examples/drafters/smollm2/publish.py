@@ -28,7 +28,9 @@ DESCRIPTIONS = {
               "its own norm and lm_head over an 8192-token draft vocabulary), trained with 4 steps of "
               "training-time test.",
     "mlp_speculator": "An MLP speculator (IBM's design: one small MLP stage per drafted position over the target's "
-                      "final hidden state and the previous token), trained on the target's cached features.",
+                      "final hidden state and the previous token; here 3 stages with tied weights and a 128-wide "
+                      "state, whose embedding and lm_head started from the target's, projected onto the 128 "
+                      "directions that move its logits most), trained on the target's cached features.",
 }
 
 
@@ -71,12 +73,14 @@ def curve(metrics: dict) -> str:
 def readme(dest: Path, kind: str, metrics: dict, minutes: float) -> str:
     size = sum(p.stat().st_size for p in dest.rglob("*.safetensors")) / 2**20
     config = metrics["config"]
+    threads = int(config["threads"] or 0) or "all"
     return f"""# {kind} drafter for SmolLM2-135M-Instruct
 
-{DESCRIPTIONS[kind]} bfloat16, {size:.1f} MB. `hf-specdec bench --model smollm2` and `hf-specdec demo` use it by
-default; `hf_specdec.testbed.drafters.load_drafter("smollm2", "{kind}", target)` loads it.
+{DESCRIPTIONS[kind]} bfloat16, {size:.1f} MB. `hf-specdec bench --model smollm2` and `hf-specdec demo --methods all`
+use it by default; `hf_specdec.testbed.drafters.load_drafter("smollm2", "{kind}", target)` loads it.
 
-Trained on this repository's CPU (2 torch threads on a shared 2-core machine; `train.sh` ran {minutes:.0f} min for it,
+Trained on this repository's CPU ({threads} torch thread{"s" if threads != 1 else ""} on a shared 2-core machine;
+`train.sh` ran {minutes:.0f} min for it,
 the target's answers and feature cache included where it built them) by
 self-distillation: the target (bfloat16) answered the first {config['num_samples']} requests of
 `examples/drafters/smollm2/prompts.jsonl` greedily (at most {config['max_new_tokens']} new tokens each; the
@@ -84,7 +88,7 @@ requests share no 8-word run with Spec-Bench or the code workload), and the draf
 from the target's cached features, with bf16 autocast:
 
 ```bash
-bash examples/drafters/smollm2/train.sh {kind}
+{"" if threads == 2 else f"THREADS={threads} "}bash examples/drafters/smollm2/train.sh {kind}
 ```
 
 ({config['steps']} steps of batch {config['batch_size']}, learning rate {config['learning_rate']} with
