@@ -25,8 +25,8 @@ from hf_specdec.schedule.rules import batch_size_cap
 from hf_specdec.stats import ScheduleStats
 from hf_specdec.step import DecodeState
 
-# a row that has not drafted for this many steps probes; each probe that finds nothing doubles the wait, up to
-# PROBE_MAX_INTERVAL
+# a row that has not drafted for this many steps probes; each probe doubles the wait, up to PROBE_MAX_INTERVAL,
+# until the row drafts again by its own estimate
 PROBE_INTERVAL = 4
 PROBE_MAX_INTERVAL = 64
 # draft positions a probe asks for (within the step's cap)
@@ -127,10 +127,12 @@ class Schedule:
         self.estimated += self.expected
         self.allowed_total += self.allowed
         self.accepted_total += accepted * drafted
-        # a probe that found nothing doubles the wait before the next; an accepted draft resets it
-        self.interval = np.where(drafted & (accepted > 0), PROBE_INTERVAL,
-                                 np.where(self.probed & (accepted == 0),
-                                          np.minimum(self.interval * 2, PROBE_MAX_INTERVAL), self.interval))
+        # every probe doubles the wait before the next: that a probe had a draft accepted says nothing about
+        # whether drafting pays (the estimates it updated decide that), and at a large batch rows probing in turn
+        # would widen nearly every step; a row that drafts by its own estimate and has a draft accepted resets it
+        chose = drafted & ~self.probed
+        self.interval = np.where(self.probed, np.minimum(self.interval * 2, PROBE_MAX_INTERVAL),
+                                 np.where(chose & (accepted > 0), PROBE_INTERVAL, self.interval))
         self.idle = np.where(drafted, 0, self.idle + 1)
         state.draft_limits = state.draft_limit_tensor = state.draft_width = state.draft_method = None
 

@@ -137,3 +137,18 @@ def test_static_shapes_keep_the_batch_size_rules_ks_among_the_compiled_widths():
         history = simulate(static, 2, always, 6)
         assert set(history.ravel()) <= set(static.widths) and history.max() <= 3
     assert simulate(static, 2, always, 6)[-1].tolist() == [3, 3]
+
+
+def test_probes_of_a_large_batch_do_not_keep_every_step_drafting():
+    """16 rows whose drafts are sometimes accepted (first position 0.3) but never pay (each position costs half a
+    plain step): a probe that has a draft accepted is no reason to probe again soon, so most steps are plain for
+    the whole batch, not widened by one row's probe or another's."""
+    rng = np.random.default_rng(2)
+
+    def accept(step, limits):
+        return [int(np.argmin(np.append(rng.random(8) < 0.3, False))) for _ in limits]
+
+    clock = FakeClock(lambda width: 1.0 + 0.5 * width)
+    history = simulate(_schedule(CostTable(), clock=clock), 16, accept, steps=200, clock=clock)
+    steps_drafting = (history[40:].max(axis=1) > 0).mean()
+    assert steps_drafting < 0.35, steps_drafting
