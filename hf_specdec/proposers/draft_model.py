@@ -346,8 +346,8 @@ class DraftModelProposer(Proposer):
         kept_drafts = ((step < result.num_accepted.to(path.device)[:, None]) & (slots >= 0)).long().cumprod(1).sum(1)
         num_kept = torch.where(state.finished.to(path.device), 0, fed + kept_drafts)
         host = state.host
+        fed_depth = max(self._num_drafted, 1) - 1  # every shape feeds its nodes above the deepest (a tree its frontier)
         if self.total_tokens is None:  # chains and fixed branches feed every node above the deepest
-            fed_depth = max(self._num_drafted, 1) - 1
             kept_host = [0 if done else n + min(a, fed_depth)
                          for n, a, done in zip(self._fed_host, host.num_accepted, host.finished)]
         elif self.fixed_shapes:  # fixed shapes need no exact lengths on the host
@@ -357,11 +357,14 @@ class DraftModelProposer(Proposer):
         in_order = self.tree_width == 1 and self.total_tokens is None and not self.fixed_shapes and all(
             done or n == self._feed_width for n, done in zip(self._fed_host, host.finished))
         sources = None
-        if not in_order:  # slot i < fed: the feed; then the kept nodes' slots, after the feed
-            columns = torch.arange(self._feed_width + path.shape[1], device=path.device)[None, :]
-            along = (columns - fed[:, None]).clamp(min=0, max=max(path.shape[1] - 1, 0))
-            node_slot = slots.gather(1, along) if path.shape[1] else torch.zeros_like(along)
-            sources = torch.where(columns < fed[:, None], columns, self._feed_width + node_slot.clamp(min=0))
+        if not in_order:
+            # slot i < fed: the feed; then the kept nodes' slots, after the feed. A row keeps at most the feed and
+            # fed_depth nodes, so the move reads and writes no more columns than the region has; a column past a row's
+            # kept slots reads any region slot (an unfed node's -1 gives the feed's last)
+            columns = torch.arange(self._feed_width + fed_depth, device=path.device)[None, :]
+            along = (columns - fed[:, None]).clamp(min=0, max=max(fed_depth - 1, 0))
+            node_slot = slots.gather(1, along) if fed_depth else torch.full_like(along, -1)
+            sources = torch.where(columns < fed[:, None], columns, self._feed_width + node_slot)
         device = self.draft.device
         self.cache.commit(num_kept.to(device), None if sources is None else sources.to(device), kept_on_host=kept_host)
         self.cached_lengths = self.cached_lengths + num_kept.to(self.cached_lengths.device)
