@@ -351,12 +351,6 @@ class SpeculativeConfig:
                     f"SpeculativeConfig.fallback: expected a SpeculativeConfig with method in {list(FALLBACK_METHODS)} "
                     f"(the drafter used where the suffix draft scores low), got {got}"
                 )
-            if fallback.draft_tokenizer is not None:
-                raise ValueError(
-                    "SpeculativeConfig.fallback: a draft with another tokenizer reads the text each step, and the "
-                    "hybrid skips its fallback in steps no row needs it; use a draft that shares the target's "
-                    "tokenizer, or method='draft' with draft_tokenizer on its own"
-                )
             if fallback.seed is not None or fallback.lossy_typical_acceptance:
                 raise ValueError(
                     "SpeculativeConfig.fallback: its seed and lossy_typical_acceptance are not used (sampling and "

@@ -101,9 +101,9 @@ class AutoProposer(Proposer):
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         self.chosen.commit(state, result)
 
-    def finish(self) -> None:
+    def finish(self, state: DecodeState | None) -> None:
         for proposer in self.candidates.values():
-            proposer.finish()
+            proposer.finish(state)
 
 
 register_proposer("auto", AutoProposer)

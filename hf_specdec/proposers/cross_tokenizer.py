@@ -192,11 +192,15 @@ class CrossTokenizerProposer(Proposer):
                 row.draft.extend(continuation_ids(self.draft_tokenizer, row.tail, added))
                 row.tail = (row.tail + added)[-TAIL_CHARACTERS:]
 
+    def skip(self, state: DecodeState) -> None:
+        """Read the last step's text (the draft's cache takes it at the next proposal)."""
+        self._catch_up(state)
+
     def propose(self, state: DecodeState) -> Proposal:
         self._catch_up(state)
         budget = state.draft_budget().clamp(max=self.k)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]
-        num_drafted = max(budget_host, default=0)
+        num_drafted = max(budget_host)
         logits = self._feed(state)
         device = self.draft.device
         tokens, feeds, probs = [], [], []
@@ -209,9 +213,6 @@ class CrossTokenizerProposer(Proposer):
             feeds.append(feed)
             probs.append(token_probs)
         target_device = state.sequences.device
-        if not tokens:
-            return Proposal.chain(state.last_tokens(), budget.new_zeros(state.batch_size, 0), budget.new_zeros(
-                state.batch_size))
         drafts = torch.stack(tokens, dim=1)
         if self.sampling.do_sample:
             return Proposal.chain(state.last_tokens(), drafts.to(target_device), budget,

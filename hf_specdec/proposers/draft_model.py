@@ -144,15 +144,28 @@ class DraftModelProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]
-        self._num_drafted = state.step_width(self.k) if self.fixed_shapes else max(budget_host, default=0)
+        self._num_drafted = state.step_width(self.k) if self.fixed_shapes else max(budget_host)
         logits = self._feed_unseen(state)
-        if self._num_drafted == 0 and state.draft_width == 0:  # a plain step under a schedule: no draft nodes
-            return self._propose_chain(state, budget, logits, dense=True)
         if self.total_tokens is not None:
             return self._propose_dynamic_tree(state, budget, logits)
         if self.tree_width > 1:
             return self._propose_tree(state, budget, logits)
         return self._propose_chain(state, budget, logits, dense=all(b == self._num_drafted for b in budget_host))
+
+    def skip(self, state: DecodeState) -> None:
+        """Under fixed shapes the feed has a fixed width, so the unseen tokens are fed now; else at the next
+        proposal, in one forward."""
+        if self.fixed_shapes:
+            self._feed_unseen(state)
+            self._keep_feed(state)
+
+    def _keep_feed(self, state: DecodeState) -> None:
+        """End the step keeping the committed tokens fed at its start, and no draft."""
+        kept = torch.where(state.finished, 0, self._fed)
+        kept_host = [0 if done else n for n, done in zip(self._fed_host, state.host.finished)]
+        self.cache.commit(kept.to(self.draft.device), kept_on_host=kept_host)
+        self.cached_lengths = self.cached_lengths + kept
+        self.cached_host = [n + k for n, k in zip(self.cached_host, kept_host)]
 
     def _propose_chain(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor, dense: bool) -> Proposal:
         """k drafts, one forward each after the first; draft d (d < k) is fed at region slot d - 1."""
@@ -172,8 +185,8 @@ class DraftModelProposer(Proposer):
         target_device = state.sequences.device
         slots = torch.arange(-1, self._num_drafted, device=target_device)  # node d: slot d - 1; the root has none
         self._node_slots = torch.where(slots < self._num_drafted - 1, slots, -1).expand(state.batch_size, -1)
-        drafts = torch.stack(tokens, dim=1) if tokens else budget.new_zeros(state.batch_size, 0)
-        draft_probs = None if not probs or probs[0] is None else torch.stack(probs, dim=1).to(target_device)
+        drafts = torch.stack(tokens, dim=1)
+        draft_probs = None if probs[0] is None else torch.stack(probs, dim=1).to(target_device)
         return Proposal.chain(state.last_tokens(), drafts.to(target_device), budget, draft_probs, dense=dense)
 
     def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
@@ -200,7 +213,7 @@ class DraftModelProposer(Proposer):
 
     def _propose_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """Top-w first tokens, each continued as a chain: one draft forward per depth for all branches."""
-        width, depth, batch = self.tree_width, max(self._num_drafted, 1), state.batch_size
+        width, depth, batch = self.tree_width, self._num_drafted, state.batch_size
         device = self.draft.device
         first = self._scores(logits).topk(width, dim=-1).indices  # [B, w]
         levels = [first.to(state.sequences.device)]
@@ -274,7 +287,7 @@ class DraftModelProposer(Proposer):
 
     def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates."""
-        width, depth, batch = self.tree_width, max(self._num_drafted, 1), state.batch_size
+        width, depth, batch = self.tree_width, self._num_drafted, state.batch_size
         device = self.draft.device
         cum, tokens = self._log_probs(logits).topk(width, dim=-1)  # [B, w]: depth-1 candidates
         all_tokens = [torch.zeros_like(tokens[:, :1]), tokens]  # node 0 = root placeholder
@@ -346,7 +359,7 @@ class DraftModelProposer(Proposer):
         kept_drafts = ((step < result.num_accepted.to(path.device)[:, None]) & (slots >= 0)).long().cumprod(1).sum(1)
         num_kept = torch.where(state.finished.to(path.device), 0, fed + kept_drafts)
         host = state.host
-        fed_depth = max(self._num_drafted, 1) - 1  # every shape feeds its nodes above the deepest (a tree its frontier)
+        fed_depth = self._num_drafted - 1  # every shape feeds its nodes above the deepest (a tree its frontier)
         if self.total_tokens is None:  # chains and fixed branches feed every node above the deepest
             kept_host = [0 if done else n + min(a, fed_depth)
                          for n, a, done in zip(self._fed_host, host.num_accepted, host.finished)]

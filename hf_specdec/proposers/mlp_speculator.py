@@ -67,8 +67,6 @@ class MlpSpeculatorProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
         root = state.last_tokens()
-        if state.draft_width == 0:  # a schedule's plain step: no drafts, so no speculator stages
-            return Proposal.chain(root, budget.new_zeros(state.batch_size, 0), budget.clamp(max=0), dense=True)
         speculator_state = self.speculator.input_state(state.target_hidden)  # [B, emb_dim]
         first = self.speculator.advance(0, speculator_state, root)  # [B, inner]: the state stage 0's guess is read from
         if self.total is not None:

@@ -191,9 +191,8 @@ class NgramProposer(Proposer):
             any_found |= bool(found)
             rows.append(build_trie(int(self.text[row, self.ends[row] - 1]), found, num_nodes))
         device = state.sequences.device
-        if not any_found:  # no row drafts: verify each row's last token alone
-            none = torch.zeros(state.batch_size, 0, dtype=torch.long, device=device)
-            return Proposal.chain(state.last_tokens(), none, none.new_zeros(state.batch_size), dense=True)
+        if not any_found:
+            return Proposal.no_draft(state)
         tokens, parents, valid = (torch.from_numpy(np.stack(column)).to(device) for column in zip(*rows))
         # a trie of w continuations of k tokens: at most k deep, at most w children per node
         return Proposal(TokenTree(token_ids=tokens, parents=parents, valid=valid, max_depth=self.k,

@@ -61,7 +61,7 @@ class SuffixProposer(Proposer):
         return 1 + self.k
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
-        self.finish()  # a proposer used for a second call starts clean
+        self._close()  # a proposer used for a second call starts clean
         prompt = state.sequences[:, : state.prompt_length].cpu().numpy()  # once per call
         self.text = np.zeros((state.batch_size, state.sequences.shape[1]), dtype=np.int64)
         self.text[:, : state.prompt_length] = prompt
@@ -112,8 +112,7 @@ class SuffixProposer(Proposer):
         batch, device = state.batch_size, state.sequences.device
         widest = max((d.num_tokens for d in drafts), default=0)
         if widest == 0:
-            none = torch.zeros(batch, 0, dtype=torch.long, device=device)
-            return Proposal.chain(state.last_tokens(), none, none.new_zeros(batch), dense=True)
+            return Proposal.no_draft(state)
         width = self.k if self.fixed_shapes else widest
         tokens = np.zeros((batch, 1 + width), dtype=np.int64)
         parents = np.zeros((batch, 1 + width), dtype=np.int64)
@@ -143,7 +142,13 @@ class SuffixProposer(Proposer):
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         self._catch_up(state)
 
-    def finish(self) -> None:
+    def finish(self, state: DecodeState | None) -> None:
+        if state is not None:
+            self._catch_up(state)
+        self._close()
+
+    def _close(self) -> None:
+        """End every row's request: its output stays in the cache's global tree."""
         for request in self.requests:
             if request is not None:
                 request.finish()
