@@ -48,6 +48,8 @@ class Proposer(ABC):
     reads_emitted_tokens: bool = False
     # static shapes (`fix_shapes`): widths from the config, never from the host's lengths
     fixed_shapes: bool = False
+    # why this proposer cannot run with static shapes (the error `fix_shapes` raises), or None
+    static_shapes_refusal: str | None = None
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         """The deepest draft token a step proposes (`spec_stats` counts acceptance per position up to it)."""
@@ -73,7 +75,9 @@ class Proposer(ABC):
         """Propose with the same shapes at every step, so compiled forwards are reused (see `hf_specdec.compile`):
         widths from the config; a drafter's cache of fixed capacity for `max_length` tokens per row; its forwards
         compiled with `compile_settings` when given. Called before `start`, before any forward; raises ValueError
-        for a drafter that cannot be compiled."""
+        for a drafter that cannot be compiled, or with `static_shapes_refusal`."""
+        if self.static_shapes_refusal is not None:
+            raise ValueError(self.static_shapes_refusal)
         self.fixed_shapes = True
 
     def start(

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.cache.ragged import RaggedKVCache
-from hf_specdec.compile import CompileSettings
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer
-from hf_specdec.sampling import sample
+from hf_specdec.sampling import draw
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
 # target tokens decoded before the new ones, so a character split across tokens decodes whole
@@ -115,6 +114,11 @@ class CrossTokenizerProposer(Proposer):
 
     reads_emitted_tokens = True
     role = "the draft model"
+    static_shapes_refusal = (
+        "a draft with another tokenizer re-tokenises text on the host each step, so its widths are not fixed: static "
+        "caches and compiled forwards are not supported with draft_tokenizer; drop cache_implementation / "
+        "compile_config"
+    )
 
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
         from hf_specdec.proposers.draft_model import vocab_size
@@ -136,13 +140,6 @@ class CrossTokenizerProposer(Proposer):
         self.rows: list[RowText] = []
         self._fed: torch.Tensor | None = None  # [B] on the host: draft tokens fed at the start of this step
         self._fed_host: list[int] = []
-
-    def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
-        raise ValueError(
-            "a draft with another tokenizer re-tokenises text on the host each step, so its widths are not fixed: "
-            "static caches and compiled forwards are not supported with draft_tokenizer; drop "
-            "cache_implementation / compile_config"
-        )
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         prompt = state.sequences[:, : state.prompt_length].tolist()  # once per call, at the prompt
@@ -254,12 +251,8 @@ class CrossTokenizerProposer(Proposer):
             return token, token, None
         scores = logits.new_full((logits.shape[0], self.target_vocab), float("-inf"), dtype=torch.float32)
         scores[:, self.vocab.target_ids] = logits[:, self.vocab.draft_ids].float()
-        flat_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-        probs = torch.softmax(self.sampling.warpers(flat_ids, scores), dim=-1)
-        generator = self.sampling.generator
-        if generator is not None:
-            probs = probs.to(generator.device)
-        token = sample(probs, generator).to(logits.device)
+        token, probs = draw(scores, self.sampling.warpers, self.sampling.generator)
+        token = token.to(logits.device)
         return token, self.vocab.target_to_draft[token], probs
 
     def _retokenize(

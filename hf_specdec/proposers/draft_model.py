@@ -27,9 +27,9 @@ from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import sample
+from hf_specdec.sampling import draw, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
-from hf_specdec.tree.dynamic import select_best_nodes
+from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
 from hf_specdec.tree.tree import TokenTree
 
@@ -254,25 +254,18 @@ class DraftModelProposer(Proposer):
     ) -> torch.Tensor:
         """[B, V_target] float scores: the draft's logits on the target vocabulary, warped when sampling."""
         scores = self._to_target_vocab(logits.float())
-        if not self.sampling.do_sample:
-            return scores
-        flat_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-        return self.sampling.warpers(flat_ids, scores)
+        return warp(scores, self.sampling.warpers) if self.sampling.do_sample else scores
 
     def _draw(
         self,
         # [B, V_draft]
         logits: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft token per row on the target's device, and its distribution over the target vocabulary."""
-        scores = self._scores(logits)
+        """One draft token per row, and its distribution over the target vocabulary (None when greedy)."""
+        scores = self._to_target_vocab(logits.float())
         if not self.sampling.do_sample:
             return scores.argmax(dim=-1), None
-        probs = torch.softmax(scores, dim=-1)
-        generator = self.sampling.generator
-        if generator is not None:
-            probs = probs.to(generator.device)
-        return sample(probs, generator), probs
+        return draw(scores, self.sampling.warpers, self.sampling.generator)
 
     def _to_target_vocab(
         self,
@@ -286,15 +279,11 @@ class DraftModelProposer(Proposer):
         return torch.cat([scores, missing], dim=-1)
 
     def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
-        """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates."""
+        """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates. Each
+        depth feeds the frontier, each node seeing the feed and its fed ancestors."""
         width, depth, batch = self.tree_width, self._num_drafted, state.batch_size
         device = self.draft.device
-        cum, tokens = self._log_probs(logits).topk(width, dim=-1)  # [B, w]: depth-1 candidates
-        all_tokens = [torch.zeros_like(tokens[:, :1]), tokens]  # node 0 = root placeholder
-        all_parents = [torch.full_like(tokens[:, :1], -1), torch.zeros_like(tokens)]
-        all_cum = [torch.zeros_like(cum[:, :1]), cum]
-        all_depths = [0] + [1] * width
-        frontier = torch.arange(1, width + 1, device=device).expand(batch, -1)  # node ids [B, w]
+        candidates = Candidates(self._log_probs(logits), width)
         sees = torch.zeros(batch, 1 + width, 0, dtype=torch.bool, device=device)  # [B, nodes, slots after the feed]
         node_slots = torch.full((batch, 1 + width), -1, dtype=torch.long, device=device)
         feed = torch.ones(batch, width, self._feed_width, dtype=torch.bool, device=device)  # fed tokens: ancestors
@@ -302,11 +291,10 @@ class DraftModelProposer(Proposer):
         # [B, w, F]: the drafter's output at each frontier node's parent (None when the drafter keeps none)
         frontier_parent_hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
         for d in range(1, depth):
-            region = sees.shape[2]
-            nodes_tokens, nodes_cum = torch.cat(all_tokens, dim=1), torch.cat(all_cum, dim=1)
+            region, frontier = sees.shape[2], candidates.frontier
             visible = torch.cat([feed, _rows(sees, frontier), sees.new_zeros(batch, width, width)], dim=2)
             logits = self.cache.forward(
-                nodes_tokens.gather(1, frontier),
+                candidates.frontier_tokens,
                 (fed + d - 1).expand(-1, width),
                 visible=visible,
                 **self._draft_inputs(frontier_parent_hidden, d),
@@ -317,27 +305,13 @@ class DraftModelProposer(Proposer):
                          torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1))
             sees = torch.cat([sees, own], dim=2)  # fed frontier nodes now see their own slot too
             node_slots.scatter_(1, frontier, region + torch.arange(width, device=device).expand(batch, -1))
-            child_cum, child_tokens = self._log_probs(logits.reshape(batch * width, -1)).reshape(batch, width, -1).add(
-                nodes_cum.gather(1, frontier)[:, :, None]).topk(width, dim=-1)  # [B, w, w]
-            first_id = nodes_tokens.shape[1]
-            parents = frontier[:, :, None].expand(-1, -1, width).reshape(batch, -1)
-            all_tokens.append(child_tokens.reshape(batch, -1))
-            all_parents.append(parents)
-            all_cum.append(child_cum.reshape(batch, -1))
-            all_depths += [d + 1] * width * width
+            best = candidates.expand(self._log_probs(logits.reshape(batch * width, -1)).reshape(batch, width, -1))
+            parents = candidates.parents[-1]  # the new children's
             sees = torch.cat([sees, _rows(sees, parents)], dim=1)
             node_slots = torch.cat([node_slots, torch.full_like(parents, -1)], dim=1)
-            best_children = child_cum.reshape(batch, -1).topk(width, dim=-1).indices  # [B, w] of the w * w children
-            frontier = first_id + best_children
             if self.cache.hidden_states is not None:  # a child's parent is the frontier node it came from
-                frontier_parent_hidden = _rows(self.cache.hidden_states, best_children // width)
-        return self._select_dynamic_tree(state, budget, torch.cat(all_tokens, 1), torch.cat(all_parents, 1),
-                                         torch.cat(all_cum, 1), all_depths, node_slots)
-
-    def _select_dynamic_tree(self, state, budget, tokens, parents, cum, depths: list[int], node_slots) -> Proposal:
-        """Keep the best `total_tokens` nodes (`select_best_nodes`); the draft remembers which it fed."""
-        tree, chosen = select_best_nodes(state.last_tokens(), tokens, parents, cum, depths, self.total_tokens, budget,
-                                         self.tree_width, state.sequences.device)
+                frontier_parent_hidden = _rows(self.cache.hidden_states, best // width)
+        tree, chosen = candidates.select(state.last_tokens(), self.total_tokens, budget, state.sequences.device)
         self._node_slots = torch.cat([torch.full_like(chosen[:, :1], -1), node_slots.gather(1, chosen)], dim=1)
         return Proposal(tree)
 

@@ -25,7 +25,6 @@ import dataclasses
 
 import torch
 
-from hf_specdec.compile import CompileSettings
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.proposers.suffix import SuffixProposer
@@ -37,6 +36,11 @@ from hf_specdec.tree.tree import TokenTree
 
 class HybridProposer(Proposer):
     reads_emitted_tokens = True
+    static_shapes_refusal = (
+        "SpeculativeConfig.fallback: hybrid drafting runs with dynamic shapes only (its fallback feeds the tokens of "
+        "the steps it skipped); drop cache_implementation='static' / compile_config / the StaticCache, or the "
+        "fallback"
+    )
 
     def __init__(self, suffix: SuffixProposer, fallback: Proposer, config: SpeculativeConfig) -> None:
         self.suffix = suffix
@@ -53,13 +57,6 @@ class HybridProposer(Proposer):
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         return max(self.suffix.draft_depth(config), self.fallback.draft_depth(self.fallback_config))
-
-    def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
-        raise ValueError(
-            "SpeculativeConfig.fallback: hybrid drafting runs with dynamic shapes only (its fallback feeds the tokens "
-            "of the steps it skipped); drop cache_implementation='static' / compile_config / the StaticCache, or the "
-            "fallback"
-        )
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         self.suffix.start(state, attention_mask)
