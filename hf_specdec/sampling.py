@@ -8,7 +8,7 @@ draws from, but it is one elementwise pass and an argmax, where `multinomial` ch
 syncs per call on CUDA). The noise comes from the caller's `torch.Generator`, so seeded runs repeat.
 
 `prefix_free` names the user's logits processors that depend on the scores alone: a drafter applies those to its
-own logits (`warp`), so it samples from the same warped law the target uses (`draw`).
+own logits (`warp`), so it samples from the same warped law the target uses (`draft_distribution`).
 """
 
 from __future__ import annotations
@@ -69,15 +69,12 @@ def warp(
     return warpers(prefix, flat).reshape(scores.shape)
 
 
-def draw(
+def draft_distribution(
     # [..., V] float
     scores: torch.Tensor,
     warpers: LogitsProcessorList,
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """([...] one token per row, [..., V] its distribution): drawn from the softmax of the warped scores, on the
-    generator's device."""
+) -> torch.Tensor:
+    """[..., V]: the softmax of the warped scores, on the generator's device (what a drafter `sample`s from)."""
     probs = torch.softmax(warp(scores, warpers), dim=-1)
-    if generator is not None:
-        probs = probs.to(generator.device)
-    return sample(probs, generator), probs
+    return probs if generator is None else probs.to(generator.device)

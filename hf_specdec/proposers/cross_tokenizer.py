@@ -33,7 +33,7 @@ import torch
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer
-from hf_specdec.sampling import draw
+from hf_specdec.sampling import draft_distribution, sample
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
 # target tokens decoded before the new ones, so a character split across tokens decodes whole
@@ -251,8 +251,8 @@ class CrossTokenizerProposer(Proposer):
             return token, token, None
         scores = logits.new_full((logits.shape[0], self.target_vocab), float("-inf"), dtype=torch.float32)
         scores[:, self.vocab.target_ids] = logits[:, self.vocab.draft_ids].float()
-        token, probs = draw(scores, self.sampling.warpers, self.sampling.generator)
-        token = token.to(logits.device)
+        probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
+        token = sample(probs, self.sampling.generator).to(logits.device)
         return token, self.vocab.target_to_draft[token], probs
 
     def _retokenize(

@@ -27,7 +27,7 @@ from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import draw, warp
+from hf_specdec.sampling import draft_distribution, sample, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
@@ -265,7 +265,8 @@ class DraftModelProposer(Proposer):
         scores = self._to_target_vocab(logits.float())
         if not self.sampling.do_sample:
             return scores.argmax(dim=-1), None
-        return draw(scores, self.sampling.warpers, self.sampling.generator)
+        probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
+        return sample(probs, self.sampling.generator), probs
 
     def _to_target_vocab(
         self,

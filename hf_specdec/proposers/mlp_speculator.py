@@ -28,7 +28,7 @@ import torch
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import draw, warp
+from hf_specdec.sampling import draft_distribution, sample, warp
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
@@ -107,8 +107,8 @@ class MlpSpeculatorProposer(Proposer):
                 current = self.speculator.advance(stage, current, tokens[-1])
             scores = self._logits(stage, current)  # [B, V]
             if self.sampling.do_sample:
-                token, stage_probs = draw(scores, self.sampling.warpers, self.sampling.generator)
-                tokens.append(token)
+                stage_probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
+                tokens.append(sample(stage_probs, self.sampling.generator))
                 probs.append(stage_probs)
             else:
                 tokens.append(scores.argmax(dim=-1))
