@@ -294,14 +294,6 @@ class SpeculativeConfig:
             )
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
-        from hf_specdec.schedule.controller import dynamic_draft_tree
-
-        if dynamic_draft_tree(self) and (
-                self.disable_by_batch_size is not None or self.num_speculative_tokens_per_batch_size is not None):
-            raise ValueError(
-                "SpeculativeConfig.disable_by_batch_size / num_speculative_tokens_per_batch_size: the draft model's "
-                "dynamic tree (tree_total_tokens) drafts k every step; drop the batch-size rules or tree_total_tokens"
-            )
         if self.num_speculative_tokens_per_batch_size is not None:
             from hf_specdec.schedule.rules import check_batch_size_schedule
 
@@ -358,12 +350,6 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"SpeculativeConfig.fallback: expected a SpeculativeConfig with method in {list(FALLBACK_METHODS)} "
                     f"(the drafter used where the suffix draft scores low), got {got}"
-                )
-            if fallback.draft_tokenizer is not None:
-                raise ValueError(
-                    "SpeculativeConfig.fallback: a draft with another tokenizer reads the text each step, and the "
-                    "hybrid skips its fallback in steps no row needs it; use a draft that shares the target's "
-                    "tokenizer, or method='draft' with draft_tokenizer on its own"
                 )
             if fallback.seed is not None or fallback.lossy_typical_acceptance:
                 raise ValueError(

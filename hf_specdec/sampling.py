@@ -8,7 +8,7 @@ draws from, but it is one elementwise pass and an argmax, where `multinomial` ch
 syncs per call on CUDA). The noise comes from the caller's `torch.Generator`, so seeded runs repeat.
 
 `prefix_free` names the user's logits processors that depend on the scores alone: a drafter applies those to its
-own logits, so it samples from the same warped law the target uses.
+own logits (`warp`), so it samples from the same warped law the target uses (`draft_distribution`).
 """
 
 from __future__ import annotations
@@ -55,3 +55,26 @@ def sample(
     # exponential_ may round to exactly 0: p / 0 would be inf (or nan for p = 0); the smallest positive value
     # keeps every zero-probability index at 0
     return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def warp(
+    # [..., V] float
+    scores: torch.Tensor,
+    # prefix-free processors (`prefix_free`)
+    warpers: LogitsProcessorList,
+) -> torch.Tensor:
+    """[..., V]: the scores after the warpers (which read no prefix: each row is given a dummy one)."""
+    flat = scores.reshape(-1, scores.shape[-1])
+    prefix = torch.zeros((flat.shape[0], 1), dtype=torch.long, device=flat.device)
+    return warpers(prefix, flat).reshape(scores.shape)
+
+
+def draft_distribution(
+    # [..., V] float
+    scores: torch.Tensor,
+    warpers: LogitsProcessorList,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """[..., V]: the softmax of the warped scores, on the generator's device (what a drafter `sample`s from)."""
+    probs = torch.softmax(warp(scores, warpers), dim=-1)
+    return probs if generator is None else probs.to(generator.device)

@@ -116,6 +116,7 @@ class SpeculativeDecoder:
         self.max_depth = self.proposer.draft_depth(config)
         self.streamer = streamer
         self.generation_config = generation_config
+        self.state: DecodeState | None = None
         self.score_log = ScoreLog(0)
         self.logit_log = ScoreLog(0)
         self.rows: torch.Tensor | None = None  # [B_held]: the batch row of each row the target cache holds; None: all
@@ -145,7 +146,7 @@ class SpeculativeDecoder:
             while not all(self.state.host.finished):
                 self.step()
         finally:
-            self.proposer.finish()
+            self.proposer.finish(self.state)
         if self.streamer is not None:
             self.streamer.end()
         return self.state
@@ -192,7 +193,7 @@ class SpeculativeDecoder:
                                     past_key_values=prompt.past_key_values)
         self.state.target_features = self.cache.hidden_states
         self.proposer.start(self.state, attention_mask)
-        proposal = Proposal.empty(batch, input_ids.device)
+        proposal = Proposal.no_draft(self.state)
         scores = self.score(proposal, logits)
         result = self.verifier(proposal, scores)
         num_emitted = self.emit(result, scores, logits)
@@ -224,12 +225,17 @@ class SpeculativeDecoder:
         lengths = self.state.host.lengths
         if self.schedule is not None:
             self.schedule.plan(self.state, len(self.held_rows))
-        proposal = self.proposer.propose(self.state)
+        drafting = any(self.state.host_draft_budget())
+        if drafting:
+            proposal = self.proposer.propose(self.state)
+        else:  # no row drafts (a schedule's plain step, or every row one token from its limit): verify the last tokens
+            self.proposer.skip(self.state)
+            proposal = Proposal.no_draft(self.state)
         logits = self.verify(proposal)
         scores = self.score(proposal, logits)
         result = self.verifier(proposal, scores)
         num_emitted = self.emit(result, scores, logits)
-        self.commit(proposal, result, num_emitted, logits.shape[1])
+        self.commit(proposal, result, num_emitted, logits.shape[1], drafting)
         if self.schedule is not None:
             self.schedule.observe(self.state)
         self.log(result, scores, logits)
@@ -327,6 +333,8 @@ class SpeculativeDecoder:
         # [B]
         num_emitted: torch.Tensor,
         num_verified: int,
+        # whether the proposer proposed this step (else it was told to skip it)
+        proposed: bool,
     ) -> None:
         """`commit_tokens`, then the target cache keeps the fed nodes whose successors were emitted (the accepted
         path; a row that stopped mid-step keeps those before its stop, as plain generate's cache holds every token
@@ -335,7 +343,8 @@ class SpeculativeDecoder:
         path = None if proposal.tree.is_chain else self.held(result.path_nodes)
         kept_on_host = [self.state.host.num_emitted[row] for row in self.held_rows]
         self.cache.commit(self.held(num_emitted), path, kept_on_host=kept_on_host)
-        self.proposer.commit(self.state, result)
+        if proposed:
+            self.proposer.commit(self.state, result)
 
     def drop_finished_rows(self) -> None:
         """Drop finished rows from the target's cache once they are DROP_FINISHED_SHARE of the rows it holds

@@ -62,6 +62,12 @@ class AutoProposer(Proposer):
         self.target_feature_layers = tuple(layers) or None
         self.needs_prompt_features = any(p.needs_prompt_features for p in self.candidates.values())
         self.chosen: Proposer | None = None
+        if "draft" in self.candidates:
+            self.static_shapes_refusal = (
+                "SpeculativeConfig.method: 'auto' with a draft model needs dynamic shapes (a step drafted by another "
+                "proposer leaves the draft model's cache behind, which it catches up in one forward of free width); "
+                "drop the static cache / compile_config, or use method='draft'"
+            )
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -77,12 +83,6 @@ class AutoProposer(Proposer):
         return "auto:" + self.candidates[method].cost_key(self.configs[method], static_shapes)
 
     def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
-        if "draft" in self.candidates:
-            raise ValueError(
-                "SpeculativeConfig.method: 'auto' with a draft model needs dynamic shapes (a step drafted by another "
-                "proposer leaves the draft model's cache behind, which it catches up in one forward of free width); "
-                "drop the static cache / compile_config, or use method='draft'"
-            )
         super().fix_shapes(max_length, compile_settings)
         for proposer in self.candidates.values():
             proposer.fix_shapes(max_length, compile_settings)
@@ -101,9 +101,9 @@ class AutoProposer(Proposer):
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         self.chosen.commit(state, result)
 
-    def finish(self) -> None:
+    def finish(self, state: DecodeState | None) -> None:
         for proposer in self.candidates.values():
-            proposer.finish()
+            proposer.finish(state)
 
 
 register_proposer("auto", AutoProposer)

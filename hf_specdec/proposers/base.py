@@ -28,7 +28,9 @@ class Proposer(ABC):
     """Guesses the next tokens of every row.
 
     The engine calls `start` once after the target's prefill, then per step `propose` and, after verification,
-    `commit`, so a proposer with state (a KV cache) can keep what the target kept.
+    `commit`, so a proposer with state (a KV cache) can keep what the target kept. A step where no row may draft
+    (a schedule's plain step, or every row one token from its length limit) calls `skip` instead of both, and
+    verifies `Proposal.no_draft`: `propose` always has a row with a draft budget.
 
     Proposers that read the target's hidden states get them from the verify forward (no extra pass): with
     `target_feature_layers` set (entries of the target's `hidden_states`; -1 is the final one),
@@ -46,9 +48,8 @@ class Proposer(ABC):
     reads_emitted_tokens: bool = False
     # static shapes (`fix_shapes`): widths from the config, never from the host's lengths
     fixed_shapes: bool = False
-    # whether a step may pass without this proposer's `propose` and `commit` (a hybrid drafter skips its fallback
-    # when no row needs it): its state then catches up from the committed text at its next proposal
-    skippable: bool = True
+    # why this proposer cannot run with static shapes (the error `fix_shapes` raises), or None
+    static_shapes_refusal: str | None = None
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         """The deepest draft token a step proposes (`spec_stats` counts acceptance per position up to it)."""
@@ -74,7 +75,9 @@ class Proposer(ABC):
         """Propose with the same shapes at every step, so compiled forwards are reused (see `hf_specdec.compile`):
         widths from the config; a drafter's cache of fixed capacity for `max_length` tokens per row; its forwards
         compiled with `compile_settings` when given. Called before `start`, before any forward; raises ValueError
-        for a drafter that cannot be compiled."""
+        for a drafter that cannot be compiled, or with `static_shapes_refusal`."""
+        if self.static_shapes_refusal is not None:
+            raise ValueError(self.static_shapes_refusal)
         self.fixed_shapes = True
 
     def start(
@@ -90,17 +93,21 @@ class Proposer(ABC):
         """Up to `state.draft_budget()` draft tokens per row (per branch of a tree); finished rows get none."""
 
     def skip(self, state: DecodeState) -> None:
-        """Called instead of `propose` (and then no `commit`) for a step another proposer drafts (`method="auto"`),
-        with `state` as `propose` would see it: a proposer that keeps a copy of the text catches up with the last
-        step's tokens here. A proposer with a cache catches up at its next proposal."""
+        """Called instead of `propose` (and then no `commit`) for a step this proposer does not draft (no row
+        drafts, or another proposer drafts: `method="auto"`, a hybrid's fallback), with `state` as `propose` would
+        see it. It is called every such step: a proposer that keeps a copy of the text catches up with the last
+        step's tokens here (`state.host.emitted` holds only those). A proposer with a cache may catch up here or at
+        its next proposal."""
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Called after `state` took the step's tokens (finished rows are marked in `state.finished`, and
         `state.host` is up to date), with what the target accepted (`result.num_accepted`, and the accepted path
         `result.path_nodes`)."""
 
-    def finish(self) -> None:
-        """Called once when the call ends (normally or not), after the last `commit`."""
+    def finish(self, state: DecodeState | None) -> None:
+        """Called once when the call ends (normally or not), after the last step, with the state as it ends (None
+        when the call failed before the prompt's): a proposer that keeps a copy of the text reads the last step's
+        tokens here, if it skipped that step."""
 
 
 ProposerFactory = Callable[[SpeculativeConfig, torch.nn.Module, DraftSampling], Proposer]

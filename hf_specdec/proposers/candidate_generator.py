@@ -35,6 +35,7 @@ class ProposerCandidateGenerator(CandidateGenerator):
         self.pad_token_id = pad_token_id
         self._started = False
         self._seen = 0  # tokens of the row at the last proposal
+        self._proposed = False  # whether the last candidates came from `propose` (else it skipped)
 
     @classmethod
     def from_config(
@@ -73,6 +74,10 @@ class ProposerCandidateGenerator(CandidateGenerator):
             self.proposer.start(state, None)
             self._started = True
         self._seen = input_ids.shape[1]
+        self._proposed = any(state.host_draft_budget())
+        if not self._proposed:  # one token left: nothing to draft
+            self.proposer.skip(state)
+            return input_ids, None
         tree = self.proposer.propose(state).tree
         if not tree.is_chain:
             raise ValueError("transformers' assisted loop verifies chains only; use tree_width=1")
@@ -86,4 +91,5 @@ class ProposerCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         accepted = torch.tensor([int(num_matches)], device=input_ids.device)
         outcome = VerificationResult.chain(input_ids[:, -int(num_matches) - 1 :], accepted)
-        self.proposer.commit(self._state(input_ids, int(num_matches)), outcome)
+        if self._proposed:
+            self.proposer.commit(self._state(input_ids, int(num_matches)), outcome)

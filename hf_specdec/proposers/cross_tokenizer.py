@@ -31,10 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.cache.ragged import RaggedKVCache
-from hf_specdec.compile import CompileSettings
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer
-from hf_specdec.sampling import sample
+from hf_specdec.sampling import draft_distribution, sample
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
 # target tokens decoded before the new ones, so a character split across tokens decodes whole
@@ -115,6 +114,11 @@ class CrossTokenizerProposer(Proposer):
 
     reads_emitted_tokens = True
     role = "the draft model"
+    static_shapes_refusal = (
+        "a draft with another tokenizer re-tokenises text on the host each step, so its widths are not fixed: static "
+        "caches and compiled forwards are not supported with draft_tokenizer; drop cache_implementation / "
+        "compile_config"
+    )
 
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
         from hf_specdec.proposers.draft_model import vocab_size
@@ -136,13 +140,6 @@ class CrossTokenizerProposer(Proposer):
         self.rows: list[RowText] = []
         self._fed: torch.Tensor | None = None  # [B] on the host: draft tokens fed at the start of this step
         self._fed_host: list[int] = []
-
-    def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
-        raise ValueError(
-            "a draft with another tokenizer re-tokenises text on the host each step, so its widths are not fixed: "
-            "static caches and compiled forwards are not supported with draft_tokenizer; drop "
-            "cache_implementation / compile_config"
-        )
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         prompt = state.sequences[:, : state.prompt_length].tolist()  # once per call, at the prompt
@@ -192,11 +189,15 @@ class CrossTokenizerProposer(Proposer):
                 row.draft.extend(continuation_ids(self.draft_tokenizer, row.tail, added))
                 row.tail = (row.tail + added)[-TAIL_CHARACTERS:]
 
+    def skip(self, state: DecodeState) -> None:
+        """Read the last step's text (the draft's cache takes it at the next proposal)."""
+        self._catch_up(state)
+
     def propose(self, state: DecodeState) -> Proposal:
         self._catch_up(state)
         budget = state.draft_budget().clamp(max=self.k)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]
-        num_drafted = max(budget_host, default=0)
+        num_drafted = max(budget_host)
         logits = self._feed(state)
         device = self.draft.device
         tokens, feeds, probs = [], [], []
@@ -209,9 +210,6 @@ class CrossTokenizerProposer(Proposer):
             feeds.append(feed)
             probs.append(token_probs)
         target_device = state.sequences.device
-        if not tokens:
-            return Proposal.chain(state.last_tokens(), budget.new_zeros(state.batch_size, 0), budget.new_zeros(
-                state.batch_size))
         drafts = torch.stack(tokens, dim=1)
         if self.sampling.do_sample:
             return Proposal.chain(state.last_tokens(), drafts.to(target_device), budget,
@@ -253,12 +251,8 @@ class CrossTokenizerProposer(Proposer):
             return token, token, None
         scores = logits.new_full((logits.shape[0], self.target_vocab), float("-inf"), dtype=torch.float32)
         scores[:, self.vocab.target_ids] = logits[:, self.vocab.draft_ids].float()
-        flat_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-        probs = torch.softmax(self.sampling.warpers(flat_ids, scores), dim=-1)
-        generator = self.sampling.generator
-        if generator is not None:
-            probs = probs.to(generator.device)
-        token = sample(probs, generator).to(logits.device)
+        probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
+        token = sample(probs, self.sampling.generator).to(logits.device)
         return token, self.vocab.target_to_draft[token], probs
 
     def _retokenize(

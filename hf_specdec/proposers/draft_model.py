@@ -27,9 +27,9 @@ from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import sample
+from hf_specdec.sampling import draft_distribution, sample, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
-from hf_specdec.tree.dynamic import select_best_nodes
+from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
 from hf_specdec.tree.tree import TokenTree
 
@@ -144,15 +144,28 @@ class DraftModelProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]
-        self._num_drafted = state.step_width(self.k) if self.fixed_shapes else max(budget_host, default=0)
+        self._num_drafted = state.step_width(self.k) if self.fixed_shapes else max(budget_host)
         logits = self._feed_unseen(state)
-        if self._num_drafted == 0 and state.draft_width == 0:  # a plain step under a schedule: no draft nodes
-            return self._propose_chain(state, budget, logits, dense=True)
         if self.total_tokens is not None:
             return self._propose_dynamic_tree(state, budget, logits)
         if self.tree_width > 1:
             return self._propose_tree(state, budget, logits)
         return self._propose_chain(state, budget, logits, dense=all(b == self._num_drafted for b in budget_host))
+
+    def skip(self, state: DecodeState) -> None:
+        """Under fixed shapes the feed has a fixed width, so the unseen tokens are fed now; else at the next
+        proposal, in one forward."""
+        if self.fixed_shapes:
+            self._feed_unseen(state)
+            self._keep_feed(state)
+
+    def _keep_feed(self, state: DecodeState) -> None:
+        """End the step keeping the committed tokens fed at its start, and no draft."""
+        kept = torch.where(state.finished, 0, self._fed)
+        kept_host = [0 if done else n for n, done in zip(self._fed_host, state.host.finished)]
+        self.cache.commit(kept.to(self.draft.device), kept_on_host=kept_host)
+        self.cached_lengths = self.cached_lengths + kept
+        self.cached_host = [n + k for n, k in zip(self.cached_host, kept_host)]
 
     def _propose_chain(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor, dense: bool) -> Proposal:
         """k drafts, one forward each after the first; draft d (d < k) is fed at region slot d - 1."""
@@ -172,8 +185,8 @@ class DraftModelProposer(Proposer):
         target_device = state.sequences.device
         slots = torch.arange(-1, self._num_drafted, device=target_device)  # node d: slot d - 1; the root has none
         self._node_slots = torch.where(slots < self._num_drafted - 1, slots, -1).expand(state.batch_size, -1)
-        drafts = torch.stack(tokens, dim=1) if tokens else budget.new_zeros(state.batch_size, 0)
-        draft_probs = None if not probs or probs[0] is None else torch.stack(probs, dim=1).to(target_device)
+        drafts = torch.stack(tokens, dim=1)
+        draft_probs = None if probs[0] is None else torch.stack(probs, dim=1).to(target_device)
         return Proposal.chain(state.last_tokens(), drafts.to(target_device), budget, draft_probs, dense=dense)
 
     def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
@@ -200,7 +213,7 @@ class DraftModelProposer(Proposer):
 
     def _propose_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """Top-w first tokens, each continued as a chain: one draft forward per depth for all branches."""
-        width, depth, batch = self.tree_width, max(self._num_drafted, 1), state.batch_size
+        width, depth, batch = self.tree_width, self._num_drafted, state.batch_size
         device = self.draft.device
         first = self._scores(logits).topk(width, dim=-1).indices  # [B, w]
         levels = [first.to(state.sequences.device)]
@@ -241,25 +254,19 @@ class DraftModelProposer(Proposer):
     ) -> torch.Tensor:
         """[B, V_target] float scores: the draft's logits on the target vocabulary, warped when sampling."""
         scores = self._to_target_vocab(logits.float())
-        if not self.sampling.do_sample:
-            return scores
-        flat_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-        return self.sampling.warpers(flat_ids, scores)
+        return warp(scores, self.sampling.warpers) if self.sampling.do_sample else scores
 
     def _draw(
         self,
         # [B, V_draft]
         logits: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft token per row on the target's device, and its distribution over the target vocabulary."""
-        scores = self._scores(logits)
+        """One draft token per row, and its distribution over the target vocabulary (None when greedy)."""
+        scores = self._to_target_vocab(logits.float())
         if not self.sampling.do_sample:
             return scores.argmax(dim=-1), None
-        probs = torch.softmax(scores, dim=-1)
-        generator = self.sampling.generator
-        if generator is not None:
-            probs = probs.to(generator.device)
-        return sample(probs, generator), probs
+        probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
+        return sample(probs, self.sampling.generator), probs
 
     def _to_target_vocab(
         self,
@@ -273,15 +280,11 @@ class DraftModelProposer(Proposer):
         return torch.cat([scores, missing], dim=-1)
 
     def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
-        """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates."""
-        width, depth, batch = self.tree_width, max(self._num_drafted, 1), state.batch_size
+        """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates. Each
+        depth feeds the frontier, each node seeing the feed and its fed ancestors."""
+        width, depth, batch = self.tree_width, self._num_drafted, state.batch_size
         device = self.draft.device
-        cum, tokens = self._log_probs(logits).topk(width, dim=-1)  # [B, w]: depth-1 candidates
-        all_tokens = [torch.zeros_like(tokens[:, :1]), tokens]  # node 0 = root placeholder
-        all_parents = [torch.full_like(tokens[:, :1], -1), torch.zeros_like(tokens)]
-        all_cum = [torch.zeros_like(cum[:, :1]), cum]
-        all_depths = [0] + [1] * width
-        frontier = torch.arange(1, width + 1, device=device).expand(batch, -1)  # node ids [B, w]
+        candidates = Candidates(self._log_probs(logits), width)
         sees = torch.zeros(batch, 1 + width, 0, dtype=torch.bool, device=device)  # [B, nodes, slots after the feed]
         node_slots = torch.full((batch, 1 + width), -1, dtype=torch.long, device=device)
         feed = torch.ones(batch, width, self._feed_width, dtype=torch.bool, device=device)  # fed tokens: ancestors
@@ -289,11 +292,10 @@ class DraftModelProposer(Proposer):
         # [B, w, F]: the drafter's output at each frontier node's parent (None when the drafter keeps none)
         frontier_parent_hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
         for d in range(1, depth):
-            region = sees.shape[2]
-            nodes_tokens, nodes_cum = torch.cat(all_tokens, dim=1), torch.cat(all_cum, dim=1)
+            region, frontier = sees.shape[2], candidates.frontier
             visible = torch.cat([feed, _rows(sees, frontier), sees.new_zeros(batch, width, width)], dim=2)
             logits = self.cache.forward(
-                nodes_tokens.gather(1, frontier),
+                candidates.frontier_tokens,
                 (fed + d - 1).expand(-1, width),
                 visible=visible,
                 **self._draft_inputs(frontier_parent_hidden, d),
@@ -304,27 +306,13 @@ class DraftModelProposer(Proposer):
                          torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1))
             sees = torch.cat([sees, own], dim=2)  # fed frontier nodes now see their own slot too
             node_slots.scatter_(1, frontier, region + torch.arange(width, device=device).expand(batch, -1))
-            child_cum, child_tokens = self._log_probs(logits.reshape(batch * width, -1)).reshape(batch, width, -1).add(
-                nodes_cum.gather(1, frontier)[:, :, None]).topk(width, dim=-1)  # [B, w, w]
-            first_id = nodes_tokens.shape[1]
-            parents = frontier[:, :, None].expand(-1, -1, width).reshape(batch, -1)
-            all_tokens.append(child_tokens.reshape(batch, -1))
-            all_parents.append(parents)
-            all_cum.append(child_cum.reshape(batch, -1))
-            all_depths += [d + 1] * width * width
+            best = candidates.expand(self._log_probs(logits.reshape(batch * width, -1)).reshape(batch, width, -1))
+            parents = candidates.parents[-1]  # the new children's
             sees = torch.cat([sees, _rows(sees, parents)], dim=1)
             node_slots = torch.cat([node_slots, torch.full_like(parents, -1)], dim=1)
-            best_children = child_cum.reshape(batch, -1).topk(width, dim=-1).indices  # [B, w] of the w * w children
-            frontier = first_id + best_children
             if self.cache.hidden_states is not None:  # a child's parent is the frontier node it came from
-                frontier_parent_hidden = _rows(self.cache.hidden_states, best_children // width)
-        return self._select_dynamic_tree(state, budget, torch.cat(all_tokens, 1), torch.cat(all_parents, 1),
-                                         torch.cat(all_cum, 1), all_depths, node_slots)
-
-    def _select_dynamic_tree(self, state, budget, tokens, parents, cum, depths: list[int], node_slots) -> Proposal:
-        """Keep the best `total_tokens` nodes (`select_best_nodes`); the draft remembers which it fed."""
-        tree, chosen = select_best_nodes(state.last_tokens(), tokens, parents, cum, depths, self.total_tokens, budget,
-                                         self.tree_width, state.sequences.device)
+                frontier_parent_hidden = _rows(self.cache.hidden_states, best // width)
+        tree, chosen = candidates.select(state.last_tokens(), self.total_tokens, budget, state.sequences.device)
         self._node_slots = torch.cat([torch.full_like(chosen[:, :1], -1), node_slots.gather(1, chosen)], dim=1)
         return Proposal(tree)
 
@@ -346,8 +334,8 @@ class DraftModelProposer(Proposer):
         kept_drafts = ((step < result.num_accepted.to(path.device)[:, None]) & (slots >= 0)).long().cumprod(1).sum(1)
         num_kept = torch.where(state.finished.to(path.device), 0, fed + kept_drafts)
         host = state.host
+        fed_depth = self._num_drafted - 1  # every shape feeds its nodes above the deepest (a tree its frontier)
         if self.total_tokens is None:  # chains and fixed branches feed every node above the deepest
-            fed_depth = max(self._num_drafted, 1) - 1
             kept_host = [0 if done else n + min(a, fed_depth)
                          for n, a, done in zip(self._fed_host, host.num_accepted, host.finished)]
         elif self.fixed_shapes:  # fixed shapes need no exact lengths on the host
@@ -357,11 +345,14 @@ class DraftModelProposer(Proposer):
         in_order = self.tree_width == 1 and self.total_tokens is None and not self.fixed_shapes and all(
             done or n == self._feed_width for n, done in zip(self._fed_host, host.finished))
         sources = None
-        if not in_order:  # slot i < fed: the feed; then the kept nodes' slots, after the feed
-            columns = torch.arange(self._feed_width + path.shape[1], device=path.device)[None, :]
-            along = (columns - fed[:, None]).clamp(min=0, max=max(path.shape[1] - 1, 0))
-            node_slot = slots.gather(1, along) if path.shape[1] else torch.zeros_like(along)
-            sources = torch.where(columns < fed[:, None], columns, self._feed_width + node_slot.clamp(min=0))
+        if not in_order:
+            # slot i < fed: the feed; then the kept nodes' slots, after the feed. A row keeps at most the feed and
+            # fed_depth nodes, so the move reads and writes no more columns than the region has; a column past a row's
+            # kept slots reads any region slot (an unfed node's -1 gives the feed's last)
+            columns = torch.arange(self._feed_width + fed_depth, device=path.device)[None, :]
+            along = (columns - fed[:, None]).clamp(min=0, max=max(fed_depth - 1, 0))
+            node_slot = slots.gather(1, along) if fed_depth else torch.full_like(along, -1)
+            sources = torch.where(columns < fed[:, None], columns, self._feed_width + node_slot)
         device = self.draft.device
         self.cache.commit(num_kept.to(device), None if sources is None else sources.to(device), kept_on_host=kept_host)
         self.cached_lengths = self.cached_lengths + num_kept.to(self.cached_lengths.device)

@@ -77,7 +77,6 @@ _DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class EagleProposer(DraftModelProposer):
     needs_prompt_features = True
-    skippable = False  # a step's committed tokens are fed with that step's target features, kept one step only
 
     def __init__(self, config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> None:
         super().__init__(config, target, sampling)
@@ -131,14 +130,15 @@ class EagleProposer(DraftModelProposer):
         # contiguous: a compiled forward is specialised to its inputs' strides as well as their shapes
         return {"features": parent_hidden.contiguous(), "from_target": False}
 
+    def skip(self, state: DecodeState) -> None:
+        """Feed the step's committed tokens now: their target features are kept for one step only."""
+        self._feed_unseen(state)
+        self._keep_feed(state)
+
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Keep the committed tokens fed this step and no draft: the accepted ones are fed again next step with
         the target's true features."""
-        kept = torch.where(state.finished, 0, self._fed)
-        kept_host = [0 if done else n for n, done in zip(self._fed_host, state.host.finished)]
-        self.cache.commit(kept.to(self.draft.device), kept_on_host=kept_host)
-        self.cached_lengths = self.cached_lengths + kept
-        self.cached_host = [n + k for n, k in zip(self.cached_host, kept_host)]
+        self._keep_feed(state)
 
 
 def _build(config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> Proposer:

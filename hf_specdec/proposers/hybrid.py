@@ -10,10 +10,11 @@ chains), so one verify forward checks suffix rows and fallback rows together. Dr
 proposal losslessly: suffix nodes are point masses, and where the fallback sampled its drafts the suffix rows
 carry one-hot draft distributions, which verification treats exactly as point masses.
 
-The fallback only runs in a step where some row needs it, unless it cannot skip a step (an EAGLE head feeds each
-step's tokens with that step's target features, so it drafts every step). A skipped draft model feeds the tokens it
-missed at its next proposal, in one forward. After verification the fallback keeps only what it drafted and the
-target accepted: rows that took the suffix draft count as rows whose fallback draft was rejected at once.
+The fallback only drafts in a step where some row needs it; other steps it skips (`Proposer.skip`: a draft model
+feeds the tokens it missed at its next proposal, in one forward; an EAGLE head feeds each step's tokens right away,
+with that step's target features, without drafting; a draft with another tokenizer reads the step's text). After
+verification the fallback keeps only what it drafted and the target accepted: rows that took the suffix draft count
+as rows whose fallback draft was rejected at once.
 
 Static shapes are refused: the fallback would feed a varying number of missed tokens.
 """
@@ -24,7 +25,6 @@ import dataclasses
 
 import torch
 
-from hf_specdec.compile import CompileSettings
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.proposers.suffix import SuffixProposer
@@ -36,6 +36,11 @@ from hf_specdec.tree.tree import TokenTree
 
 class HybridProposer(Proposer):
     reads_emitted_tokens = True
+    static_shapes_refusal = (
+        "SpeculativeConfig.fallback: hybrid drafting runs with dynamic shapes only (its fallback feeds the tokens of "
+        "the steps it skipped); drop cache_implementation='static' / compile_config / the StaticCache, or the "
+        "fallback"
+    )
 
     def __init__(self, suffix: SuffixProposer, fallback: Proposer, config: SpeculativeConfig) -> None:
         self.suffix = suffix
@@ -45,7 +50,6 @@ class HybridProposer(Proposer):
         self.target_feature_layers = fallback.target_feature_layers
         self.needs_prompt_features = fallback.needs_prompt_features
         self._use_fallback: list[bool] = []  # per row, this step
-        self._fallback_ran = False
         self._fallback_nodes = self._fallback_depth = 0  # the fallback's last proposal: nodes, deepest node
         # rows and steps that drafted from each source (host counts, for inspection and the tests)
         self.suffix_drafts = 0
@@ -53,13 +57,6 @@ class HybridProposer(Proposer):
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         return max(self.suffix.draft_depth(config), self.fallback.draft_depth(self.fallback_config))
-
-    def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
-        raise ValueError(
-            "SpeculativeConfig.fallback: hybrid drafting runs with dynamic shapes only (its fallback feeds the tokens "
-            "of the steps it skipped); drop cache_implementation='static' / compile_config / the StaticCache, or the "
-            "fallback"
-        )
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         self.suffix.start(state, attention_mask)
@@ -70,22 +67,26 @@ class HybridProposer(Proposer):
         budgets = state.host_draft_budget()
         use = [budget > 0 and draft.score < self.min_score for draft, budget in zip(drafts, budgets)]
         self._use_fallback = use
-        self._fallback_ran = any(use) or not self.fallback.skippable
         self.fallback_drafts += sum(use)
         self.suffix_drafts += sum(d.num_tokens > 0 and not u for d, u in zip(drafts, use))
-        suffix = self.suffix.proposal(state, [EMPTY_DRAFT if u else d for d, u in zip(drafts, use)])
-        if not self._fallback_ran:
-            return suffix
+        if not any(use):
+            self.fallback.skip(state)
+            return self.suffix.proposal(state, drafts)
         fallback = self.fallback.propose(state)
         self._fallback_nodes = fallback.tree.num_nodes
         self._fallback_depth = fallback.tree.max_depth
-        if not any(use):
-            return suffix
+        if all(u or budget == 0 for u, budget in zip(use, budgets)):  # no row takes a suffix draft
+            return fallback  # (rows with no budget have no valid fallback node)
+        suffix = self.suffix.proposal(state, [EMPTY_DRAFT if u else d for d, u in zip(drafts, use)])
         return Proposal(merge_trees(suffix.tree, fallback.tree, torch.tensor(use, device=state.sequences.device)))
+
+    def skip(self, state: DecodeState) -> None:
+        self.suffix.skip(state)
+        self.fallback.skip(state)
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         self.suffix.commit(state, result)
-        if not self._fallback_ran:
+        if not any(self._use_fallback):
             return
         use = self._use_fallback
         # the result as over the fallback's own tree: its columns (the merged tree may be wider), and rows that took
@@ -106,9 +107,9 @@ class HybridProposer(Proposer):
         finally:
             state.host = host
 
-    def finish(self) -> None:
-        self.suffix.finish()
-        self.fallback.finish()
+    def finish(self, state: DecodeState | None) -> None:
+        self.suffix.finish(state)
+        self.fallback.finish(state)
 
 
 def merge_trees(
@@ -136,10 +137,7 @@ def merge_trees(
     valid = torch.where(pick, valid_b, valid_a)
     draft_probs = None
     if first.draft_probs is not None or second.draft_probs is not None:
-        vocab = (first.draft_probs if first.draft_probs is not None else second.draft_probs).shape[2]
-        probs_a, probs_b = (_draft_probs(tree, tokens_t, vocab, width)
-                            for tree, tokens_t in ((first, tokens_a), (second, tokens_b)))
-        draft_probs = torch.where(pick[:, :, None], probs_b, probs_a)
+        draft_probs = _merged_probs(((first, ~pick), (second, pick)), tokens)
     if first.is_chain and second.is_chain:
         return TokenTree.from_template(chain_template(width - 1), tokens, valid, draft_probs,
                                        dense=bool(first.dense and second.dense and first.num_nodes == width
@@ -149,18 +147,19 @@ def merge_trees(
                      max_children=max(first.max_children, second.max_children, 1))
 
 
-def _draft_probs(
-    tree: TokenTree,
-    # [B, N]: the tree's tokens padded to N nodes
+def _merged_probs(
+    # each tree with [B, 1] bool: the rows that take it
+    trees: tuple[tuple[TokenTree, torch.Tensor], ...],
+    # [B, N]: the merged tree's tokens
     tokens: torch.Tensor,
-    vocab: int,
-    width: int,
 ) -> torch.Tensor:
-    """[B, N - 1, V]: the tree's draft distributions padded to N nodes with one-hot ones (or one-hot throughout
-    for a deterministic tree)."""
-    one_hot = torch.zeros(*tokens[:, 1:].shape, vocab, device=tokens.device)
-    one_hot.scatter_(2, tokens[:, 1:, None], 1.0)
-    if tree.draft_probs is None:
-        return one_hot
-    known = tree.draft_probs.shape[1]
-    return torch.cat([tree.draft_probs.to(one_hot.dtype), one_hot[:, known:]], dim=1)
+    """[B, N - 1, V]: each row's draft distributions from the tree it takes, and a point mass at its token where
+    that tree carries none (a deterministic tree, or the nodes past its own)."""
+    carrying = [(tree.draft_probs, rows) for tree, rows in trees if tree.draft_probs is not None]
+    probs = torch.zeros(*tokens[:, 1:].shape, carrying[0][0].shape[2], device=tokens.device)
+    carried = torch.zeros(tokens[:, 1:].shape, dtype=torch.bool, device=tokens.device)
+    for tree_probs, rows in carrying:
+        known = tree_probs.shape[1]
+        probs[:, :known] = torch.where(rows[:, :, None], tree_probs.to(probs.dtype), probs[:, :known])
+        carried[:, :known] |= rows
+    return probs.scatter_add_(2, tokens[:, 1:, None], (~carried).to(probs.dtype)[:, :, None])

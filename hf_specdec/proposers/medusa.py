@@ -59,9 +59,6 @@ class MedusaProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget()
-        if state.draft_width == 0:  # a schedule's plain step: no drafts, so no heads forward
-            return Proposal.chain(state.last_tokens(), budget.new_zeros(state.batch_size, 0), budget.clamp(max=0),
-                                  dense=True)
         hidden = state.target_hidden.to(self.heads.device)
         logits = self.heads_call(hidden=hidden, lm_head=self.lm_head).float()  # [B, K, V]
         logits = logits.to(state.sequences.device)

@@ -28,9 +28,9 @@ import torch
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import sample
+from hf_specdec.sampling import draft_distribution, sample, warp
 from hf_specdec.step import DecodeState, Proposal
-from hf_specdec.tree.dynamic import select_best_nodes
+from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
 from hf_specdec.tree.tree import TokenTree
 
@@ -67,8 +67,6 @@ class MlpSpeculatorProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
         root = state.last_tokens()
-        if state.draft_width == 0:  # a schedule's plain step: no drafts, so no speculator stages
-            return Proposal.chain(root, budget.new_zeros(state.batch_size, 0), budget.clamp(max=0), dense=True)
         speculator_state = self.speculator.input_state(state.target_hidden)  # [B, emb_dim]
         first = self.speculator.advance(0, speculator_state, root)  # [B, inner]: the state stage 0's guess is read from
         if self.total is not None:
@@ -79,21 +77,27 @@ class MlpSpeculatorProposer(Proposer):
         dense = all(b >= depth for b in state.host_draft_budget())  # every row takes every draft (a host fact)
         return self._chain(state, budget.clamp(max=depth), first, dense, depth)
 
+    def _logits(
+        self,
+        stage: int,
+        # [..., inner]
+        speculator_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """[..., V_target] scores of the stage's guess (unwarped: what an argmax reads)."""
+        scores = self.speculator.stage_logits(stage, speculator_state)
+        if scores.shape[-1] < self.target_vocab:  # a target whose lm_head has padded rows: never proposed
+            scores = torch.nn.functional.pad(scores, (0, self.target_vocab - scores.shape[-1]), value=float("-inf"))
+        return scores
+
     def _scores(
         self,
         stage: int,
         # [..., inner]
         speculator_state: torch.Tensor,
     ) -> torch.Tensor:
-        """[..., V_target] float scores of the stage's guess, warped by the target's warpers when sampling."""
-        scores = self.speculator.stage_logits(stage, speculator_state)
-        if scores.shape[-1] < self.target_vocab:  # a target whose lm_head has padded rows: never proposed
-            scores = torch.nn.functional.pad(scores, (0, self.target_vocab - scores.shape[-1]), value=float("-inf"))
-        if not self.sampling.do_sample:
-            return scores
-        flat = scores.reshape(-1, scores.shape[-1])
-        warped = self.sampling.warpers(torch.zeros((flat.shape[0], 1), dtype=torch.long, device=flat.device), flat)
-        return warped.reshape(scores.shape)
+        """[..., V_target] scores of the stage's guess, warped by the target's warpers when sampling."""
+        scores = self._logits(stage, speculator_state)
+        return warp(scores, self.sampling.warpers) if self.sampling.do_sample else scores
 
     def _chain(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor, dense: bool,
                depth: int) -> Proposal:
@@ -101,13 +105,10 @@ class MlpSpeculatorProposer(Proposer):
         for stage in range(depth):
             if stage > 0:
                 current = self.speculator.advance(stage, current, tokens[-1])
-            scores = self._scores(stage, current)  # [B, V]
+            scores = self._logits(stage, current)  # [B, V]
             if self.sampling.do_sample:
-                stage_probs = torch.softmax(scores, dim=-1)
-                generator = self.sampling.generator
-                if generator is not None:
-                    stage_probs = stage_probs.to(generator.device)
-                tokens.append(sample(stage_probs, generator))
+                stage_probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
+                tokens.append(sample(stage_probs, self.sampling.generator))
                 probs.append(stage_probs)
             else:
                 tokens.append(scores.argmax(dim=-1))
@@ -122,7 +123,7 @@ class MlpSpeculatorProposer(Proposer):
         current = current[:, None].expand(-1, self.width, -1)  # [B, w, inner]
         for stage in range(1, self.k):
             current = self.speculator.advance(stage, current, levels[-1])
-            levels.append(self._scores(stage, current).argmax(dim=-1))
+            levels.append(self._logits(stage, current).argmax(dim=-1))  # unwarped: the warpers keep the best token
         device = state.sequences.device
         template = branch_template(self.width, self.k)
         depths = torch.tensor(template.depths, device=device)
@@ -130,31 +131,15 @@ class MlpSpeculatorProposer(Proposer):
         return Proposal(TokenTree.from_template(template, tokens, valid=depths[None, :] <= budget[:, None]))
 
     def _dynamic_tree(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor) -> Proposal:
-        """EAGLE-2 expansion (see the module docstring); candidate 0 is the root."""
-        width, batch = self.width, budget.shape[0]
-        cum, tokens = torch.log_softmax(self._scores(0, current), dim=-1).topk(width, dim=-1)  # [B, w]: depth 1
-        all_tokens, all_cum = [torch.zeros_like(tokens[:, :1]), tokens], [torch.zeros_like(cum[:, :1]), cum]
-        all_parents = [torch.full_like(tokens[:, :1], -1), torch.zeros_like(tokens)]
-        depths = [0] + [1] * width
-        frontier = torch.arange(1, width + 1, device=tokens.device).expand(batch, -1)  # [B, w] candidate ids
-        frontier_tokens, frontier_cum = tokens, cum
+        """EAGLE-2 expansion (see the module docstring)."""
+        width = self.width
+        candidates = Candidates(torch.log_softmax(self._scores(0, current), dim=-1), width)
         current = current[:, None].expand(-1, width, -1)  # [B, w, inner]: the state each frontier token came from
         for stage in range(1, self.k):
-            current = self.speculator.advance(stage, current, frontier_tokens)  # [B, w, inner]
-            log_probs = torch.log_softmax(self._scores(stage, current), dim=-1)  # [B, w, V]
-            child_cum, child_tokens = (log_probs + frontier_cum[:, :, None]).topk(width, dim=-1)  # [B, w, w]
-            first_id = sum(t.shape[1] for t in all_tokens)
-            all_tokens.append(child_tokens.reshape(batch, -1))
-            all_cum.append(child_cum.reshape(batch, -1))
-            all_parents.append(frontier[:, :, None].expand(-1, -1, width).reshape(batch, -1))
-            depths += [stage + 1] * width * width
-            best = child_cum.reshape(batch, -1).topk(width, dim=-1).indices  # [B, w] of the w * w children
-            frontier = first_id + best
-            frontier_tokens = child_tokens.reshape(batch, -1).gather(1, best)
-            frontier_cum = child_cum.reshape(batch, -1).gather(1, best)
+            current = self.speculator.advance(stage, current, candidates.frontier_tokens)  # [B, w, inner]
+            best = candidates.expand(torch.log_softmax(self._scores(stage, current), dim=-1))  # [B, w]
             current = current.gather(1, (best // width)[:, :, None].expand(-1, -1, current.shape[-1]))
-        tree, _ = select_best_nodes(state.last_tokens(), torch.cat(all_tokens, 1), torch.cat(all_parents, 1),
-                                    torch.cat(all_cum, 1), depths, self.total, budget, width, state.sequences.device)
+        tree, _ = candidates.select(state.last_tokens(), self.total, budget, state.sequences.device)
         return Proposal(tree)
 
 

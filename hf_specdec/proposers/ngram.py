@@ -26,6 +26,7 @@ import torch
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.proposers.host_text import HostText
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.tree import TokenTree
 
@@ -131,8 +132,7 @@ def build_trie(
 
 
 class NgramProposer(Proposer):
-    """Matches on a host copy of every row's text: the prompt copied once, then the tokens each step emitted
-    (`state.host.emitted`, part of the engine's one host read per step), so no step copies the sequences back."""
+    """Matches on a host copy of every row's text (`HostText`)."""
 
     reads_emitted_tokens = True
 
@@ -141,24 +141,13 @@ class NgramProposer(Proposer):
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.tree_width = config.tree_width
-        self.text = np.zeros((0, 0), dtype=np.int64)  # [B, capacity]: each row's tokens, prompt padding included
-        self.starts: list[int] = []  # first token of each row after its left padding
-        self.ends: list[int] = []  # tokens of each row the copy holds
+        self.text: HostText | None = None
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
-        prompt = state.sequences[:, : state.prompt_length].cpu().numpy()  # once per call
-        self.text = np.zeros((state.batch_size, state.sequences.shape[1]), dtype=np.int64)
-        self.text[:, : state.prompt_length] = prompt
-        self.starts = state.pad_lengths.tolist()
-        self.ends = [state.prompt_length] * state.batch_size
+        self.text = HostText(state)
 
     def _catch_up(self, state: DecodeState) -> None:
-        """Append what the steps since the last proposal emitted (the last step's tokens)."""
-        host = state.host
-        for row, (length, end) in enumerate(zip(host.lengths, self.ends)):
-            if length > end:
-                self.text[row, end:length] = host.emitted[row, : length - end]
-                self.ends[row] = length
+        self.text.catch_up(state)
 
     def skip(self, state: DecodeState) -> None:
         self._catch_up(state)
@@ -171,8 +160,7 @@ class NgramProposer(Proposer):
         drafts = np.zeros((state.batch_size, self.k), dtype=np.int64)
         counts = np.zeros(state.batch_size, dtype=np.int64)
         for row in range(state.batch_size):
-            tokens = self.text[row, self.starts[row] : self.ends[row]]
-            found = find_ngram_continuation(tokens, self.min_n, self.max_n, budget[row])
+            found = find_ngram_continuation(self.text.row(row), self.min_n, self.max_n, budget[row])
             drafts[row, : found.size] = found
             counts[row] = found.size
         device = state.sequences.device
@@ -186,14 +174,13 @@ class NgramProposer(Proposer):
         num_nodes = 1 + self.tree_width * state.step_width(self.k)
         rows, any_found = [], False
         for row in range(state.batch_size):
-            tokens = self.text[row, self.starts[row] : self.ends[row]]
+            tokens = self.text.row(row)
             found = find_ngram_continuations(tokens, self.min_n, self.max_n, budget[row], self.tree_width)
             any_found |= bool(found)
-            rows.append(build_trie(int(self.text[row, self.ends[row] - 1]), found, num_nodes))
+            rows.append(build_trie(int(tokens[-1]), found, num_nodes))
         device = state.sequences.device
-        if not any_found:  # no row drafts: verify each row's last token alone
-            none = torch.zeros(state.batch_size, 0, dtype=torch.long, device=device)
-            return Proposal.chain(state.last_tokens(), none, none.new_zeros(state.batch_size), dense=True)
+        if not any_found:
+            return Proposal.no_draft(state)
         tokens, parents, valid = (torch.from_numpy(np.stack(column)).to(device) for column in zip(*rows))
         # a trie of w continuations of k tokens: at most k deep, at most w children per node
         return Proposal(TokenTree(token_ids=tokens, parents=parents, valid=valid, max_depth=self.k,

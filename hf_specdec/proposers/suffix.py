@@ -23,6 +23,7 @@ import torch
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.draft_model import vocab_size
+from hf_specdec.proposers.host_text import HostText
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.suffix import EMPTY_DRAFT, SuffixCache, SuffixDraft, SuffixRequest, propose_suffix_draft
 from hf_specdec.tree.tree import TokenTree
@@ -48,9 +49,7 @@ class SuffixProposer(Proposer):
         self.k = config.num_speculative_tokens
         self.cache = cache
         self.context = cache.config.max_depth  # the tokens a lookup reads
-        self.text = np.zeros((0, 0), dtype=np.int64)  # [B, capacity]: each row's tokens, prompt padding included
-        self.starts: list[int] = []  # first token of each row after its left padding
-        self.ends: list[int] = []  # tokens of each row the copy holds
+        self.text: HostText | None = None
         self.requests: list[SuffixRequest | None] = []
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
@@ -61,27 +60,19 @@ class SuffixProposer(Proposer):
         return 1 + self.k
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
-        self.finish()  # a proposer used for a second call starts clean
-        prompt = state.sequences[:, : state.prompt_length].cpu().numpy()  # once per call
-        self.text = np.zeros((state.batch_size, state.sequences.shape[1]), dtype=np.int64)
-        self.text[:, : state.prompt_length] = prompt
-        self.starts = state.pad_lengths.tolist()
-        self.ends = [state.prompt_length] * state.batch_size
-        self.requests = [self.cache.start_request(self.text[row, start : state.prompt_length])
-                         for row, start in enumerate(self.starts)]
+        self._close()  # a proposer used for a second call starts clean
+        self.text = HostText(state)
+        self.requests = [self.cache.start_request(self.text.row(row)) for row in range(state.batch_size)]
 
     def _catch_up(self, state: DecodeState) -> None:
         """Add what the last step emitted to each row's text and trees; finished rows leave the cache's requests."""
-        host = state.host
-        for row, (length, end) in enumerate(zip(host.lengths, self.ends)):
+        for row, new in enumerate(self.text.catch_up(state)):
             request = self.requests[row]
-            if length > end:
-                new = host.emitted[row, : length - end]
-                self.text[row, end:length] = new
-                self.ends[row] = length
-                if request is not None:
-                    request.extend(new)
-            if host.finished[row] and request is not None:
+            if request is None:
+                continue
+            if new.size:
+                request.extend(new)
+            if state.host.finished[row]:
                 request.finish()
                 self.requests[row] = None
 
@@ -98,8 +89,7 @@ class SuffixProposer(Proposer):
             if request is None or budget == 0:
                 drafts.append(EMPTY_DRAFT)
                 continue
-            end = self.ends[row]
-            context = self.text[row, max(self.starts[row], end - self.context) : end]
+            context = self.text.row(row)[-self.context :]
             drafts.append(propose_suffix_draft(self.cache, request, context, budget))
         return drafts
 
@@ -112,8 +102,7 @@ class SuffixProposer(Proposer):
         batch, device = state.batch_size, state.sequences.device
         widest = max((d.num_tokens for d in drafts), default=0)
         if widest == 0:
-            none = torch.zeros(batch, 0, dtype=torch.long, device=device)
-            return Proposal.chain(state.last_tokens(), none, none.new_zeros(batch), dense=True)
+            return Proposal.no_draft(state)
         width = self.k if self.fixed_shapes else widest
         tokens = np.zeros((batch, 1 + width), dtype=np.int64)
         parents = np.zeros((batch, 1 + width), dtype=np.int64)
@@ -121,7 +110,7 @@ class SuffixProposer(Proposer):
         parents[:, 0], valid[:, 0] = -1, True
         max_children = 1
         for row, draft in enumerate(drafts):
-            tokens[row, 0] = self.text[row, self.ends[row] - 1]
+            tokens[row, 0] = self.text.row(row)[-1]
             count = draft.num_tokens
             tokens[row, 1 : 1 + count] = draft.tokens
             parents[row, 1 : 1 + count] = np.asarray(draft.parents, dtype=np.int64) + 1
@@ -143,7 +132,13 @@ class SuffixProposer(Proposer):
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         self._catch_up(state)
 
-    def finish(self) -> None:
+    def finish(self, state: DecodeState | None) -> None:
+        if state is not None and self.requests:  # (none before `start`, or after the call's end)
+            self._catch_up(state)
+        self._close()
+
+    def _close(self) -> None:
+        """End every row's request: its output stays in the cache's global tree."""
         for request in self.requests:
             if request is not None:
                 request.finish()

@@ -151,13 +151,6 @@ class Schedule:
         ]
 
 
-def dynamic_draft_tree(config: SpeculativeConfig) -> bool:
-    """The draft model's EAGLE-2 dynamic tree (early exit's too: it drafts the same way), which runs on the fixed
-    schedule: its draft cache keeps what each step's full tree fed, and steps limited below k (or plain) leave it out
-    of step with the target's."""
-    return config.method in ("draft", "early_exit") and config.tree_total_tokens is not None
-
-
 def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer, max_k: int,
                    static_shapes: bool) -> Schedule | None:
     """The step schedule `config` asks for; None for `schedule="fixed"` without batch-size rules (k every step)
@@ -168,8 +161,6 @@ def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer,
         return Schedule(config, max_k, costs, static_shapes)
     if (config.schedule == "fixed" and config.disable_by_batch_size is None
             and config.num_speculative_tokens_per_batch_size is None):
-        return None
-    if dynamic_draft_tree(config):  # its draft cache keeps only what full-depth trees feed: k every step
         return None
     return Schedule(config, max_k, {None: cost_table(model, proposer.cost_key(config, static_shapes))},
                     static_shapes)

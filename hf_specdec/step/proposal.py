@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_specdec.step.state import DecodeState
 from hf_specdec.tree.template import TreeTemplate
 from hf_specdec.tree.tree import TokenTree
 
@@ -40,11 +41,11 @@ class Proposal:
         return cls(TokenTree.from_template(chain_template(k), tokens, valid, draft_probs, dense=dense))
 
     @classmethod
-    def empty(cls, batch_size: int, device: torch.device) -> Proposal:
-        """No draft: the step verifies one position per row (the prefill's first token is chosen this way; the
-        root token is never read)."""
-        none = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
-        return cls.chain(none.new_zeros(batch_size), none, none.new_zeros(batch_size), dense=True)
+    def no_draft(cls, state: DecodeState) -> Proposal:
+        """No draft: the step verifies each row's last committed token alone (the prefill's first token is chosen
+        this way too)."""
+        none = state.lengths.new_zeros(state.batch_size, 0)
+        return cls.chain(state.last_tokens(), none, none.new_zeros(state.batch_size), dense=True)
 
     @property
     def num_nodes(self) -> int:

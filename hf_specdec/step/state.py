@@ -108,8 +108,8 @@ class DecodeState:
         return self.sequences.shape[0]
 
     def last_tokens(self) -> torch.Tensor:
-        """[B]: each row's last committed token."""
-        return self.sequences.gather(1, (self.lengths - 1)[:, None]).squeeze(1)
+        """[B]: each row's last committed token (padding before any: a prompt given as embeddings alone)."""
+        return self.sequences.gather(1, (self.lengths - 1).clamp(min=0)[:, None]).squeeze(1)
 
     def draft_budget(self) -> torch.Tensor:
         """[B]: draft tokens worth proposing: the tokens still allowed after the step's own final token."""

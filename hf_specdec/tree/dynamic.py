@@ -1,5 +1,6 @@
-"""The EAGLE-2 selection of a dynamic draft tree (Li et al. 2024): of every candidate node a drafter expanded, keep
-the best `total` by cumulative log-probability. The kept set is closed under ancestry (a child never scores above
+"""The EAGLE-2 dynamic draft tree (Li et al. 2024): the expansion (`Candidates`: at each depth the best `width` new
+nodes by cumulative log-probability each offer their top `width` children) and the selection: of every candidate
+node a drafter expanded, keep the best `total` by cumulative log-probability. The kept set is closed under ancestry (a child never scores above
 its parent; ties go to the shallower node, which comes first), so it is a tree; its nodes are re-indexed so parents
 precede children. Candidates are deterministic, so the tree carries no draft distribution (point masses)."""
 
@@ -49,3 +50,59 @@ def select_best_nodes(
         max_children=max_children,
     )
     return tree, chosen
+
+
+class Candidates:
+    """The candidates of an EAGLE-2 expansion, grown a depth at a time: at each depth the `width` frontier nodes (the
+    best new candidates by cumulative log-probability) each offer their top `width` children. Candidate 0 is the
+    root; the depth-1 candidates are the root's top `width` tokens."""
+
+    def __init__(
+        self,
+        # [B, V]: log-probabilities of the token after the root
+        log_probs: torch.Tensor,
+        width: int,
+    ) -> None:
+        cum, tokens = log_probs.topk(width, dim=-1)  # [B, w]
+        batch = tokens.shape[0]
+        self.width = width
+        self.tokens = [torch.zeros_like(tokens[:, :1]), tokens]
+        self.parents = [torch.full_like(tokens[:, :1], -1), torch.zeros_like(tokens)]
+        self.cum = [torch.zeros_like(cum[:, :1]), cum]
+        self.depths = [0] + [1] * width
+        # [B, w]: the frontier's candidate ids, tokens and cumulative log-probabilities
+        self.frontier = torch.arange(1, width + 1, device=tokens.device).expand(batch, -1)
+        self.frontier_tokens, self.frontier_cum = tokens, cum
+
+    def expand(
+        self,
+        # [B, w, V]: log-probabilities of the token after each frontier node
+        log_probs: torch.Tensor,
+    ) -> torch.Tensor:
+        """Add each frontier node's top `width` children; the best `width` of them become the frontier. Returns
+        [B, w] which of the w * w children each new frontier node is (child i of frontier node i // w)."""
+        batch, width = self.frontier.shape[0], self.width
+        child_cum, child_tokens = (log_probs + self.frontier_cum[:, :, None]).topk(width, dim=-1)  # [B, w, w]
+        first_id = len(self.depths)
+        child_tokens, child_cum = child_tokens.reshape(batch, -1), child_cum.reshape(batch, -1)
+        self.tokens.append(child_tokens)
+        self.cum.append(child_cum)
+        self.parents.append(self.frontier[:, :, None].expand(-1, -1, width).reshape(batch, -1))
+        self.depths += [self.depths[-1] + 1] * width * width
+        best = child_cum.topk(width, dim=-1).indices
+        self.frontier = first_id + best
+        self.frontier_tokens, self.frontier_cum = child_tokens.gather(1, best), child_cum.gather(1, best)
+        return best
+
+    def select(
+        self,
+        # [B]
+        root_token_ids: torch.Tensor,
+        total: int,
+        # [B]
+        budget: torch.Tensor,
+        device: torch.device,
+    ) -> tuple[TokenTree, torch.Tensor]:
+        """`select_best_nodes` over the candidates."""
+        return select_best_nodes(root_token_ids, torch.cat(self.tokens, dim=1), torch.cat(self.parents, dim=1),
+                                 torch.cat(self.cum, dim=1), self.depths, total, budget, self.width, device)

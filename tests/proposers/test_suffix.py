@@ -227,12 +227,55 @@ def test_hybrid_checks_what_the_fallback_needs():
                             speculative=config, **GREEDY)
 
 
-def test_a_fallback_draft_with_another_tokenizer_is_refused():
+@pytest.mark.parametrize("schedule", ["fixed", "adaptive"])
+def test_hybrid_with_a_fallback_draft_of_another_tokenizer(schedule, monkeypatch):
+    """Batched and left padded, suffix rows and fallback rows in the same calls, steps where the fallback drafts
+    and steps it skips: output exact, and at every proposal the fallback has read every committed token of each row
+    (the steps it skipped included)."""
+    from hf_specdec.proposers.cross_tokenizer import CrossTokenizerProposer
     from hf_specdec.testbed import load_testbed
     from tests.proposers.other_tokenizers import permuted
 
-    tokenizer, _, draft = load_testbed()
+    tokenizer, target, draft = load_testbed()
     other, moved = permuted(tokenizer, draft)
-    fallback = SpeculativeConfig(method="draft", draft_model=moved, draft_tokenizer=other, tokenizer=tokenizer)
-    with pytest.raises(ValueError, match="SpeculativeConfig.fallback: a draft with another tokenizer"):
-        SpeculativeConfig(method="suffix", fallback=fallback)
+    tokenizer.padding_side = "left"
+    prompts = ["def parse_args(argv):\n", "import os\nimport sys\n\nimport os\nimport sys\n", "x = 1\ny = 2\n"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=32, do_sample=False, eos_token_id=None)
+    expected = target.generate(**batch, **kwargs)
+    calls = {"propose": 0, "skip": 0}
+    built = []
+    catch_up, init = CrossTokenizerProposer._catch_up, HybridProposer.__init__
+
+    def reading(self, state):
+        catch_up(self, state)
+        for b, row in enumerate(self.rows):
+            start = int(state.pad_lengths[b])
+            assert state.host.finished[b] or row.target == state.sequences[b, start : row.end].tolist()
+            assert row.end == state.host.lengths[b] or state.host.finished[b]
+
+    def counting(name):
+        method = getattr(CrossTokenizerProposer, name)
+
+        def counted(self, state):
+            calls[name] += 1
+            return method(self, state)
+
+        return counted
+
+    def spy(self, *args):
+        init(self, *args)
+        built.append(self)
+
+    monkeypatch.setattr(CrossTokenizerProposer, "_catch_up", reading)
+    for name in calls:
+        monkeypatch.setattr(CrossTokenizerProposer, name, counting(name))
+    monkeypatch.setattr(HybridProposer, "__init__", spy)
+    fallback = SpeculativeConfig(method="draft", draft_model=moved, draft_tokenizer=other, tokenizer=tokenizer,
+                                 num_speculative_tokens=3)
+    config = SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback, schedule=schedule)
+    out = hf_specdec.generate(target, **batch, **kwargs, speculative=config, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert calls["propose"] > 0 and calls["skip"] > 0, calls
+    assert built[-1].suffix_drafts > 0 and built[-1].fallback_drafts > 0
+    assert out.spec_stats.num_accepted_tokens > 0

@@ -5,6 +5,7 @@ row decodes plainly (checked: the statistics must show them)."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -12,7 +13,9 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.schedule import estimates
+from hf_specdec.cache.ragged import RaggedKVCache
+from hf_specdec.schedule import controller, estimates
+from hf_specdec.schedule.decision import Decision
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
@@ -77,7 +80,63 @@ def test_fixed_schedule_reproduces_the_fixed_statistics():
     assert stats.target_forward_passes == 1 + -(-23 // 5) and stats.acceptance_rate == 1.0
 
 
-# (the draft model's dynamic tree runs on the fixed schedule: tests/schedule/test_rules.py)
+# each step's width in turn (0: a plain step); rows 1, 4, ... draft one fewer
+WIDTH_CYCLE = (3, 0, 1, 2, 0, 0, 3, 1, 2)
+
+
+@pytest.fixture
+def cycled_widths(monkeypatch):
+    """The schedule's decision forced through WIDTH_CYCLE: every width from none to k, and plain steps in a row."""
+    steps = itertools.count()
+
+    def forced(acceptance, step_time, active, probe, widths, probe_length):
+        width = WIDTH_CYCLE[next(steps) % len(WIDTH_CYCLE)]
+        rows = np.arange(len(active))
+        limits = np.where(np.asarray(active, dtype=bool), np.where(rows % 3 == 1, max(width - 1, 0), width), 0)
+        return Decision(int(limits.max()), tuple(int(x) for x in limits), 1.0, 1.0)
+
+    monkeypatch.setattr(controller, "decide", forced)
+
+
+@pytest.fixture
+def region_moves_checked(monkeypatch):
+    """Every ragged-cache commit moves region slots only: a move reading past the region reads what no forward
+    wrote, and past the buffer's end raises (where the region ends at the buffer's capacity)."""
+    commit = RaggedKVCache.commit
+
+    def checked(self, num_kept, sources=None, kept_on_host=None):
+        if sources is not None:
+            assert sources.shape[1] <= self.region and int(sources.max()) < self.region, (sources, self.region)
+        commit(self, num_kept, sources, kept_on_host)
+
+    monkeypatch.setattr(RaggedKVCache, "commit", checked)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+def test_dynamic_trees_on_varying_widths_match_plain_generate(arch, static, cycled_widths, region_moves_checked):
+    """The draft model's and early exit's EAGLE-2 dynamic trees drafted at every width below k and skipped on plain
+    steps: their draft caches stay in step with the text (a copy of the target drafts, so deep paths are kept)."""
+    target = make_model(arch)
+    ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    extra = {"cache_implementation": "static"} if static else {}
+    tree = dict(top_k=2, depth=3, total_tokens=5)
+    configs = {
+        "same_draft": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), **tree),
+        "random_draft": SpeculativeConfig(method="draft", draft_model=make_draft(), **tree),
+        "early_exit": SpeculativeConfig(method="early_exit", early_exit_layer=1, **tree),
+    }
+    for name, config in configs.items():
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs, **extra)
+        assert torch.equal(out.sequences, expected), f"{arch}/{name}"
+        histogram = out.spec_stats.schedule.k_histogram
+        assert all(histogram), (name, histogram)  # row-steps of every width, 0 included
+        if name == "same_draft":  # paths through fed nodes accepted (the draft cache keeps them)
+            assert out.spec_stats.accepted_per_position[1] > 0, name
+
+
 ADAPTIVE_PROPOSERS = ("noisy_draft", "ngram", "medusa_tree", "eagle")
 
 

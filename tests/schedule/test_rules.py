@@ -51,15 +51,15 @@ def test_defaults_and_valid_rules():
     assert config.num_speculative_tokens_per_batch_size == ((1, 2, 5), (3, 7, 3))
 
 
-def test_the_draft_models_dynamic_tree_runs_on_the_fixed_schedule():
+def test_the_draft_models_dynamic_tree_runs_on_the_schedule():
+    """A dynamic tree is scheduled like every other shape, batch-size rules included."""
     from hf_specdec.schedule.controller import build_schedule
     from hf_specdec.testbed import load_testbed
 
     _, target, draft = load_testbed()
-    tree = SpeculativeConfig(method="draft", draft_model=draft, top_k=2, depth=3, total_tokens=4)
-    assert tree.schedule == "adaptive" and build_schedule(tree, target, None, 3, False) is None
-    chain = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3)
     proposer = SimpleNamespace(cost_key=lambda config, static_shapes: "draft")
-    assert build_schedule(chain, target, proposer, 3, False) is not None
-    with pytest.raises(ValueError, match="dynamic tree"):
-        SpeculativeConfig(method="draft", draft_model=draft, top_k=2, depth=3, total_tokens=4, disable_by_batch_size=4)
+    tree = SpeculativeConfig(method="draft", draft_model=draft, top_k=2, depth=3, total_tokens=4)
+    assert tree.schedule == "adaptive" and build_schedule(tree, target, proposer, 3, False) is not None
+    ruled = SpeculativeConfig(method="draft", draft_model=draft, top_k=2, depth=3, total_tokens=4,
+                              disable_by_batch_size=4, schedule="fixed")
+    assert build_schedule(ruled, target, proposer, 3, False) is not None
