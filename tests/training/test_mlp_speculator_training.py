@@ -120,8 +120,14 @@ def test_a_narrower_speculator_starts_from_the_targets_top_singular_directions(b
     head = make_objective(MlpSpeculatorTrainConfig(**common, inner_dim=8, init_from_target=True), target, rows).head
     lm_head = target.get_output_embeddings().weight.detach().float()  # [V, H]
     basis = torch.linalg.svd(lm_head, full_matrices=False)[2][:8].T  # [H, 8]
-    torch.testing.assert_close(head.head[0].weight, lm_head @ basis)
-    torch.testing.assert_close(head.emb[0].weight, target.get_input_embeddings().weight.detach().float() @ basis)
+
+    def at_init_scale(matrix):  # entries of mean square 1 / inner, as the random initialisation's
+        return matrix / (matrix.pow(2).mean() * 8).sqrt()
+
+    torch.testing.assert_close(head.head[0].weight, at_init_scale(lm_head @ basis))
+    embeddings = target.get_input_embeddings().weight.detach().float()
+    torch.testing.assert_close(head.emb[0].weight, at_init_scale(embeddings @ basis))
+    assert head.emb[0].weight.pow(2).mean().item() == pytest.approx(1 / 8, rel=1e-4)
     # the projection keeps the logits' largest directions: the rank-8 logits correlate with the target's
     hidden = torch.randn(64, lm_head.shape[1])
     full, low = hidden @ lm_head.T, (hidden @ basis) @ head.head[0].weight.T
