@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from hf_specdec.suffix.cache import SuffixCache
+from hf_specdec.suffix.config import SuffixConfig
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
 
 SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "mtp", "mlp_speculator", "early_exit", "suffix",
@@ -18,6 +20,11 @@ MAX_SPECULATIVE_TOKENS = 64
 DEFAULT_SPECULATIVE_TOKENS = 5
 # methods a suffix config may fall back to when its draft scores low (hybrid drafting)
 FALLBACK_METHODS = ("draft", "medusa", "eagle")
+# SpeculativeConfig's suffix settings (vLLM's names), the SuffixConfig fields they set, and their defaults (its own)
+SUFFIX_FIELDS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob")
+SUFFIX_CONFIG_FIELDS = ("max_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob")
+SUFFIX_DEFAULTS = {name: field_.default for name, field_ in zip(
+    SUFFIX_FIELDS, (SuffixConfig.__dataclass_fields__[own] for own in SUFFIX_CONFIG_FIELDS), strict=True)}
 
 
 @dataclass
@@ -109,22 +116,23 @@ class SpeculativeConfig:
     )
     # method='suffix' (suffix decoding; vLLM's suffix_decoding_* options, with vLLM's defaults)
     max_tree_depth: int = field(
-        default=24,
+        default=SUFFIX_DEFAULTS["max_tree_depth"],
         metadata={"help": "suffix: longest token string the suffix trees count (a match of m tokens drafts at most "
                           "max_tree_depth - m)"},
     )
     max_cached_requests: int = field(
-        default=10000,
+        default=SUFFIX_DEFAULTS["max_cached_requests"],
         metadata={"help": "suffix: outputs of earlier requests kept in the global tree, first in first out; 0 keeps "
                           "none (each request drafts from its own prompt and output only)"},
     )
     max_spec_factor: float = field(
-        default=1.0,
+        default=SUFFIX_DEFAULTS["max_spec_factor"],
         metadata={"help": "suffix: a match of m tokens drafts at most m * max_spec_factor + max_spec_offset tokens"},
     )
-    max_spec_offset: float = field(default=0.0, metadata={"help": "suffix: see max_spec_factor"})
+    max_spec_offset: float = field(default=SUFFIX_DEFAULTS["max_spec_offset"],
+                                   metadata={"help": "suffix: see max_spec_factor"})
     min_token_prob: float = field(
-        default=0.1,
+        default=SUFFIX_DEFAULTS["min_token_prob"],
         metadata={"help": "suffix: a draft token is proposed while its running probability (the product of count "
                           "ratios from the match) is at least this, in (0, 1]"},
     )
@@ -303,8 +311,6 @@ class SpeculativeConfig:
     def _check_suffix(self) -> None:
         """The suffix settings: only for method='suffix', valid, and agreeing with a `suffix_cache` given (whose
         settings they then take)."""
-        from hf_specdec.suffix import SuffixCache, SuffixConfig
-
         names = SUFFIX_FIELDS + ("suffix_cache", "fallback", "fallback_min_score")
         defaults = {f.name: f.default for f in fields(self)}
         if self.method != "suffix":
@@ -337,7 +343,7 @@ class SpeculativeConfig:
                 setattr(self, name, cached)
         else:
             try:
-                SuffixConfig(**{own: getattr(self, name) for name, own in zip(SUFFIX_FIELDS, SUFFIX_CONFIG_FIELDS)})
+                self.suffix_config()
             except ValueError as error:
                 message = str(error)
                 for name, own in zip(SUFFIX_FIELDS, SUFFIX_CONFIG_FIELDS):
@@ -373,10 +379,8 @@ class SpeculativeConfig:
             return float(self.fallback_min_score)
         return float(self.fallback.max_draft_depth)
 
-    def suffix_config(self):
-        """The suffix trees' settings (`hf_specdec.suffix.SuffixConfig`) for method='suffix'."""
-        from hf_specdec.suffix import SuffixConfig
-
+    def suffix_config(self) -> SuffixConfig:
+        """The suffix trees' settings for method='suffix'."""
         return SuffixConfig(**{own: getattr(self, name) for name, own in zip(SUFFIX_FIELDS, SUFFIX_CONFIG_FIELDS)})
 
     @property
@@ -386,10 +390,6 @@ class SpeculativeConfig:
             return self.num_speculative_tokens
         return max(self.num_speculative_tokens, TreeTemplate.from_paths(self.tree_paths).max_depth)
 
-
-# SpeculativeConfig's suffix settings (vLLM's names) and the SuffixConfig fields they set
-SUFFIX_FIELDS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob")
-SUFFIX_CONFIG_FIELDS = ("max_depth", "max_cached_requests", "max_spec_factor", "max_spec_offset", "min_token_prob")
 
 # the class each head-based method takes, as users import it
 HEADS_CLASS = {"medusa": "hf_specdec.heads.MedusaHeads", "eagle": "hf_specdec.heads.EagleHead",
