@@ -31,7 +31,7 @@ from hf_specdec.sampling import draft_distribution, sample, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
-from hf_specdec.tree.tree import TokenTree
+from hf_specdec.tree.tree import template_tensors
 
 # Vocabulary sizes of one tokenizer padded for kernels differ by a few dozen rows (Phi-3: 32064 vs Llama-2: 32000,
 # Qwen2.5-7B: 152064 vs 0.5B: 151936); a bigger gap means another tokenizer.
@@ -234,18 +234,13 @@ class DraftModelProposer(Proposer):
             levels.append(tokens.reshape(batch, width).to(state.sequences.device))
             level_probs.append(None if probs is None else probs.reshape(batch, width, -1).to(state.sequences.device))
         template = branch_template(width, depth)
-        node_depths = torch.tensor(template.depths, device=state.sequences.device)
+        node_depths = template_tensors(template, state.sequences.device).depths
         # node (depth d, branch r) = 1 + (d - 1) * w + r sits in region slot (d - 1) * w + r if it was fed (d < depth)
         slots = torch.arange(template.num_nodes, device=state.sequences.device) - 1
         self._node_slots = torch.where((node_depths >= 1) & (node_depths < depth), slots, -1).expand(batch, -1)
         root = state.last_tokens()[:, None]
         draft_probs = torch.cat(level_probs, dim=1) if self.sampling.do_sample else None
-        return Proposal(TokenTree.from_template(
-            template,
-            torch.cat([root, *levels], dim=1),
-            valid=node_depths[None, :] <= budget[:, None],
-            draft_probs=draft_probs,
-        ))
+        return Proposal.from_template(template, torch.cat([root, *levels], dim=1), budget, draft_probs)
 
     def _scores(
         self,

@@ -32,7 +32,6 @@ from hf_specdec.sampling import draft_distribution, sample, warp
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
-from hf_specdec.tree.tree import TokenTree
 
 
 class MlpSpeculatorProposer(Proposer):
@@ -125,10 +124,8 @@ class MlpSpeculatorProposer(Proposer):
             current = self.speculator.advance(stage, current, levels[-1])
             levels.append(self._logits(stage, current).argmax(dim=-1))  # unwarped: the warpers keep the best token
         device = state.sequences.device
-        template = branch_template(self.width, self.k)
-        depths = torch.tensor(template.depths, device=device)
         tokens = torch.cat([state.last_tokens()[:, None], *(level.to(device) for level in levels)], dim=1)
-        return Proposal(TokenTree.from_template(template, tokens, valid=depths[None, :] <= budget[:, None]))
+        return Proposal.from_template(branch_template(self.width, self.k), tokens, budget)
 
     def _dynamic_tree(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor) -> Proposal:
         """EAGLE-2 expansion (see the module docstring)."""
