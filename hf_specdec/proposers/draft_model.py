@@ -27,7 +27,7 @@ from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import draft_distribution, sample, warp
+from hf_specdec.sampling import draft_distribution, fit_vocab, sample, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
@@ -248,7 +248,7 @@ class DraftModelProposer(Proposer):
         logits: torch.Tensor,
     ) -> torch.Tensor:
         """[B, V_target] float scores: the draft's logits on the target vocabulary, warped when sampling."""
-        scores = self._to_target_vocab(logits.float())
+        scores = fit_vocab(logits.float(), self.target_vocab)
         return warp(scores, self.sampling.warpers) if self.sampling.do_sample else scores
 
     def _draw(
@@ -257,22 +257,11 @@ class DraftModelProposer(Proposer):
         logits: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row, and its distribution over the target vocabulary (None when greedy)."""
-        scores = self._to_target_vocab(logits.float())
+        scores = fit_vocab(logits.float(), self.target_vocab)
         if not self.sampling.do_sample:
             return scores.argmax(dim=-1), None
         probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
         return sample(probs, self.sampling.generator), probs
-
-    def _to_target_vocab(
-        self,
-        # [B, V_draft]
-        scores: torch.Tensor,
-    ) -> torch.Tensor:
-        draft_vocab = scores.shape[-1]
-        if draft_vocab >= self.target_vocab:
-            return scores[:, : self.target_vocab]
-        missing = scores.new_full((scores.shape[0], self.target_vocab - draft_vocab), float("-inf"))
-        return torch.cat([scores, missing], dim=-1)
 
     def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates. Each

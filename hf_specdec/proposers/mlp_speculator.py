@@ -28,7 +28,7 @@ import torch
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import draft_distribution, sample, warp
+from hf_specdec.sampling import draft_distribution, fit_vocab, sample, warp
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
@@ -83,10 +83,8 @@ class MlpSpeculatorProposer(Proposer):
         speculator_state: torch.Tensor,
     ) -> torch.Tensor:
         """[..., V_target] scores of the stage's guess (unwarped: what an argmax reads)."""
-        scores = self.speculator.stage_logits(stage, speculator_state)
-        if scores.shape[-1] < self.target_vocab:  # a target whose lm_head has padded rows: never proposed
-            scores = torch.nn.functional.pad(scores, (0, self.target_vocab - scores.shape[-1]), value=float("-inf"))
-        return scores
+        # a target whose lm_head has padded rows: never proposed
+        return fit_vocab(self.speculator.stage_logits(stage, speculator_state), self.target_vocab)
 
     def _scores(
         self,
