@@ -17,6 +17,8 @@ KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_
                       "output_hidden_states"}
 # Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` does not have.
 NEEDS_PROMPT_IDS = ("draft", "eagle", "mtp", "early_exit")
+# Proposers that read the target's features at every prompt position, which a filled cache does not keep.
+NEEDS_PROMPT_FEATURES = ("eagle", "mtp")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", *STATIC_CACHE_IMPLEMENTATIONS)
 
 
@@ -62,7 +64,7 @@ def check_generation_supported(
         )
     cached = 0 if cache is None else cache.get_seq_length()
     if cached > 0:
-        if method in ("eagle", "mtp"):
+        if method in NEEDS_PROMPT_FEATURES:
             raise ValueError(
                 f"past_key_values: method={method!r} reads the target's features at every prompt position, which a "
                 "filled cache does not keep; start from the whole prompt (no past_key_values) or use another method"

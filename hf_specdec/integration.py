@@ -103,7 +103,7 @@ EARLY_EXIT_OPTIONS = ("assistant_early_exit", "num_assistant_tokens", "num_assis
 def early_exit_config(kwargs: dict[str, Any]) -> SpeculativeConfig | None:
     """transformers' spelling `assistant_early_exit=N` (popped from kwargs with its companions) as
     `SpeculativeConfig(method="early_exit", early_exit_layer=N)`; `num_assistant_tokens` is k. None without it."""
-    if kwargs.get("assistant_early_exit") is None:
+    if not _early_exit_asked(kwargs):
         return None
     options = {name: kwargs.pop(name) for name in EARLY_EXIT_OPTIONS if name in kwargs}
     schedule = options.get("num_assistant_tokens_schedule")
@@ -199,7 +199,7 @@ def generate(
     **kwargs: Any,
 ):
     """`model.generate(...)` with speculative decoding, without patching transformers."""
-    if speculative is None and assistant is None and spec_method is None and not _early_exit_asked(kwargs):
+    if not _speculation_asked(speculative, assistant, spec_method, kwargs):
         raise ValueError("hf_specdec.generate needs speculative=SpeculativeConfig(...), assistant=..., spec_method=... "
                          "or assistant_early_exit=...")
     return _generate(_TRANSFORMERS_GENERATE, model, args, kwargs, speculative, assistant, spec_method)
@@ -209,8 +209,13 @@ def _early_exit_asked(kwargs: dict[str, Any]) -> bool:
     return kwargs.get("assistant_early_exit") is not None
 
 
+def _speculation_asked(speculative: Any, assistant: Any, spec_method: str | None, kwargs: dict[str, Any]) -> bool:
+    """Whether a generate call asks for speculative decoding (else the patched generate passes it through)."""
+    return speculative is not None or assistant is not None or spec_method is not None or _early_exit_asked(kwargs)
+
+
 def _patched_generate(self, *args: Any, speculative=None, assistant=None, spec_method=None, **kwargs: Any):
-    if speculative is None and assistant is None and spec_method is None and not _early_exit_asked(kwargs):
+    if not _speculation_asked(speculative, assistant, spec_method, kwargs):
         return _TRANSFORMERS_GENERATE(self, *args, **kwargs)
     return _generate(_TRANSFORMERS_GENERATE, self, args, kwargs, speculative, assistant, spec_method)
 

@@ -78,3 +78,14 @@ def draft_distribution(
     """[..., V]: the softmax of the warped scores, on the generator's device (what a drafter `sample`s from)."""
     probs = torch.softmax(warp(scores, warpers), dim=-1)
     return probs if generator is None else probs.to(generator.device)
+
+
+def fit_vocab(
+    # [..., V_draft]
+    scores: torch.Tensor,
+    size: int,
+) -> torch.Tensor:
+    """[..., size]: a drafter's scores on the target's vocabulary: cut to `size` entries, or padded with -inf (ids
+    the drafter lacks are never proposed)."""
+    extra = size - scores.shape[-1]
+    return scores[..., :size] if extra <= 0 else torch.nn.functional.pad(scores, (0, extra), value=float("-inf"))

@@ -27,11 +27,11 @@ from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import draft_distribution, sample, warp
+from hf_specdec.sampling import draft_distribution, fit_vocab, sample, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
-from hf_specdec.tree.tree import TokenTree
+from hf_specdec.tree.tree import template_tensors
 
 # Vocabulary sizes of one tokenizer padded for kernels differ by a few dozen rows (Phi-3: 32064 vs Llama-2: 32000,
 # Qwen2.5-7B: 152064 vs 0.5B: 151936); a bigger gap means another tokenizer.
@@ -234,18 +234,13 @@ class DraftModelProposer(Proposer):
             levels.append(tokens.reshape(batch, width).to(state.sequences.device))
             level_probs.append(None if probs is None else probs.reshape(batch, width, -1).to(state.sequences.device))
         template = branch_template(width, depth)
-        node_depths = torch.tensor(template.depths, device=state.sequences.device)
+        node_depths = template_tensors(template, state.sequences.device).depths
         # node (depth d, branch r) = 1 + (d - 1) * w + r sits in region slot (d - 1) * w + r if it was fed (d < depth)
         slots = torch.arange(template.num_nodes, device=state.sequences.device) - 1
         self._node_slots = torch.where((node_depths >= 1) & (node_depths < depth), slots, -1).expand(batch, -1)
         root = state.last_tokens()[:, None]
         draft_probs = torch.cat(level_probs, dim=1) if self.sampling.do_sample else None
-        return Proposal(TokenTree.from_template(
-            template,
-            torch.cat([root, *levels], dim=1),
-            valid=node_depths[None, :] <= budget[:, None],
-            draft_probs=draft_probs,
-        ))
+        return Proposal.from_template(template, torch.cat([root, *levels], dim=1), budget, draft_probs)
 
     def _scores(
         self,
@@ -253,7 +248,7 @@ class DraftModelProposer(Proposer):
         logits: torch.Tensor,
     ) -> torch.Tensor:
         """[B, V_target] float scores: the draft's logits on the target vocabulary, warped when sampling."""
-        scores = self._to_target_vocab(logits.float())
+        scores = fit_vocab(logits.float(), self.target_vocab)
         return warp(scores, self.sampling.warpers) if self.sampling.do_sample else scores
 
     def _draw(
@@ -262,22 +257,11 @@ class DraftModelProposer(Proposer):
         logits: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row, and its distribution over the target vocabulary (None when greedy)."""
-        scores = self._to_target_vocab(logits.float())
+        scores = fit_vocab(logits.float(), self.target_vocab)
         if not self.sampling.do_sample:
             return scores.argmax(dim=-1), None
         probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
         return sample(probs, self.sampling.generator), probs
-
-    def _to_target_vocab(
-        self,
-        # [B, V_draft]
-        scores: torch.Tensor,
-    ) -> torch.Tensor:
-        draft_vocab = scores.shape[-1]
-        if draft_vocab >= self.target_vocab:
-            return scores[:, : self.target_vocab]
-        missing = scores.new_full((scores.shape[0], self.target_vocab - draft_vocab), float("-inf"))
-        return torch.cat([scores, missing], dim=-1)
 
     def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates. Each

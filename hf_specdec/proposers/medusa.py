@@ -10,6 +10,7 @@ verification stays lossless under sampling.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -19,7 +20,6 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.template import TreeTemplate
-from hf_specdec.tree.tree import TokenTree
 
 
 class MedusaProposer(Proposer):
@@ -69,13 +69,16 @@ class MedusaProposer(Proposer):
                                   dense=dense)
         dense = all(b >= self.template.max_depth for b in state.host_draft_budget())
         candidates = logits[:, : self.template.max_depth].topk(self.template.max_rank + 1, dim=-1).indices
-        depths = torch.tensor(self.template.depths[1:], device=logits.device)
-        ranks = torch.tensor(self.template.ranks[1:], device=logits.device)
-        nodes = candidates[:, depths - 1, ranks]  # [B, N - 1]: each node's head and rank
+        heads, ranks = _node_index(self.template, logits.device)
+        nodes = candidates[:, heads, ranks]  # [B, N - 1]: each node's head and rank
         tokens = torch.cat([state.last_tokens()[:, None], nodes], dim=1)
-        all_depths = torch.cat([depths.new_zeros(1), depths])
-        valid = all_depths[None, :] <= budget[:, None]
-        return Proposal(TokenTree.from_template(self.template, tokens, valid=valid, dense=dense))
+        return Proposal.from_template(self.template, tokens, budget, dense=dense)
+
+
+@functools.lru_cache(maxsize=16)
+def _node_index(template: TreeTemplate, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N - 1] each draft node's head (its depth - 1) and [N - 1] its rank, on `device` (built once)."""
+    return (torch.tensor(template.depths[1:], device=device) - 1, torch.tensor(template.ranks[1:], device=device))
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:

@@ -28,11 +28,10 @@ import torch
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import draft_distribution, sample, warp
+from hf_specdec.sampling import draft_distribution, fit_vocab, sample, warp
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
-from hf_specdec.tree.tree import TokenTree
 
 
 class MlpSpeculatorProposer(Proposer):
@@ -84,10 +83,8 @@ class MlpSpeculatorProposer(Proposer):
         speculator_state: torch.Tensor,
     ) -> torch.Tensor:
         """[..., V_target] scores of the stage's guess (unwarped: what an argmax reads)."""
-        scores = self.speculator.stage_logits(stage, speculator_state)
-        if scores.shape[-1] < self.target_vocab:  # a target whose lm_head has padded rows: never proposed
-            scores = torch.nn.functional.pad(scores, (0, self.target_vocab - scores.shape[-1]), value=float("-inf"))
-        return scores
+        # a target whose lm_head has padded rows: never proposed
+        return fit_vocab(self.speculator.stage_logits(stage, speculator_state), self.target_vocab)
 
     def _scores(
         self,
@@ -125,10 +122,8 @@ class MlpSpeculatorProposer(Proposer):
             current = self.speculator.advance(stage, current, levels[-1])
             levels.append(self._logits(stage, current).argmax(dim=-1))  # unwarped: the warpers keep the best token
         device = state.sequences.device
-        template = branch_template(self.width, self.k)
-        depths = torch.tensor(template.depths, device=device)
         tokens = torch.cat([state.last_tokens()[:, None], *(level.to(device) for level in levels)], dim=1)
-        return Proposal(TokenTree.from_template(template, tokens, valid=depths[None, :] <= budget[:, None]))
+        return Proposal.from_template(branch_template(self.width, self.k), tokens, budget)
 
     def _dynamic_tree(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor) -> Proposal:
         """EAGLE-2 expansion (see the module docstring)."""

@@ -14,7 +14,7 @@ import torch
 
 from hf_specdec.step.state import DecodeState
 from hf_specdec.tree.template import TreeTemplate
-from hf_specdec.tree.tree import TokenTree
+from hf_specdec.tree.tree import TokenTree, template_tensors
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,28 @@ class Proposal:
         # a host fact: every row has all k drafts (num_draft_tokens == k everywhere)
         dense: bool = False,
     ) -> Proposal:
-        k = draft_token_ids.shape[1]
         tokens = torch.cat([root_token_ids[:, None], draft_token_ids.to(root_token_ids.device)], dim=1)
-        valid = torch.arange(k + 1, device=tokens.device)[None, :] <= num_draft_tokens.to(tokens.device)[:, None]
-        return cls(TokenTree.from_template(chain_template(k), tokens, valid, draft_probs, dense=dense))
+        return cls.from_template(chain_template(draft_token_ids.shape[1]), tokens, num_draft_tokens, draft_probs,
+                                 dense=dense)
+
+    @classmethod
+    def from_template(
+        cls,
+        template: TreeTemplate,
+        # [B, N]: tokens in the template's node order (node 0 = each row's last committed token)
+        token_ids: torch.Tensor,
+        # [B]: draft tokens each row may take: nodes deeper than its budget are padding
+        budget: torch.Tensor,
+        # [B, N - 1, V_target] or None (point masses)
+        draft_probs: torch.Tensor | None = None,
+        # a host fact: every row's budget reaches the template's depth
+        dense: bool = False,
+    ) -> Proposal:
+        """A tree of the template's shape, each row's nodes past its budget invalid (the template's depths are built
+        once per template and device)."""
+        depths = template_tensors(template, token_ids.device).depths
+        valid = depths[None, :] <= budget.to(token_ids.device)[:, None]
+        return cls(TokenTree.from_template(template, token_ids, valid, draft_probs, dense=dense))
 
     @classmethod
     def no_draft(cls, state: DecodeState) -> Proposal:

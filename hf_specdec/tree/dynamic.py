@@ -6,6 +6,8 @@ precede children. Candidates are deterministic, so the tree carries no draft dis
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hf_specdec.tree.tree import TokenTree
@@ -20,12 +22,13 @@ def select_best_nodes(
     parents: torch.Tensor,
     # [B, C]: cumulative log-probability of each candidate's path
     cum_log_probs: torch.Tensor,
-    # each candidate's depth (host ints, the same for every row)
-    depths: list[int],
+    # [C]: each candidate's depth (the same for every row)
+    depths: torch.Tensor,
     total: int,
     # [B]: draft tokens each row may still take (deeper nodes are padding)
     budget: torch.Tensor,
-    # the most children any candidate has (a host bound)
+    # the deepest candidate's depth and the most children any candidate has (host bounds)
+    depth_bound: int,
     max_children: int,
     device: torch.device,
 ) -> tuple[TokenTree, torch.Tensor]:
@@ -33,7 +36,7 @@ def select_best_nodes(
     id of each of its draft nodes."""
     batch, count = token_ids.shape
     total = min(total, count - 1)
-    by_depth = torch.tensor(depths, device=token_ids.device)
+    by_depth = depths.to(token_ids.device)
     order = cum_log_probs[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, :total] + 1  # candidate ids
     chosen = order.sort(dim=1).values  # ids grow with depth: parents before children
     new_index = torch.full((batch, count), -1, dtype=torch.long, device=token_ids.device)
@@ -46,7 +49,7 @@ def select_best_nodes(
         token_ids=tree_tokens.to(device),
         parents=tree_parents.to(device),
         valid=tree_depths.to(device) <= budget.to(device)[:, None],
-        max_depth=max(depths),
+        max_depth=depth_bound,
         max_children=max_children,
     )
     return tree, chosen
@@ -69,7 +72,7 @@ class Candidates:
         self.tokens = [torch.zeros_like(tokens[:, :1]), tokens]
         self.parents = [torch.full_like(tokens[:, :1], -1), torch.zeros_like(tokens)]
         self.cum = [torch.zeros_like(cum[:, :1]), cum]
-        self.depths = [0] + [1] * width
+        self.levels = 1  # candidate depths below the root
         # [B, w]: the frontier's candidate ids, tokens and cumulative log-probabilities
         self.frontier = torch.arange(1, width + 1, device=tokens.device).expand(batch, -1)
         self.frontier_tokens, self.frontier_cum = tokens, cum
@@ -83,12 +86,12 @@ class Candidates:
         [B, w] which of the w * w children each new frontier node is (child i of frontier node i // w)."""
         batch, width = self.frontier.shape[0], self.width
         child_cum, child_tokens = (log_probs + self.frontier_cum[:, :, None]).topk(width, dim=-1)  # [B, w, w]
-        first_id = len(self.depths)
+        first_id = 1 + width + (self.levels - 1) * width * width  # candidates so far
         child_tokens, child_cum = child_tokens.reshape(batch, -1), child_cum.reshape(batch, -1)
         self.tokens.append(child_tokens)
         self.cum.append(child_cum)
         self.parents.append(self.frontier[:, :, None].expand(-1, -1, width).reshape(batch, -1))
-        self.depths += [self.depths[-1] + 1] * width * width
+        self.levels += 1
         best = child_cum.topk(width, dim=-1).indices
         self.frontier = first_id + best
         self.frontier_tokens, self.frontier_cum = child_tokens.gather(1, best), child_cum.gather(1, best)
@@ -104,5 +107,14 @@ class Candidates:
         device: torch.device,
     ) -> tuple[TokenTree, torch.Tensor]:
         """`select_best_nodes` over the candidates."""
+        depths = candidate_depths(self.width, self.levels, self.frontier.device)
         return select_best_nodes(root_token_ids, torch.cat(self.tokens, dim=1), torch.cat(self.parents, dim=1),
-                                 torch.cat(self.cum, dim=1), self.depths, total, budget, self.width, device)
+                                 torch.cat(self.cum, dim=1), depths, total, budget, self.levels, self.width, device)
+
+
+@functools.lru_cache(maxsize=32)
+def candidate_depths(width: int, levels: int, device: torch.device) -> torch.Tensor:
+    """[C]: each candidate's depth after `levels` depths of an expansion of `width` (the root, `width` nodes at depth
+    1, then `width * width` per depth), built once per shape and device."""
+    depths = [0] + [1] * width + [d for d in range(2, levels + 1) for _ in range(width * width)]
+    return torch.tensor(depths, device=device)
