@@ -45,7 +45,8 @@ class CallTimes(ForwardTimer):
 
     def decode_ms(self, first_calls: list[int]) -> float:
         """Mean duration of the calls other than those at `first_calls` (each generate call's prefill)."""
-        kept = [d for i, d in enumerate(self.durations) if i not in set(first_calls)]
+        prefills = set(first_calls)
+        kept = [d for i, d in enumerate(self.durations) if i not in prefills]
         return 1000 * sum(kept) / len(kept)
 
 

@@ -26,6 +26,7 @@ import statistics
 import textwrap
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -36,7 +37,7 @@ from hf_specdec.cli.timing import MIN_NOISE, Repeats, noise_note, paired_speedup
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import drafters
-from hf_specdec.testbed.loading import heads_dir, load_testbed
+from hf_specdec.testbed.loading import load_testbed
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
@@ -60,7 +61,8 @@ METHODS: dict[str, str | None] = {
 }
 # the default: the two methods without a drafter, the best trained head and the draft model
 DEFAULT_METHODS = ("ngram", "suffix", "eagle3", "draft")
-TESTBED_DRAFTERS = ("draft", "medusa", "eagle", "eagle3")
+# the drafter kinds those methods use
+DRAFTER_KINDS = ("draft", "medusa", "eagle", "eagle3")
 
 LEGEND = """\
 How to read the tables (speedup = forwards saved / step cost; forwards saved = tok/fwd / plain's tok/fwd):
@@ -94,10 +96,8 @@ def load_models(kinds: set[str]) -> DemoModels:
     print("Loading the test bed (tokenizer, target, draft and heads) ...", flush=True)
     tokenizer, target, draft = load_testbed()
     tokenizer.padding_side = "left"
-    medusa = MedusaHeads.from_pretrained(heads_dir("medusa")).eval() if "medusa" in kinds else None
-    eagle, eagle3 = (EagleHead.from_pretrained(heads_dir(kind)).eval() if kind in kinds else None
-                     for kind in ("eagle", "eagle3"))
-    return DemoModels(tokenizer, target, draft, medusa, eagle, eagle3)
+    found = _load_drafters("testbed", target, kinds - {"draft"})
+    return DemoModels(tokenizer, target, draft, found["medusa"], found["eagle"], found["eagle3"])
 
 
 def load_chat_model(name: str, wheel, dtype: torch.dtype, kinds: set[str]) -> DemoModels:
@@ -108,18 +108,21 @@ def load_chat_model(name: str, wheel, dtype: torch.dtype, kinds: set[str]) -> De
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    found = {kind: drafters.load_drafter(SMOLLM2, kind, target) if kind in kinds else None
-             for kind in ("draft", "medusa", "eagle", "eagle3")}
+    found = _load_drafters(SMOLLM2, target, kinds)
     return DemoModels(tokenizer, target, found["draft"], found["medusa"], found["eagle"], found["eagle3"])
+
+
+def _load_drafters(model: str, target: PreTrainedModel, kinds: set[str]) -> dict[str, Any]:
+    """Every drafter kind the demo uses: the committed one for `model` where in `kinds`, else None."""
+    return {kind: drafters.load_drafter(model, kind, target) if kind in kinds else None for kind in DRAFTER_KINDS}
 
 
 def available_drafters(args: argparse.Namespace) -> set[str]:
     """The drafter kinds committed for the demo's model (without loading anything)."""
-    if args.testbed:
-        return set(TESTBED_DRAFTERS)
-    if args.model == SMOLLM2:
-        return {kind for kind in TESTBED_DRAFTERS if drafters.has_drafter(SMOLLM2, kind)}
-    return set()
+    model = "testbed" if args.testbed else args.model
+    if model not in drafters.MODELS:
+        return set()
+    return {kind for kind in DRAFTER_KINDS if drafters.has_drafter(model, kind)}
 
 
 @dataclass(frozen=True)

@@ -89,23 +89,24 @@ class Schedule:
         probe = (self.idle >= self.interval) & active
         if self.adaptive and self.steps == 1 and not all(t.measured(rows_computed, 0) for t in self.costs.values()):
             widths = [0]  # calibrate: one plain step at this batch size (the first step drafted)
-        best: tuple[float, str | None, Decision] | None = None
+        rows = np.arange(len(active))
+        best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in self.step_times(rows_computed).items():
             acceptance = self.acceptance[method].values
+            accepted = expected_accepted(acceptance)  # [B, K + 1]
             if self.adaptive:
                 decision = decide(acceptance, step_time, active, probe, widths, min(PROBE_LENGTH, cap))
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
                 limits = np.where(active, width, 0)
-                expected = expected_accepted(acceptance)[np.arange(len(active)), limits]
-                decision = Decision(width, tuple(int(x) for x in limits), float((expected + active).sum()),
-                                    float(step_time[width]))
+                decision = Decision(width, tuple(int(x) for x in limits),
+                                    float((accepted[rows, limits] + active).sum()), float(step_time[width]))
             rate = decision.expected_tokens / max(decision.expected_time, 1e-12)
             if best is None or rate > best[0] * (1.0 + 1e-9):
-                best = (rate, method, decision)
-        _, method, decision = best
+                best = (rate, method, decision, accepted)
+        _, method, decision, accepted = best
         self.allowed = np.minimum(decision.limits, state.host_draft_budget())  # the length limit cuts too
-        self.expected = expected_accepted(self.acceptance[method].values)[np.arange(len(active)), self.allowed]
+        self.expected = accepted[rows, self.allowed]
         state.set_draft_limits(list(decision.limits), decision.width)
         state.draft_method = method
         self.decision, self.method, self.active, self.probed = decision, method, active, probe
