@@ -138,8 +138,7 @@ class CrossTokenizerProposer(Proposer):
         self.draft_vocab = len(self.draft_tokenizer)
         self.cache = RaggedKVCache(self.draft)
         self.rows: list[RowText] = []
-        self._fed: torch.Tensor | None = None  # [B] on the host: draft tokens fed at the start of this step
-        self._fed_host: list[int] = []
+        self._fed_host: list[int] = []  # draft tokens each row fed at the start of this step
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         prompt = state.sequences[:, : state.prompt_length].tolist()  # once per call, at the prompt
@@ -201,7 +200,7 @@ class CrossTokenizerProposer(Proposer):
         logits = self._feed(state)
         device = self.draft.device
         tokens, feeds, probs = [], [], []
-        fed = self._fed.to(device)[:, None]  # [B, 1]
+        fed = torch.tensor(self._fed_host, device=device)[:, None]  # [B, 1]
         for step in range(num_drafted):
             if step > 0:
                 logits = self.cache.forward(feeds[-1][:, None], fed + step - 1)[:, 0]
@@ -231,7 +230,6 @@ class CrossTokenizerProposer(Proposer):
         device = self.draft.device
         fed = torch.tensor(self._fed_host)
         column = torch.arange(width)[None, :]
-        self._fed = fed
         dense = all(n == width for n in self._fed_host)
         real = None if dense else (column < fed[:, None]).to(device)
         logits = self.cache.forward(ids.to(device), column.to(device).expand(len(self.rows), -1), real)
