@@ -138,8 +138,7 @@ class CrossTokenizerProposer(Proposer):
         self.draft_vocab = len(self.draft_tokenizer)
         self.cache = RaggedKVCache(self.draft)
         self.rows: list[RowText] = []
-        self._fed: torch.Tensor | None = None  # [B] on the host: draft tokens fed at the start of this step
-        self._fed_host: list[int] = []
+        self._fed_host: list[int] = []  # draft tokens each row fed at the start of this step
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         prompt = state.sequences[:, : state.prompt_length].tolist()  # once per call, at the prompt
@@ -195,13 +194,12 @@ class CrossTokenizerProposer(Proposer):
 
     def propose(self, state: DecodeState) -> Proposal:
         self._catch_up(state)
-        budget = state.draft_budget().clamp(max=self.k)
-        budget_host = [min(b, self.k) for b in state.host_draft_budget()]
+        budget_host = [min(b, self.k) for b in state.host_draft_budget()]  # 0 for finished rows
         num_drafted = max(budget_host)
         logits = self._feed(state)
         device = self.draft.device
         tokens, feeds, probs = [], [], []
-        fed = self._fed.to(device)[:, None]  # [B, 1]
+        fed = torch.tensor(self._fed_host, device=device)[:, None]  # [B, 1]
         for step in range(num_drafted):
             if step > 0:
                 logits = self.cache.forward(feeds[-1][:, None], fed + step - 1)[:, 0]
@@ -212,11 +210,10 @@ class CrossTokenizerProposer(Proposer):
         target_device = state.sequences.device
         drafts = torch.stack(tokens, dim=1)
         if self.sampling.do_sample:
-            return Proposal.chain(state.last_tokens(), drafts.to(target_device), budget,
+            return Proposal.chain(state.last_tokens(), drafts.to(target_device), state.draft_budget().clamp(max=self.k),
                                   torch.stack(probs, dim=1).to(target_device))
-        drafts, counts = self._retokenize(torch.stack(feeds, dim=1), state, budget_host)
-        return Proposal.chain(state.last_tokens(), drafts.to(target_device),
-                              torch.minimum(budget, counts.to(budget.device)))
+        drafts, counts = self._retokenize(torch.stack(feeds, dim=1), budget_host)
+        return Proposal.chain(state.last_tokens(), drafts.to(target_device), counts.to(target_device))
 
     def _feed(self, state: DecodeState) -> torch.Tensor:
         """Feed each row's draft tokens not in the cache (at least its last one); the draft's logits after them
@@ -231,7 +228,6 @@ class CrossTokenizerProposer(Proposer):
         device = self.draft.device
         fed = torch.tensor(self._fed_host)
         column = torch.arange(width)[None, :]
-        self._fed = fed
         dense = all(n == width for n in self._fed_host)
         real = None if dense else (column < fed[:, None]).to(device)
         logits = self.cache.forward(ids.to(device), column.to(device).expand(len(self.rows), -1), real)
@@ -259,15 +255,16 @@ class CrossTokenizerProposer(Proposer):
         self,
         # [B, n] draft ids
         drafted: torch.Tensor,
-        state: DecodeState,
+        # each row's draft budget (0 for finished rows)
         budget: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafted text as target tokens after each row's committed ones: ([B, k] padded, [B] counts)."""
+        """The drafted text as target tokens after each row's committed ones, at most its budget: ([B, k] padded,
+        [B] counts)."""
         drafted_host = drafted.tolist()  # re-tokenising needs the draft's tokens on the host: one read
         drafts = torch.zeros(len(self.rows), self.k, dtype=torch.long)
         counts = torch.zeros(len(self.rows), dtype=torch.long)
         for b, row in enumerate(self.rows):
-            if state.host.finished[b] or budget[b] == 0:
+            if budget[b] == 0:
                 continue
             text = self.draft_tokenizer.decode(drafted_host[b], skip_special_tokens=True).rstrip(REPLACEMENT)
             tail = self.tokenizer.decode(row.target[-LOOKBEHIND_TOKENS:], skip_special_tokens=True)

@@ -50,6 +50,7 @@ class HybridProposer(Proposer):
         self.target_feature_layers = fallback.target_feature_layers
         self.needs_prompt_features = fallback.needs_prompt_features
         self._use_fallback: list[bool] = []  # per row, this step
+        self._use_fallback_rows: torch.Tensor | None = None  # [B] bool: the same on the device, when any is True
         self._fallback_nodes = self._fallback_depth = 0  # the fallback's last proposal: nodes, deepest node
         # rows and steps that drafted from each source (host counts, for inspection and the tests)
         self.suffix_drafts = 0
@@ -75,10 +76,11 @@ class HybridProposer(Proposer):
         fallback = self.fallback.propose(state)
         self._fallback_nodes = fallback.tree.num_nodes
         self._fallback_depth = fallback.tree.max_depth
+        self._use_fallback_rows = torch.tensor(use, device=state.sequences.device)
         if all(u or budget == 0 for u, budget in zip(use, budgets)):  # no row takes a suffix draft
             return fallback  # (rows with no budget have no valid fallback node)
         suffix = self.suffix.proposal(state, [EMPTY_DRAFT if u else d for d, u in zip(drafts, use)])
-        return Proposal(merge_trees(suffix.tree, fallback.tree, torch.tensor(use, device=state.sequences.device)))
+        return Proposal(merge_trees(suffix.tree, fallback.tree, self._use_fallback_rows))
 
     def skip(self, state: DecodeState) -> None:
         self.suffix.skip(state)
@@ -91,7 +93,7 @@ class HybridProposer(Proposer):
         use = self._use_fallback
         # the result as over the fallback's own tree: its columns (the merged tree may be wider), and rows that took
         # the suffix draft as rows whose fallback draft was rejected at once
-        mine = torch.tensor(use, device=result.num_accepted.device)
+        mine = self._use_fallback_rows
         columns = self._fallback_depth + 1
         kept = VerificationResult(
             output_token_ids=result.output_token_ids[:, :columns],

@@ -117,7 +117,8 @@ class SuffixProposer(Proposer):
             valid[row, 1 : 1 + count] = True
             if count:
                 max_children = max(max_children, int(np.bincount(parents[row, 1 : 1 + count]).max()))
-        if not self.fixed_shapes and max_children == 1 and all(_is_chain(d) for d in drafts):
+        # parents come before their children, so at most one child per node makes every row a chain
+        if not self.fixed_shapes and max_children == 1:
             counts = torch.from_numpy(valid[:, 1:].sum(axis=1)).to(device)
             return Proposal.chain(torch.from_numpy(tokens[:, 0]).to(device),
                                   torch.from_numpy(tokens[:, 1:]).to(device), counts, dense=bool(valid.all()))
@@ -143,10 +144,6 @@ class SuffixProposer(Proposer):
             if request is not None:
                 request.finish()
         self.requests = []
-
-
-def _is_chain(draft: SuffixDraft) -> bool:
-    return all(parent == node - 1 for node, parent in enumerate(draft.parents))
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:
