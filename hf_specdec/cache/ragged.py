@@ -246,6 +246,37 @@ class RaggedKVCache:
         self._settle_width()
         return logits[:, -logits_to_keep:]  # models without `logits_to_keep` return every position's
 
+    def prefill_shared(
+        self,
+        source: RaggedKVCache,
+        length: int,
+        # [B, length] (1 = real token, 0 = padding) or None when nothing is padded
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        """Start from the first `length` prompt slots of `source` (a cache whose prefill wrote the prompt at slot =
+        order), copied for this cache's layers from `source`'s first ones: a model made of another's embeddings
+        and first layers (an early-exit draft) computes those very keys and values over the prompt, so its prefill
+        computes nothing."""
+        batch, device = source.batch_size, source.lengths.device
+        if self.static is not None and length > self.static.committed:
+            raise ValueError(f"the prompt ({length} tokens) does not fit the static cache's {self.static.committed} "
+                             "committed slots")
+        self._reserve(batch, length, device)
+        self.lengths = source.lengths.new_full((batch,), length)
+        self.host_lengths, self.width = [length] * batch, length
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
+        self.valid[:, :length] = attention_mask.bool()
+        self.padded = bool((attention_mask == 0).any())  # once per call, as in `prefill`
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as `prefill`'s
+        self.next_position = positions[:, -1] + 1 if length else self.lengths.new_zeros(batch)
+        if length:
+            self.kv.write_start, self.kv.write_index = 0, None
+            layers = source.kv.buffers()[: self.num_layers]
+            for index, (keys, values) in enumerate(layers):
+                self.kv.update(keys[:, :, :length], values[:, :, :length], index)
+        self._settle_width()
+
     def _prefill_after(
         self,
         past_key_values,

@@ -192,6 +192,7 @@ class SpeculativeDecoder:
                                     token_type_ids=prompt.token_type_ids, inputs_embeds=prompt.inputs_embeds,
                                     past_key_values=prompt.past_key_values)
         self.state.target_features = self.cache.hidden_states
+        self.state.target_cache = self.cache
         self.proposer.start(self.state, attention_mask)
         proposal = Proposal.no_draft(self.state)
         scores = self.score(proposal, logits)

@@ -136,10 +136,18 @@ class DraftModelProposer(Proposer):
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         # The last prompt token is left for the first proposal, so every proposal has a token to feed.
         device = self.draft.device
-        prompt = state.sequences[:, : state.prompt_length - 1].to(device)
-        self.cache.prefill(prompt, None if attention_mask is None else attention_mask[:, :-1].to(device))
+        self._prefill(state, None if attention_mask is None else attention_mask[:, :-1].to(device))
         self.cached_lengths = state.lengths - 1
         self.cached_host = [length - 1 for length in state.host.lengths]
+
+    def _prefill(
+        self,
+        state: DecodeState,
+        # [B, P - 1] or None
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        """Encode every prompt token but the last in the draft cache."""
+        self.cache.prefill(state.sequences[:, : state.prompt_length - 1].to(self.draft.device), attention_mask)
 
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)

@@ -7,11 +7,15 @@ same objects, so no weight is copied and nothing is trained. It is built once pe
 filled with the target's modules. `EarlyExitProposer` drives it exactly as the draft-model proposer drives a draft
 (chains, branches, EAGLE-2 dynamic trees, batched on its own ragged KV cache).
 
-What is not shared: the draft keeps its own cache of its N layers. The first N layers' keys and values of the tokens
-the draft fed are the ones the verify forward computes again (mathematically equal; LayerSkip reuses them), so each
-step pays N / L of a target forward twice over for those layers, and the prompt's prefill runs the first N layers
-twice. Reusing them would mean running the target's layers one range at a time, outside its own forward, which
-transformers' models do not offer in one way across architectures.
+What is shared beyond the weights: the prompt. The draft's cache starts from the target's: the target has just
+encoded the prompt, and its first N layers' keys and values over it are exactly what the draft's own prefill would
+compute (the same modules on the same inputs), so they are copied and the draft's prefill computes nothing.
+
+What is not shared: the drafted tokens. The verify forward computes the first N layers' keys and values of the
+tokens the draft fed once more (LayerSkip reuses them), so each step pays N / L of a target forward over those
+tokens twice. Reusing them would mean running the target's layers one range at a time, outside its own forward,
+which transformers' models do not offer in one way across architectures; when verifying a few tokens costs about
+what one costs (a GPU, or bf16 on a CPU with matrix instructions), it would save little.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.draft_model import DraftModelProposer
+from hf_specdec.step import DecodeState
 
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -108,6 +113,19 @@ class EarlyExitProposer(DraftModelProposer):
 
     def _drafter(self, config: SpeculativeConfig, target: nn.Module) -> nn.Module:
         return early_exit_draft(target, config.early_exit_layer)
+
+    def _prefill(
+        self,
+        state: DecodeState,
+        # [B, P - 1] or None
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        """The draft's layers are the target's first ones: the prompt's keys and values in them are copied from the
+        target's cache, which has just encoded the prompt, instead of computed again."""
+        if state.target_cache is None:
+            super()._prefill(state, attention_mask)
+        else:
+            self.cache.prefill_shared(state.target_cache, state.prompt_length - 1, attention_mask)
 
 
 def _build(config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> Proposer:

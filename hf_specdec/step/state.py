@@ -68,6 +68,9 @@ class DecodeState:
     draft_limits: list[int] | None = None
     draft_limit_tensor: torch.Tensor | None = None
     draft_width: int | None = None
+    # the target's KV cache (`hf_specdec.cache.ragged.RaggedKVCache`), which proposers may read and never write: an
+    # early-exit draft starts from the prompt's keys and values in its first layers
+    target_cache: Any = field(default=None, repr=False)
     # the proposer a schedule chose for the step (`method="auto"`), None otherwise
     draft_method: str | None = None
     # [B]: the host tensor the draft limits travel through (pinned on CUDA), made on the first scheduled step

@@ -11,6 +11,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.proposers.early_exit import decoder_layers_path, early_exit_draft
 from tests.conftest import ARCHITECTURES, draft_shapes, make_draft, make_model, padded_batch
 
@@ -58,6 +59,52 @@ def test_draft_is_the_targets_first_layers_sharing_its_modules(arch):
         mine = draft(ids, attention_mask=mask, use_cache=False).logits
         torch.testing.assert_close(mine, reference(ids, attention_mask=mask, use_cache=False).logits)
         assert not torch.allclose(mine, target(ids, attention_mask=mask, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_draft_cache_starts_from_the_targets_prompt_keys_and_values(arch):
+    """The draft's prompt cache is the target's first layers' over every prompt token but the last: what the
+    draft's own prefill computes (same modules, same inputs), copied instead of computed."""
+    target = make_model(arch)
+    layer = 1
+    draft = early_exit_draft(target, layer)
+    ids, mask = padded_batch(LENGTHS, seed=3)
+    length = ids.shape[1] - 1
+    with torch.no_grad():
+        target_cache = RaggedKVCache(target)
+        target_cache.prefill(ids, mask)
+        shared, computed = RaggedKVCache(draft), RaggedKVCache(draft)
+        shared.prefill_shared(target_cache, length, mask[:, :-1])
+        computed.prefill(ids[:, :-1], mask[:, :-1])
+    mine, theirs = shared.layers_by_order(length), computed.layers_by_order(length)
+    assert len(mine) == len(theirs) == layer
+    for (keys, values), (ref_keys, ref_values) in zip(mine, theirs):
+        torch.testing.assert_close(keys, ref_keys)
+        torch.testing.assert_close(values, ref_values)
+    for name in ("lengths", "next_position", "valid"):
+        assert torch.equal(getattr(shared, name), getattr(computed, name)), name
+    assert (shared.host_lengths, shared.width, shared.padded) == (computed.host_lengths, computed.width,
+                                                                  computed.padded)
+
+
+def test_prompt_runs_through_the_shared_layers_once():
+    """Only the target's prefill feeds the whole prompt through the layers the draft shares."""
+    target = make_model("llama")
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    widths = []
+    first = target.get_submodule(decoder_layers_path(target))[0]
+    handle = first.register_forward_hook(lambda module, args, output: widths.append(output[0].shape[1]
+                                                                                    if isinstance(output, tuple)
+                                                                                    else output.shape[1]))
+    try:
+        out = hf_specdec.generate(target, ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                  eos_token_id=None, return_dict_in_generate=True,
+                                  speculative=SpeculativeConfig(method="early_exit", early_exit_layer=1,
+                                                                num_speculative_tokens=3, schedule="fixed"))
+    finally:
+        handle.remove()
+    assert out.spec_stats.num_draft_tokens > 0
+    assert widths[0] == ids.shape[1] and ids.shape[1] - 1 not in widths, widths
 
 
 def test_assistant_early_exit_is_routed_through_hf_specdec():
