@@ -238,7 +238,7 @@ class SpeculativeDecoder:
         num_emitted = self.emit(result, scores, logits)
         self.commit(proposal, result, num_emitted, logits.shape[1], drafting)
         if self.schedule is not None:
-            self.schedule.observe(self.state)
+            self.schedule.observe(self.state, proposal)
         self.log(result, scores, logits)
         if self.cache.output_hidden_states or self.cache.output_attentions:
             self.output_log.add(self.cache.model_outputs, result.path_nodes, self.state.host.num_emitted, lengths,

@@ -80,7 +80,9 @@ class HybridProposer(Proposer):
         if all(u or budget == 0 for u, budget in zip(use, budgets)):  # no row takes a suffix draft
             return fallback  # (rows with no budget have no valid fallback node)
         suffix = self.suffix.proposal(state, [EMPTY_DRAFT if u else d for d, u in zip(drafts, use)])
-        return Proposal(merge_trees(suffix.tree, fallback.tree, self._use_fallback_rows))
+        depths = [min(budget, self._fallback_depth) if u else d.max_depth
+                  for d, u, budget in zip(drafts, use, budgets)]
+        return Proposal(merge_trees(suffix.tree, fallback.tree, self._use_fallback_rows), host_depths=tuple(depths))
 
     def skip(self, state: DecodeState) -> None:
         self.suffix.skip(state)

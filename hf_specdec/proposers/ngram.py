@@ -168,23 +168,24 @@ class NgramProposer(Proposer):
         # fixed shapes: k drafts, or none when no row found a match (a second, one-token verify shape)
         width = (state.step_width(self.k) if longest else 0) if self.fixed_shapes else longest
         return Proposal.chain(state.last_tokens(), torch.from_numpy(drafts[:, :width]).to(device),
-                              torch.from_numpy(counts).to(device), dense=bool((counts == width).all()))
+                              torch.from_numpy(counts).to(device),
+                              dense=bool((counts == width).all())).with_host_depths(counts)
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:
         num_nodes = 1 + self.tree_width * state.step_width(self.k)
-        rows, any_found = [], False
+        rows, depths = [], []
         for row in range(state.batch_size):
             tokens = self.text.row(row)
             found = find_ngram_continuations(tokens, self.min_n, self.max_n, budget[row], self.tree_width)
-            any_found |= bool(found)
+            depths.append(max((len(continuation) for continuation in found), default=0))
             rows.append(build_trie(int(tokens[-1]), found, num_nodes))
         device = state.sequences.device
-        if not any_found:
+        if not any(depths):
             return Proposal.no_draft(state)
         tokens, parents, valid = (torch.from_numpy(np.stack(column)).to(device) for column in zip(*rows))
         # a trie of w continuations of k tokens: at most k deep, at most w children per node
         return Proposal(TokenTree(token_ids=tokens, parents=parents, valid=valid, max_depth=self.k,
-                                  max_children=self.tree_width))
+                                  max_children=self.tree_width), host_depths=tuple(depths))
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:

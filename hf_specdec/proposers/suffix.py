@@ -118,17 +118,19 @@ class SuffixProposer(Proposer):
             if count:
                 max_children = max(max_children, int(np.bincount(parents[row, 1 : 1 + count]).max()))
         # parents come before their children, so at most one child per node makes every row a chain
+        depths = [d.max_depth for d in drafts]
         if not self.fixed_shapes and max_children == 1:
             counts = torch.from_numpy(valid[:, 1:].sum(axis=1)).to(device)
             return Proposal.chain(torch.from_numpy(tokens[:, 0]).to(device),
-                                  torch.from_numpy(tokens[:, 1:]).to(device), counts, dense=bool(valid.all()))
+                                  torch.from_numpy(tokens[:, 1:]).to(device), counts,
+                                  dense=bool(valid.all())).with_host_depths(depths)
         return Proposal(TokenTree(
             token_ids=torch.from_numpy(tokens).to(device),
             parents=torch.from_numpy(parents).to(device),
             valid=torch.from_numpy(valid).to(device),
-            max_depth=max(d.max_depth for d in drafts),
+            max_depth=max(depths),
             max_children=max_children,
-        ))
+        ), host_depths=tuple(depths))
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         self._catch_up(state)

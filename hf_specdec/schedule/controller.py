@@ -23,7 +23,7 @@ from hf_specdec.schedule.decision import Decision, decide, expected_accepted, wi
 from hf_specdec.schedule.estimates import AcceptanceEstimate, CostTable, cost_table
 from hf_specdec.schedule.rules import batch_size_cap
 from hf_specdec.stats import ScheduleStats
-from hf_specdec.step import DecodeState
+from hf_specdec.step import DecodeState, Proposal
 
 # a row that has not drafted for this many steps probes; each probe doubles the wait, up to PROBE_MAX_INTERVAL,
 # until the row drafts again by its own estimate
@@ -92,10 +92,11 @@ class Schedule:
         rows = np.arange(len(active))
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in self.step_times(rows_computed).items():
-            acceptance = self.acceptance[method].values
-            accepted = expected_accepted(acceptance)  # [B, K + 1]
+            estimate = self.acceptance[method]
+            accepted = expected_accepted(estimate.values) * estimate.draft_rate[:, None]  # [B, K + 1]
             if self.adaptive:
-                decision = decide(acceptance, step_time, active, probe, widths, min(PROBE_LENGTH, cap))
+                decision = decide(estimate.values, step_time, active, probe, widths, min(PROBE_LENGTH, cap),
+                                  estimate.draft_rate)
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
                 limits = np.where(active, width, 0)
@@ -113,15 +114,19 @@ class Schedule:
         self.rows_computed, self.started = rows_computed, self.clock()
         return decision
 
-    def observe(self, state: DecodeState) -> None:
-        """After the step's host sync: its time and each row's accepted count update the estimates."""
+    def observe(self, state: DecodeState, proposal: Proposal) -> None:
+        """After the step's host sync: its time and each row's accepted count update the estimates. Where the
+        proposal says how deep each row drafted (`Proposal.host_depths`), the step's time is that of the width it
+        verified, and positions not drafted are not counted as rejected."""
         seconds = self.clock() - self.started
         decision = self.decision
         self.steps += 1
+        depths = proposal.host_depths
+        width = decision.width if depths is None else min(decision.width, proposal.tree.max_depth)
         if self.adaptive or len(self.costs) > 1:
-            self.costs[self.method].observe(self.rows_computed, decision.width, seconds)
+            self.costs[self.method].observe(self.rows_computed, width, seconds)
         accepted = np.asarray(state.host.num_accepted)
-        self.acceptance[self.method].update(self.allowed, accepted)
+        self.acceptance[self.method].update(self.allowed, accepted, depths)
         drafted = self.allowed > 0
         self.histogram[np.arange(len(self.active)), np.asarray(decision.limits)] += self.active
         self.method_steps[self.method] += drafted

@@ -10,7 +10,10 @@ predicted wall time of a step whose widest row drafts w tokens (draft and verify
    shares a step: a plain step emits B tokens in `step_time[0]`, one more position per row costs
    `step_time[j] - step_time[j - 1]` for B slots). The row keeps the prefix with the largest net gain.
 2. The step's width: among the allowed widths w, the one with the most expected tokens per second,
-   `sum_b E_b(min(w, L_b)) / step_time[w]`; width 0 is the plain step.
+   `sum_b E_b(min(w, L_b)) / step_time[w]`; width 0 is the plain step. A proposer that drafts on the host drafts
+   for row b only some of the time (`draft_rate[b]`, an n-gram lookup finds a match or not): its expected
+   tokens are weighed by that rate, and the step costs `step_time[w]` only when some row drafts, `step_time[0]`
+   otherwise (a row's own length is the same either way: gain and cost both come only with a draft).
 3. Rows that have not drafted for a while probe (they draft `probe_length` tokens), so a row whose text becomes
    predictable turns speculation back on.
 """
@@ -68,18 +71,29 @@ def decide(
     # the widths a step may take (0 included), ascending
     widths: Sequence[int],
     probe_length: int,
+    # [B]: how often each row drafts when allowed (None: always)
+    draft_rate: np.ndarray | None = None,
 ) -> Decision:
     batch, max_k = acceptance.shape
     active_rows = np.asarray(active, dtype=bool)
     probing = np.asarray(probe, dtype=bool) & active_rows
     widths = [w for w in widths if w <= max_k]
-    accepted = expected_accepted(acceptance)  # [B, K + 1]
+    rate_of_draft = np.ones(batch) if draft_rate is None else np.clip(draft_rate, 0.0, 1.0)
+    accepted = expected_accepted(acceptance) * rate_of_draft[:, None]  # [B, K + 1]
     own = np.where(active_rows, row_lengths(acceptance, step_time), 0)
     rows = np.arange(batch)
+
+    def expected(limits: np.ndarray, width: int) -> tuple[float, float]:
+        """Expected tokens and time of a step with these limits and width."""
+        tokens = float(((1.0 + accepted[rows, limits]) * active_rows).sum())
+        drafts_somewhere = 1.0 - float(np.prod(np.where((limits > 0) & active_rows, 1.0 - rate_of_draft, 1.0)))
+        time = float(step_time[0]) + drafts_somewhere * float(step_time[width] - step_time[0])
+        return tokens, time
+
     best_width, best_rate = 0, -1.0
     for w in widths:
-        tokens = float(((1.0 + accepted[rows, np.minimum(own, w)]) * active_rows).sum())
-        rate = tokens / max(float(step_time[w]), 1e-12)
+        tokens, time = expected(np.minimum(own, w), w)
+        rate = tokens / max(time, 1e-12)
         if rate > best_rate * (1.0 + 1e-9):  # the narrower width wins a tie
             best_width, best_rate = w, rate
     limits = np.minimum(own, best_width)
@@ -89,13 +103,8 @@ def decide(
     if width and widths:  # round up to an allowed width (a fixed set of shapes)
         width = min((w for w in widths if w >= width), default=max(widths))
         limits = np.minimum(limits, width)
-    expected = accepted[rows, limits] * active_rows
-    return Decision(
-        width=width,
-        limits=tuple(int(x) for x in limits),
-        expected_tokens=float((expected + active_rows).sum()),
-        expected_time=float(step_time[width]),
-    )
+    tokens, time = expected(limits, width)
+    return Decision(width=width, limits=tuple(int(x) for x in limits), expected_tokens=tokens, expected_time=time)
 
 
 def width_ladder(max_k: int) -> tuple[int, ...]:

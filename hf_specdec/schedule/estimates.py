@@ -28,11 +28,19 @@ REFIT_SAMPLES = 8
 class AcceptanceEstimate:
     """Per row and draft position: an exponential moving average of whether the draft there was accepted, updated
     only where the row drafted and every earlier draft was accepted (where the outcome was observed). A position
-    the row was allowed but did not draft (the proposer found nothing) counts as not accepted: the estimate is of
-    what asking for k tokens brings."""
+    never observed yet takes the estimate of the position before it (a row that drafts one token well is expected
+    to draft the next about as well, not at an optimistic prior), and starts its average from there.
+
+    Proposers that draft on the host (n-gram lookup, suffix decoding) report how deep each row really drafted: a
+    row allowed k tokens that found no match drafted nothing, and its step was a plain one. Positions it did not
+    draft are not observed; instead `draft_rate` (per row, a moving average of whether it drafted when allowed)
+    says how often asking brings a draft at all."""
 
     def __init__(self, batch_size: int, max_k: int) -> None:
-        self.values = np.full((batch_size, max_k), ACCEPTANCE_PRIOR)
+        self.raw = np.full((batch_size, max_k), ACCEPTANCE_PRIOR)  # the averages, at observed positions
+        self.seen = np.zeros((batch_size, max_k), dtype=bool)
+        self.values = self.raw.copy()  # [B, K]: the estimates (observed averages, carried to unobserved positions)
+        self.draft_rate = np.ones(batch_size)  # [B]
 
     def update(
         self,
@@ -40,14 +48,25 @@ class AcceptanceEstimate:
         allowed: Sequence[int],
         # per row: drafts accepted
         accepted: Sequence[int],
+        # per row: the depth it drafted (at most `allowed`), where the proposer reports it; None: as allowed
+        drafted: Sequence[int] | None = None,
     ) -> None:
+        allowed_rows = np.asarray(allowed)
+        drafted_rows = allowed_rows if drafted is None else np.minimum(np.asarray(drafted), allowed_rows)
+        asked = allowed_rows > 0
+        self.draft_rate = np.where(asked, (1 - ACCEPTANCE_RATE) * self.draft_rate
+                                   + ACCEPTANCE_RATE * (drafted_rows > 0), self.draft_rate)
         positions = np.arange(self.values.shape[1])[None, :]
-        allowed_rows = np.asarray(allowed)[:, None]
         accepted_rows = np.asarray(accepted)[:, None]
-        observed = (positions < allowed_rows) & (positions <= accepted_rows)
+        observed = (positions < drafted_rows[:, None]) & (positions <= accepted_rows)
         outcome = (positions < accepted_rows).astype(float)
-        self.values = np.where(observed, (1 - ACCEPTANCE_RATE) * self.values + ACCEPTANCE_RATE * outcome,
-                               self.values)
+        start = np.where(self.seen, self.raw, self.values)
+        self.raw = np.where(observed, (1 - ACCEPTANCE_RATE) * start + ACCEPTANCE_RATE * outcome, self.raw)
+        self.seen |= observed
+        values = self.raw.copy()
+        for j in range(1, values.shape[1]):
+            values[:, j] = np.where(self.seen[:, j], values[:, j], values[:, j - 1])
+        self.values = values
 
 
 class CostTable:

@@ -7,6 +7,7 @@ verification uses to pick the cheaper chain arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -20,6 +21,9 @@ from hf_specdec.tree.tree import TokenTree, template_tensors
 @dataclass(frozen=True)
 class Proposal:
     tree: TokenTree
+    # per row, the depth of its deepest draft node, where the proposer drafts on the host and so knows it (n-gram
+    # lookup, suffix decoding: a row with no match drafts nothing); None: every row drafted as deep as it was allowed
+    host_depths: tuple[int, ...] | None = None
 
     @classmethod
     def chain(
@@ -63,7 +67,12 @@ class Proposal:
         """No draft: the step verifies each row's last committed token alone (the prefill's first token is chosen
         this way too)."""
         none = state.lengths.new_zeros(state.batch_size, 0)
-        return cls.chain(state.last_tokens(), none, none.new_zeros(state.batch_size), dense=True)
+        chain = cls.chain(state.last_tokens(), none, none.new_zeros(state.batch_size), dense=True)
+        return dataclasses.replace(chain, host_depths=(0,) * state.batch_size)
+
+    def with_host_depths(self, depths) -> Proposal:
+        """This proposal, with each row's draft depth as the host knows it (see `host_depths`)."""
+        return dataclasses.replace(self, host_depths=tuple(int(d) for d in depths))
 
     @property
     def num_nodes(self) -> int:

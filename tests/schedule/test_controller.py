@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
@@ -25,8 +27,10 @@ class FakeClock:
         self.now += self.cost(width)
 
 
-def simulate(schedule: Schedule, batch: int, accept, steps: int, clock: FakeClock | None = None):
-    """Runs `steps` steps; `accept(step, limits)` gives each row's accepted count. Returns the limits per step."""
+def simulate(schedule: Schedule, batch: int, accept, steps: int, clock: FakeClock | None = None, drafted=None):
+    """Runs `steps` steps; `accept(step, limits)` gives each row's accepted count, `drafted(step, limits)` (None:
+    as allowed) each row's draft depth as a proposer drafting on the host reports it (the clock then charges the
+    deepest). Returns the limits per step."""
     state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
                               pad_token_id=0)
     schedule.start(batch)
@@ -39,12 +43,14 @@ def simulate(schedule: Schedule, batch: int, accept, steps: int, clock: FakeCloc
         assert state.host_draft_budget() == list(decision.limits)
         assert state.draft_budget().tolist() == list(decision.limits)
         limits = list(decision.limits)
+        depths = None if drafted is None else [min(d, k) for d, k in zip(drafted(step, limits), limits)]
+        width = decision.width if depths is None else max(depths)
         if clock is not None:
-            clock.run_step(decision.width)
-        accepted = [min(a, k) for a, k in zip(accept(step, limits), limits)]
+            clock.run_step(width)
+        accepted = [min(a, k) for a, k in zip(accept(step, limits), depths or limits)]
         host = state.host
         state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted)
-        schedule.observe(state)
+        schedule.observe(state, SimpleNamespace(host_depths=depths, tree=SimpleNamespace(max_depth=width)))
         assert state.draft_limits is None  # the limits last one step
         history.append(limits)
     return np.array(history)
@@ -152,3 +158,17 @@ def test_probes_of_a_large_batch_do_not_keep_every_step_drafting():
     history = simulate(_schedule(CostTable(), clock=clock), 16, accept, steps=200, clock=clock)
     steps_drafting = (history[40:].max(axis=1) > 0).mean()
     assert steps_drafting < 0.35, steps_drafting
+
+
+def test_a_lookup_that_rarely_finds_a_match_keeps_asking():
+    """An n-gram row finds a match one step in five (then every draft is accepted) and each drafted position costs
+    a tenth of a plain step: a step without a match is a plain one, so asking costs nothing then; the schedule
+    keeps allowing drafts instead of turning off on the steps that found nothing."""
+    rng = np.random.default_rng(3)
+    matches = rng.random(300) < 0.2
+    clock = FakeClock(lambda width: 1.0 + 0.1 * width)
+    history = simulate(_schedule(CostTable(), clock=clock), 1, lambda step, limits: [99], steps=300, clock=clock,
+                       drafted=lambda step, limits: [99 if matches[step] else 0])
+    assert (history[20:] > 0).mean() > 0.9, history.ravel().tolist()
+    assert history[20:].mean() > 3
+

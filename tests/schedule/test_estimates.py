@@ -18,19 +18,34 @@ from hf_specdec.schedule.estimates import (
 
 def test_acceptance_updates_only_observed_positions():
     estimate = AcceptanceEstimate(3, 4)
-    # row 0: 4 allowed, 2 accepted (positions 1-2 accepted, 3 rejected, 4 unobserved); row 1: none allowed;
-    # row 2: 2 allowed, both accepted
+    # row 0: 4 allowed, 2 accepted (positions 1-2 accepted, 3 rejected, 4 unobserved: it carries position 3's);
+    # row 1: none allowed; row 2: 2 allowed, both accepted (positions 3-4 carry position 2's)
     estimate.update([4, 0, 2], [2, 0, 2])
     p, up, down = ACCEPTANCE_PRIOR, 0.7 * ACCEPTANCE_PRIOR + 0.3, 0.7 * ACCEPTANCE_PRIOR
-    np.testing.assert_allclose(estimate.values, [[up, up, down, p], [p] * 4, [up, up, p, p]])
+    np.testing.assert_allclose(estimate.values, [[up, up, down, down], [p] * 4, [up] * 4])
+    # a first observation at a carried position starts from the carried estimate, not the prior
+    estimate.update([0, 0, 3], [0, 0, 3])
+    assert estimate.values[2, 2] == 0.7 * up + 0.3 and estimate.values[2, 3] == estimate.values[2, 2]
 
 
-def test_allowed_but_undrafted_counts_as_rejected():
-    """A row allowed k tokens that drafted none (no n-gram match) accepted 0: position 1 was a miss."""
+def test_allowed_and_drafted_but_rejected_counts_as_rejected():
+    """A model drafter drafts what it is allowed: a row allowed 2 tokens that accepted none missed position 1."""
     estimate = AcceptanceEstimate(1, 2)
     for _ in range(20):
         estimate.update([2], [0])
-    assert estimate.values[0, 0] < 0.01 and estimate.values[0, 1] == ACCEPTANCE_PRIOR
+    assert estimate.values[0, 0] < 0.01 and estimate.values[0, 1] == estimate.values[0, 0]
+    assert estimate.draft_rate[0] == 1.0
+
+
+def test_positions_not_drafted_are_not_observed():
+    """An n-gram row allowed 3 tokens that found no match drafted nothing: its estimates stand, its draft rate
+    falls; one that found 1 token, accepted, observed position 1 only."""
+    estimate = AcceptanceEstimate(2, 3)
+    for _ in range(20):
+        estimate.update([3, 3], [0, 1], drafted=[0, 1])
+    np.testing.assert_allclose(estimate.values[0], [ACCEPTANCE_PRIOR] * 3)
+    assert estimate.draft_rate[0] < 0.01 and estimate.draft_rate[1] == 1.0
+    assert estimate.values[1, 0] > 0.99 and not estimate.seen[1, 1:].any()
 
 
 def test_cost_prediction_from_measurements():

@@ -31,6 +31,7 @@ def mixed_priors(monkeypatch):
         make(self, batch_size, max_k)
         priors = np.array([0.0, 0.3, 0.95])[np.arange(batch_size) % 3]
         self.values = priors[:, None] * np.ones((1, max_k))
+        self.raw = self.values.copy()
 
     monkeypatch.setattr(estimates.AcceptanceEstimate, "__init__", init)
 
@@ -89,7 +90,7 @@ def cycled_widths(monkeypatch):
     """The schedule's decision forced through WIDTH_CYCLE: every width from none to k, and plain steps in a row."""
     steps = itertools.count()
 
-    def forced(acceptance, step_time, active, probe, widths, probe_length):
+    def forced(acceptance, step_time, active, probe, widths, probe_length, draft_rate=None):
         width = WIDTH_CYCLE[next(steps) % len(WIDTH_CYCLE)]
         rows = np.arange(len(active))
         limits = np.where(np.asarray(active, dtype=bool), np.where(rows % 3 == 1, max(width - 1, 0), width), 0)
