@@ -92,10 +92,9 @@ class Schedule:
         rows = np.arange(len(active))
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in self.step_times(rows_computed).items():
-            acceptance = self.acceptance[method].values
-            accepted = expected_accepted(acceptance)  # [B, K + 1]
+            accepted = expected_accepted(self.acceptance[method].values)  # [B, K + 1]
             if self.adaptive:
-                decision = decide(acceptance, step_time, active, probe, widths, min(PROBE_LENGTH, cap))
+                decision = decide(accepted, step_time, active, probe, widths, min(PROBE_LENGTH, cap))
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
                 limits = np.where(active, width, 0)
