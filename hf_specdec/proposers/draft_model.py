@@ -29,7 +29,7 @@ from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import draft_distribution, fit_vocab, sample, warp
+from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
@@ -261,11 +261,9 @@ class DraftModelProposer(Proposer):
         logits: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row, and its distribution over the target vocabulary (None when greedy)."""
-        scores = fit_vocab(logits.float(), self.target_vocab)
-        if not self.sampling.do_sample:
-            return scores.argmax(dim=-1), None
-        probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
-        return sample(probs, self.sampling.generator), probs
+        sampling = self.sampling
+        return draw_draft(fit_vocab(logits.float(), self.target_vocab), sampling.do_sample, sampling.warpers,
+                          sampling.generator)
 
     def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates. Each
