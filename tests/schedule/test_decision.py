@@ -69,7 +69,8 @@ def test_probes_draft_where_estimates_say_no():
 
 def test_finished_rows_get_nothing():
     acceptance = np.full((2, 3), 0.9)
-    decision = decide(expected_accepted(acceptance), 1.0 + 0.01 * np.arange(4), [True, False], [False, True], [0, 1, 2, 3], 2)
+    decision = decide(expected_accepted(acceptance), 1.0 + 0.01 * np.arange(4), [True, False], [False, True],
+                      [0, 1, 2, 3], 2)
     assert decision.limits == (3, 0)
     assert decision.expected_tokens == pytest.approx(1 + 0.9 + 0.81 + 0.729)
 
