@@ -8,7 +8,8 @@ draws from, but it is one elementwise pass and an argmax, where `multinomial` ch
 syncs per call on CUDA). The noise comes from the caller's `torch.Generator`, so seeded runs repeat.
 
 `prefix_free` names the user's logits processors that depend on the scores alone: a drafter applies those to its
-own logits (`warp`), so it samples from the same warped law the target uses (`draft_distribution`).
+own logits (`warp`), so it samples from the same warped law the target uses (`draft_distribution`, drawn from by
+`draw_draft`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,21 @@ def draft_distribution(
     """[..., V]: the softmax of the warped scores, on the generator's device (what a drafter `sample`s from)."""
     probs = torch.softmax(warp(scores, warpers), dim=-1)
     return probs if generator is None else probs.to(generator.device)
+
+
+def draw_draft(
+    # [..., V] float: a drafter's scores, unwarped
+    scores: torch.Tensor,
+    do_sample: bool,
+    warpers: LogitsProcessorList,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's token per row ([...]) and the distribution it was drawn from ([..., V], None when greedy): the
+    scores' argmax when greedy, else a `sample` from `draft_distribution`."""
+    if not do_sample:
+        return scores.argmax(dim=-1), None
+    probs = draft_distribution(scores, warpers, generator)
+    return sample(probs, generator), probs
 
 
 def fit_vocab(

@@ -280,36 +280,35 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
 
 def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads: dict | None = None,
                  early_exit_layer: int | None = None, tree_nodes: int | None = None,
-                 schedule: str = "adaptive") -> Callable[..., torch.Tensor]:
+                 schedule: str = "adaptive") -> tuple[Callable[..., torch.Tensor], SpeculativeConfig | None]:
+    """The case's generate call, and hf_specdec's config it runs with (None for plain and transformers' methods)."""
     if case == "plain":
-        return lambda ids, **kw: target.generate(ids, **kw)
+        return lambda ids, **kw: target.generate(ids, **kw), None
     if case == "hf-assistant":
         draft.generation_config.num_assistant_tokens = k
         draft.generation_config.num_assistant_tokens_schedule = "constant"
         draft.generation_config.assistant_confidence_threshold = 0.0
-        return lambda ids, **kw: target.generate(ids, assistant_model=draft, **kw)
+        return lambda ids, **kw: target.generate(ids, assistant_model=draft, **kw), None
     if case == "hf-lookup":
         return lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=k,
-                                                 max_matching_ngram_size=PROMPT_LOOKUP_MAX, **kw)
+                                                 max_matching_ngram_size=PROMPT_LOOKUP_MAX, **kw), None
     if case == "hf-early-exit":
         return lambda ids, **kw: target.generate(ids, assistant_early_exit=early_exit_layer, num_assistant_tokens=k,
                                                  num_assistant_tokens_schedule="constant",
-                                                 assistant_confidence_threshold=0.0, **kw)
+                                                 assistant_confidence_threshold=0.0, **kw), None
     config = _speculative_config(case, draft, k, tree_width, heads, tree_nodes, schedule, early_exit_layer)
 
     def generate(ids, **kw):
         return hf_specdec.generate(target, ids, speculative=config, **SPECULATIVE_OUTPUTS, **kw)
 
-    generate.suffix_cache = config.suffix_cache
-    return generate
+    return generate, config
 
 
-def _empty_suffix_cache(generate: Callable[..., Any]) -> None:
+def _empty_suffix_cache(config: SpeculativeConfig | None) -> None:
     """Suffix cases start every pass over the prompts with an empty cache: each pass sees the same requests in the
     same order, later ones drafting from the outputs of earlier ones in the pass."""
-    cache = getattr(generate, "suffix_cache", None)
-    if cache is not None:
-        cache.clear()
+    if config is not None and config.suffix_cache is not None:
+        config.suffix_cache.clear()
 
 
 def _add_counts(total: list[int], counts: list[int]) -> list[int]:
@@ -320,8 +319,8 @@ def _add_counts(total: list[int], counts: list[int]) -> list[int]:
 def _measure(case: str, category: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft,
              kwargs, references, repeats: int, heads=None, early_exit_layer: int | None = None,
              tree_nodes: int | None = None, schedule: str = ""):
-    generate = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer, tree_nodes,
-                            schedule or "adaptive")
+    generate, config = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer, tree_nodes,
+                                    schedule or "adaptive")
     if kwargs.get("do_sample"):
         generate = _seeded(generate)
     m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, category=category,
@@ -331,7 +330,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     if case == "early_exit":  # the target's first layers, timed apart from the target's own forwards
         drafter = early_exit_draft(target, early_exit_layer)
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(drafter)
-    _empty_suffix_cache(generate)
+    _empty_suffix_cache(config)
     start = time.perf_counter()
     try:  # instrumented run: counts, component costs, statistics, and the output check
         for index, (ids, mask) in enumerate(batches):
@@ -362,7 +361,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     m.draft_forwards, m.draft_forward_seconds = draft_timer.calls, draft_timer.seconds
     timings = []
     for _ in range(repeats):
-        _empty_suffix_cache(generate)
+        _empty_suffix_cache(config)
         start = time.perf_counter()
         for ids, mask in batches:
             generate(ids, attention_mask=mask, **kwargs)
@@ -383,7 +382,6 @@ def _seeded(generate: Callable[..., Any]) -> Callable[..., Any]:
         torch.manual_seed(0)
         return generate(ids, **kw)
 
-    call.suffix_cache = getattr(generate, "suffix_cache", None)
     return call
 
 
@@ -716,7 +714,7 @@ def run(args: argparse.Namespace) -> int:
             batches = list(_batches(tokenizer, ids, batch_size, state.device))
             if not batches:
                 continue
-            generate = _generate_fn("plain", target, draft, None)
+            generate, _ = _generate_fn("plain", target, draft, None)
             generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
             greedy_references = None if kwargs["do_sample"] else references.get((category, batch_size))
             m, outputs = _measure(case, category, batch_size, k, tree_width, batches, target, draft, kwargs,

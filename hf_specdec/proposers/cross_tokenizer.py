@@ -33,6 +33,7 @@ import torch
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer
+from hf_specdec.proposers.host_text import HostText
 from hf_specdec.sampling import draft_distribution, sample
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
@@ -99,10 +100,8 @@ def continuation_ids(tokenizer, tail: str, text: str) -> list[int]:
 
 @dataclass
 class RowText:
-    """One row's text as the draft reads it (host)."""
+    """One row's text as the draft reads it (host); the row's target tokens are in the proposer's `HostText`."""
 
-    target: list[int]  # the row's target tokens (prompt without padding, then what it emitted)
-    end: int  # the row's length in the engine's sequences when last read
     read: int  # target tokens already turned into draft tokens
     tail: str  # the last characters of the text the draft read
     draft: list[int]  # the draft's tokens of that text
@@ -137,20 +136,19 @@ class CrossTokenizerProposer(Proposer):
                                          vocab_size(self.draft)).to(self.draft.device)
         self.draft_vocab = len(self.draft_tokenizer)
         self.cache = RaggedKVCache(self.draft)
+        self.text: HostText | None = None  # the target's tokens of every row
         self.rows: list[RowText] = []
         self._fed_host: list[int] = []  # draft tokens each row fed at the start of this step
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
-        prompt = state.sequences[:, : state.prompt_length].tolist()  # once per call, at the prompt
-        real = [[True] * state.prompt_length] * state.batch_size if attention_mask is None else (
-            attention_mask.bool().tolist())
+        self.text = HostText(state, attention_mask)  # the prompt without its padding, left or right
         self.rows = []
-        for tokens, keep in zip(prompt, real):
-            ids = [t for t, r in zip(tokens, keep) if r]
+        for b in range(state.batch_size):
+            ids = self.text.row(b).tolist()
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             draft = self.draft_tokenizer.encode(text, add_special_tokens=True) or self._fallback_ids()
-            self.rows.append(RowText(target=ids, end=state.prompt_length, read=len(ids),
-                                     tail=text[-TAIL_CHARACTERS:], draft=draft, cached=len(draft) - 1))
+            self.rows.append(RowText(read=len(ids), tail=text[-TAIL_CHARACTERS:], draft=draft,
+                                     cached=len(draft) - 1))
         width = max(row.cached for row in self.rows)
         device = self.draft.device
         ids = torch.zeros(state.batch_size, width, dtype=torch.long)
@@ -170,20 +168,18 @@ class CrossTokenizerProposer(Proposer):
 
     def _catch_up(self, state: DecodeState) -> None:
         """Turn the target tokens emitted since the last proposal into draft tokens (host)."""
-        host = state.host
+        added_tokens = self.text.catch_up(state)
         for b, row in enumerate(self.rows):
-            new = host.lengths[b] - row.end
-            if host.finished[b] or new <= 0:
+            if state.host.finished[b] or not added_tokens[b].size:
                 continue
-            row.target.extend(int(t) for t in host.emitted[b, :new])
-            row.end = host.lengths[b]
+            target = self.text.row(b)
             start = max(0, row.read - LOOKBEHIND_TOKENS)
-            before = self.tokenizer.decode(row.target[start: row.read], skip_special_tokens=True)
-            text = self.tokenizer.decode(row.target[start:], skip_special_tokens=True)
+            before = self.tokenizer.decode(target[start: row.read].tolist(), skip_special_tokens=True)
+            text = self.tokenizer.decode(target[start:].tolist(), skip_special_tokens=True)
             if text.endswith(REPLACEMENT) or not text.startswith(before):
                 continue  # an incomplete character: wait for the tokens that complete it
             added = text[len(before):]
-            row.read = len(row.target)
+            row.read = len(target)
             if added:
                 row.draft.extend(continuation_ids(self.draft_tokenizer, row.tail, added))
                 row.tail = (row.tail + added)[-TAIL_CHARACTERS:]
@@ -267,7 +263,7 @@ class CrossTokenizerProposer(Proposer):
             if budget[b] == 0:
                 continue
             text = self.draft_tokenizer.decode(drafted_host[b], skip_special_tokens=True).rstrip(REPLACEMENT)
-            tail = self.tokenizer.decode(row.target[-LOOKBEHIND_TOKENS:], skip_special_tokens=True)
+            tail = self.tokenizer.decode(self.text.row(b)[-LOOKBEHIND_TOKENS:].tolist(), skip_special_tokens=True)
             ids = [t for t in continuation_ids(self.tokenizer, tail, text) if t < self.target_vocab][: budget[b]]
             drafts[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             counts[b] = len(ids)

@@ -21,13 +21,15 @@ id the target lacks, and ids the draft lacks get draft probability 0.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import draft_distribution, fit_vocab, sample, warp
+from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
@@ -191,8 +193,7 @@ class DraftModelProposer(Proposer):
             tokens.append(token)
             probs.append(token_probs)
         target_device = state.sequences.device
-        slots = torch.arange(-1, self._num_drafted, device=target_device)  # node d: slot d - 1; the root has none
-        self._node_slots = torch.where(slots < self._num_drafted - 1, slots, -1).expand(state.batch_size, -1)
+        self._node_slots = _chain_slots(self._num_drafted, target_device).expand(state.batch_size, -1)
         drafts = torch.stack(tokens, dim=1)
         draft_probs = None if probs[0] is None else torch.stack(probs, dim=1).to(target_device)
         return Proposal.chain(state.last_tokens(), drafts.to(target_device), budget, draft_probs, dense=dense)
@@ -205,7 +206,7 @@ class DraftModelProposer(Proposer):
                           for length, seen, done in zip(host.lengths, self.cached_host, host.finished)]
         fed = torch.where(state.finished, 0, state.lengths - self.cached_lengths)  # >= 1 for unfinished rows
         width = self._feed_width = self._max_feed() if self.fixed_shapes else max(1, max(self._fed_host, default=0))
-        column = torch.arange(width, device=fed.device)[None, :]
+        column = _arange(width, fed.device)[None, :]
         index = (self.cached_lengths[:, None] + column).clamp(max=state.sequences.shape[1] - 1)
         unseen = state.sequences.gather(1, index)
         device = self.draft.device
@@ -226,29 +227,24 @@ class DraftModelProposer(Proposer):
         first = self._scores(logits).topk(width, dim=-1).indices  # [B, w]
         levels = [first.to(state.sequences.device)]
         level_probs = [None if not self.sampling.do_sample else _one_hot(levels[0], self.target_vocab)]
-        branch = torch.eye(width, dtype=torch.bool, device=device)
-        feed = torch.ones(width, self._feed_width, dtype=torch.bool, device=device)  # every fed token is an ancestor
         hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
         fed = self._fed.to(device)[:, None]
         for d in range(1, depth):
             logits = self.cache.forward(
                 levels[-1].to(device),
                 (fed + d - 1).expand(-1, width),
-                visible=torch.cat([feed, branch.repeat(1, d)], dim=1).expand(batch, -1, -1),  # a branch sees its own
+                visible=_branch_visible(width, self._feed_width, d, device).expand(batch, -1, -1),
                 **self._draft_inputs(hidden, d),
             )
             hidden = self.cache.hidden_states
             tokens, probs = self._draw(logits.reshape(batch * width, -1))
             levels.append(tokens.reshape(batch, width).to(state.sequences.device))
             level_probs.append(None if probs is None else probs.reshape(batch, width, -1).to(state.sequences.device))
-        template = branch_template(width, depth)
-        node_depths = template_tensors(template, state.sequences.device).depths
-        # node (depth d, branch r) = 1 + (d - 1) * w + r sits in region slot (d - 1) * w + r if it was fed (d < depth)
-        slots = torch.arange(template.num_nodes, device=state.sequences.device) - 1
-        self._node_slots = torch.where((node_depths >= 1) & (node_depths < depth), slots, -1).expand(batch, -1)
+        self._node_slots = _branch_slots(width, depth, state.sequences.device).expand(batch, -1)
         root = state.last_tokens()[:, None]
         draft_probs = torch.cat(level_probs, dim=1) if self.sampling.do_sample else None
-        return Proposal.from_template(template, torch.cat([root, *levels], dim=1), budget, draft_probs)
+        return Proposal.from_template(branch_template(width, depth), torch.cat([root, *levels], dim=1), budget,
+                                      draft_probs)
 
     def _scores(
         self,
@@ -265,11 +261,9 @@ class DraftModelProposer(Proposer):
         logits: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row, and its distribution over the target vocabulary (None when greedy)."""
-        scores = fit_vocab(logits.float(), self.target_vocab)
-        if not self.sampling.do_sample:
-            return scores.argmax(dim=-1), None
-        probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
-        return sample(probs, self.sampling.generator), probs
+        sampling = self.sampling
+        return draw_draft(fit_vocab(logits.float(), self.target_vocab), sampling.do_sample, sampling.warpers,
+                          sampling.generator)
 
     def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates. Each
@@ -279,7 +273,7 @@ class DraftModelProposer(Proposer):
         candidates = Candidates(self._log_probs(logits), width)
         sees = torch.zeros(batch, 1 + width, 0, dtype=torch.bool, device=device)  # [B, nodes, slots after the feed]
         node_slots = torch.full((batch, 1 + width), -1, dtype=torch.long, device=device)
-        feed = torch.ones(batch, width, self._feed_width, dtype=torch.bool, device=device)  # fed tokens: ancestors
+        feed = _all_true(width, self._feed_width, device).expand(batch, -1, -1)  # fed tokens: ancestors
         fed = self._fed.to(device)[:, None]
         # [B, w, F]: the drafter's output at each frontier node's parent (None when the drafter keeps none)
         frontier_parent_hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
@@ -295,9 +289,9 @@ class DraftModelProposer(Proposer):
             own = torch.zeros(batch, sees.shape[1], width, dtype=torch.bool, device=device)
             # frontier node i sees the region slot it was just fed in (column i)
             own.scatter_(1, frontier[:, :, None].expand(-1, -1, width),
-                         torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1))
+                         _eye(width, device).expand(batch, -1, -1))
             sees = torch.cat([sees, own], dim=2)  # fed frontier nodes now see their own slot too
-            node_slots.scatter_(1, frontier, region + torch.arange(width, device=device).expand(batch, -1))
+            node_slots.scatter_(1, frontier, region + _arange(width, device).expand(batch, -1))
             best = candidates.expand(self._log_probs(logits.reshape(batch * width, -1)).reshape(batch, width, -1))
             parents = candidates.parents[-1]  # the new children's
             sees = torch.cat([sees, _rows(sees, parents)], dim=1)
@@ -320,7 +314,7 @@ class DraftModelProposer(Proposer):
         """Keep the fed tokens, then the accepted path's leading nodes that the draft fed (a node it never fed ends
         what it can keep): the cache moves them after each row's committed tokens."""
         path = result.path_nodes[:, 1:].to(self._node_slots.device)  # [B, D]: tree nodes along the walk
-        step = torch.arange(path.shape[1], device=path.device)[None, :]
+        step = _arange(path.shape[1], path.device)[None, :]
         slots = self._node_slots.gather(1, path)  # [B, D]: region slot after the feed, or -1
         fed = self._fed.to(path.device)
         kept_drafts = ((step < result.num_accepted.to(path.device)[:, None]) & (slots >= 0)).long().cumprod(1).sum(1)
@@ -341,7 +335,7 @@ class DraftModelProposer(Proposer):
             # slot i < fed: the feed; then the kept nodes' slots, after the feed. A row keeps at most the feed and
             # fed_depth nodes, so the move reads and writes no more columns than the region has; a column past a row's
             # kept slots reads any region slot (an unfed node's -1 gives the feed's last)
-            columns = torch.arange(self._feed_width + fed_depth, device=path.device)[None, :]
+            columns = _arange(self._feed_width + fed_depth, path.device)[None, :]
             along = (columns - fed[:, None]).clamp(min=0, max=max(fed_depth - 1, 0))
             node_slot = slots.gather(1, along) if fed_depth else torch.full_like(along, -1)
             sources = torch.where(columns < fed[:, None], columns, self._feed_width + node_slot)
@@ -359,7 +353,53 @@ def _rows(
     index: torch.Tensor,
 ) -> torch.Tensor:
     """values[b, index[b, k]] for every b, k: [B, K, ...]."""
-    return values[torch.arange(values.shape[0], device=values.device)[:, None], index]
+    return values[_arange(values.shape[0], values.device)[:, None], index]
+
+
+# Constant tensors a step reads, built once per shape and device (read only: never written in place).
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """[n]: 0, 1, ..., n - 1."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _eye(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] bool identity."""
+    return torch.eye(n, dtype=torch.bool, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _all_true(rows: int, columns: int, device: torch.device) -> torch.Tensor:
+    """[rows, columns] bool, all True."""
+    return torch.ones(rows, columns, dtype=torch.bool, device=device)
+
+
+@functools.lru_cache(maxsize=128)
+def _branch_visible(width: int, feed_width: int, depth: int, device: torch.device) -> torch.Tensor:
+    """[w, F + depth * w]: what each of w branches sees when its depth-`depth` token is fed: every fed token (an
+    ancestor), then its own branch's slot at each depth so far."""
+    return torch.cat([_all_true(width, feed_width, device), _eye(width, device).repeat(1, depth)], dim=1)
+
+
+@functools.lru_cache(maxsize=16)
+def _chain_slots(num_drafted: int, device: torch.device) -> torch.Tensor:
+    """[1 + n]: each chain node's region slot (draft d is fed at slot d - 1); -1 for the root and the last draft,
+    which are never fed."""
+    slots = torch.arange(-1, num_drafted, device=device)
+    return torch.where(slots < num_drafted - 1, slots, -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _branch_slots(width: int, depth: int, device: torch.device) -> torch.Tensor:
+    """[N]: each node's region slot in a tree of w branches of `depth` tokens: node (depth d, branch r) =
+    1 + (d - 1) * w + r sits in slot (d - 1) * w + r if it was fed (d < depth), else -1 (the root too)."""
+    template = branch_template(width, depth)
+    node_depths = template_tensors(template, device).depths
+    slots = torch.arange(template.num_nodes, device=device) - 1
+    return torch.where((node_depths >= 1) & (node_depths < depth), slots, -1)
 
 
 def _one_hot(

@@ -28,7 +28,7 @@ import torch
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.sampling import draft_distribution, fit_vocab, sample, warp
+from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.dynamic import Candidates
 from hf_specdec.tree.template import branch_template
@@ -102,15 +102,12 @@ class MlpSpeculatorProposer(Proposer):
         for stage in range(depth):
             if stage > 0:
                 current = self.speculator.advance(stage, current, tokens[-1])
-            scores = self._logits(stage, current)  # [B, V]
-            if self.sampling.do_sample:
-                stage_probs = draft_distribution(scores, self.sampling.warpers, self.sampling.generator)
-                tokens.append(sample(stage_probs, self.sampling.generator))
-                probs.append(stage_probs)
-            else:
-                tokens.append(scores.argmax(dim=-1))
+            token, stage_probs = draw_draft(self._logits(stage, current), self.sampling.do_sample,
+                                            self.sampling.warpers, self.sampling.generator)
+            tokens.append(token)
+            probs.append(stage_probs)
         device = state.sequences.device
-        draft_probs = torch.stack(probs, dim=1).to(device) if probs else None
+        draft_probs = torch.stack(probs, dim=1).to(device) if self.sampling.do_sample else None
         return Proposal.chain(state.last_tokens(), torch.stack(tokens, dim=1).to(device), budget, draft_probs,
                               dense=dense)
 

@@ -93,9 +93,10 @@ class Schedule:
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in self.step_times(rows_computed).items():
             estimate = self.acceptance[method]
-            accepted = expected_accepted(estimate.values) * estimate.draft_rate[:, None]  # [B, K + 1]
+            conditional = expected_accepted(estimate.values)  # [B, K + 1]: given a draft
+            accepted = conditional * estimate.draft_rate[:, None]
             if self.adaptive:
-                decision = decide(estimate.values, step_time, active, probe, widths, min(PROBE_LENGTH, cap),
+                decision = decide(conditional, step_time, active, probe, widths, min(PROBE_LENGTH, cap),
                                   estimate.draft_rate)
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it

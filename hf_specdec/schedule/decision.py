@@ -47,21 +47,22 @@ def expected_accepted(
 
 
 def row_lengths(
-    # [B, K]
-    acceptance: np.ndarray,
+    # [B, K + 1]: expected accepted drafts when drafting k = 0..K tokens (`expected_accepted`)
+    accepted: np.ndarray,
     # [K + 1]: predicted step time by width
     step_time: np.ndarray,
 ) -> np.ndarray:
     """[B] each row's own best draft length: the prefix whose expected accepted tokens exceed its cost the most
     (in tokens of a plain step; ties go to the shorter prefix)."""
     marginal = np.maximum(np.diff(step_time), 0.0) / max(float(step_time[0]), 1e-12)  # [K]
-    gain = expected_accepted(acceptance) - np.concatenate([[0.0], np.cumsum(marginal)])[None, :]
+    gain = accepted - np.concatenate([[0.0], np.cumsum(marginal)])[None, :]
     return gain.argmax(axis=1)  # argmax keeps the first of equal maxima
 
 
 def decide(
-    # [B, K]: conditional acceptance of each draft position, per row
-    acceptance: np.ndarray,
+    # [B, K + 1]: expected accepted drafts per row when drafting k = 0..K tokens (`expected_accepted` of each
+    # row's conditional acceptance per draft position)
+    accepted: np.ndarray,
     # [K + 1]: predicted wall time of a step of each width 0..K at this batch size
     step_time: np.ndarray,
     # [B]: rows generating this step
@@ -74,13 +75,13 @@ def decide(
     # [B]: how often each row drafts when allowed (None: always)
     draft_rate: np.ndarray | None = None,
 ) -> Decision:
-    batch, max_k = acceptance.shape
+    batch, max_k = accepted.shape[0], accepted.shape[1] - 1
     active_rows = np.asarray(active, dtype=bool)
     probing = np.asarray(probe, dtype=bool) & active_rows
     widths = [w for w in widths if w <= max_k]
+    own = np.where(active_rows, row_lengths(accepted, step_time), 0)
     rate_of_draft = np.ones(batch) if draft_rate is None else np.clip(draft_rate, 0.0, 1.0)
-    accepted = expected_accepted(acceptance) * rate_of_draft[:, None]  # [B, K + 1]
-    own = np.where(active_rows, row_lengths(acceptance, step_time), 0)
+    accepted = accepted * rate_of_draft[:, None]  # expected accepted drafts, asking for k = 0..K
     rows = np.arange(batch)
 
     def expected(limits: np.ndarray, width: int) -> tuple[float, float]:

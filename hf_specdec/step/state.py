@@ -142,7 +142,7 @@ class DecodeState:
             self.limit_buffer = buffer.pin_memory() if self.lengths.device.type == "cuda" else buffer
         # refilling is safe: the previous step's copy out of the buffer finished before that step's host sync
         # (`report`) returned; on the CPU the buffer is itself the step's tensor, read only within the step
-        self.limit_buffer.copy_(torch.tensor(limits, dtype=self.limit_buffer.dtype))
+        self.limit_buffer.numpy()[:] = limits  # written in place through its host view: no tensor built per step
         self.draft_limit_tensor = self.limit_buffer.to(self.lengths.device, non_blocking=True)
 
     def report(

@@ -19,7 +19,7 @@ from transformers import LlamaForCausalLM, PreTrainedModel
 
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 from hf_specdec.pruned_draft import load_pruned_draft
-from hf_specdec.testbed.loading import COMMITTED_HEADS, heads_dir, testbed_dir
+from hf_specdec.testbed.loading import heads_dir, testbed_dir
 
 MODELS = ("testbed", "smollm2")
 KINDS = ("draft", "medusa", "eagle", "eagle3", "mlp_speculator")
@@ -32,16 +32,14 @@ HEAD_CLASSES = {"medusa": MedusaHeads, "eagle": EagleHead, "eagle3": EagleHead, 
 
 
 def drafter_dir(model: str, kind: str) -> Path:
-    """The committed folder of one drafter (it may not exist: `has_drafter` says)."""
+    """The committed folder of one drafter (it may not exist: `has_drafter` says; the test bed's heads raise
+    `FileNotFoundError` then)."""
     if model not in MODELS:
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     if model == "testbed":
-        if kind == "draft":
-            return testbed_dir() / "draft"
-        # heads the test bed commits are checked by `heads_dir`; others (an MLP speculator) it has none of
-        return heads_dir(kind) if kind in COMMITTED_HEADS else testbed_dir().parent / "heads" / kind
+        return testbed_dir() / "draft" if kind == "draft" else heads_dir(kind)
     return testbed_dir().parent / "drafters" / "smollm2" / kind
 
 
@@ -55,10 +53,10 @@ def has_drafter(model: str, kind: str) -> bool:
 
 def load_drafter(model: str, kind: str, target: PreTrainedModel):
     """The committed drafter of `kind` for `model`, in the target's dtype and on its device, in eval mode."""
-    if not has_drafter(model, kind):
-        raise FileNotFoundError(f"no committed {kind} drafter for {model!r} at {drafter_dir(model, kind)}; train "
-                                f"one with `hf-specdec train` (see that folder's README) or pass your own")
     folder = drafter_dir(model, kind)
+    if not has_drafter(model, kind):
+        raise FileNotFoundError(f"no committed {kind} drafter for {model!r} at {folder}; train one with "
+                                "`hf-specdec train` (see that folder's README) or pass your own")
     if kind == "draft":
         if model == "smollm2":
             return load_pruned_draft(folder, target)

@@ -47,19 +47,21 @@ def load_testbed(
     return tokenizer, models[0], models[1]
 
 
-COMMITTED_HEADS = ("medusa", "eagle", "eagle3")
+# each kind of heads for the test-bed target, and the `hf-specdec train` method that trains it (the repository
+# commits Medusa, EAGLE-1/2 and EAGLE-3 heads)
+HEAD_TRAINERS = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle", "mlp_speculator": "mlp_speculator"}
 
 
 def heads_dir(kind: str) -> Path:
-    """The committed heads of one kind (Medusa, EAGLE-1/2, EAGLE-3) for the test-bed target: ``heads/<kind>``
-    beside the test-bed folder."""
-    if kind not in COMMITTED_HEADS:
-        raise ValueError(f"kind: expected one of {COMMITTED_HEADS}, got {kind!r}")
+    """The test-bed target's heads of one kind (Medusa, EAGLE-1/2, EAGLE-3, MLP speculator): ``heads/<kind>``
+    beside the test-bed folder; a clear error when that folder holds none."""
+    if kind not in HEAD_TRAINERS:
+        raise ValueError(f"kind: expected one of {tuple(HEAD_TRAINERS)}, got {kind!r}")
     path = testbed_dir().parent / "heads" / kind
     if not (path / "adapter_config.json").is_file():
-        command = "hf-specdec train medusa" if kind == "medusa" else "hf-specdec train eagle"
+        readme = path / "README.md"
         raise FileNotFoundError(
-            f"no {kind} heads at {path} (expected adapter_config.json); train them with `{command}` "
-            f"(see examples/heads/{kind}/README.md)"
+            f"no {kind} heads at {path} (expected adapter_config.json); train them with "
+            f"`hf-specdec train {HEAD_TRAINERS[kind]}`" + (f" (see {readme})" if readme.is_file() else "")
         )
     return path

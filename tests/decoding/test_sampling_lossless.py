@@ -288,9 +288,13 @@ def test_power_speculator_drafts_drawn_from_another_law_are_caught(target, monke
     from a flattened law (the square root of it) but verified against the stated one come out biased, and the law
     test catches it."""
     from hf_specdec.proposers import mlp_speculator
+    from hf_specdec.sampling import draft_distribution, sample
 
-    draw = mlp_speculator.sample
-    monkeypatch.setattr(mlp_speculator, "sample", lambda probs, generator: draw(probs.sqrt(), generator))
+    def flattened(scores, do_sample, warpers, generator):
+        probs = draft_distribution(scores, warpers, generator)
+        return sample(probs.sqrt(), generator), probs
+
+    monkeypatch.setattr(mlp_speculator, "draw_draft", flattened)
     law = exact_law(target, TEMPERATURE)
     config = SpeculativeConfig(method="mlp_speculator", heads=_speculator(target), num_speculative_tokens=2, seed=17)
     assert not accepted(chi_square_pvalues(draws(target, TEMPERATURE, config), law))

@@ -66,8 +66,8 @@ def test_the_draft_reads_the_target_text(testbed, other_drafts, monkeypatch):
 
     def checking(self, state, result):
         commit(self, state, result)
-        for row in self.rows:
-            text = tokenizer.decode(row.target[: row.read], skip_special_tokens=True)
+        for b, row in enumerate(self.rows):
+            text = tokenizer.decode(self.text.row(b)[: row.read].tolist(), skip_special_tokens=True)
             assert self.draft_tokenizer.decode(row.draft, skip_special_tokens=True) == text
             assert len(row.draft) - row.cached >= 1
             checked.append(row.read)

@@ -12,7 +12,7 @@ def _decide(acceptance, slope, probe=None, widths=None, probe_length=2):
     acceptance = np.asarray(acceptance, dtype=float)
     batch, max_k = acceptance.shape
     step_time = 1.0 + slope * np.arange(max_k + 1)
-    return decide(acceptance, step_time, [True] * batch, probe or [False] * batch,
+    return decide(expected_accepted(acceptance), step_time, [True] * batch, probe or [False] * batch,
                   widths or list(range(max_k + 1)), probe_length)
 
 
@@ -37,7 +37,7 @@ def test_costly_positions_shorten_the_draft():
     prefix keeps 3 positions (reach >= 0.45); tokens per unit time, (1 + 0.8 + 0.64) / 1.9 = 1.284 at width 2
     against 2.952 / 2.35 = 1.256 at width 3, take 2."""
     acceptance = np.full((1, 5), 0.8)
-    assert row_lengths(acceptance, 1.0 + 0.45 * np.arange(6)).tolist() == [3]
+    assert row_lengths(expected_accepted(acceptance), 1.0 + 0.45 * np.arange(6)).tolist() == [3]
     assert _decide(acceptance, slope=0.45).width == 2
     assert _decide(acceptance, slope=0.9).width == 0  # not even the first position pays
 
@@ -58,7 +58,7 @@ def test_batch_wide_rate_decides_the_width():
     step when the width costs per row."""
     acceptance = np.vstack([np.full((1, 4), 0.9), np.zeros((15, 4))])
     step_time = np.array([1.0, 1.3, 1.6, 1.9, 2.2])  # a wide step costs the whole batch
-    decision = decide(acceptance, step_time, [True] * 16, [False] * 16, [0, 1, 2, 3, 4], 2)
+    decision = decide(expected_accepted(acceptance), step_time, [True] * 16, [False] * 16, [0, 1, 2, 3, 4], 2)
     assert decision.width == 0
 
 
@@ -69,7 +69,8 @@ def test_probes_draft_where_estimates_say_no():
 
 def test_finished_rows_get_nothing():
     acceptance = np.full((2, 3), 0.9)
-    decision = decide(acceptance, 1.0 + 0.01 * np.arange(4), [True, False], [False, True], [0, 1, 2, 3], 2)
+    decision = decide(expected_accepted(acceptance), 1.0 + 0.01 * np.arange(4), [True, False], [False, True],
+                      [0, 1, 2, 3], 2)
     assert decision.limits == (3, 0)
     assert decision.expected_tokens == pytest.approx(1 + 0.9 + 0.81 + 0.729)
 
@@ -89,3 +90,15 @@ def test_the_decision_reads_no_clock():
     """Same inputs, same decision (the rule is a pure function)."""
     acceptance = np.random.default_rng(0).uniform(size=(8, 5))
     assert _decide(acceptance, slope=0.1) == _decide(acceptance.copy(), slope=0.1)
+
+
+def test_a_row_that_rarely_drafts_costs_a_wide_step_only_when_it_drafts():
+    """A lookup that drafts one step in four: the same length as a drafter that always drafts (gain and cost come
+    only with a draft), a quarter of its expected extra tokens, and the wide step's extra time a quarter of the time."""
+    accepted = expected_accepted(np.full((1, 4), 0.9))
+    step_time = 1.0 + 0.2 * np.arange(5)
+    always = decide(accepted, step_time, [True], [False], range(5), 2)
+    rarely = decide(accepted, step_time, [True], [False], range(5), 2, draft_rate=np.array([0.25]))
+    assert rarely.limits == always.limits and always.width > 0
+    assert rarely.expected_time == pytest.approx(1.0 + 0.25 * (step_time[always.width] - 1.0))
+    assert rarely.expected_tokens == pytest.approx(1.0 + 0.25 * (always.expected_tokens - 1.0))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.testbed import drafters
-from hf_specdec.testbed.loading import load_testbed
+from hf_specdec.testbed.loading import heads_dir, load_testbed, testbed_dir
 
 
 def test_the_test_beds_drafters_load_in_the_targets_dtype():
@@ -29,3 +31,23 @@ def test_unknown_names_and_missing_drafters_are_clear_errors(monkeypatch, tmp_pa
     assert not drafters.has_drafter("smollm2", "eagle")
     with pytest.raises(FileNotFoundError, match="no committed eagle drafter for 'smollm2'"):
         drafters.load_drafter("smollm2", "eagle", torch.nn.Linear(1, 1))
+
+
+def test_every_head_kind_is_found_beside_the_test_bed(monkeypatch, tmp_path):
+    """`heads_dir` serves each kind of heads, committed or not: a kind without heads (the MLP speculator) is a
+    clear error naming the folder and the training command, and no drafter."""
+    assert heads_dir("eagle3") == testbed_dir().parent / "heads" / "eagle3"
+    with pytest.raises(ValueError, match="kind: expected one of .*'mlp_speculator'.*got 'lookahead'"):
+        heads_dir("lookahead")
+    monkeypatch.setenv("HF_SPECDEC_TESTBED", str(tmp_path / "testbed"))
+    (tmp_path / "testbed").mkdir()
+    folder = tmp_path / "heads" / "mlp_speculator"
+    with pytest.raises(FileNotFoundError, match=f"no mlp_speculator heads at {re.escape(str(folder))}.*train mlp_spec"):
+        heads_dir("mlp_speculator")
+    assert not drafters.has_drafter("testbed", "mlp_speculator")
+    with pytest.raises(FileNotFoundError, match="hf-specdec train mlp_speculator"):
+        drafters.load_drafter("testbed", "mlp_speculator", torch.nn.Linear(1, 1))
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text("{}")
+    assert drafters.drafter_dir("testbed", "mlp_speculator") == folder
+    assert drafters.has_drafter("testbed", "mlp_speculator")
