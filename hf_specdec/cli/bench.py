@@ -85,6 +85,10 @@ MATCHING_NATIVE = {"draft": "hf-assistant", "draft-xtok": "hf-uag", "ngram": "hf
                    "early_exit": "hf-early-exit"}
 # cases drafting with the draft under another tokenizer (`hf_specdec.testbed.other_tokenizer.permuted`)
 OTHER_TOKENIZER_CASES = ("draft-xtok", "hf-uag")
+# transformers' sampling path for another tokenizer (UniversalSpeculativeDecodingGenerator) fails when the draft's
+# vocabulary lies inside the target's, as the permuted one does: its translator reads assistant_overlap_token_ids,
+# which it sets only when some draft token is missing from the target's vocabulary
+GREEDY_ONLY_CASES = ("hf-uag",)
 # hybrid suffix cases and the case whose drafter they fall back to (with the same k)
 HYBRID_CASES = {"suffix+eagle": "eagle", "suffix+draft": "draft"}
 TESTBED_WORKLOADS = ("completion", "edit", "long")
@@ -229,7 +233,7 @@ def _methods(args: argparse.Namespace) -> list[str]:
         return given or (committed is not None and drafters.has_drafter(committed, kind))
 
     if args.methods is None:
-        return [c for c in CASES if has_drafter(c)]
+        return [c for c in CASES if has_drafter(c) and not (c in GREEDY_ONLY_CASES and args.temperature > 0)]
     for case in args.methods:
         if not has_drafter(case):
             base = HYBRID_CASES.get(case, case)
@@ -640,6 +644,11 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --categories is for --workload spec-bench, not {args.workload!r}")
     if args.temperature < 0:
         raise SystemExit(f"error: --temperature {args.temperature}: expected 0 (greedy) or more")
+    greedy_only = [case for case in args.methods or () if case in GREEDY_ONLY_CASES]
+    if args.temperature > 0 and greedy_only:
+        raise SystemExit(f"error: --method {greedy_only[0]} with --temperature {args.temperature}: transformers' "
+                         "sampling path for a draft with another tokenizer fails when every draft token is in the "
+                         "target's vocabulary, as in the permuted draft; run it greedy (--temperature 0)")
     if args.tree_nodes is not None and args.tree_nodes < 1:
         raise SystemExit(f"error: --tree-nodes {args.tree_nodes}: expected a node count >= 1")
     if args.early_exit_layer is not None and args.early_exit_layer < 1:

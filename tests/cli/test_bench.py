@@ -124,6 +124,8 @@ def test_plot_per_category_shows_each_case_at_its_best_setting():
         (["--categories", "qa"], "--categories is for --workload spec-bench, not 'completion'"),
         (["--model", "somewhere", "--method", "draft"], "--method draft with --model needs --draft"),
         (["--model", "somewhere", "--method", "eagle3"], "--method eagle3 with --model needs --eagle3-head"),
+        (["--model", "somewhere", "--method", "hf-uag"], "--method hf-uag with --model needs --draft"),
+        (["--method", "hf-uag", "--temperature", "0.7"], "--method hf-uag with --temperature 0.7: transformers' "),
     ],
 )
 def test_bad_options_are_refused_before_loading(argv, match):
