@@ -8,9 +8,12 @@ model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes, k * w 
 `suffix` (suffix decoding, k its most draft tokens a step) and the hybrids `suffix+eagle` / `suffix+draft` (suffix
 drafts where they score at least the fallback's k, the EAGLE-1/2 head's or the draft model's chain of k otherwise);
 each suffix case has a cache of its own, emptied before every pass over the prompts, so a pass measures requests
-drafting from the outputs of the requests before them in that pass. And transformers' native
-`hf-assistant` (`assistant_model=`, drafting exactly k tokens a round), `hf-lookup` (`prompt_lookup_num_tokens=k`)
-and `hf-early-exit` (`assistant_early_exit=`, the same layer and k as `early_exit`);
+drafting from the outputs of the requests before them in that pass; `draft-xtok` drafts (chains) with the draft model
+under another tokenizer: the target's with its ordinary tokens' ids shuffled and the draft's rows moved to match, its
+vocabulary padded (`hf_specdec.testbed.other_tokenizer.permuted`, built once per run). And transformers' native
+`hf-assistant` (`assistant_model=`, drafting exactly k tokens a round), `hf-uag` (universal assisted generation:
+the same with the draft of `draft-xtok` and `tokenizer=`, `assistant_tokenizer=`), `hf-lookup`
+(`prompt_lookup_num_tokens=k`) and `hf-early-exit` (`assistant_early_exit=`, the same layer and k as `early_exit`);
 the native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is
 checked against plain generate's. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
 
@@ -63,11 +66,12 @@ from hf_specdec.pruned_draft import load_pruned_draft
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.loading import testbed_dir
+from hf_specdec.testbed.other_tokenizer import permuted
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "draft", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator", "early_exit", "suffix",
-         "suffix+eagle", "suffix+draft", "auto", "hf-assistant", "hf-lookup", "hf-early-exit")
+CASES = ("plain", "draft", "draft-xtok", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator", "early_exit", "suffix",
+         "suffix+eagle", "suffix+draft", "auto", "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
 # hf_specdec's cases, which run under each --schedule
 SCHEDULED_CASES = tuple(case for case in CASES if case != "plain" and not case.startswith("hf-"))
 # an unpredictable workload: random token ids (nothing to look up, nothing a draft can guess)
@@ -75,15 +79,22 @@ RANDOM_WORKLOAD, RANDOM_PROMPT_TOKENS = "random", 48
 # cases drafting with heads, and the option naming their folder
 EARLY_EXIT_CASES = ("early_exit", "hf-early-exit")
 HEAD_CASES = {"medusa": "heads", "eagle": "eagle_head", "eagle3": "eagle3_head", "mlp_speculator": "mlp_speculator"}
-NATIVE_CASES = ("hf-assistant", "hf-lookup", "hf-early-exit")
+NATIVE_CASES = ("hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
 # each hf_specdec case and transformers' path it is compared with (same draft or lookup, same k, a chain)
-MATCHING_NATIVE = {"draft": "hf-assistant", "ngram": "hf-lookup", "early_exit": "hf-early-exit"}
+MATCHING_NATIVE = {"draft": "hf-assistant", "draft-xtok": "hf-uag", "ngram": "hf-lookup",
+                   "early_exit": "hf-early-exit"}
+# cases drafting with the draft under another tokenizer (`hf_specdec.testbed.other_tokenizer.permuted`)
+OTHER_TOKENIZER_CASES = ("draft-xtok", "hf-uag")
+# transformers' sampling path for another tokenizer (UniversalSpeculativeDecodingGenerator) fails when the draft's
+# vocabulary lies inside the target's, as the permuted one does: its translator reads assistant_overlap_token_ids,
+# which it sets only when some draft token is missing from the target's vocabulary
+GREEDY_ONLY_CASES = ("hf-uag",)
 # hybrid suffix cases and the case whose drafter they fall back to (with the same k)
 HYBRID_CASES = {"suffix+eagle": "eagle", "suffix+draft": "draft"}
 TESTBED_WORKLOADS = ("completion", "edit", "long")
 CHAT_WORKLOADS = ("spec-bench", "code", "repeat")
 OVERALL = "overall"
-NEEDS_DRAFT = ("draft", "hf-assistant", "suffix+draft")
+NEEDS_DRAFT = ("draft", "hf-assistant", "suffix+draft", *OTHER_TOKENIZER_CASES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT_LOOKUP_MAX = 3
 LOW_EFFICIENCY = 0.8
@@ -222,7 +233,7 @@ def _methods(args: argparse.Namespace) -> list[str]:
         return given or (committed is not None and drafters.has_drafter(committed, kind))
 
     if args.methods is None:
-        return [c for c in CASES if has_drafter(c)]
+        return [c for c in CASES if has_drafter(c) and not (c in GREEDY_ONLY_CASES and args.temperature > 0)]
     for case in args.methods:
         if not has_drafter(case):
             base = HYBRID_CASES.get(case, case)
@@ -253,8 +264,10 @@ def _load_draft(path: Path | None, target, committed: str | None):
 
 def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict | None,
                         tree_nodes: int | None = None, schedule: str = "adaptive",
-                        early_exit_layer: int | None = None) -> SpeculativeConfig:
-    """hf_specdec's config for `case` (a hybrid's fallback keeps the default schedule: the hybrid's decides)."""
+                        early_exit_layer: int | None = None,
+                        other_tokenizer: OtherTokenizer | None = None) -> SpeculativeConfig:
+    """hf_specdec's config for `case` (a hybrid's fallback keeps the default schedule: the hybrid's decides);
+    draft-xtok drafts with `draft` under `other_tokenizer`."""
     common = dict(num_speculative_tokens=k, schedule=schedule)
     if case == "auto":  # n-gram lookup, and the draft model and Medusa heads when loaded
         return SpeculativeConfig(method="auto", draft_model=draft, heads=(heads or {}).get("medusa"),
@@ -271,8 +284,9 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
         return SpeculativeConfig(method="eagle", heads=heads[case], **tree, **common)
     if case == "mlp_speculator":
         return SpeculativeConfig(method="mlp_speculator", heads=heads[case], **tree, **common)
-    if case == "draft":
-        return SpeculativeConfig(method="draft", draft_model=draft, **tree, **common)
+    if case in ("draft", "draft-xtok"):
+        tokenizers = other_tokenizer.speculative_kwargs() if case == "draft-xtok" else {}
+        return SpeculativeConfig(method="draft", draft_model=draft, **tokenizers, **tree, **common)
     if case == "early_exit":
         return SpeculativeConfig(method="early_exit", early_exit_layer=early_exit_layer, **tree, **common)
     return SpeculativeConfig(method="ngram", prompt_lookup_max=PROMPT_LOOKUP_MAX, tree_width=tree_width, **common)
@@ -280,15 +294,17 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
 
 def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads: dict | None = None,
                  early_exit_layer: int | None = None, tree_nodes: int | None = None,
-                 schedule: str = "adaptive") -> tuple[Callable[..., torch.Tensor], SpeculativeConfig | None]:
+                 schedule: str = "adaptive", other_tokenizer: OtherTokenizer | None = None
+                 ) -> tuple[Callable[..., torch.Tensor], SpeculativeConfig | None]:
     """The case's generate call, and hf_specdec's config it runs with (None for plain and transformers' methods)."""
     if case == "plain":
         return lambda ids, **kw: target.generate(ids, **kw), None
-    if case == "hf-assistant":
+    if case in ("hf-assistant", "hf-uag"):  # hf-uag: universal assisted generation, the draft's own tokenizer
         draft.generation_config.num_assistant_tokens = k
         draft.generation_config.num_assistant_tokens_schedule = "constant"
         draft.generation_config.assistant_confidence_threshold = 0.0
-        return lambda ids, **kw: target.generate(ids, assistant_model=draft, **kw), None
+        tokenizers = other_tokenizer.transformers_kwargs() if case == "hf-uag" else {}
+        return lambda ids, **kw: target.generate(ids, assistant_model=draft, **tokenizers, **kw), None
     if case == "hf-lookup":
         return lambda ids, **kw: target.generate(ids, prompt_lookup_num_tokens=k,
                                                  max_matching_ngram_size=PROMPT_LOOKUP_MAX, **kw), None
@@ -296,7 +312,8 @@ def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, h
         return lambda ids, **kw: target.generate(ids, assistant_early_exit=early_exit_layer, num_assistant_tokens=k,
                                                  num_assistant_tokens_schedule="constant",
                                                  assistant_confidence_threshold=0.0, **kw), None
-    config = _speculative_config(case, draft, k, tree_width, heads, tree_nodes, schedule, early_exit_layer)
+    config = _speculative_config(case, draft, k, tree_width, heads, tree_nodes, schedule, early_exit_layer,
+                                 other_tokenizer)
 
     def generate(ids, **kw):
         return hf_specdec.generate(target, ids, speculative=config, **SPECULATIVE_OUTPUTS, **kw)
@@ -318,9 +335,10 @@ def _add_counts(total: list[int], counts: list[int]) -> list[int]:
 
 def _measure(case: str, category: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft,
              kwargs, references, repeats: int, heads=None, early_exit_layer: int | None = None,
-             tree_nodes: int | None = None, schedule: str = ""):
+             tree_nodes: int | None = None, schedule: str = "", other_tokenizer: OtherTokenizer | None = None):
+    """`draft` is the draft model, or for the other-tokenizer cases `other_tokenizer.draft`."""
     generate, config = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer, tree_nodes,
-                                    schedule or "adaptive")
+                                    schedule or "adaptive", other_tokenizer)
     if kwargs.get("do_sample"):
         generate = _seeded(generate)
     m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, category=category,
@@ -624,6 +642,11 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --categories is for --workload spec-bench, not {args.workload!r}")
     if args.temperature < 0:
         raise SystemExit(f"error: --temperature {args.temperature}: expected 0 (greedy) or more")
+    greedy_only = [case for case in args.methods or () if case in GREEDY_ONLY_CASES]
+    if args.temperature > 0 and greedy_only:
+        raise SystemExit(f"error: --method {greedy_only[0]} with --temperature {args.temperature}: transformers' "
+                         "sampling path for a draft with another tokenizer fails when every draft token is in the "
+                         "target's vocabulary, as in the permuted draft; run it greedy (--temperature 0)")
     if args.tree_nodes is not None and args.tree_nodes < 1:
         raise SystemExit(f"error: --tree-nodes {args.tree_nodes}: expected a node count >= 1")
     if args.early_exit_layer is not None and args.early_exit_layer < 1:
@@ -650,13 +673,35 @@ def exit_layer(args: argparse.Namespace, target) -> int:
 
 
 @dataclass(frozen=True)
+class OtherTokenizer:
+    """The draft under another tokenizer (`permuted`: the target's tokenizer with shuffled ids), and the target's
+    tokenizer, spelled for each library."""
+
+    draft_tokenizer: Any
+    draft: Any
+    target_tokenizer: Any
+
+    def speculative_kwargs(self) -> dict[str, Any]:
+        return {"draft_tokenizer": self.draft_tokenizer, "tokenizer": self.target_tokenizer}
+
+    def transformers_kwargs(self) -> dict[str, Any]:
+        return {"assistant_tokenizer": self.draft_tokenizer, "tokenizer": self.target_tokenizer}
+
+
+@dataclass(frozen=True)
 class BenchModels:
-    """What the cases run: a target, its tokenizer, a draft model and heads (None where no case needs them)."""
+    """What the cases run: a target, its tokenizer, a draft model, the draft under another tokenizer and heads (None
+    where no case needs them)."""
 
     tokenizer: Any
     target: Any
     draft: Any | None
     heads: dict[str, MedusaHeads | EagleHead | MlpSpeculator]
+    other_tokenizer: OtherTokenizer | None = None
+
+    def draft_for(self, case: str):
+        """The draft model `case` drafts with."""
+        return self.other_tokenizer.draft if case in OTHER_TOKENIZER_CASES else self.draft
 
 
 def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.device) -> BenchModels:
@@ -680,7 +725,10 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     wanted = {HYBRID_CASES.get(case, case) for case in args.methods}
     heads = {case: _load_heads(case, getattr(args, option), target, committed)
              for case, option in HEAD_CASES.items() if case in wanted}
-    return BenchModels(tokenizer, target, draft, heads)
+    other = None
+    if wanted & set(OTHER_TOKENIZER_CASES):  # built once, shared by both cases
+        other = OtherTokenizer(*permuted(tokenizer, draft), target_tokenizer=tokenizer)
+    return BenchModels(tokenizer, target, draft, heads, other)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -717,9 +765,9 @@ def run(args: argparse.Namespace) -> int:
             generate, _ = _generate_fn("plain", target, draft, None)
             generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
             greedy_references = None if kwargs["do_sample"] else references.get((category, batch_size))
-            m, outputs = _measure(case, category, batch_size, k, tree_width, batches, target, draft, kwargs,
-                                  greedy_references, args.repeats, heads, args.early_exit_layer, args.tree_nodes,
-                                  schedule)
+            m, outputs = _measure(case, category, batch_size, k, tree_width, batches, target, models.draft_for(case),
+                                  kwargs, greedy_references, args.repeats, heads, args.early_exit_layer,
+                                  args.tree_nodes, schedule, models.other_tokenizer)
             if case == "plain":
                 references[(category, batch_size)] = outputs
             measurements.append(m)

@@ -75,6 +75,7 @@ class DecodeState:
     draft_method: str | None = None
     # [B]: the host tensor the draft limits travel through (pinned on CUDA), made on the first scheduled step
     limit_buffer: torch.Tensor | None = field(default=None, repr=False)
+    limit_host: np.ndarray | None = field(default=None, repr=False)  # the buffer's memory, seen from NumPy
 
     @classmethod
     def start(
@@ -138,11 +139,15 @@ class DecodeState:
         """A schedule's limits for the next proposal (copied to the device without waiting for it)."""
         self.draft_limits, self.draft_width = limits, width
         if self.limit_buffer is None:
-            buffer = torch.empty(len(limits), dtype=self.lengths.dtype)
-            self.limit_buffer = buffer.pin_memory() if self.lengths.device.type == "cuda" else buffer
+            if self.lengths.device.type == "cuda":
+                self.limit_buffer = torch.empty(len(limits), dtype=self.lengths.dtype, pin_memory=True)
+                self.limit_host = self.limit_buffer.numpy()
+            else:
+                self.limit_host = np.empty(len(limits), dtype=np.int64)
+                self.limit_buffer = torch.from_numpy(self.limit_host)
         # refilling is safe: the previous step's copy out of the buffer finished before that step's host sync
         # (`report`) returned; on the CPU the buffer is itself the step's tensor, read only within the step
-        self.limit_buffer.numpy()[:] = limits  # written in place through its host view: no tensor built per step
+        self.limit_host[:] = limits  # written in place through its host view: no tensor built per step
         self.draft_limit_tensor = self.limit_buffer.to(self.lengths.device, non_blocking=True)
 
     def report(

@@ -10,6 +10,7 @@ import torch
 
 from hf_specdec.cli.bench import Measurement, build_figure, summarize
 from hf_specdec.cli.main import main
+from hf_specdec.testbed.other_tokenizer import permuted
 
 ENVIRONMENT_FIELDS = {"hf_specdec", "git_commit", "git_dirty", "torch", "transformers", "triton", "python", "platform",
                       "cpu", "gpu", "device", "torch_threads", "dtype"}
@@ -123,6 +124,8 @@ def test_plot_per_category_shows_each_case_at_its_best_setting():
         (["--categories", "qa"], "--categories is for --workload spec-bench, not 'completion'"),
         (["--model", "somewhere", "--method", "draft"], "--method draft with --model needs --draft"),
         (["--model", "somewhere", "--method", "eagle3"], "--method eagle3 with --model needs --eagle3-head"),
+        (["--model", "somewhere", "--method", "hf-uag"], "--method hf-uag with --model needs --draft"),
+        (["--method", "hf-uag", "--temperature", "0.7"], "--method hf-uag with --temperature 0.7: transformers' "),
     ],
 )
 def test_bad_options_are_refused_before_loading(argv, match):
@@ -202,3 +205,45 @@ def test_speedups_are_ratios_of_token_rates_so_a_shorter_output_earns_nothing():
     assert row["tokens_per_second"] == pytest.approx(30.0)
     assert row["speedup_vs_plain"] == pytest.approx(1.2)
     assert row["speedup_vs_transformers"] == pytest.approx(0.75)  # against 40 tokens/s
+
+
+def test_draft_under_another_tokenizer_beside_universal_assisted_generation(tmp_path, monkeypatch):
+    """draft-xtok and hf-uag draft with the same permuted draft (built once), are exact, and ours is compared with
+    transformers' in the vs-hf column."""
+    from transformers.generation.candidate_generator import AssistedCandidateGeneratorDifferentTokenizers as Uag
+
+    from hf_specdec.cli import bench
+    from hf_specdec.proposers.cross_tokenizer import CrossTokenizerProposer
+
+    built, calls = [], {"ours": 0, "transformers": 0}
+    monkeypatch.setattr(bench, "permuted", lambda *a: built.append(a) or permuted(*a))
+
+    def count(name: str, cls: type, method: str) -> None:
+        original = getattr(cls, method)
+
+        def counted(self, *args, **kwargs):
+            calls[name] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, method, counted)
+
+    count("ours", CrossTokenizerProposer, "propose")
+    count("transformers", Uag, "get_candidates")
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "draft-xtok", "hf-uag", *TINY, "--json", str(out)]) == 0
+    assert len(built) == 1 and calls["ours"] > 0 and calls["transformers"] > 0  # both re-tokenise across vocabularies
+    rows = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"plain", "draft-xtok", "hf-uag"}
+    assert all(row["identical_to_plain"] is True and row["new_tokens"] > 0 for row in rows.values())
+    ours, theirs = rows["draft-xtok"], rows["hf-uag"]
+    assert ours["speedup_vs_transformers"] == pytest.approx(ours["tokens_per_second"] / theirs["tokens_per_second"])
+    assert ours["mean_acceptance_length"] >= 1 and ours["draft_forward_ms"] is not None
+    assert theirs["draft_forward_ms"] is not None  # its assistant is the same draft, timed
+    assert theirs["speedup_vs_transformers"] is None
+
+
+def test_the_other_tokenizer_is_built_only_for_its_cases(monkeypatch):
+    from hf_specdec.cli import bench
+
+    monkeypatch.setattr(bench, "permuted", lambda *a: pytest.fail("built without a case that drafts with it"))
+    assert main(["bench", "--method", "plain", "draft", *TINY]) == 0

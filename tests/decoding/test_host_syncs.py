@@ -32,9 +32,9 @@ from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import load_testbed
+from hf_specdec.testbed.other_tokenizer import permuted
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
-from tests.proposers.other_tokenizers import permuted
 from tests.proposers.test_eagle import eagle_head
 from tests.proposers.test_mlp_speculator import random_speculator
 from tests.proposers.test_mtp import mtp_layers, mtp_target

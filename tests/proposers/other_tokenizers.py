@@ -1,37 +1,13 @@
-"""Drafts with tokenizers other than the test bed's, built here (no downloads)."""
+"""A draft with a tokenizer unlike the test bed's, built here (no downloads); the test bed's draft under shuffled
+ids is `hf_specdec.testbed.other_tokenizer.permuted`."""
 
 from __future__ import annotations
-
-import copy
-import json
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}
-
-
-def permuted(tokenizer, draft: torch.nn.Module, seed: int = 0, extra_rows: int = 64):
-    """The test bed's tokenizer with its ordinary tokens' ids shuffled, and the test bed's draft with its embedding
-    and lm_head rows moved to match (plus `extra_rows` padded rows): the same segmentation under other ids, a real
-    draft whose tokens the target accepts."""
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    special = set(tokenizer.all_special_ids)
-    ordinary = sorted(i for i in spec["model"]["vocab"].values() if i not in special)
-    shuffled = torch.tensor(ordinary)[torch.randperm(len(ordinary), generator=torch.Generator().manual_seed(seed))]
-    new_id = dict(zip(ordinary, shuffled.tolist()))
-    spec["model"]["vocab"] = {s: new_id.get(i, i) for s, i in spec["model"]["vocab"].items()}
-    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), **SPECIAL_TOKENS)
-    moved = copy.deepcopy(draft)
-    old = torch.arange(len(tokenizer))
-    new = torch.tensor([new_id.get(i, i) for i in range(len(tokenizer))])
-    moved.resize_token_embeddings(len(tokenizer) + extra_rows)
-    with torch.no_grad():
-        for weight, source in ((moved.get_input_embeddings().weight, draft.get_input_embeddings().weight),
-                               (moved.get_output_embeddings().weight, draft.get_output_embeddings().weight)):
-            weight[new] = source[old]
-    return other, moved.eval()
 
 
 def byte_level(seed: int = 0):

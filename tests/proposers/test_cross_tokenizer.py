@@ -14,8 +14,9 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.proposers.cross_tokenizer import CrossTokenizerProposer, VocabularyMap, continuation_ids
 from hf_specdec.testbed import load_testbed
+from hf_specdec.testbed.other_tokenizer import permuted
 from tests.decoding import test_sampling_lossless as law_test
-from tests.proposers.other_tokenizers import byte_level, permuted
+from tests.proposers.other_tokenizers import byte_level
 
 PROMPTS = ["def parse_args(argv):\n", "import os\nimport sys\n\n", "class Foo:\n    def __init__(self):"]
 

@@ -234,7 +234,7 @@ def test_hybrid_with_a_fallback_draft_of_another_tokenizer(schedule, monkeypatch
     (the steps it skipped included)."""
     from hf_specdec.proposers.cross_tokenizer import CrossTokenizerProposer
     from hf_specdec.testbed import load_testbed
-    from tests.proposers.other_tokenizers import permuted
+    from hf_specdec.testbed.other_tokenizer import permuted
 
     tokenizer, target, draft = load_testbed()
     other, moved = permuted(tokenizer, draft)
