@@ -221,7 +221,7 @@ def test_assistant_without_spec_method_takes_the_method_its_type_names():
 def test_medusa_drafts_as_many_tokens_as_it_has_heads_and_says_so():
     target = make_model("llama")
     ids, mask = padded_batch([6, 4], seed=2)
-    config = SpeculativeConfig(method="medusa", heads=MEDUSA, num_speculative_tokens=5)
+    config = SpeculativeConfig(method="medusa", heads=MEDUSA, num_speculative_tokens=5, schedule="fixed")
     with pytest.warns(UserWarning, match=r"num_speculative_tokens=5: these Medusa heads guess 3 tokens ahead"):
         out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, return_dict_in_generate=True,
                                   **GREEDY)

@@ -26,7 +26,9 @@ from hf_specdec.stats import ScheduleStats
 from hf_specdec.step import DecodeState, Proposal
 
 # a row that has not drafted for this many steps probes; each probe doubles the wait, up to PROBE_MAX_INTERVAL,
-# until the row drafts again by its own estimate
+# until the row drafts again by its own estimate. Due rows probe in a step that drafts anyway; a plain step is
+# widened for probes only after as many plain steps in a row (the batch's own wait, doubled by each probe step it
+# takes), so the rows of a large batch probe together rather than each widening steps in turn
 PROBE_INTERVAL = 4
 PROBE_MAX_INTERVAL = 64
 # draft positions a probe asks for (within the step's cap)
@@ -67,6 +69,8 @@ class Schedule:
         self.accepted_total = np.zeros(batch_size, dtype=np.int64)
         self.method_steps = {method: np.zeros(batch_size, dtype=np.int64) for method in self.costs}
         self.steps = 0
+        self.plain_run = 0  # plain steps in a row
+        self.batch_interval = PROBE_INTERVAL  # plain steps in a row after which due rows may widen a step
         self.decision: Decision | None = None
 
     def step_times(self, rows_computed: int) -> dict[str | None, np.ndarray]:
@@ -89,6 +93,7 @@ class Schedule:
         probe = (self.idle >= self.interval) & active
         if self.adaptive and self.steps == 1 and not all(t.measured(rows_computed, 0) for t in self.costs.values()):
             widths = [0]  # calibrate: one plain step at this batch size (the first step drafted)
+        self.probe_alone = self.plain_run >= self.batch_interval  # due rows may widen a plain step
         rows = np.arange(len(active))
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in self.step_times(rows_computed).items():
@@ -97,7 +102,7 @@ class Schedule:
             accepted = conditional * estimate.draft_rate[:, None]
             if self.adaptive:
                 decision = decide(conditional, step_time, active, probe, widths, min(PROBE_LENGTH, cap),
-                                  estimate.draft_rate)
+                                  estimate.draft_rate, self.probe_alone)
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
                 limits = np.where(active, width, 0)
@@ -111,7 +116,9 @@ class Schedule:
         self.expected = accepted[rows, self.allowed]
         state.set_draft_limits(list(decision.limits), decision.width)
         state.draft_method = method
-        self.decision, self.method, self.active, self.probed = decision, method, active, probe
+        # rows that probed: due and drafting (a due row in a plain step waits)
+        self.probed = probe & (np.asarray(decision.limits) > 0)
+        self.decision, self.method, self.active = decision, method, active
         self.rows_computed, self.started = rows_computed, self.clock()
         return decision
 
@@ -141,6 +148,12 @@ class Schedule:
         self.interval = np.where(self.probed, np.minimum(self.interval * 2, PROBE_MAX_INTERVAL),
                                  np.where(chose & (accepted > 0), PROBE_INTERVAL, self.interval))
         self.idle = np.where(drafted, 0, self.idle + 1)
+        if decision.width == 0:
+            self.plain_run += 1
+        else:  # a step widened for probes doubles the batch's wait; one that drafts by the estimates resets it
+            self.plain_run = 0
+            self.batch_interval = (min(self.batch_interval * 2, PROBE_MAX_INTERVAL) if self.probe_alone
+                                   else PROBE_INTERVAL)
         state.draft_limits = state.draft_limit_tensor = state.draft_width = state.draft_method = None
 
     def finish(self) -> list[ScheduleStats]:

@@ -15,7 +15,8 @@ predicted wall time of a step whose widest row drafts w tokens (draft and verify
    tokens are weighed by that rate, and the step costs `step_time[w]` only when some row drafts, `step_time[0]`
    otherwise (a row's own length is the same either way: gain and cost both come only with a draft).
 3. Rows that have not drafted for a while probe (they draft `probe_length` tokens), so a row whose text becomes
-   predictable turns speculation back on.
+   predictable turns speculation back on. A probe rides along a step that drafts anyway (within its width, at no
+   extra cost to the batch); only when `probe_alone` may it turn a plain step into a drafting one.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def decide(
     probe_length: int,
     # [B]: how often each row drafts when allowed (None: always)
     draft_rate: np.ndarray | None = None,
+    # whether rows due a probe may widen a plain step (a probe step); otherwise they join a step that drafts anyway,
+    # up to its width
+    probe_alone: bool = True,
 ) -> Decision:
     batch, max_k = accepted.shape[0], accepted.shape[1] - 1
     active_rows = np.asarray(active, dtype=bool)
@@ -98,7 +102,8 @@ def decide(
         if rate > best_rate * (1.0 + 1e-9):  # the narrower width wins a tie
             best_width, best_rate = w, rate
     limits = np.minimum(own, best_width)
-    limits = np.where(probing, np.maximum(limits, min(probe_length, max_k)), limits)
+    probe_to = min(probe_length, max_k) if probe_alone else min(probe_length, best_width)
+    limits = np.where(probing, np.maximum(limits, probe_to), limits)
     limits = np.where(active_rows, limits, 0)
     width = int(limits.max()) if batch else 0
     if width and widths:  # round up to an allowed width (a fixed set of shapes)

@@ -102,3 +102,17 @@ def test_a_row_that_rarely_drafts_costs_a_wide_step_only_when_it_drafts():
     assert rarely.limits == always.limits and always.width > 0
     assert rarely.expected_time == pytest.approx(1.0 + 0.25 * (step_time[always.width] - 1.0))
     assert rarely.expected_tokens == pytest.approx(1.0 + 0.25 * (always.expected_tokens - 1.0))
+
+
+def test_due_rows_join_a_drafting_step_and_widen_a_plain_one_only_when_allowed():
+    """Row 0 drafts 3 by its estimates; row 1 is due a probe. It rides along within the step's width; in a step
+    that would be plain it waits, unless probes may widen a step."""
+    acceptance = np.array([[0.95] * 4, [0.0] * 4])
+    joined = _decide(acceptance, slope=0.01, probe=[False, True], probe_length=2)
+    assert joined.limits[1] == 2 and joined.width == joined.limits[0] > 0
+    idle = np.zeros((2, 4))
+    step_time = 1.0 + 0.05 * np.arange(5)
+    waits = decide(expected_accepted(idle), step_time, [True, True], [False, True], range(5), 2, probe_alone=False)
+    assert waits.limits == (0, 0) and waits.width == 0
+    probes = decide(expected_accepted(idle), step_time, [True, True], [False, True], range(5), 2, probe_alone=True)
+    assert probes.limits == (0, 2) and probes.width == 2
