@@ -59,8 +59,9 @@ class Schedule:
         self.clock = clock
 
     def start(self, batch_size: int) -> None:
-        """A new call: per-row estimates start afresh (step times carry over)."""
-        self.acceptance = {method: AcceptanceEstimate(batch_size, self.max_k) for method in self.costs}
+        """A new call: per-row estimates start from what earlier calls ended with (step times carry over)."""
+        self.acceptance = {method: AcceptanceEstimate(batch_size, self.max_k, table.acceptance_prior(self.max_k))
+                           for method, table in self.costs.items()}
         self.idle = np.zeros(batch_size, dtype=int)  # steps since each row last drafted
         self.interval = np.full(batch_size, PROBE_INTERVAL)
         self.histogram = np.zeros((batch_size, self.max_k + 1), dtype=np.int64)
@@ -157,6 +158,10 @@ class Schedule:
         state.draft_limits = state.draft_limit_tensor = state.draft_width = state.draft_method = None
 
     def finish(self) -> list[ScheduleStats]:
+        """The call's statistics per row; its rows' acceptance becomes the next call's prior."""
+        if self.steps:
+            for method, table in self.costs.items():
+                table.record_acceptance(self.acceptance[method])
         return [
             ScheduleStats(
                 schedule="adaptive" if self.adaptive else "fixed",

@@ -2,7 +2,9 @@
 a step by batch size and width, measured during the run.
 
 Step times are kept per target model and proposer for the life of the process (`cost_table`), so a later call on
-the same model starts from what earlier calls measured; acceptance is per row, so every call starts afresh.
+the same model starts from what earlier calls measured. Acceptance is estimated per row; a new call's rows start
+from the average its earlier calls' rows ended with (a drafter that is rarely right is not trusted afresh on every
+call), or from an optimistic prior on the first call.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ class AcceptanceEstimate:
     draft are not observed; instead `draft_rate` (per row, a moving average of whether it drafted when allowed)
     says how often asking brings a draft at all."""
 
-    def __init__(self, batch_size: int, max_k: int) -> None:
-        self.raw = np.full((batch_size, max_k), ACCEPTANCE_PRIOR)  # the averages, at observed positions
+    def __init__(self, batch_size: int, max_k: int, prior: np.ndarray | None = None) -> None:
+        # [K] prior (default ACCEPTANCE_PRIOR everywhere): what earlier calls measured, `CostTable.acceptance_prior`
+        start = np.full(max_k, ACCEPTANCE_PRIOR) if prior is None else prior
+        self.raw = np.tile(start, (batch_size, 1))  # the averages, at observed positions
         self.seen = np.zeros((batch_size, max_k), dtype=bool)
         self.values = self.raw.copy()  # [B, K]: the estimates (observed averages, carried to unobserved positions)
         self.draft_rate = np.ones(batch_size)  # [B]
@@ -79,6 +83,8 @@ class CostTable:
     read their latest averages; only the widths never measured wait for the refit)."""
 
     def __init__(self) -> None:
+        # [K]: the acceptance estimates rows ended earlier calls with, averaged (a new call's rows start there)
+        self.acceptance: np.ndarray | None = None
         self.times: dict[tuple[int, int], float] = {}
         # samples observed at each batch size
         self.samples: dict[int, int] = {}
@@ -94,6 +100,18 @@ class CostTable:
             rate = TIME_RATE_DOWN if seconds < old else TIME_RATE_UP
             self.times[key] = (1 - rate) * old + rate * seconds
         self.samples[batch_size] = self.samples.get(batch_size, 0) + 1
+
+    def acceptance_prior(self, max_k: int) -> np.ndarray | None:
+        """[max_k] where a new call's rows start their acceptance estimates: what earlier calls ended with (None
+        before any, or for another k)."""
+        kept = self.acceptance
+        return kept.copy() if kept is not None and kept.shape[0] == max_k else None
+
+    def record_acceptance(self, estimate: AcceptanceEstimate) -> None:
+        """A call ended: its rows' estimates, averaged, move the prior of later calls halfway towards them."""
+        ended = estimate.values.mean(axis=0)
+        kept = self.acceptance
+        self.acceptance = ended if kept is None or kept.shape != ended.shape else 0.5 * kept + 0.5 * ended
 
     def measured(self, batch_size: int, width: int) -> bool:
         return (batch_size, width) in self.times

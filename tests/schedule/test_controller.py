@@ -172,3 +172,19 @@ def test_a_lookup_that_rarely_finds_a_match_keeps_asking():
     assert (history[20:] > 0).mean() > 0.9, history.ravel().tolist()
     assert history[20:].mean() > 3
 
+
+
+def test_a_new_call_starts_from_what_earlier_calls_measured():
+    """A first call's rows start optimistic and draft; after a call whose drafts were never accepted, the next
+    call on the same model and proposer (the same step-time table) starts from what those rows ended with, and drafts
+less than k."""
+    costs = CostTable()
+    schedule = _schedule(costs)
+    first = simulate(schedule, 4, lambda step, limits: [0] * 4, steps=30)
+    assert first[0].tolist() == [4] * 4
+    ended = schedule.acceptance[None].values.mean(axis=0)
+    schedule.finish()  # the call ends
+    np.testing.assert_allclose(costs.acceptance_prior(4), ended)
+    later = _schedule(costs)
+    history = simulate(later, 4, lambda step, limits: [0] * 4, steps=1)
+    assert history[0].max() < 4, history.tolist()
