@@ -5,6 +5,7 @@ tests/decoding/."""
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 
 import pytest
@@ -271,6 +272,19 @@ def test_hybrid_with_a_fallback_draft_of_another_tokenizer(schedule, monkeypatch
     for name in calls:
         monkeypatch.setattr(CrossTokenizerProposer, name, counting(name))
     monkeypatch.setattr(HybridProposer, "__init__", spy)
+    if schedule == "adaptive":  # every third step plain, so that the fallback skips steps
+        from hf_specdec.schedule import controller
+        from hf_specdec.schedule.decision import Decision
+
+        decide, steps = controller.decide, itertools.count()
+
+        def every_third_plain(*args, **kwargs):
+            decision = decide(*args, **kwargs)
+            if next(steps) % 3 == 2:
+                return Decision(0, (0,) * len(decision.limits), decision.expected_tokens, decision.expected_time)
+            return decision
+
+        monkeypatch.setattr(controller, "decide", every_third_plain)
     fallback = SpeculativeConfig(method="draft", draft_model=moved, draft_tokenizer=other, tokenizer=tokenizer,
                                  num_speculative_tokens=3)
     config = SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback, schedule=schedule)
