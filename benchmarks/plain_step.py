@@ -1,0 +1,57 @@
+"""The engine with speculation switched off (`disable_by_batch_size=1`) against transformers' plain generate on the
+same batch: what a plain step costs inside hf_specdec. SmolLM2-135M-Instruct in bf16, 1 thread, interleaved repeats.
+
+    python benchmarks/plain_step.py --prompts 12 --max-new-tokens 32 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.testbed.real_model import load_real_model
+from hf_specdec.testbed.spec_bench import spec_bench_prompts
+
+CATEGORIES = ["mt_bench", "qa", "math_reasoning", "translation"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
+    tokenizer.padding_side = "left"
+    per_category = -(-args.prompts // len(CATEGORIES))
+    ids = [prompt_ids for _, prompt_ids in spec_bench_prompts(tokenizer, per_category, CATEGORIES)][: args.prompts]
+    batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
+    kwargs = dict(attention_mask=batch["attention_mask"], max_new_tokens=args.max_new_tokens, do_sample=False,
+                  pad_token_id=tokenizer.pad_token_id)
+    off = SpeculativeConfig(method="ngram", num_speculative_tokens=5, disable_by_batch_size=1)
+    cases = {"transformers": lambda: model.generate(batch["input_ids"], **kwargs),
+             "hf_specdec, speculation off": lambda: hf_specdec.generate(model, batch["input_ids"], speculative=off,
+                                                                        **kwargs)}
+    for run in cases.values():  # warm-up
+        run()
+    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.repeats):
+        for name, run in cases.items():
+            start = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(times) for name, times in seconds.items()}
+    for name, times in seconds.items():
+        print(f"{name}: {', '.join(f'{t:.2f}' for t in times)} s")
+    print(f"batch {len(ids)}: hf_specdec with speculation off runs at "
+          f"{medians['transformers'] / medians['hf_specdec, speculation off']:.3f}x transformers' plain generate")
+
+
+if __name__ == "__main__":
+    main()
