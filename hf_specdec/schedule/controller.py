@@ -19,7 +19,7 @@ import numpy as np
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
-from hf_specdec.schedule.decision import Decision, decide, expected_accepted, width_ladder
+from hf_specdec.schedule.decision import Decision, decide, expected_accepted, step_expectation, width_ladder
 from hf_specdec.schedule.estimates import AcceptanceEstimate, CostTable, cost_table
 from hf_specdec.schedule.rules import batch_size_cap
 from hf_specdec.stats import ScheduleStats
@@ -99,22 +99,21 @@ class Schedule:
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in self.step_times(rows_computed).items():
             estimate = self.acceptance[method]
-            conditional = expected_accepted(estimate.values)  # [B, K + 1]: given a draft
-            accepted = conditional * estimate.draft_rate[:, None]
+            accepted = expected_accepted(estimate.values)  # [B, K + 1]: given that the row drafts
             if self.adaptive:
-                decision = decide(conditional, step_time, active, probe, widths, min(PROBE_LENGTH, cap),
+                decision = decide(accepted, step_time, active, probe, widths, min(PROBE_LENGTH, cap),
                                   estimate.draft_rate, self.probe_alone)
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
                 limits = np.where(active, width, 0)
                 decision = Decision(width, tuple(int(x) for x in limits),
-                                    float((accepted[rows, limits] + active).sum()), float(step_time[width]))
+                                    *step_expectation(accepted, step_time, active, limits, width, estimate.draft_rate))
             rate = decision.expected_tokens / max(decision.expected_time, 1e-12)
             if best is None or rate > best[0] * (1.0 + 1e-9):
-                best = (rate, method, decision, accepted)
+                best = (rate, method, decision, accepted * estimate.draft_rate[:, None])
         _, method, decision, accepted = best
         self.allowed = np.minimum(decision.limits, state.host_draft_budget())  # the length limit cuts too
-        self.expected = accepted[rows, self.allowed]
+        self.expected = accepted[rows, self.allowed]  # expected accepted drafts, how often the row drafts included
         state.set_draft_limits(list(decision.limits), decision.width)
         state.draft_method = method
         # rows that probed: due and drafting (a due row in a plain step waits)

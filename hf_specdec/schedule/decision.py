@@ -84,20 +84,9 @@ def decide(
     probing = np.asarray(probe, dtype=bool) & active_rows
     widths = [w for w in widths if w <= max_k]
     own = np.where(active_rows, row_lengths(accepted, step_time), 0)
-    rate_of_draft = np.ones(batch) if draft_rate is None else np.clip(draft_rate, 0.0, 1.0)
-    accepted = accepted * rate_of_draft[:, None]  # expected accepted drafts, asking for k = 0..K
-    rows = np.arange(batch)
-
-    def expected(limits: np.ndarray, width: int) -> tuple[float, float]:
-        """Expected tokens and time of a step with these limits and width."""
-        tokens = float(((1.0 + accepted[rows, limits]) * active_rows).sum())
-        drafts_somewhere = 1.0 - float(np.prod(np.where((limits > 0) & active_rows, 1.0 - rate_of_draft, 1.0)))
-        time = float(step_time[0]) + drafts_somewhere * float(step_time[width] - step_time[0])
-        return tokens, time
-
     best_width, best_rate = 0, -1.0
     for w in widths:
-        tokens, time = expected(np.minimum(own, w), w)
+        tokens, time = step_expectation(accepted, step_time, active_rows, np.minimum(own, w), w, draft_rate)
         rate = tokens / max(time, 1e-12)
         if rate > best_rate * (1.0 + 1e-9):  # the narrower width wins a tie
             best_width, best_rate = w, rate
@@ -109,8 +98,31 @@ def decide(
     if width and widths:  # round up to an allowed width (a fixed set of shapes)
         width = min((w for w in widths if w >= width), default=max(widths))
         limits = np.minimum(limits, width)
-    tokens, time = expected(limits, width)
+    tokens, time = step_expectation(accepted, step_time, active_rows, limits, width, draft_rate)
     return Decision(width=width, limits=tuple(int(x) for x in limits), expected_tokens=tokens, expected_time=time)
+
+
+def step_expectation(
+    # [B, K + 1]: expected accepted drafts per row when drafting k = 0..K tokens, given that it drafts
+    accepted: np.ndarray,
+    # [K + 1]: predicted wall time of a step of each width
+    step_time: np.ndarray,
+    # [B] bool: rows generating this step
+    active: np.ndarray,
+    # [B]: each row's draft limit
+    limits: np.ndarray,
+    width: int,
+    # [B]: how often each row drafts when allowed (None: always)
+    draft_rate: np.ndarray | None = None,
+) -> tuple[float, float]:
+    """Expected tokens a step with these limits and width emits over the generating rows, and its expected wall
+    time: a row's drafts count as often as it drafts, and the step costs `step_time[width]` when some row drafts,
+    `step_time[0]` otherwise."""
+    rate = np.ones(len(limits)) if draft_rate is None else np.clip(draft_rate, 0.0, 1.0)
+    limits = np.asarray(limits)
+    tokens = float(((1.0 + rate * accepted[np.arange(len(limits)), limits]) * active).sum())
+    drafts_somewhere = 1.0 - float(np.prod(np.where((limits > 0) & active, 1.0 - rate, 1.0)))
+    return tokens, float(step_time[0]) + drafts_somewhere * float(step_time[width] - step_time[0])
 
 
 def width_ladder(max_k: int) -> tuple[int, ...]:

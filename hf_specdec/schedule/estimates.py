@@ -67,10 +67,9 @@ class AcceptanceEstimate:
         start = np.where(self.seen, self.raw, self.values)
         self.raw = np.where(observed, (1 - ACCEPTANCE_RATE) * start + ACCEPTANCE_RATE * outcome, self.raw)
         self.seen |= observed
-        values = self.raw.copy()
-        for j in range(1, values.shape[1]):
-            values[:, j] = np.where(self.seen[:, j], values[:, j], values[:, j - 1])
-        self.values = values
+        # each position reads the nearest observed position at or before it (position 0: its own, prior or not)
+        source = np.maximum.accumulate(np.where(self.seen, positions, 0), axis=1)
+        self.values = np.take_along_axis(self.raw, source, axis=1)
 
 
 class CostTable:
