@@ -77,11 +77,12 @@ class HybridProposer(Proposer):
         self._fallback_nodes = fallback.tree.num_nodes
         self._fallback_depth = fallback.tree.max_depth
         self._use_fallback_rows = torch.tensor(use, device=state.sequences.device)
-        if all(u or budget == 0 for u, budget in zip(use, budgets)):  # no row takes a suffix draft
-            return fallback  # (rows with no budget have no valid fallback node)
-        suffix = self.suffix.proposal(state, [EMPTY_DRAFT if u else d for d, u in zip(drafts, use)])
+        # each row's draft depth (the fallback drafts at most its own depth, which the schedule's k may exceed)
         depths = [min(budget, self._fallback_depth) if u else d.max_depth
                   for d, u, budget in zip(drafts, use, budgets)]
+        if all(u or budget == 0 for u, budget in zip(use, budgets)):  # no row takes a suffix draft
+            return fallback.with_host_depths(depths)  # (rows with no budget have no valid fallback node)
+        suffix = self.suffix.proposal(state, [EMPTY_DRAFT if u else d for d, u in zip(drafts, use)])
         return Proposal(merge_trees(suffix.tree, fallback.tree, self._use_fallback_rows), host_depths=tuple(depths))
 
     def skip(self, state: DecodeState) -> None:

@@ -67,8 +67,8 @@ class Proposal:
         """No draft: the step verifies each row's last committed token alone (the prefill's first token is chosen
         this way too)."""
         none = state.lengths.new_zeros(state.batch_size, 0)
-        chain = cls.chain(state.last_tokens(), none, none.new_zeros(state.batch_size), dense=True)
-        return dataclasses.replace(chain, host_depths=(0,) * state.batch_size)
+        return cls.chain(state.last_tokens(), none, none.new_zeros(state.batch_size),
+                         dense=True).with_host_depths([0] * state.batch_size)
 
     def with_host_depths(self, depths) -> Proposal:
         """This proposal, with each row's draft depth as the host knows it (see `host_depths`)."""

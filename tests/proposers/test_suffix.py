@@ -199,6 +199,31 @@ def test_hybrid_takes_the_fallback_where_the_suffix_score_is_low(kind, monkeypat
     assert counts[None][0] > 0 and counts[None][1] > 0, counts
 
 
+def test_hybrid_reports_each_rows_draft_depth_to_the_schedule(monkeypatch):
+    """Every row on the fallback (a 2-token draft under a suffix k of 5): the proposal says each row drafted at
+    most 2, so the schedule does not count positions 3 to 5 as rejected drafts."""
+    from hf_specdec.schedule.controller import Schedule
+
+    target = make_model("llama")
+    ids, mask = padded_batch([10, 6], seed=3, repeat_period=4)
+    fallback = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=2)
+    config = SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback,
+                               fallback_min_score=1000.0, num_speculative_tokens=5)
+    seen, observe = [], Schedule.observe
+
+    def recording(self, state, proposal):
+        seen.append((proposal.host_depths, list(self.allowed)))
+        observe(self, state, proposal)
+
+    monkeypatch.setattr(Schedule, "observe", recording)
+    out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, **GREEDY)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **GREEDY))
+    drafted = [(depths, allowed) for depths, allowed in seen if any(allowed)]
+    assert drafted and any(max(allowed) > 2 for _, allowed in drafted), seen
+    for depths, allowed in drafted:
+        assert depths is not None and all(d == min(a, 2) for d, a in zip(depths, allowed)), (depths, allowed)
+
+
 def test_hybrid_skips_a_draft_model_that_no_row_needs():
     target = make_model("llama")
     draft = make_draft()
