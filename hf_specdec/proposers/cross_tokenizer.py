@@ -192,10 +192,9 @@ class CrossTokenizerProposer(Proposer):
         self._catch_up(state)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]  # 0 for finished rows
         num_drafted = max(budget_host)
-        logits = self._feed(state)
-        device = self.draft.device
+        logits, fed = self._feed(state)
+        fed = fed[:, None]  # [B, 1]
         tokens, feeds, probs = [], [], []
-        fed = torch.tensor(self._fed_host, device=device)[:, None]  # [B, 1]
         for step in range(num_drafted):
             if step > 0:
                 logits = self.cache.forward(feeds[-1][:, None], fed + step - 1)[:, 0]
@@ -211,9 +210,9 @@ class CrossTokenizerProposer(Proposer):
         drafts, counts = self._retokenize(torch.stack(feeds, dim=1), budget_host)
         return Proposal.chain(state.last_tokens(), drafts.to(target_device), counts.to(target_device))
 
-    def _feed(self, state: DecodeState) -> torch.Tensor:
+    def _feed(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row's draft tokens not in the cache (at least its last one); the draft's logits after them
-        [B, V_draft]."""
+        [B, V_draft], and [B] how many each row fed, on the draft's device."""
         finished = state.host.finished
         self._fed_host = [0 if done else len(row.draft) - row.cached for row, done in zip(self.rows, finished)]
         width = max(1, max(self._fed_host, default=0))
@@ -222,13 +221,13 @@ class CrossTokenizerProposer(Proposer):
             if self._fed_host[b]:
                 ids[b, : self._fed_host[b]] = torch.tensor(row.draft[row.cached:])
         device = self.draft.device
-        fed = torch.tensor(self._fed_host)
-        column = torch.arange(width)[None, :]
+        fed = torch.tensor(self._fed_host).to(device)
+        column = torch.arange(width, device=device)[None, :]
         dense = all(n == width for n in self._fed_host)
-        real = None if dense else (column < fed[:, None]).to(device)
-        logits = self.cache.forward(ids.to(device), column.to(device).expand(len(self.rows), -1), real)
-        last = (fed.clamp(min=1) - 1).to(device)[:, None, None]
-        return logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0]
+        real = None if dense else column < fed[:, None]
+        logits = self.cache.forward(ids.to(device), column.expand(len(self.rows), -1), real)
+        last = (fed.clamp(min=1) - 1)[:, None, None]
+        return logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0], fed
 
     def _draw(
         self,
