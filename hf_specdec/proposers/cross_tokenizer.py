@@ -208,7 +208,9 @@ class CrossTokenizerProposer(Proposer):
             return Proposal.chain(state.last_tokens(), drafts.to(target_device), state.draft_budget().clamp(max=self.k),
                                   torch.stack(probs, dim=1).to(target_device))
         drafts, counts = self._retokenize(torch.stack(feeds, dim=1), budget_host)
-        return Proposal.chain(state.last_tokens(), drafts.to(target_device), counts.to(target_device))
+        # re-tokenised on the host, so each row's draft depth is a host fact (the text may give fewer than k tokens)
+        return Proposal.chain(state.last_tokens(), drafts.to(target_device),
+                              torch.tensor(counts, device=target_device)).with_host_depths(counts)
 
     def _feed(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row's draft tokens not in the cache (at least its last one); the draft's logits after them
@@ -252,12 +254,12 @@ class CrossTokenizerProposer(Proposer):
         drafted: torch.Tensor,
         # each row's draft budget (0 for finished rows)
         budget: list[int],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, list[int]]:
         """The drafted text as target tokens after each row's committed ones, at most its budget: ([B, k] padded,
-        [B] counts)."""
+        each row's count on the host)."""
         drafted_host = drafted.tolist()  # re-tokenising needs the draft's tokens on the host: one read
         drafts = torch.zeros(len(self.rows), self.k, dtype=torch.long)
-        counts = torch.zeros(len(self.rows), dtype=torch.long)
+        counts = [0] * len(self.rows)
         for b, row in enumerate(self.rows):
             if budget[b] == 0:
                 continue

@@ -54,6 +54,32 @@ def test_greedy_matches_plain_generate(testbed, other_drafts, side):
             assert out.spec_stats.num_accepted_tokens >= 0.8 * shared.spec_stats.num_accepted_tokens > 0
 
 
+def test_greedy_drafts_report_their_retokenised_depths(testbed, other_drafts, monkeypatch):
+    """Greedy drafts are re-tokenised on the host, so the proposal tells the schedule each row's real draft depth
+    (the bytes draft's k draft tokens make fewer target tokens): no position past it counts as rejected."""
+    from hf_specdec.schedule.controller import Schedule
+
+    tokenizer, target, _ = testbed
+    tokenizer.padding_side = "left"
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    seen, observe = [], Schedule.observe
+
+    def recording(self, state, proposal):
+        seen.append((proposal.host_depths, list(self.allowed), proposal.num_draft_tokens.tolist()))
+        observe(self, state, proposal)
+
+    monkeypatch.setattr(Schedule, "observe", recording)
+    draft_tokenizer, other = other_drafts["bytes"]
+    config = SpeculativeConfig(method="draft", draft_model=other, draft_tokenizer=draft_tokenizer,
+                               tokenizer=tokenizer, num_speculative_tokens=4)
+    hf_specdec.generate(target, **batch, max_new_tokens=16, do_sample=False, eos_token_id=None, speculative=config)
+    drafted = [entry for entry in seen if any(entry[1])]
+    assert drafted
+    for depths, allowed, counts in drafted:
+        assert depths is not None and list(depths) == counts and all(d <= a for d, a in zip(depths, allowed))
+    assert any(d < a for depths, allowed, _ in drafted for d, a in zip(depths, allowed)), drafted
+
+
 def test_the_draft_reads_the_target_text(testbed, other_drafts, monkeypatch):
     """After every step each row's draft tokens spell exactly the text of the target tokens it has read, including
     characters of several bytes that the target's tokens split (the draft waits for the rest of a character)."""
