@@ -203,26 +203,13 @@ class RaggedKVCache:
         batch, length = input_ids.shape
         if inputs_embeds is not None:
             length = inputs_embeds.shape[1]
-        device = input_ids.device
         if token_type_ids is not None:
             self.row_inputs["token_type_ids"] = token_type_ids[:, -1]
-        self._reserve(batch, length, device)
-        self.lengths = input_ids.new_full((batch,), length)
-        self.host_lengths, self.width = [length] * batch, length
-        if self.static is not None and length > self.static.committed:
-            raise ValueError(f"the prompt ({length} tokens) does not fit the static cache's {self.static.committed} "
-                             "committed slots")
-        if length == 0:
-            self.next_position = input_ids.new_zeros(batch)
+        prompt = self._start_prompt(batch, length, input_ids.device, attention_mask, position_ids)
+        if prompt is None:
             self._settle_width()
             return None
-        if attention_mask is None:
-            attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
-        self.valid[:, :length] = attention_mask.bool()
-        self.padded = bool((attention_mask == 0).any())  # once per call: the prompt's padding is a host fact
-        if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        self.next_position = position_ids[:, -1] + 1  # as `generate` continues positions, right padding or not
+        attention_mask, position_ids = prompt
         if past_key_values is not None:
             return self._prefill_after(past_key_values, input_ids, attention_mask, position_ids, token_type_ids,
                                        inputs_embeds, logits_to_keep)
@@ -257,25 +244,41 @@ class RaggedKVCache:
         order), copied for this cache's layers from `source`'s first ones: a model made of another's embeddings
         and first layers (an early-exit draft) computes those very keys and values over the prompt, so its prefill
         computes nothing."""
-        batch, device = source.batch_size, source.lengths.device
+        if self._start_prompt(source.batch_size, length, source.lengths.device, attention_mask, None) is not None:
+            self.kv.write_start, self.kv.write_index = 0, None
+            for index, (keys, values) in enumerate(source.kv.buffers()[: self.num_layers]):
+                self.kv.update(keys[:, :, :length], values[:, :, :length], index)
+        self._settle_width()
+
+    def _start_prompt(
+        self,
+        batch: int,
+        length: int,
+        device: torch.device,
+        # [B, P] or None (nothing padded)
+        attention_mask: torch.Tensor | None,
+        # [B, P] or None (from the mask, as `generate` computes them)
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Room for a prompt of `length` tokens per row and its per-row state (lengths, valid slots, padding, next
+        positions); returns its ([B, P] mask, [B, P] position ids), or None for an empty prompt."""
+        self._reserve(batch, length, device)
+        self.lengths = torch.full((batch,), length, dtype=torch.long, device=device)
+        self.host_lengths, self.width = [length] * batch, length
         if self.static is not None and length > self.static.committed:
             raise ValueError(f"the prompt ({length} tokens) does not fit the static cache's {self.static.committed} "
                              "committed slots")
-        self._reserve(batch, length, device)
-        self.lengths = source.lengths.new_full((batch,), length)
-        self.host_lengths, self.width = [length] * batch, length
+        if length == 0:
+            self.next_position = self.lengths.new_zeros(batch)
+            return None
         if attention_mask is None:
             attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
         self.valid[:, :length] = attention_mask.bool()
-        self.padded = bool((attention_mask == 0).any())  # once per call, as in `prefill`
-        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as `prefill`'s
-        self.next_position = positions[:, -1] + 1 if length else self.lengths.new_zeros(batch)
-        if length:
-            self.kv.write_start, self.kv.write_index = 0, None
-            layers = source.kv.buffers()[: self.num_layers]
-            for index, (keys, values) in enumerate(layers):
-                self.kv.update(keys[:, :, :length], values[:, :, :length], index)
-        self._settle_width()
+        self.padded = bool((attention_mask == 0).any())  # once per call: the prompt's padding is a host fact
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        self.next_position = position_ids[:, -1] + 1  # as `generate` continues positions, right padding or not
+        return attention_mask, position_ids
 
     def _prefill_after(
         self,
