@@ -169,6 +169,9 @@ class RaggedKVCache:
         self.output_hidden_states = False
         self.output_attentions = False
         self.model_outputs: ModelOutputs | None = None
+        # slots a row can need in the call at most (its length limit plus one step's region), when known: the first
+        # allocation is no larger (a short generation after a long prompt does not pay for twice the prompt)
+        self.expected_slots: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -464,7 +467,11 @@ class RaggedKVCache:
         """Room for `slots` slots per row (buffers doubled when full; allocated once under static shapes)."""
         capacity = self.kv.capacity
         if self.valid is None:
-            capacity = capacity if self.kv.static else max(2 * slots, MIN_CAPACITY)
+            if not self.kv.static:
+                capacity = max(2 * slots, MIN_CAPACITY)
+                if self.expected_slots is not None:
+                    capacity = max(slots, min(capacity, self.expected_slots))
+                self.kv.capacity = capacity  # nothing allocated yet: the first forward allocates this many
             self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=device)
         elif slots > capacity:
             if self.kv.static:

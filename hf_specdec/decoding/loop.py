@@ -188,6 +188,7 @@ class SpeculativeDecoder:
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
         self.prompt, self.prompt_ids = prompt, input_ids
+        self.cache.expected_slots = self.state.sequences.shape[1]
         logits = self.cache.prefill(input_ids, attention_mask, position_ids=prompt.position_ids,
                                     token_type_ids=prompt.token_type_ids, inputs_embeds=prompt.inputs_embeds,
                                     past_key_values=prompt.past_key_values)

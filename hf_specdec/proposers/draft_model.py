@@ -106,6 +106,8 @@ class DraftModelProposer(Proposer):
 
     # how the drafter is named in errors
     role = "the draft model"
+    # whether the drafter takes `logits_at` (the positions whose logits it computes); else it computes every one's
+    selects_logits = False
 
     def _max_feed(self) -> int:
         """Committed tokens a step can feed: after a chain or fixed branches the draft has seen all but the last one
@@ -116,10 +118,13 @@ class DraftModelProposer(Proposer):
         super().fix_shapes(max_length, compile_settings)
         if compile_settings is not None:
             check_compilable(self.draft, self.role)
-        # the feed, then the drafted nodes it feeds: k - 1 per branch (one per level for a dynamic tree's frontier)
-        region = self._max_feed() + (self.k - 1) * self.tree_width
         model_call = None if compile_settings is None else compiled_forward(self.draft, compile_settings)
-        self.cache.make_static(max_length, region, model_call)
+        self.cache.make_static(max_length, self._region(), model_call)
+
+    def _region(self) -> int:
+        """Draft cache slots a step writes at most: the feed, then the drafted nodes it feeds, k - 1 per branch
+        (one per level for a dynamic tree's frontier)."""
+        return self._max_feed() + (self.k - 1) * self.tree_width
 
     def _feed_inputs(self, state: DecodeState, width: int) -> dict:
         """Extra inputs of the forward that feeds each row's unseen committed tokens (`width` per row)."""
@@ -138,6 +143,7 @@ class DraftModelProposer(Proposer):
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         # The last prompt token is left for the first proposal, so every proposal has a token to feed.
         device = self.draft.device
+        self.cache.expected_slots = state.sequences.shape[1] + self._region()
         self._prefill(state, None if attention_mask is None else attention_mask[:, :-1].to(device))
         self.cached_lengths = state.lengths - 1
         self.cached_host = [length - 1 for length in state.host.lengths]
@@ -213,12 +219,13 @@ class DraftModelProposer(Proposer):
         self._fed = fed
         dense = not self.fixed_shapes and all(n == width for n in self._fed_host)
         real = None if dense else (column < fed[:, None]).to(device)
+        last = (fed.clamp(min=1) - 1).to(device)[:, None]  # [B, 1]: each row's last fed token
+        selected = {"logits_at": last} if self.selects_logits else {}
         logits = self.cache.forward(unseen.to(device), column.to(device).expand(unseen.shape[0], -1), real,
-                                    **self._feed_inputs(state, width))
-        last = (fed.clamp(min=1) - 1).to(device)[:, None, None]
+                                    **self._feed_inputs(state, width), **selected)
         hidden = self.cache.hidden_states
-        self._root_hidden = None if hidden is None else hidden.gather(1, last.expand(-1, 1, hidden.shape[-1]))[:, 0]
-        return logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0]
+        self._root_hidden = None if hidden is None else select_positions(hidden, last)[:, 0]
+        return logits[:, 0] if selected else select_positions(logits, last)[:, 0]
 
     def _propose_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """Top-w first tokens, each continued as a chain: one draft forward per depth for all branches."""
@@ -419,3 +426,16 @@ def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSa
 
 
 register_proposer("draft", _build)
+
+
+def select_positions(
+    # [B, W, ...]
+    values: torch.Tensor,
+    # [B, N] long or None (every position)
+    positions: torch.Tensor | None,
+) -> torch.Tensor:
+    """[B, N, ...]: each row's values at its `positions`."""
+    if positions is None:
+        return values
+    index = positions.to(values.device).reshape(*positions.shape, *[1] * (values.dim() - 2))
+    return values.gather(1, index.expand(*positions.shape, *values.shape[2:]))

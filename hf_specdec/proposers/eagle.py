@@ -27,7 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.heads.eagle import EagleHead
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.proposers.draft_model import DraftModelProposer
+from hf_specdec.proposers.draft_model import DraftModelProposer, select_positions
 from hf_specdec.step import DecodeState, VerificationResult
 
 
@@ -62,6 +62,8 @@ class EagleDrafter(nn.Module):
         # [B, W, F]: the feature before each token (the target's, or the head's own output at the parent)
         features: torch.Tensor,
         from_target: bool,
+        # [B, N] long or None: the positions whose logits are computed (None: every position)
+        logits_at: torch.Tensor | None = None,
         use_cache: bool = True,
         output_hidden_states: bool = False,
         return_dict: bool = True,
@@ -69,7 +71,8 @@ class EagleDrafter(nn.Module):
         embeds = self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))
         hidden = self.head(embeds.to(self.device), features.to(self.device), position_ids.to(self.device),
                            attention_mask, past_key_values, from_target=from_target)
-        return CausalLMOutputWithPast(logits=self.head.logits(hidden, self.lm_head), hidden_states=(hidden,))
+        logits = self.head.logits(select_positions(hidden, logits_at), self.lm_head)
+        return CausalLMOutputWithPast(logits=logits, hidden_states=(hidden,))
 
 
 _DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -100,6 +103,7 @@ class EagleProposer(DraftModelProposer):
         before it, so it is never fed)."""
         prompt = state.sequences[:, : state.prompt_length]
         device = self.draft.device
+        self.cache.expected_slots = state.sequences.shape[1] + self._region()
         self.cache.prefill(prompt[:, :0].to(device), None)
         self.cached_lengths = state.lengths.clone()
         self.cached_host = list(state.host.lengths)
@@ -112,13 +116,16 @@ class EagleProposer(DraftModelProposer):
         features = state.target_features[:, :-1]
         features = features.gather(1, order[:, :, None].to(features.device).expand(-1, -1, features.shape[2]))
         pairs = real.sum(dim=1).tolist()  # once per call, at the prompt
+        no_logits = torch.empty(state.batch_size, 0, dtype=torch.long, device=device)  # the feed needs none
         self.cache.prefill_chain(prompt[:, 1:].gather(1, order).to(device), real.gather(1, order).to(device), pairs,
-                                 features=features, from_target=True)
+                                 features=features, from_target=True, logits_at=no_logits)
 
     role = "the EAGLE head"
 
     def _max_feed(self) -> int:
         return self.k + 1  # the head keeps no draft: every committed token of a step is fed again
+
+    selects_logits = True
 
     def _feed_inputs(self, state: DecodeState, width: int) -> dict:
         features = state.target_features[:, :width]

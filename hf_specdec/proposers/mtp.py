@@ -29,6 +29,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.proposers.draft_model import select_positions
 from hf_specdec.proposers.eagle import EagleProposer
 
 OTHER_METHODS = ("use method='draft' with a small model that shares its tokenizer, method='eagle' with an EAGLE "
@@ -104,6 +105,8 @@ class MtpDrafter(nn.Module):
         from_target: bool,
         # draft depth of the fed tokens (committed tokens: 0)
         depth: int = 0,
+        # [B, N] long or None: the positions whose logits are computed (None: every position)
+        logits_at: torch.Tensor | None = None,
         use_cache: bool = True,
         output_hidden_states: bool = False,
         return_dict: bool = True,
@@ -131,7 +134,8 @@ class MtpDrafter(nn.Module):
                 hidden = mtp.shared_post_norm(hidden)
             if index == drafting:
                 drafted = hidden
-        return CausalLMOutputWithPast(logits=mtp._project_to_logits(drafted), hidden_states=(drafted,))
+        logits = mtp._project_to_logits(select_positions(drafted, logits_at))
+        return CausalLMOutputWithPast(logits=logits, hidden_states=(drafted,))
 
 
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its loaded MTP layers

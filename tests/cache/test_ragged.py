@@ -140,3 +140,25 @@ def test_selected_rows_go_on_as_if_alone():
         logits = cache.forward(block, torch.arange(2).expand(2, -1))
         expect = _reference_next_logits(model, [kept[b] + block[b].tolist() for b in range(2)])
         torch.testing.assert_close(logits[:, -1], expect, rtol=1e-4, atol=1e-4)
+
+
+def test_first_allocation_follows_the_expected_length():
+    """A call that says how many slots a row can need gets no more at the prefill than that (a long prompt with few
+    new tokens does not allocate twice the prompt); without it, twice the prompt; more room still comes by growing."""
+    model = make_model("llama")
+    ids, mask = padded_batch([40, 33], seed=3)
+    for expected_slots, capacity in ((48, 48), (None, 80), (1000, 80)):
+        cache = RaggedKVCache(model)
+        cache.expected_slots = expected_slots
+        with torch.no_grad():
+            cache.prefill(ids, mask)
+        assert cache.kv.capacity == capacity, expected_slots
+        assert cache.kv.buffers()[0][0].shape[2] == capacity
+    cache = RaggedKVCache(model)
+    cache.expected_slots = 48
+    with torch.no_grad():
+        cache.prefill(ids, mask)
+        logits = cache.forward(ids[:, :12], torch.arange(12).expand(2, -1))  # past the 48 expected: grows
+    assert cache.kv.capacity >= 52
+    rows = [[int(t) for t, m in zip(i, k) if m] + [int(t) for t in i[:12]] for i, k in zip(ids, mask)]
+    torch.testing.assert_close(logits[:, -1], _reference_next_logits(model, rows), rtol=1e-4, atol=1e-4)

@@ -114,6 +114,31 @@ def test_eagle3_draft_vocabulary_maps_to_target_ids():
 
 
 @pytest.mark.parametrize("version", ["eagle", "eagle3"])
+def test_vocabulary_logits_only_where_drafting_reads_them(version):
+    """The head's vocabulary-sized logits are computed for no prompt position (the prompt's feed reads none) and for
+    one position per row when committed tokens are fed (each row's last): a long prompt in a large batch does not
+    build a [B, P, V] tensor. Output unchanged."""
+    target = make_model("llama")
+    head = eagle_head(target, version)
+    widths: list[int] = []
+    original = EagleHead.logits
+
+    def recording(self, hidden, lm_head):
+        widths.append(hidden.shape[1])
+        return original(self, hidden, lm_head)
+
+    ids, mask = padded_batch([12, 5, 9], seed=4, repeat_period=2)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EagleHead, "logits", recording)
+        out = _generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=head, num_speculative_tokens=3,
+                                                             schedule="fixed"))
+    assert torch.equal(out.sequences, expected)
+    assert widths[0] == 0  # the prompt's feed
+    assert widths[1:] and max(widths[1:]) == 1, widths  # each feed of committed tokens, each chain step
+
+
+@pytest.mark.parametrize("version", ["eagle", "eagle3"])
 def test_head_is_fed_the_target_feature_before_each_token(version):
     """Every committed token reaches the head with the target's features at the position before it, equal to what
     a fresh forward over the final sequence computes (for EAGLE-3, the fused layers' inputs)."""

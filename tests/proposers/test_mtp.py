@@ -16,6 +16,7 @@ from transformers.modeling_layers import MtpModel
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.proposers import mtp as mtp_proposer
 from tests.conftest import PAD, SPECIAL, VOCAB, make_model, padded_batch
 from tests.decoding import test_sampling_lossless as law_test
 
@@ -98,13 +99,13 @@ def test_drafts_follow_the_mtp_layers(monkeypatch):
             ran.append(index)
             outputs[index] = output
         layer.register_forward_hook(hook)
-    project = MtpModel._project_to_logits
+    select = mtp_proposer.select_positions
 
-    def recording(self, hidden):
+    def recording(hidden, positions):  # the drafter picks the positions to project from one layer's output
         read.append(next(i for i, out in outputs.items() if out is hidden))
-        return project(self, hidden)
+        return select(hidden, positions)
 
-    monkeypatch.setattr(MtpModel, "_project_to_logits", recording)
+    monkeypatch.setattr(mtp_proposer, "select_positions", recording)
     ids, mask = padded_batch([6, 4], seed=1)
     out = hf_specdec.generate(target, ids, attention_mask=mask, max_new_tokens=9, do_sample=False, eos_token_id=None,
                               speculative=SpeculativeConfig(method="mtp", heads=mtp, num_speculative_tokens=3),
