@@ -12,7 +12,9 @@ The head is a one-layer model with its own ragged KV cache, driven exactly like 
 
 After verification the head keeps only the committed tokens' KV: the drafted entries were built on its own
 guesses, and the tokens the target accepted are fed again next step with the target's true features (as EAGLE
-does). Candidates are deterministic in trees and sampled from the head's distribution in chains, so verification
+does). A plain step (no row drafts) keeps its committed tokens' features instead of running the head: the next
+proposal feeds them all in one forward (at most `BACKLOG_LIMIT` tokens wait), so a batch that decodes plainly for a
+while pays almost nothing for the head. Candidates are deterministic in trees and sampled from the head's distribution in chains, so verification
 stays lossless either way.
 """
 
@@ -76,6 +78,8 @@ class EagleDrafter(nn.Module):
 
 
 _DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# committed tokens per row whose features may wait for the next feed (plain steps); more are fed at once
+BACKLOG_LIMIT = 64
 
 
 class EagleProposer(DraftModelProposer):
@@ -107,6 +111,8 @@ class EagleProposer(DraftModelProposer):
         self.cache.prefill(prompt[:, :0].to(device), None)
         self.cached_lengths = state.lengths.clone()
         self.cached_host = list(state.host.lengths)
+        self._backlog: list[torch.Tensor] = []  # [B, n, F] each: features of tokens committed in plain steps
+        self._backlog_tokens = 0  # their number, the same for every generating row
         if state.prompt_length < 2:
             return
         real = torch.ones_like(prompt[:, 1:], dtype=torch.bool)
@@ -128,7 +134,10 @@ class EagleProposer(DraftModelProposer):
     selects_logits = True
 
     def _feed_inputs(self, state: DecodeState, width: int) -> dict:
-        features = state.target_features[:, :width]
+        features = state.target_features
+        if self._backlog:  # the waiting tokens come first in every row
+            features = torch.cat([*self._backlog, features.to(self._backlog[0].device)], dim=1)
+        features = features[:, :width]
         if features.shape[1] < width:  # fixed shapes: dummies after the real tokens
             features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[1]))
         return {"features": features.contiguous(), "from_target": True}
@@ -138,9 +147,25 @@ class EagleProposer(DraftModelProposer):
         return {"features": parent_hidden.contiguous(), "from_target": False}
 
     def skip(self, state: DecodeState) -> None:
-        """Feed the step's committed tokens now: their target features are kept for one step only."""
+        """Keep the last step's committed tokens' features for the next feed while every generating row has the
+        same number of them (their target features are kept for one step only); feed them now after a step in which
+        rows committed different numbers, past `BACKLOG_LIMIT`, or under fixed shapes (a feed of fixed width)."""
+        host = state.host
+        unseen = {length - seen - self._backlog_tokens
+                  for length, seen, done in zip(host.lengths, self.cached_host, host.finished) if not done}
+        if len(unseen) == 1 and not self.fixed_shapes:
+            count = unseen.pop()
+            if self._backlog_tokens + count <= BACKLOG_LIMIT:
+                self._backlog.append(state.target_features[:, :count])
+                self._backlog_tokens += count
+                return
         self._feed_unseen(state)
         self._keep_feed(state)
+
+    def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
+        logits = super()._feed_unseen(state)
+        self._backlog, self._backlog_tokens = [], 0  # fed with the step's own tokens
+        return logits
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Keep the committed tokens fed this step and no draft: the accepted ones are fed again next step with

@@ -13,7 +13,8 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import EagleConfig, EagleHead
 from hf_specdec.heads.eagle import export_speculators
-from hf_specdec.proposers.eagle import EagleDrafter
+from hf_specdec.proposers.eagle import EagleDrafter, EagleProposer
+from hf_specdec.schedule import controller
 from tests.conftest import make_model, padded_batch
 
 SHAPES = {
@@ -138,12 +139,66 @@ def test_vocabulary_logits_only_where_drafting_reads_them(version):
     assert widths[1:] and max(widths[1:]) == 1, widths  # each feed of committed tokens, each chain step
 
 
+def plain_steps_between_drafts(monkeypatch, plain_run: int) -> None:
+    """The adaptive schedule's decisions replaced: `plain_run` plain steps, then one in which every row drafts as
+    the estimates say (at least one token), and again."""
+    steps = []
+
+    def scripted(accepted, step_time, active, *args, **kwargs):
+        steps.append(None)
+        if len(steps) % (plain_run + 1):
+            return controller.Decision(0, (0,) * len(active), 0.0, 0.0)
+        width = accepted.shape[1] - 1
+        limits = tuple(width if row else 0 for row in active)
+        return controller.Decision(width, limits, 0.0, 0.0)
+
+    monkeypatch.setattr(controller, "decide", scripted)
+
+
 @pytest.mark.parametrize("version", ["eagle", "eagle3"])
-def test_head_is_fed_the_target_feature_before_each_token(version):
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_plain_steps_between_drafts_match_plain_generate(version, shape, monkeypatch):
+    """Runs of plain steps leave their tokens' features waiting and the next proposal feeds them with the rows'
+    different numbers of accepted tokens; padded batch, greedy output still plain generate's; the head runs fewer
+    forwards on committed tokens than there were steps."""
+    target = make_model("llama")
+    ids, mask = padded_batch([12, 5, 9], seed=4, repeat_period=2)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    plain_steps_between_drafts(monkeypatch, 2)
+    feeds = []
+    original = EagleDrafter.forward
+
+    def counting(self, *args, **kwargs):
+        feeds.append(kwargs.get("from_target", args[5] if len(args) > 5 else None))
+        return original(self, *args, **kwargs)
+
+    calls = {"propose": 0, "skip": 0}
+    for name in calls:
+        def counted(self, state, name=name, method=getattr(EagleProposer, name)):
+            calls[name] += 1
+            return method(self, state)
+        monkeypatch.setattr(EagleProposer, name, counted)
+    monkeypatch.setattr(EagleDrafter, "forward", counting)
+    out = _generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=trained_head(target, version, expected),
+                                                         **SHAPES[shape]))
+    assert torch.equal(out.sequences, expected)
+    stats = out.spec_stats
+    assert stats.num_accepted_tokens > 0 and calls["skip"] >= calls["propose"]
+    # the prompt's feed, one per proposal, and at most one per skip right after a proposal (rows committed
+    # different numbers of tokens): the other plain steps run no head forward
+    feeds_of_committed = sum(1 for from_target in feeds if from_target) - 1
+    assert feeds_of_committed <= 2 * calls["propose"] < calls["propose"] + calls["skip"]
+
+
+@pytest.mark.parametrize("version", ["eagle", "eagle3"])
+@pytest.mark.parametrize("plain_run", [0, 3])
+def test_head_is_fed_the_target_feature_before_each_token(version, plain_run, monkeypatch):
     """Every committed token reaches the head with the target's features at the position before it, equal to what
-    a fresh forward over the final sequence computes (for EAGLE-3, the fused layers' inputs)."""
+    a fresh forward over the final sequence computes (for EAGLE-3, the fused layers' inputs); also when plain steps
+    leave their tokens waiting for the next proposal, which feeds them in one forward."""
     target = make_model("gemma2")  # 4 layers: EAGLE-3 fuses the inputs of layers 2, 2 and 1
     ids = torch.tensor([[5, 9, 5, 9, 5, 9, 5, 7, 3]])
+    plain_steps_between_drafts(monkeypatch, plain_run)
     head = trained_head(target, version, target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None))
     fed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     original = EagleDrafter.forward
@@ -157,6 +212,7 @@ def test_head_is_fed_the_target_feature_before_each_token(version):
         patch.setattr(EagleDrafter, "forward", recording)
         out = _generate(target, ids, None, SpeculativeConfig(method="eagle", heads=head, **SHAPES["dynamic"]))
     assert out.spec_stats.accepted_per_position[1] > 0  # some steps commit several tokens
+    assert out.spec_stats.schedule.plain_steps >= plain_run * 2
     with torch.no_grad():
         hidden_states = target(out.sequences, output_hidden_states=True).hidden_states
     layers = head.target_feature_layers(target)
@@ -171,10 +227,13 @@ def test_head_is_fed_the_target_feature_before_each_token(version):
             assert int(token) == int(sequence[index])
             torch.testing.assert_close(feature, expected[index - 1], atol=1e-4, rtol=1e-4)
             covered.add(index)
-    # every token but the first, once the target verified it (the last step's tokens are never fed: it commits at
-    # most depth + 1 of them)
+    # every token but the first, once the target verified it; the tokens of the last proposal's step (at most
+    # depth + 1) and of the plain steps after it (the scripted ones, and one at the length limit) are never fed
     assert covered == set(range(1, max(covered) + 1))
-    assert max(covered) >= len(sequence) - 2 - SHAPES["dynamic"]["depth"]
+    assert max(covered) >= len(sequence) - 3 - SHAPES["dynamic"]["depth"] - plain_run
+    widths = [len(tokens) for tokens, _, _ in fed[1:]]  # after the prompt's feed
+    if plain_run:  # the waiting tokens and the drafting step's own, in one forward
+        assert max(widths) > SHAPES["dynamic"]["depth"] + 1, widths
 
 
 def test_prompt_features_skip_left_padding():
