@@ -42,12 +42,14 @@ is encoded with the same kernels and gives the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hf_specdec.cache.exchange import filled_layers
+from hf_specdec.cache.features import FeatureTap
 from hf_specdec.cache.storage import MIN_CAPACITY, SlotCache
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
 
@@ -163,6 +165,7 @@ class RaggedKVCache:
         # when True (and feature_layers is set), the prefill keeps the features of every prompt position
         self.record_prompt_features = False
         self.hidden_states: torch.Tensor | None = None  # [B, W, F] of the last forward, when recorded
+        self._tap: FeatureTap | None = None  # records them on eager forwards (built for `feature_layers`)
         # per-row model inputs every new token repeats ({name: [B]}, e.g. the row's last token_type_ids)
         self.row_inputs: dict[str, torch.Tensor] = {}
         # the model's own per-layer outputs of the last forward, kept when these are set
@@ -542,10 +545,19 @@ class RaggedKVCache:
         tokens, and its per-layer hidden states and attentions when `output_hidden_states` / `output_attentions` are
         set (with `orders`, [B, S] or a function giving it: the order of every key slot)."""
         record = self.feature_layers is not None
-        flags = {"output_hidden_states": True} if record or self.output_hidden_states else {}
+        # the features through hooks that keep only their layers' states, when every forward runs eagerly and need
+        # not return every layer's anyway (compiled forwards ask for `output_hidden_states`, whose capturing hooks
+        # transformers installs at the first such call: the eager prefill's)
+        tap = None
+        if record and call is self.model and self.model_call is self.model and not self.output_hidden_states:
+            if self._tap is None or self._tap.entries != self.feature_layers:
+                self._tap = FeatureTap(self.model, self.feature_layers)
+            tap = self._tap if self._tap.supported else None
+        flags = {"output_hidden_states": True} if (record and tap is None) or self.output_hidden_states else {}
         if self.output_attentions:
             flags["output_attentions"] = True
-        out = call(**inputs, **flags, return_dict=True)
+        with tap if tap is not None else contextlib.nullcontext():
+            out = call(**inputs, **flags, return_dict=True)
         if self.output_hidden_states or self.output_attentions:
             self.model_outputs = ModelOutputs(
                 hidden_states=out.hidden_states if self.output_hidden_states else None,
@@ -554,7 +566,8 @@ class RaggedKVCache:
             )
         self.hidden_states = None
         if record:
-            layers = [out.hidden_states[i][:, -keep_hidden:] for i in self.feature_layers]
+            states = tap.features() if tap is not None else [out.hidden_states[i] for i in self.feature_layers]
+            layers = [state[:, -keep_hidden:] for state in states]
             self.hidden_states = layers[0] if len(layers) == 1 else torch.cat(layers, dim=-1)
         return out.logits
 
