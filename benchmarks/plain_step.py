@@ -1,12 +1,15 @@
 """The engine with speculation switched off (`disable_by_batch_size=1`) against transformers' plain generate on the
-same batch: what a plain step costs inside hf_specdec. SmolLM2-135M-Instruct in bf16, 1 thread, interleaved repeats.
+same batch: what a plain step and a call's own setup cost inside hf_specdec (the proposer's too: EAGLE-3 reads the
+target's features at every forward and keeps its head's cache). SmolLM2-135M-Instruct in bf16, 1 thread, interleaved
+repeats.
 
-    python benchmarks/plain_step.py --prompts 12 --max-new-tokens 32 --repeats 3
+    python benchmarks/plain_step.py --prompts 16 --max-new-tokens 32 --repeats 3 --method ngram eagle3
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -14,6 +17,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.testbed.drafters import load_drafter
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import spec_bench_prompts
 
@@ -25,6 +29,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--method", nargs="+", choices=["ngram", "eagle3"], default=["ngram"],
+                        help="proposers to run with speculation off (eagle3: the committed SmolLM2 head)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
@@ -34,10 +40,13 @@ def main() -> None:
     batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
     kwargs = dict(attention_mask=batch["attention_mask"], max_new_tokens=args.max_new_tokens, do_sample=False,
                   pad_token_id=tokenizer.pad_token_id)
-    off = SpeculativeConfig(method="ngram", num_speculative_tokens=5, disable_by_batch_size=1)
-    cases = {"transformers": lambda: model.generate(batch["input_ids"], **kwargs),
-             "hf_specdec, speculation off": lambda: hf_specdec.generate(model, batch["input_ids"], speculative=off,
-                                                                        **kwargs)}
+    cases = {"transformers": lambda: model.generate(batch["input_ids"], **kwargs)}
+    for method in args.method:
+        heads = {"heads": load_drafter("smollm2", "eagle3", model)} if method == "eagle3" else {}
+        off = SpeculativeConfig(method="eagle" if method == "eagle3" else method, num_speculative_tokens=5,
+                                disable_by_batch_size=1, **heads)
+        cases[f"{method}, speculation off"] = functools.partial(hf_specdec.generate, model, batch["input_ids"],
+                                                                speculative=off, **kwargs)
     for run in cases.values():  # warm-up
         run()
     seconds: dict[str, list[float]] = {name: [] for name in cases}
@@ -49,8 +58,10 @@ def main() -> None:
     medians = {name: statistics.median(times) for name, times in seconds.items()}
     for name, times in seconds.items():
         print(f"{name}: {', '.join(f'{t:.2f}' for t in times)} s")
-    print(f"batch {len(ids)}: hf_specdec with speculation off runs at "
-          f"{medians['transformers'] / medians['hf_specdec, speculation off']:.3f}x transformers' plain generate")
+    for name in cases:
+        if name != "transformers":
+            print(f"batch {len(ids)}: hf_specdec {name} runs at {medians['transformers'] / medians[name]:.3f}x "
+                  "transformers' plain generate")
 
 
 if __name__ == "__main__":
