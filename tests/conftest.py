@@ -125,13 +125,17 @@ INJECTED_SLOPE = 0.05
 
 
 class InjectedCosts(CostTable):
-    """A step-time table that ignores measurements: predicts `1 + slope * width` at every batch size."""
+    """A step-time table that ignores measurements: predicts `1 + slope * width` at every batch size (and never
+    finds that drafting did not pay)."""
 
     def __init__(self, slope: float = INJECTED_SLOPE) -> None:
         super().__init__()
         self.slope = slope
 
     def observe(self, batch_size: int, width: int, seconds: float) -> None:
+        pass
+
+    def observe_realized(self, batch_size: int, tokens: float, seconds: float) -> None:
         pass
 
     def measured(self, batch_size: int, width: int) -> bool:

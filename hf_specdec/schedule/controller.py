@@ -101,8 +101,10 @@ class Schedule:
             estimate = self.acceptance[method]
             accepted = expected_accepted(estimate.values)  # [B, K + 1]: given that the row drafts
             if self.adaptive:
+                # where drafting steps have delivered less than plain ones at this batch size, only probes draft
                 decision = decide(accepted, step_time, active, probe, widths, min(PROBE_LENGTH, cap),
-                                  estimate.draft_rate, self.probe_alone)
+                                  estimate.draft_rate, self.probe_alone,
+                                  self.costs[method].drafting_pays(rows_computed, int(active.sum())))
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
                 limits = np.where(active, width, 0)
@@ -131,9 +133,12 @@ class Schedule:
         self.steps += 1
         depths = proposal.host_depths
         width = decision.width if depths is None else min(decision.width, proposal.tree.max_depth)
-        if self.adaptive or len(self.costs) > 1:
-            self.costs[self.method].observe(self.rows_computed, width, seconds)
         accepted = np.asarray(state.host.num_accepted)
+        if self.adaptive or len(self.costs) > 1:
+            table = self.costs[self.method]
+            table.observe(self.rows_computed, width, seconds)
+            if width:
+                table.observe_realized(self.rows_computed, float(((accepted + 1) * self.active).sum()), seconds)
         self.acceptance[self.method].update(self.allowed, accepted, depths)
         drafted = self.allowed > 0
         self.histogram[np.arange(len(self.active)), np.asarray(decision.limits)] += self.active

@@ -78,6 +78,9 @@ def decide(
     # whether rows due a probe may widen a plain step (a probe step); otherwise they join a step that drafts anyway,
     # up to its width
     probe_alone: bool = True,
+    # False: the estimates choose a plain step whatever they expect (drafting has not paid at this batch size);
+    # probes still draft
+    estimates_draft: bool = True,
 ) -> Decision:
     batch, max_k = accepted.shape[0], accepted.shape[1] - 1
     active_rows = np.asarray(active, dtype=bool)
@@ -85,7 +88,7 @@ def decide(
     widths = [w for w in widths if w <= max_k]
     own = np.where(active_rows, row_lengths(accepted, step_time), 0)
     best_width, best_rate = 0, -1.0
-    for w in widths:
+    for w in widths if estimates_draft else [0]:
         tokens, time = step_expectation(accepted, step_time, active_rows, np.minimum(own, w), w, draft_rate)
         rate = tokens / max(time, 1e-12)
         if rate > best_rate * (1.0 + 1e-9):  # the narrower width wins a tie

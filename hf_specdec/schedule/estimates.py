@@ -25,6 +25,10 @@ TIME_RATE_DOWN, TIME_RATE_UP = 0.5, 0.2
 PRIOR_SLOPE = 0.1
 # samples at a batch size after which the line through its measured step times is refitted
 REFIT_SAMPLES = 8
+# weight of a new drafting step in the moving average of the tokens per second drafting steps realized
+REALIZED_RATE = 0.2
+# drafting steps measured at a batch size before their realized rate can switch drafting off there
+REALIZED_SAMPLES = 4
 
 
 class AcceptanceEstimate:
@@ -89,6 +93,8 @@ class CostTable:
         self.samples: dict[int, int] = {}
         # per batch size: the fitted line (slope, intercept), and the widths and sample count it was fitted on
         self.lines: dict[int, tuple[float, float, tuple[int, ...], int]] = {}
+        # per batch size: tokens per second realized by the steps that drafted (a moving average), and their number
+        self.realized: dict[int, tuple[float, int]] = {}
 
     def observe(self, batch_size: int, width: int, seconds: float) -> None:
         key = (batch_size, width)
@@ -99,6 +105,23 @@ class CostTable:
             rate = TIME_RATE_DOWN if seconds < old else TIME_RATE_UP
             self.times[key] = (1 - rate) * old + rate * seconds
         self.samples[batch_size] = self.samples.get(batch_size, 0) + 1
+
+    def observe_realized(self, batch_size: int, tokens: float, seconds: float) -> None:
+        """A step that drafted: the tokens it emitted over its wall time."""
+        rate = tokens / max(seconds, 1e-12)
+        old, count = self.realized.get(batch_size, (rate, 0))
+        self.realized[batch_size] = ((1 - REALIZED_RATE) * old + REALIZED_RATE * rate if count else rate, count + 1)
+
+    def drafting_pays(self, batch_size: int, rows: int) -> bool:
+        """False once the steps that drafted at this batch size (`REALIZED_SAMPLES` or more) emitted fewer tokens
+        per second than a plain step of `rows` generating rows does (`rows` tokens in its measured time): the
+        estimates chose drafts that did not pay, whatever they predict. Only probes draft then, and their steps
+        decide when drafting pays again."""
+        rate, count = self.realized.get(batch_size, (0.0, 0))
+        plain = self.times.get((batch_size, 0))
+        if count < REALIZED_SAMPLES or plain is None:
+            return True
+        return rate * plain >= rows
 
     def acceptance_prior(self, max_k: int) -> np.ndarray | None:
         """[max_k] where a new call's rows start their acceptance estimates: what earlier calls ended with (None

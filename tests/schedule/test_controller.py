@@ -188,3 +188,34 @@ less than k."""
     later = _schedule(costs)
     history = simulate(later, 4, lambda step, limits: [0] * 4, steps=1)
     assert history[0].max() < 4, history.tolist()
+
+
+def test_drafting_stops_where_drafting_steps_delivered_less_than_plain_ones():
+    """Step-time predictions that make drafting look nearly free (slope 0.01) while the clock charges a plain step
+    per drafted position: the acceptance estimates alone keep drafting; the tokens per second the drafting steps
+    realized, against the measured plain step, switch it off (probes still draft now and then)."""
+
+    class Optimistic(InjectedCosts):  # predictions injected, measurements kept
+        observe = CostTable.observe
+        observe_realized = CostTable.observe_realized
+
+        def measured(self, batch_size, width):
+            return CostTable.measured(self, batch_size, width)
+
+    rng = np.random.default_rng(3)
+
+    def accept(step, limits):
+        return [int(np.argmin(np.append(rng.random(8) < 0.5, False))) for _ in limits]
+
+    for guarded in (True, False):
+        costs = Optimistic(0.01)
+        if not guarded:
+            costs.drafting_pays = lambda batch_size, rows: True
+        clock = FakeClock(lambda width: 1.0 + 1.0 * width)
+        history = simulate(_schedule(costs, clock=clock), 2, accept, steps=80, clock=clock)
+        plain_share = (history[20:] == 0).mean()
+        if guarded:
+            assert plain_share > 0.7, history.ravel().tolist()
+            assert (history[20:] > 0).any()  # probes
+        else:
+            assert plain_share < 0.2, history.ravel().tolist()
