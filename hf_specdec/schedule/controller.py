@@ -71,7 +71,12 @@ class Schedule:
         self.method_steps = {method: np.zeros(batch_size, dtype=np.int64) for method in self.costs}
         self.steps = 0
         self.plain_run = 0  # plain steps in a row
-        self.batch_interval = PROBE_INTERVAL  # plain steps in a row after which due rows may widen a step
+        # plain steps in a row after which due rows may widen a step: where drafting has not paid at this batch size,
+        # the wait earlier calls' probes had grown to (a call's probes would otherwise start over every call)
+        self.batch_size = batch_size
+        self.batch_interval = max([PROBE_INTERVAL] + [table.probe_wait.get(batch_size, PROBE_INTERVAL)
+                                                      for table in self.costs.values()
+                                                      if not table.drafting_pays(batch_size, batch_size)])
         self.decision: Decision | None = None
 
     def step_times(self, rows_computed: int) -> dict[str | None, np.ndarray]:
@@ -166,6 +171,7 @@ class Schedule:
         if self.steps:
             for method, table in self.costs.items():
                 table.record_acceptance(self.acceptance[method])
+                table.probe_wait[self.batch_size] = self.batch_interval
         return [
             ScheduleStats(
                 schedule="adaptive" if self.adaptive else "fixed",

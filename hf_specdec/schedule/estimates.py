@@ -95,6 +95,8 @@ class CostTable:
         self.lines: dict[int, tuple[float, float, tuple[int, ...], int]] = {}
         # per batch size: tokens per second realized by the steps that drafted (a moving average), and their number
         self.realized: dict[int, tuple[float, int]] = {}
+        # per batch size a call started with: the plain steps in a row its probes waited for when it ended
+        self.probe_wait: dict[int, int] = {}
 
     def observe(self, batch_size: int, width: int, seconds: float) -> None:
         key = (batch_size, width)

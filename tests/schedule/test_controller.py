@@ -190,17 +190,20 @@ less than k."""
     assert history[0].max() < 4, history.tolist()
 
 
+class Optimistic(InjectedCosts):
+    """Step-time predictions injected, measurements kept (step times and the rates drafting steps realized)."""
+
+    observe = CostTable.observe
+    observe_realized = CostTable.observe_realized
+
+    def measured(self, batch_size, width):
+        return CostTable.measured(self, batch_size, width)
+
+
 def test_drafting_stops_where_drafting_steps_delivered_less_than_plain_ones():
     """Step-time predictions that make drafting look nearly free (slope 0.01) while the clock charges a plain step
     per drafted position: the acceptance estimates alone keep drafting; the tokens per second the drafting steps
     realized, against the measured plain step, switch it off (probes still draft now and then)."""
-
-    class Optimistic(InjectedCosts):  # predictions injected, measurements kept
-        observe = CostTable.observe
-        observe_realized = CostTable.observe_realized
-
-        def measured(self, batch_size, width):
-            return CostTable.measured(self, batch_size, width)
 
     rng = np.random.default_rng(3)
 
@@ -219,3 +222,19 @@ def test_drafting_stops_where_drafting_steps_delivered_less_than_plain_ones():
             assert (history[20:] > 0).any()  # probes
         else:
             assert plain_share < 0.2, history.ravel().tolist()
+
+
+def test_later_calls_keep_the_probe_wait_where_drafting_does_not_pay():
+    """Where drafting has not paid at a batch size, a new call's probes wait as long as the last call's had grown
+    to, instead of starting over after 4 plain steps."""
+    costs = Optimistic(0.01)
+    clock = FakeClock(lambda width: 1.0 + 1.0 * width)
+    schedule = _schedule(costs, clock=clock)
+    first_probes = []
+    for call in range(3):
+        history = simulate(schedule, 8, lambda step, limits: [0] * len(limits), steps=40, clock=clock)
+        schedule.finish()
+        drafting = np.flatnonzero(history.max(axis=1) > 0)
+        first_probes.append(int(drafting[drafting > 1][0]) if (drafting > 1).any() else 40)
+    assert not costs.drafting_pays(8, 8)
+    assert first_probes[2] > first_probes[0] + PROBE_INTERVAL, first_probes
