@@ -31,7 +31,9 @@ class FeatureTap:
         self._handles: list = []
         if not self.supported:
             return
-        count = len(layers)
+        # the layers the forward runs (a checkpoint's MTP layers may follow them in the same list)
+        text_config = model.config.get_text_config(decoder=True) if hasattr(model, "config") else None
+        count = min(len(layers), getattr(text_config, "num_hidden_layers", None) or len(layers))
         resolved = [entry + count + 1 if entry < 0 else entry for entry in self.entries]
         if any(not 0 <= entry <= count for entry in resolved):
             self.supported = False
