@@ -67,8 +67,10 @@ class FeatureTap:
         return hook
 
     def features(self) -> list[torch.Tensor]:
-        """[B, W, H] per entry, in the order given: what the last forward inside `with` recorded."""
-        missing = [entry for entry, resolved in zip(self.entries, self._resolved) if resolved not in self._recorded]
+        """[B, W, H] per entry, in the order given: what the last forward inside `with` recorded (handed over: the
+        tap keeps no reference to them)."""
+        recorded, self._recorded = self._recorded, {}
+        missing = [entry for entry, resolved in zip(self.entries, self._resolved) if resolved not in recorded]
         if missing:
             raise RuntimeError(f"the forward did not run the modules of hidden_states entries {missing}")
-        return [self._recorded[resolved] for resolved in self._resolved]
+        return [recorded[resolved] for resolved in self._resolved]
