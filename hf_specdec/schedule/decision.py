@@ -17,6 +17,8 @@ predicted wall time of a step whose widest row drafts w tokens (draft and verify
 3. Rows that have not drafted for a while probe (they draft `probe_length` tokens), so a row whose text becomes
    predictable turns speculation back on. A probe rides along a step that drafts anyway (within its width, at no
    extra cost to the batch); only when `probe_alone` may it turn a plain step into a drafting one.
+4. Where the steps that drafted at this batch size have realized fewer tokens per second than a plain step
+   (`estimates_draft=False`, from `CostTable.drafting_pays`), the estimates are not trusted: only probes draft.
 """
 
 from __future__ import annotations
