@@ -76,7 +76,7 @@ class Schedule:
         self.batch_size = batch_size
         self.batch_interval = max([PROBE_INTERVAL] + [table.probe_wait.get(batch_size, PROBE_INTERVAL)
                                                       for table in self.costs.values()
-                                                      if not table.drafting_pays(batch_size, batch_size)])
+                                                      if table.unpaid_widths(batch_size, batch_size)])
         self.decision: Decision | None = None
 
     def step_times(self, rows_computed: int) -> dict[str | None, np.ndarray]:
@@ -106,10 +106,10 @@ class Schedule:
             estimate = self.acceptance[method]
             accepted = expected_accepted(estimate.values)  # [B, K + 1]: given that the row drafts
             if self.adaptive:
-                # where drafting steps have delivered less than plain ones at this batch size, only probes draft
+                # widths whose steps delivered less than plain ones at this batch size: only probes draft at them
+                unpaid = self.costs[method].unpaid_widths(rows_computed, int(active.sum()))
                 decision = decide(accepted, step_time, active, probe, widths, min(PROBE_LENGTH, cap),
-                                  estimate.draft_rate, self.probe_alone,
-                                  self.costs[method].drafting_pays(rows_computed, int(active.sum())))
+                                  estimate.draft_rate, self.probe_alone, [w for w in widths if w not in unpaid])
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
                 limits = np.where(active, width, 0)
@@ -143,7 +143,8 @@ class Schedule:
             table = self.costs[self.method]
             table.observe(self.rows_computed, width, seconds)
             if width:
-                table.observe_realized(self.rows_computed, float(((accepted + 1) * self.active).sum()), seconds)
+                table.observe_realized(self.rows_computed, width, float(((accepted + 1) * self.active).sum()),
+                                       seconds)
         self.acceptance[self.method].update(self.allowed, accepted, depths)
         drafted = self.allowed > 0
         self.histogram[np.arange(len(self.active)), np.asarray(decision.limits)] += self.active

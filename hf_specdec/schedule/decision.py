@@ -17,8 +17,8 @@ predicted wall time of a step whose widest row drafts w tokens (draft and verify
 3. Rows that have not drafted for a while probe (they draft `probe_length` tokens), so a row whose text becomes
    predictable turns speculation back on. A probe rides along a step that drafts anyway (within its width, at no
    extra cost to the batch); only when `probe_alone` may it turn a plain step into a drafting one.
-4. Where the steps that drafted at this batch size have realized fewer tokens per second than a plain step
-   (`estimates_draft=False`, from `CostTable.drafting_pays`), the estimates are not trusted: only probes draft.
+4. Widths whose steps at this batch size have realized fewer tokens per second than a plain step
+   (`CostTable.unpaid_widths`) are not the estimates' to choose (`estimate_widths`): only probes reach them.
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def decide(
     # whether rows due a probe may widen a plain step (a probe step); otherwise they join a step that drafts anyway,
     # up to its width
     probe_alone: bool = True,
-    # False: the estimates choose a plain step whatever they expect (drafting has not paid at this batch size);
-    # probes still draft
-    estimates_draft: bool = True,
+    # the widths the estimates may choose (None: all of `widths`); the others only probes reach (drafting at them
+    # has not paid at this batch size)
+    estimate_widths: Sequence[int] | None = None,
 ) -> Decision:
     batch, max_k = accepted.shape[0], accepted.shape[1] - 1
     active_rows = np.asarray(active, dtype=bool)
@@ -90,7 +90,7 @@ def decide(
     widths = [w for w in widths if w <= max_k]
     own = np.where(active_rows, row_lengths(accepted, step_time), 0)
     best_width, best_rate = 0, -1.0
-    for w in widths if estimates_draft else [0]:
+    for w in widths if estimate_widths is None else [w for w in widths if w == 0 or w in estimate_widths]:
         tokens, time = step_expectation(accepted, step_time, active_rows, np.minimum(own, w), w, draft_rate)
         rate = tokens / max(time, 1e-12)
         if rate > best_rate * (1.0 + 1e-9):  # the narrower width wins a tie

@@ -27,7 +27,7 @@ PRIOR_SLOPE = 0.1
 REFIT_SAMPLES = 8
 # weight of a new drafting step in the moving average of the tokens per second drafting steps realized
 REALIZED_RATE = 0.2
-# drafting steps measured at a batch size before their realized rate can switch drafting off there
+# drafting steps measured at a batch size and width before their realized rate can switch that width off there
 REALIZED_SAMPLES = 4
 
 
@@ -93,8 +93,9 @@ class CostTable:
         self.samples: dict[int, int] = {}
         # per batch size: the fitted line (slope, intercept), and the widths and sample count it was fitted on
         self.lines: dict[int, tuple[float, float, tuple[int, ...], int]] = {}
-        # per batch size: tokens per second realized by the steps that drafted (a moving average), and their number
-        self.realized: dict[int, tuple[float, int]] = {}
+        # per (batch size, width): tokens per second realized by the steps that drafted (a moving average), and
+        # their number
+        self.realized: dict[tuple[int, int], tuple[float, int]] = {}
         # per batch size a call started with: the plain steps in a row its probes waited for when it ended
         self.probe_wait: dict[int, int] = {}
 
@@ -108,22 +109,23 @@ class CostTable:
             self.times[key] = (1 - rate) * old + rate * seconds
         self.samples[batch_size] = self.samples.get(batch_size, 0) + 1
 
-    def observe_realized(self, batch_size: int, tokens: float, seconds: float) -> None:
-        """A step that drafted: the tokens it emitted over its wall time."""
+    def observe_realized(self, batch_size: int, width: int, tokens: float, seconds: float) -> None:
+        """A step that drafted at `width`: the tokens it emitted over its wall time."""
         rate = tokens / max(seconds, 1e-12)
-        old, count = self.realized.get(batch_size, (rate, 0))
-        self.realized[batch_size] = ((1 - REALIZED_RATE) * old + REALIZED_RATE * rate if count else rate, count + 1)
+        old, count = self.realized.get((batch_size, width), (rate, 0))
+        self.realized[(batch_size, width)] = ((1 - REALIZED_RATE) * old + REALIZED_RATE * rate if count else rate,
+                                              count + 1)
 
-    def drafting_pays(self, batch_size: int, rows: int) -> bool:
-        """False once the steps that drafted at this batch size (`REALIZED_SAMPLES` or more) emitted fewer tokens
-        per second than a plain step of `rows` generating rows does (`rows` tokens in its measured time): the
-        estimates chose drafts that did not pay, whatever they predict. Only probes draft then, and their steps
-        decide when drafting pays again."""
-        rate, count = self.realized.get(batch_size, (0.0, 0))
+    def unpaid_widths(self, batch_size: int, rows: int) -> set[int]:
+        """The widths whose steps at this batch size (`REALIZED_SAMPLES` or more) emitted fewer tokens per second
+        than a plain step of `rows` generating rows does (`rows` tokens in its measured time): the estimates chose
+        drafts there that did not pay, whatever they predict. Steps of those widths come only from probes, whose
+        measurements decide when a width pays again."""
         plain = self.times.get((batch_size, 0))
-        if count < REALIZED_SAMPLES or plain is None:
-            return True
-        return rate * plain >= rows
+        if plain is None:
+            return set()
+        return {width for (size, width), (rate, count) in self.realized.items()
+                if size == batch_size and count >= REALIZED_SAMPLES and rate * plain < rows}
 
     def acceptance_prior(self, max_k: int) -> np.ndarray | None:
         """[max_k] where a new call's rows start their acceptance estimates: what earlier calls ended with (None

@@ -213,7 +213,7 @@ def test_drafting_stops_where_drafting_steps_delivered_less_than_plain_ones():
     for guarded in (True, False):
         costs = Optimistic(0.01)
         if not guarded:
-            costs.drafting_pays = lambda batch_size, rows: True
+            costs.unpaid_widths = lambda batch_size, rows: set()
         clock = FakeClock(lambda width: 1.0 + 1.0 * width)
         history = simulate(_schedule(costs, clock=clock), 2, accept, steps=80, clock=clock)
         plain_share = (history[20:] == 0).mean()
@@ -236,5 +236,22 @@ def test_later_calls_keep_the_probe_wait_where_drafting_does_not_pay():
         schedule.finish()
         drafting = np.flatnonzero(history.max(axis=1) > 0)
         first_probes.append(int(drafting[drafting > 1][0]) if (drafting > 1).any() else 40)
-    assert not costs.drafting_pays(8, 8)
+    assert costs.unpaid_widths(8, 8)
     assert first_probes[2] > first_probes[0] + PROBE_INTERVAL, first_probes
+
+
+def test_a_narrower_width_keeps_drafting_where_wide_steps_did_not_pay():
+    """The predictions make every width look nearly free; the clock charges 0.1 w^3 plain steps for width w, so
+    only width 1 pays at acceptance 0.5. The widths whose steps realized less than a plain step drop out one by one,
+    and the schedule settles on drafting one token rather than on plain steps."""
+    rng = np.random.default_rng(5)
+
+    def accept(step, limits):
+        return [int(np.argmin(np.append(rng.random(8) < 0.5, False))) for _ in limits]
+
+    costs = Optimistic(0.01)
+    clock = FakeClock(lambda width: 1.0 + 0.1 * width ** 3)
+    history = simulate(_schedule(costs, clock=clock), 1, accept, steps=120, clock=clock)
+    assert costs.unpaid_widths(1, 1) >= {3, 4}
+    late = history[-40:, 0]
+    assert (late == 1).mean() > 0.6, history.ravel().tolist()

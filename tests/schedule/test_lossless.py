@@ -91,7 +91,7 @@ def cycled_widths(monkeypatch):
     steps = itertools.count()
 
     def forced(acceptance, step_time, active, probe, widths, probe_length, draft_rate=None, probe_alone=True,
-               estimates_draft=True):
+               estimate_widths=None):
         width = WIDTH_CYCLE[next(steps) % len(WIDTH_CYCLE)]
         rows = np.arange(len(active))
         limits = np.where(np.asarray(active, dtype=bool), np.where(rows % 3 == 1, max(width - 1, 0), width), 0)
