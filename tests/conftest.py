@@ -135,7 +135,7 @@ class InjectedCosts(CostTable):
     def observe(self, batch_size: int, width: int, seconds: float) -> None:
         pass
 
-    def observe_realized(self, batch_size: int, width: int, tokens: float, seconds: float) -> None:
+    def observe_realized(self, batch_size: int, width: int, tokens: float, seconds: float, rows: int) -> None:
         pass
 
     def measured(self, batch_size: int, width: int) -> bool:

@@ -142,9 +142,9 @@ class Schedule:
         if self.adaptive or len(self.costs) > 1:
             table = self.costs[self.method]
             table.observe(self.rows_computed, width, seconds)
-            if width:
+            if width and self.rows_computed > 1:  # a batch shares each step's width (one row: its estimates decide)
                 table.observe_realized(self.rows_computed, width, float(((accepted + 1) * self.active).sum()),
-                                       seconds)
+                                       seconds, int(self.active.sum()))
         self.acceptance[self.method].update(self.allowed, accepted, depths)
         drafted = self.allowed > 0
         self.histogram[np.arange(len(self.active)), np.asarray(decision.limits)] += self.active

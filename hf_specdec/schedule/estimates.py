@@ -109,12 +109,24 @@ class CostTable:
             self.times[key] = (1 - rate) * old + rate * seconds
         self.samples[batch_size] = self.samples.get(batch_size, 0) + 1
 
-    def observe_realized(self, batch_size: int, width: int, tokens: float, seconds: float) -> None:
-        """A step that drafted at `width`: the tokens it emitted over its wall time."""
+    def observe_realized(self, batch_size: int, width: int, tokens: float, seconds: float, rows: int) -> None:
+        """A step of `rows` generating rows that drafted at `width`: the tokens it emitted over its wall time. When
+        this width's steps come to beat a plain step (probes, say, after the text became predictable), what the
+        other widths measured at this batch size is cleared: the estimates choose among them again, measured
+        afresh."""
         rate = tokens / max(seconds, 1e-12)
         old, count = self.realized.get((batch_size, width), (rate, 0))
-        self.realized[(batch_size, width)] = ((1 - REALIZED_RATE) * old + REALIZED_RATE * rate if count else rate,
-                                              count + 1)
+        plain = self.times.get((batch_size, 0))
+
+        def proven(rate: float, count: int) -> bool:  # measured enough, and paying
+            return plain is not None and count >= REALIZED_SAMPLES and rate * plain >= rows
+
+        was_proven = proven(old, count)
+        rate = (1 - REALIZED_RATE) * old + REALIZED_RATE * rate if count else rate
+        self.realized[(batch_size, width)] = (rate, count + 1)
+        if proven(rate, count + 1) and not was_proven:
+            for key in [key for key in self.realized if key[0] == batch_size and key[1] != width]:
+                del self.realized[key]
 
     def unpaid_widths(self, batch_size: int, rows: int) -> set[int]:
         """The widths whose steps at this batch size (`REALIZED_SAMPLES` or more) emitted fewer tokens per second

@@ -251,7 +251,26 @@ def test_a_narrower_width_keeps_drafting_where_wide_steps_did_not_pay():
 
     costs = Optimistic(0.01)
     clock = FakeClock(lambda width: 1.0 + 0.1 * width ** 3)
-    history = simulate(_schedule(costs, clock=clock), 1, accept, steps=120, clock=clock)
-    assert costs.unpaid_widths(1, 1) >= {3, 4}
-    late = history[-40:, 0]
-    assert (late == 1).mean() > 0.6, history.ravel().tolist()
+    history = simulate(_schedule(costs, clock=clock), 2, accept, steps=120, clock=clock)
+    assert costs.unpaid_widths(2, 2) >= {3, 4}
+    late = history[-40:].max(axis=1)
+    assert (late == 1).mean() > 0.6, history.tolist()
+
+
+def test_a_single_row_is_left_to_its_estimates_and_a_paying_step_clears_the_switch():
+    """One row shares its steps with no one: its own estimates decide, and nothing is recorded for the switch. At
+    a batch, once a width's steps beat a plain step, the estimates choose the other widths again."""
+    costs = Optimistic(0.01)
+    clock = FakeClock(lambda width: 1.0 + 1.0 * width)
+    simulate(_schedule(costs, clock=clock), 1, lambda step, limits: [0], steps=40, clock=clock)
+    assert not costs.realized
+    table = CostTable()
+    table.observe(4, 0, 1.0)
+    for _ in range(4):
+        table.observe_realized(4, 4, 4.0, 2.0, 4)  # 2 tokens per plain-step time: half a plain step's 4
+    assert table.unpaid_widths(4, 4) == {4}
+    for _ in range(3):
+        table.observe_realized(4, 2, 9.0, 1.5, 4)  # 6 per plain-step time, fewer times than the switch counts
+    assert table.unpaid_widths(4, 4) == {4}
+    table.observe_realized(4, 2, 9.0, 1.5, 4)
+    assert table.unpaid_widths(4, 4) == set()
