@@ -353,6 +353,19 @@ class DraftModelProposer(Proposer):
             self.cached_host = [n + k for n, k in zip(self.cached_host, kept_host)]
 
 
+def select_positions(
+    # [B, W, ...]
+    values: torch.Tensor,
+    # [B, N] long or None (every position)
+    positions: torch.Tensor | None,
+) -> torch.Tensor:
+    """[B, N, ...]: each row's values at its `positions`."""
+    if positions is None:
+        return values
+    index = positions.to(values.device).reshape(*positions.shape, *[1] * (values.dim() - 2))
+    return values.gather(1, index.expand(*positions.shape, *values.shape[2:]))
+
+
 def _rows(
     # [B, N, ...]
     values: torch.Tensor,
@@ -426,16 +439,3 @@ def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSa
 
 
 register_proposer("draft", _build)
-
-
-def select_positions(
-    # [B, W, ...]
-    values: torch.Tensor,
-    # [B, N] long or None (every position)
-    positions: torch.Tensor | None,
-) -> torch.Tensor:
-    """[B, N, ...]: each row's values at its `positions`."""
-    if positions is None:
-        return values
-    index = positions.to(values.device).reshape(*positions.shape, *[1] * (values.dim() - 2))
-    return values.gather(1, index.expand(*positions.shape, *values.shape[2:]))
