@@ -142,8 +142,10 @@ class Schedule:
         if self.adaptive or len(self.costs) > 1:
             table = self.costs[self.method]
             table.observe(self.rows_computed, width, seconds)
-            if width and self.rows_computed > 1:  # a batch shares each step's width (one row: its estimates decide)
-                table.observe_realized(self.rows_computed, width, float(((accepted + 1) * self.active).sum()),
+            # what the width the decision chose delivered (a host proposer may verify less than it allowed); one
+            # row's steps are its own, and its estimates decide for it
+            if width and self.rows_computed > 1:
+                table.observe_realized(self.rows_computed, decision.width, float(((accepted + 1) * self.active).sum()),
                                        seconds, int(self.active.sum()))
         self.acceptance[self.method].update(self.allowed, accepted, depths)
         drafted = self.allowed > 0

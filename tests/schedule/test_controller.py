@@ -274,3 +274,13 @@ def test_a_single_row_is_left_to_its_estimates_and_a_paying_step_clears_the_swit
     assert table.unpaid_widths(4, 4) == {4}
     table.observe_realized(4, 2, 9.0, 1.5, 4)
     assert table.unpaid_widths(4, 4) == set()
+
+
+def test_the_switch_judges_the_width_the_decision_chose():
+    """A proposer drafting on the host verifies less than it was allowed (lookups find 1 token where 4 were
+    allowed): the steps' results count against the width the decision chose, so it is that width that drops out."""
+    costs = Optimistic(0.01)
+    clock = FakeClock(lambda width: 1.0 + 2.0 * width)  # a verified draft token costs two plain steps
+    simulate(_schedule(costs, clock=clock), 2, lambda step, limits: [99] * len(limits), steps=40, clock=clock,
+             drafted=lambda step, limits: [min(1, k) for k in limits])  # every lookup finds one token, accepted
+    assert 4 in costs.unpaid_widths(2, 2)
