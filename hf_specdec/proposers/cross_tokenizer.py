@@ -33,6 +33,7 @@ import torch
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer
+from hf_specdec.proposers.draft_model import select_positions
 from hf_specdec.proposers.host_text import HostText
 from hf_specdec.sampling import draft_distribution, sample
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
@@ -228,8 +229,7 @@ class CrossTokenizerProposer(Proposer):
         dense = all(n == width for n in self._fed_host)
         real = None if dense else column < fed[:, None]
         logits = self.cache.forward(ids.to(device), column.expand(len(self.rows), -1), real)
-        last = (fed.clamp(min=1) - 1)[:, None, None]
-        return logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0], fed
+        return select_positions(logits, (fed.clamp(min=1) - 1)[:, None])[:, 0], fed
 
     def _draw(
         self,

@@ -121,6 +121,11 @@ class DraftModelProposer(Proposer):
         model_call = None if compile_settings is None else compiled_forward(self.draft, compile_settings)
         self.cache.make_static(max_length, self._region(), model_call)
 
+    def _expect_call(self, state: DecodeState) -> None:
+        """Tell the draft cache the most slots a row can need this call (its sequence capacity, then one step's
+        region), so its first allocation is no larger."""
+        self.cache.expected_slots = state.sequences.shape[1] + self._region()
+
     def _region(self) -> int:
         """Draft cache slots a step writes at most: the feed, then the drafted nodes it feeds, k - 1 per branch
         (one per level for a dynamic tree's frontier)."""
@@ -143,7 +148,7 @@ class DraftModelProposer(Proposer):
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         # The last prompt token is left for the first proposal, so every proposal has a token to feed.
         device = self.draft.device
-        self.cache.expected_slots = state.sequences.shape[1] + self._region()
+        self._expect_call(state)
         self._prefill(state, None if attention_mask is None else attention_mask[:, :-1].to(device))
         self.cached_lengths = state.lengths - 1
         self.cached_host = [length - 1 for length in state.host.lengths]

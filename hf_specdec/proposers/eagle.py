@@ -14,8 +14,8 @@ After verification the head keeps only the committed tokens' KV: the drafted ent
 guesses, and the tokens the target accepted are fed again next step with the target's true features (as EAGLE
 does). A plain step (no row drafts) keeps its committed tokens' features instead of running the head: the next
 proposal feeds them all in one forward (at most `BACKLOG_LIMIT` tokens wait), so a batch that decodes plainly for a
-while pays almost nothing for the head. Candidates are deterministic in trees and sampled from the head's distribution in chains, so verification
-stays lossless either way.
+while pays almost nothing for the head. Candidates are deterministic in trees and sampled from the head's
+distribution in chains, so verification stays lossless either way.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class EagleProposer(DraftModelProposer):
         before it, so it is never fed)."""
         prompt = state.sequences[:, : state.prompt_length]
         device = self.draft.device
-        self.cache.expected_slots = state.sequences.shape[1] + self._region()
+        self._expect_call(state)
         self.cache.prefill(prompt[:, :0].to(device), None)
         self.cached_lengths = state.lengths.clone()
         self.cached_host = list(state.host.lengths)
@@ -127,11 +127,10 @@ class EagleProposer(DraftModelProposer):
                                  features=features, from_target=True, logits_at=no_logits)
 
     role = "the EAGLE head"
+    selects_logits = True
 
     def _max_feed(self) -> int:
         return self.k + 1  # the head keeps no draft: every committed token of a step is fed again
-
-    selects_logits = True
 
     def _feed_inputs(self, state: DecodeState, width: int) -> dict:
         features = state.target_features
