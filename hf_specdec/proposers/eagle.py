@@ -112,7 +112,6 @@ class EagleProposer(DraftModelProposer):
         self.cached_lengths = state.lengths.clone()
         self.cached_host = list(state.host.lengths)
         self._backlog: list[torch.Tensor] = []  # [B, n, F] each: features of tokens committed in plain steps
-        self._backlog_tokens = 0  # their number, the same for every generating row
         if state.prompt_length < 2:
             return
         real = torch.ones_like(prompt[:, 1:], dtype=torch.bool)
@@ -149,21 +148,20 @@ class EagleProposer(DraftModelProposer):
         """Keep the last step's committed tokens' features for the next feed while every generating row has the
         same number of them (their target features are kept for one step only); feed them now after a step in which
         rows committed different numbers, past `BACKLOG_LIMIT`, or under fixed shapes (a feed of fixed width)."""
-        host = state.host
-        unseen = {length - seen - self._backlog_tokens
+        host, waiting = state.host, sum(features.shape[1] for features in self._backlog)  # the same in every row
+        unseen = {length - seen - waiting
                   for length, seen, done in zip(host.lengths, self.cached_host, host.finished) if not done}
         if len(unseen) == 1 and not self.fixed_shapes:
             count = unseen.pop()
-            if self._backlog_tokens + count <= BACKLOG_LIMIT:
+            if waiting + count <= BACKLOG_LIMIT:
                 self._backlog.append(state.target_features[:, :count])
-                self._backlog_tokens += count
                 return
         self._feed_unseen(state)
         self._keep_feed(state)
 
     def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
         logits = super()._feed_unseen(state)
-        self._backlog, self._backlog_tokens = [], 0  # fed with the step's own tokens
+        self._backlog = []  # fed with the step's own tokens
         return logits
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
