@@ -89,12 +89,15 @@ def decide(
     probing = np.asarray(probe, dtype=bool) & active_rows
     widths = [w for w in widths if w <= max_k]
     own = np.where(active_rows, row_lengths(accepted, step_time), 0)
-    best_width, best_rate = 0, -1.0
-    for w in widths if estimate_widths is None else [w for w in widths if w == 0 or w in estimate_widths]:
-        tokens, time = step_expectation(accepted, step_time, active_rows, np.minimum(own, w), w, draft_rate)
-        rate = tokens / max(time, 1e-12)
-        if rate > best_rate * (1.0 + 1e-9):  # the narrower width wins a tie
-            best_width, best_rate = w, rate
+    candidates = np.asarray([w for w in widths if estimate_widths is None or w == 0 or w in estimate_widths])
+    if len(candidates):  # every candidate width at once: rows [W, B], each row's own length within the width
+        tokens, time = step_expectation(accepted, step_time, active_rows, np.minimum(own[None, :], candidates[:, None]),
+                                        candidates, draft_rate)
+        rate = tokens / np.maximum(time, 1e-12)
+        # the narrowest width within a relative 1e-9 of the best rate (a tie goes to the narrower width)
+        best_width = int(candidates[np.argmax(rate >= rate.max() * (1.0 - 1e-9))])
+    else:
+        best_width = 0
     limits = np.minimum(own, best_width)
     probe_to = min(probe_length, max_k) if probe_alone else min(probe_length, best_width)
     limits = np.where(probing, np.maximum(limits, probe_to), limits)
@@ -114,20 +117,25 @@ def step_expectation(
     step_time: np.ndarray,
     # [B] bool: rows generating this step
     active: np.ndarray,
-    # [B]: each row's draft limit
+    # [B], or [W, B] for W candidate steps at once: each row's draft limit
     limits: np.ndarray,
-    width: int,
+    # the step's width, or [W] widths (one per row of `limits`)
+    width: int | np.ndarray,
     # [B]: how often each row drafts when allowed (None: always)
     draft_rate: np.ndarray | None = None,
-) -> tuple[float, float]:
+) -> tuple[float, float] | tuple[np.ndarray, np.ndarray]:
     """Expected tokens a step with these limits and width emits over the generating rows, and its expected wall
     time: a row's drafts count as often as it drafts, and the step costs `step_time[width]` when some row drafts,
-    `step_time[0]` otherwise."""
-    rate = np.ones(len(limits)) if draft_rate is None else np.clip(draft_rate, 0.0, 1.0)
+    `step_time[0]` otherwise. Floats for one step, [W] arrays for a stack of candidates."""
     limits = np.asarray(limits)
-    tokens = float(((1.0 + rate * accepted[np.arange(len(limits)), limits]) * active).sum())
-    drafts_somewhere = 1.0 - float(np.prod(np.where((limits > 0) & active, 1.0 - rate, 1.0)))
-    return tokens, float(step_time[0]) + drafts_somewhere * float(step_time[width] - step_time[0])
+    rate = np.ones(limits.shape[-1]) if draft_rate is None else np.clip(draft_rate, 0.0, 1.0)
+    gained = np.take_along_axis(accepted, limits.reshape(-1, limits.shape[-1]).T, axis=1).T.reshape(limits.shape)
+    tokens = ((1.0 + rate * gained) * active).sum(axis=-1)
+    drafts_somewhere = 1.0 - np.prod(np.where((limits > 0) & active, 1.0 - rate, 1.0), axis=-1)
+    time = step_time[0] + drafts_somewhere * (step_time[np.asarray(width)] - step_time[0])
+    if limits.ndim == 1:
+        return float(tokens), float(time)
+    return tokens, time
 
 
 def width_ladder(max_k: int) -> tuple[int, ...]:

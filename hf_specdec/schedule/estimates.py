@@ -62,6 +62,8 @@ class AcceptanceEstimate:
         allowed_rows = np.asarray(allowed)
         drafted_rows = allowed_rows if drafted is None else np.minimum(np.asarray(drafted), allowed_rows)
         asked = allowed_rows > 0
+        if not asked.any():  # a plain step: nothing drafted, nothing observed
+            return
         self.draft_rate = np.where(asked, (1 - ACCEPTANCE_RATE) * self.draft_rate
                                    + ACCEPTANCE_RATE * (drafted_rows > 0), self.draft_rate)
         positions = np.arange(self.values.shape[1])[None, :]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hf_specdec.schedule.decision import decide, expected_accepted, row_lengths, width_ladder
+from hf_specdec.schedule.decision import decide, expected_accepted, row_lengths, step_expectation, width_ladder
 
 
 def _decide(acceptance, slope, probe=None, widths=None, probe_length=2):
@@ -116,3 +116,18 @@ def test_due_rows_join_a_drafting_step_and_widen_a_plain_one_only_when_allowed()
     assert waits.limits == (0, 0) and waits.width == 0
     probes = decide(expected_accepted(idle), step_time, [True, True], [False, True], range(5), 2, probe_alone=True)
     assert probes.limits == (0, 2) and probes.width == 2
+
+
+def test_a_stack_of_candidate_steps_is_judged_as_each_alone():
+    """`step_expectation` over [W, B] limits gives, per candidate, what it gives for that candidate alone."""
+    rng = np.random.default_rng(3)
+    accepted = expected_accepted(rng.uniform(0.0, 1.0, size=(4, 5)))
+    step_time = np.maximum.accumulate(rng.uniform(1.0, 2.0, size=6))
+    active, rate = np.array([True, False, True, True]), rng.uniform(0.0, 1.0, size=4)
+    limits = rng.integers(0, 6, size=(7, 4))
+    widths = limits.max(axis=1)
+    tokens, times = step_expectation(accepted, step_time, active, limits, widths, rate)
+    alone = [step_expectation(accepted, step_time, active, row, int(w), rate) for row, w in zip(limits, widths)]
+    np.testing.assert_allclose(tokens, [t for t, _ in alone])
+    np.testing.assert_allclose(times, [t for _, t in alone])
+    assert isinstance(alone[0][0], float) and isinstance(alone[0][1], float)
