@@ -8,6 +8,7 @@ import torch
 
 from hf_specdec.schedule.estimates import (
     ACCEPTANCE_PRIOR,
+    ACCEPTANCE_RATE,
     PRIOR_SLOPE,
     REFIT_SAMPLES,
     AcceptanceEstimate,
@@ -21,17 +22,18 @@ def test_acceptance_updates_only_observed_positions():
     # row 0: 4 allowed, 2 accepted (positions 1-2 accepted, 3 rejected, 4 unobserved: it carries position 3's);
     # row 1: none allowed; row 2: 2 allowed, both accepted (positions 3-4 carry position 2's)
     estimate.update([4, 0, 2], [2, 0, 2])
-    p, up, down = ACCEPTANCE_PRIOR, 0.7 * ACCEPTANCE_PRIOR + 0.3, 0.7 * ACCEPTANCE_PRIOR
+    p, r = ACCEPTANCE_PRIOR, ACCEPTANCE_RATE
+    up, down = (1 - r) * p + r, (1 - r) * p
     np.testing.assert_allclose(estimate.values, [[up, up, down, down], [p] * 4, [up] * 4])
     # a first observation at a carried position starts from the carried estimate, not the prior
     estimate.update([0, 0, 3], [0, 0, 3])
-    assert estimate.values[2, 2] == 0.7 * up + 0.3 and estimate.values[2, 3] == estimate.values[2, 2]
+    assert estimate.values[2, 2] == (1 - r) * up + r and estimate.values[2, 3] == estimate.values[2, 2]
 
 
 def test_allowed_and_drafted_but_rejected_counts_as_rejected():
     """A model drafter drafts what it is allowed: a row allowed 2 tokens that accepted none missed position 1."""
     estimate = AcceptanceEstimate(1, 2)
-    for _ in range(20):
+    for _ in range(60):
         estimate.update([2], [0])
     assert estimate.values[0, 0] < 0.01 and estimate.values[0, 1] == estimate.values[0, 0]
     assert estimate.draft_rate[0] == 1.0
@@ -41,7 +43,7 @@ def test_positions_not_drafted_are_not_observed():
     """An n-gram row allowed 3 tokens that found no match drafted nothing: its estimates stand, its draft rate
     falls; one that found 1 token, accepted, observed position 1 only."""
     estimate = AcceptanceEstimate(2, 3)
-    for _ in range(20):
+    for _ in range(60):
         estimate.update([3, 3], [0, 1], drafted=[0, 1])
     np.testing.assert_allclose(estimate.values[0], [ACCEPTANCE_PRIOR] * 3)
     assert estimate.draft_rate[0] < 0.01 and estimate.draft_rate[1] == 1.0
@@ -105,3 +107,22 @@ def test_tables_are_kept_per_model_and_key_for_the_process():
     assert cost_table(model, "ngram") is cost_table(model, "ngram")
     assert cost_table(model, "ngram") is not cost_table(model, "draft")
     assert cost_table(other, "ngram") is not cost_table(model, "ngram")
+
+
+def test_a_position_reached_but_not_drafted_moves_towards_the_one_before():
+    """Position 2 was observed rejected; then the row drafts 1 token at a time, always accepted: it reaches
+    position 2 without drafting it, and that position's average moves towards position 1's as an observation
+    would (else it would stay low, and the row would never draft deeper again)."""
+    estimate = AcceptanceEstimate(1, 3)
+    estimate.update([2], [1])  # position 1 accepted, position 2 rejected
+    low = estimate.values[0, 1]
+    assert low < ACCEPTANCE_PRIOR
+    estimate.update([1], [1])
+    r = ACCEPTANCE_RATE
+    assert estimate.values[0, 1] == pytest.approx((1 - r) * low + r * estimate.values[0, 0])
+    for _ in range(40):
+        estimate.update([1], [1])
+    assert estimate.values[0, 1] > 0.9 and estimate.values[0, 2] == estimate.values[0, 1]
+    before = estimate.values[0, 1]
+    estimate.update([1], [0])  # rejected at position 1: position 2 was not reached, and stays
+    assert estimate.values[0, 1] == pytest.approx(before)
