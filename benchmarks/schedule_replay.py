@@ -1,0 +1,219 @@
+"""Replays the adaptive schedule on recorded acceptance: how close it comes to the best fixed k, in seconds of CPU
+instead of a bench run per setting.
+
+Greedy drafts are a function of the committed text, so what a draft would have got accepted at each position of
+a greedy output can be recorded once and any schedule replayed on it:
+
+    python benchmarks/schedule_replay.py record --workload code --num-prompts 32 --out replay_code.json
+    python benchmarks/schedule_replay.py replay replay_code.json --rates 0.3 0.1
+
+`record` (SmolLM2-135M-Instruct in bf16, 1 thread) takes each prompt's greedy output of --max-new-tokens tokens and,
+at every position of it, the accepted length of a k-token draft: for the committed EAGLE-3 head through the
+engine's first drafting step after a prefill of the prompt and the output so far; for n-gram lookup on the host
+(lookup depth, accepted). It also measures a step's wall time by width, as the schedule measures it (the host
+clock around each step), from fixed-k runs on a few of the prompts. `replay` runs the real `Schedule` (estimates,
+decision, probes, the step-time table) on those outcomes with a simulated clock, one row at a time, calls in
+sequence as in one process, and prints adaptive (k <= 1, k <= 5) against every fixed k, in speedup over plain
+steps (no per-call costs: the engine's prefill and setup are the same in every case) and as a share of the best
+fixed k, for each value of `estimates.ACCEPTANCE_RATE` given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.proposers.ngram import find_ngram_continuation
+from hf_specdec.schedule import controller, estimates
+from hf_specdec.schedule.estimates import CostTable
+from hf_specdec.testbed.drafters import load_drafter
+from hf_specdec.testbed.real_model import load_real_model
+from hf_specdec.testbed.spec_bench import spec_bench_prompts
+
+K = 5
+METHODS = ("eagle3", "ngram")
+SHORT_CATEGORIES = ["mt_bench", "qa", "math_reasoning", "translation"]
+TIMING_PROMPTS = 4
+
+
+def _prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
+    if workload == "random":  # as `hf-specdec bench --workload random`
+        generator = torch.Generator().manual_seed(0)
+        return [torch.randint(len(tokenizer), (48,), generator=generator).tolist() for _ in range(count)]
+    if workload == "code":
+        return [ids for _, ids in spec_bench_prompts(tokenizer, count, ["code"])]
+    per_category = -(-count // len(SHORT_CATEGORIES))
+    return [ids for _, ids in spec_bench_prompts(tokenizer, per_category, SHORT_CATEGORIES)][:count]
+
+
+class StepLog:
+    """Wraps `Schedule.observe` while recording: each step's width, accepted count and wall time."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, float]] = []
+        self.original = controller.Schedule.observe
+        log = self
+
+        def observe(schedule, state, proposal):
+            seconds = schedule.clock() - schedule.started
+            log.steps.append((schedule.decision.width, int(state.host.num_accepted[0]), seconds))
+            log.original(schedule, state, proposal)
+
+        controller.Schedule.observe = observe
+
+    def close(self) -> None:
+        controller.Schedule.observe = self.original
+
+
+def record(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    model, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
+    head = load_drafter("smollm2", "eagle3", model)
+    prompts = _prompts(tokenizer, args.workload, args.num_prompts)
+    greedy = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
+
+    def config(method: str, k: int, **extra) -> SpeculativeConfig:
+        drafter = dict(method="eagle", heads=head) if method == "eagle3" else dict(method="ngram")
+        return SpeculativeConfig(num_speculative_tokens=k, schedule="fixed", **drafter, **extra)
+
+    log = StepLog()
+    try:
+        records = []
+        for index, prompt in enumerate(prompts):
+            output = model.generate(torch.tensor([prompt]), max_new_tokens=args.max_new_tokens, **greedy)
+            tokens = output[0, len(prompt):].tolist()
+            # position n (tokens generated so far): a draft of the next K tokens
+            eagle = []
+            for n in range(1, len(tokens)):
+                log.steps.clear()  # prefill prompt + tokens[:n-1]: it picks tokens[n-1], the first step drafts
+                hf_specdec.generate(model, torch.tensor([prompt + tokens[: n - 1]]), max_new_tokens=K + 2,
+                                    speculative=config("eagle3", K, disable_by_batch_size=100), **greedy)
+                eagle.append(log.steps[0][1])
+            ngram = []
+            for n in range(1, len(tokens)):
+                draft = find_ngram_continuation(np.array(prompt + tokens[:n]), 1, 3, K).tolist()
+                accepted = 0
+                while accepted < len(draft) and n + accepted < len(tokens) and draft[accepted] == tokens[n + accepted]:
+                    accepted += 1
+                ngram.append([len(draft), accepted])
+            records.append({"prompt_tokens": len(prompt), "tokens": tokens, "eagle3": eagle, "ngram": ngram})
+            print(f"prompt {index}: EAGLE-3 accepted {eagle}", flush=True)
+        step_seconds = {}
+        for method in METHODS:  # width 0: speculation off; width w: fixed k = w
+            times = []
+            for width in range(K + 1):
+                extra = dict(disable_by_batch_size=1) if width == 0 else dict(disable_by_batch_size=100)
+                log.steps.clear()
+                for prompt in prompts[:TIMING_PROMPTS]:
+                    hf_specdec.generate(model, torch.tensor([prompt]), max_new_tokens=args.max_new_tokens,
+                                        speculative=config(method, max(width, 1), **extra), **greedy)
+                times.append(statistics.median(s for w, _, s in log.steps if w == width))
+            step_seconds[method] = np.maximum.accumulate(times).tolist()
+            print(f"{method} step seconds by width: {[round(t, 4) for t in step_seconds[method]]}", flush=True)
+    finally:
+        log.close()
+    with open(args.out, "w") as f:
+        json.dump({"workload": args.workload, "k": K, "step_seconds": step_seconds, "records": records}, f,
+                  sort_keys=True)
+
+
+class ReplayState:
+    """The part of `DecodeState` the schedule reads and writes, for one row."""
+
+    def __init__(self, generated: int, total: int) -> None:
+        self.generated, self.total = generated, total
+        self.host = SimpleNamespace(finished=[False], lengths=[generated], num_accepted=[0])
+        self.draft_limits = None
+
+    def host_draft_budget(self) -> list[int]:
+        budget = max(self.total - self.generated - 1, 0)
+        return [budget if self.draft_limits is None else min(budget, self.draft_limits[0])]
+
+    def set_draft_limits(self, limits: list[int], width: int) -> None:
+        self.draft_limits = limits
+
+
+def replay(data: dict, method: str, max_k: int, schedule: str) -> float:
+    """Speedup over plain steps of `schedule` with at most `max_k` drafts per step, over every recorded call."""
+    step_seconds = data["step_seconds"][method]
+    clock = [0.0]
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=max_k, schedule=schedule,
+                               disable_by_batch_size=100 if schedule == "fixed" else None)
+    plan = controller.Schedule(config, max_k, {None: CostTable()}, static_shapes=False, clock=lambda: clock[0])
+    plain = spent = 0.0
+    for call in data["records"]:
+        outcomes, total = call[method], len(call["tokens"])
+        plain += (total - 1) * step_seconds[0]
+        plan.start(1)
+        generated = 1  # the prefill chose the first token
+        while generated < total:
+            state = ReplayState(generated, total)
+            plan.plan(state, 1)
+            allowed = state.host_draft_budget()[0]
+            if method == "ngram":  # a lookup drafts what it found, at most what was allowed
+                found, matched = outcomes[generated - 1]
+                depth = min(found, allowed)
+                accepted = min(matched, depth)
+            else:
+                depth = allowed
+                accepted = min(outcomes[generated - 1], allowed)
+            clock[0] += step_seconds[depth]
+            spent += step_seconds[depth]
+            generated += accepted + 1
+            state.host = SimpleNamespace(finished=[generated >= total], lengths=[generated], num_accepted=[accepted])
+            plan.observe(state, SimpleNamespace(host_depths=(depth,) if method == "ngram" else None,
+                                                tree=SimpleNamespace(max_depth=depth)))
+        plan.finish()
+    return plain / spent
+
+
+def replay_all(args: argparse.Namespace) -> None:
+    with open(args.file) as f:
+        data = json.load(f)
+    default = estimates.ACCEPTANCE_RATE
+    print(f"workload {data['workload']}, {len(data['records'])} calls; speedup over plain steps")
+    try:
+        for method in METHODS:
+            fixed = {k: replay(data, method, k, "fixed") for k in range(1, data["k"] + 1)}
+            best = max(fixed.values())
+            print(f"{method}: fixed " + ", ".join(f"k={k} {v:.3f}x" for k, v in fixed.items()))
+            for rate in args.rates:
+                estimates.ACCEPTANCE_RATE = rate
+                adaptive = {k: replay(data, method, k, "adaptive") for k in (1, data["k"])}
+                print(f"  acceptance weight {rate}: " + ", ".join(
+                    f"adaptive k<={k} {v:.3f}x ({v / best:.3f} of the best fixed)" for k, v in adaptive.items()))
+    finally:
+        estimates.ACCEPTANCE_RATE = default
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    rec = commands.add_parser("record", help="record acceptance by position and step times")
+    rec.add_argument("--workload", choices=["code", "spec-bench", "random"], default="code")
+    rec.add_argument("--num-prompts", type=int, default=32)
+    rec.add_argument("--max-new-tokens", type=int, default=32)
+    rec.add_argument("--out", required=True)
+    rep = commands.add_parser("replay", help="replay the schedule on a recording")
+    rep.add_argument("file")
+    rep.add_argument("--rates", type=float, nargs="+", default=[estimates.ACCEPTANCE_RATE],
+                     help="values of the acceptance moving average's weight to compare")
+    args = parser.parse_args()
+    if args.command == "record":
+        record(args)
+    else:
+        replay_all(args)
+
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    main()
+    print(f"done in {time.perf_counter() - start:.0f} s")
