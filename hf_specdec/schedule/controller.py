@@ -33,6 +33,11 @@ PROBE_INTERVAL = 4
 PROBE_MAX_INTERVAL = 64
 # draft positions a probe asks for (within the step's cap)
 PROBE_LENGTH = 2
+# the share of wall time steps widened for probes may take: such a step comes only after enough plain steps that
+# its extra cost (the predicted time of a probe's width over a plain step's) is at most this share of the time
+# since the last (at batch 32 on a CPU a step of width 2 costs nearly two plain steps: probing every few steps
+# cost more than a tenth of a call)
+PROBE_BUDGET = 0.03
 
 
 class Schedule:
@@ -99,10 +104,14 @@ class Schedule:
         probe = (self.idle >= self.interval) & active
         if self.adaptive and self.steps == 1 and not all(t.measured(rows_computed, 0) for t in self.costs.values()):
             widths = [0]  # calibrate: one plain step at this batch size (the first step drafted)
-        self.probe_alone = self.plain_run >= self.batch_interval  # due rows may widen a plain step
+        times = self.step_times(rows_computed)
+        probe_width = min(PROBE_LENGTH, cap)
+        probe_cost = min((t[probe_width] - t[0]) / t[0] for t in times.values())  # in plain steps
+        # due rows may widen a plain step: after the batch's wait, and within the probe budget
+        self.probe_alone = self.plain_run >= max(self.batch_interval, probe_cost / PROBE_BUDGET)
         rows = np.arange(len(active))
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
-        for method, step_time in self.step_times(rows_computed).items():
+        for method, step_time in times.items():
             estimate = self.acceptance[method]
             accepted = expected_accepted(estimate.values)  # [B, K + 1]: given that the row drafts
             if self.adaptive:

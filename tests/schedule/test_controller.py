@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from hf_specdec import SpeculativeConfig
-from hf_specdec.schedule.controller import PROBE_INTERVAL, Schedule
+from hf_specdec.schedule.controller import PROBE_BUDGET, PROBE_INTERVAL, Schedule
 from hf_specdec.schedule.estimates import ACCEPTANCE_PRIOR, ACCEPTANCE_RATE, CostTable
 from hf_specdec.step.state import DecodeState, HostView
 from tests.conftest import InjectedCosts
@@ -74,6 +74,22 @@ def test_turns_off_under_zero_acceptance_and_probes():
     probes = np.flatnonzero(off[:, 0] > 0)
     assert len(probes) >= 2 and np.all(np.diff(probes) >= PROBE_INTERVAL)  # probes, further and further apart
     assert np.all(np.diff(np.diff(probes)) >= 0)
+
+
+def test_probes_that_cost_much_wait_within_the_probe_budget():
+    """Zero acceptance at batch 4: where a probe's width costs a whole plain step more (slope 0.5), steps widened
+    for probes take at most PROBE_BUDGET of the time after drafting stopped; where it costs little (slope 0.05),
+    the first probe still comes after PROBE_INTERVAL plain steps."""
+    for slope in (0.5, 0.05):
+        history = simulate(_schedule(InjectedCosts(slope)), 4, lambda step, limits: [0] * 4, steps=64)
+        widths = history.max(axis=1)
+        after = widths[int(np.argmax(widths == 0)):]  # from the first plain step on
+        probes = np.flatnonzero(after)
+        assert len(probes) >= 1
+        if slope == 0.5:
+            assert (slope * after).sum() / (1 + slope * after).sum() <= PROBE_BUDGET
+        else:
+            assert probes[0] == PROBE_INTERVAL
 
 
 def test_turns_on_again_when_acceptance_returns():
