@@ -35,8 +35,8 @@ PROBE_MAX_INTERVAL = 64
 PROBE_LENGTH = 2
 # the share of wall time steps widened for probes may take: such a step comes only after enough plain steps that
 # its extra cost (the predicted time of a probe's width over a plain step's) is at most this share of the time
-# since the last (at batch 32 on a CPU a step of width 2 costs nearly two plain steps: probing every few steps
-# cost more than a tenth of a call)
+# since the last (at batch 32 on a CPU a step of width 2 costs nearly two plain steps: probes after 4, 8 and 16
+# plain steps cost a 32-token call several plain steps)
 PROBE_BUDGET = 0.03
 
 

@@ -16,8 +16,8 @@ import numpy as np
 
 # weight of a new observation in the acceptance moving average: about the last ten observations of a position
 # count. A faster average (0.3 before) turned a row off after a few rejections in a row where its drafts paid on
-# the whole; replaying the schedule on recorded acceptance (SmolLM2 with its EAGLE-3 head, batch 1, code requests)
-# it reached 0.94x the best fixed k at 0.3 and 0.99x at 0.1
+# the whole: replaying the schedule on recorded acceptance (`benchmarks/schedule_replay.py`; SmolLM2 with its EAGLE-3
+# head, batch 1, coding requests, k <= 5) it reached 0.96 of the best fixed k's speed at 0.3 and 1.00 at 0.1
 ACCEPTANCE_RATE = 0.1
 # weight of a new step in the moving average of whether a row drafts when allowed (a lookup finds a match or not)
 DRAFT_RATE_WEIGHT = 0.3
@@ -84,7 +84,8 @@ class AcceptanceEstimate:
         # position before it as an observation would. Otherwise a deeper position's average, once low, would stay
         # low while the row drafts short (it is observed only when drafted), and the row never drafts deeper again
         # however well its drafts go
-        reached = (positions == drafted_rows[:, None]) & (accepted_rows >= drafted_rows[:, None]) & self.seen
+        reached = ((positions == drafted_rows[:, None]) & (drafted_rows[:, None] > 0)
+                   & (accepted_rows >= drafted_rows[:, None]) & self.seen)
         if reached.any():
             before = np.concatenate([self.values[:, :1], self.values[:, :-1]], axis=1)
             self.raw = np.where(reached, (1 - ACCEPTANCE_RATE) * self.raw + ACCEPTANCE_RATE * before, self.raw)
