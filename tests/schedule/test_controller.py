@@ -76,17 +76,18 @@ def test_turns_off_under_zero_acceptance_and_probes():
     assert np.all(np.diff(np.diff(probes)) >= 0)
 
 
-def test_probes_that_cost_much_wait_within_the_probe_budget():
+def test_shared_probes_that_cost_much_wait_within_the_probe_budget():
     """Zero acceptance at batch 4: where a probe's width costs a whole plain step more (slope 0.5), steps widened
     for probes take at most PROBE_BUDGET of the time after drafting stopped; where it costs little (slope 0.05),
-    the first probe still comes after PROBE_INTERVAL plain steps."""
-    for slope in (0.5, 0.05):
-        history = simulate(_schedule(InjectedCosts(slope)), 4, lambda step, limits: [0] * 4, steps=64)
+    or where a single row pays for its own probes (batch 1), the first probe still comes after PROBE_INTERVAL plain
+    steps."""
+    for batch, slope in ((4, 0.5), (4, 0.05), (1, 0.5)):
+        history = simulate(_schedule(InjectedCosts(slope)), batch, lambda step, limits: [0] * batch, steps=64)
         widths = history.max(axis=1)
         after = widths[int(np.argmax(widths == 0)):]  # from the first plain step on
         probes = np.flatnonzero(after)
         assert len(probes) >= 1
-        if slope == 0.5:
+        if (batch, slope) == (4, 0.5):
             assert (slope * after).sum() / (1 + slope * after).sum() <= PROBE_BUDGET
         else:
             assert probes[0] == PROBE_INTERVAL
