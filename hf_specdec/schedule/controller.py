@@ -38,7 +38,7 @@ PROBE_LENGTH = 2
 # at most this share of the time since the last (at batch 32 on a CPU a step of width 2 costs nearly two plain
 # steps: probes after 4, 8 and 16 plain steps cost a 32-token call several plain steps). A single row's probes are
 # its own: at batch 1 the budget delayed finding a repeated passage (n-gram on the demo's math question: 1.16
-# instead of 1.83 tokens per target forward) for a saving of a few hundredths of a plain step
+# instead of 1.83 tokens per target forward)
 PROBE_BUDGET = 0.03
 
 
@@ -107,10 +107,10 @@ class Schedule:
         if self.adaptive and self.steps == 1 and not all(t.measured(rows_computed, 0) for t in self.costs.values()):
             widths = [0]  # calibrate: one plain step at this batch size (the first step drafted)
         times = self.step_times(rows_computed)
+        probe_length = min(PROBE_LENGTH, cap)
         wait = self.batch_interval
         if rows_computed > 1:  # within the probe budget
-            probe_width = min(PROBE_LENGTH, cap)
-            wait = max(wait, min((t[probe_width] - t[0]) / t[0] for t in times.values()) / PROBE_BUDGET)
+            wait = max(wait, min((t[probe_length] - t[0]) / t[0] for t in times.values()) / PROBE_BUDGET)
         self.probe_alone = self.plain_run >= wait  # due rows may widen a plain step
         rows = np.arange(len(active))
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
@@ -120,7 +120,7 @@ class Schedule:
             if self.adaptive:
                 # widths whose steps delivered less than plain ones at this batch size: only probes draft at them
                 unpaid = self.costs[method].unpaid_widths(rows_computed, int(active.sum()))
-                decision = decide(accepted, step_time, active, probe, widths, min(PROBE_LENGTH, cap),
+                decision = decide(accepted, step_time, active, probe, widths, probe_length,
                                   estimate.draft_rate, self.probe_alone, [w for w in widths if w not in unpaid])
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it

@@ -89,15 +89,13 @@ def decide(
     probing = np.asarray(probe, dtype=bool) & active_rows
     widths = [w for w in widths if w <= max_k]
     own = np.where(active_rows, row_lengths(accepted, step_time), 0)
+    # every candidate width at once (0 among them): limits [W, B], each row's own length within the width
     candidates = np.asarray([w for w in widths if estimate_widths is None or w == 0 or w in estimate_widths])
-    if len(candidates):  # every candidate width at once: rows [W, B], each row's own length within the width
-        tokens, time = step_expectation(accepted, step_time, active_rows, np.minimum(own[None, :], candidates[:, None]),
-                                        candidates, draft_rate)
-        rate = tokens / np.maximum(time, 1e-12)
-        # the narrowest width within a relative 1e-9 of the best rate (a tie goes to the narrower width)
-        best_width = int(candidates[np.argmax(rate >= rate.max() * (1.0 - 1e-9))])
-    else:
-        best_width = 0
+    tokens, time = step_expectation(accepted, step_time, active_rows, np.minimum(own[None, :], candidates[:, None]),
+                                    candidates, draft_rate)
+    rate = tokens / np.maximum(time, 1e-12)
+    # the narrowest width within a relative 1e-9 of the best rate (a tie goes to the narrower width)
+    best_width = int(candidates[np.argmax(rate >= rate.max() * (1.0 - 1e-9))])
     limits = np.minimum(own, best_width)
     probe_to = min(probe_length, max_k) if probe_alone else min(probe_length, best_width)
     limits = np.where(probing, np.maximum(limits, probe_to), limits)
