@@ -31,6 +31,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.bench import random_prompts
 from hf_specdec.proposers.ngram import find_ngram_continuation
 from hf_specdec.schedule import controller, estimates
 from hf_specdec.schedule.estimates import CostTable
@@ -46,8 +47,7 @@ TIMING_PROMPTS = 4
 
 def _prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
     if workload == "random":  # as `hf-specdec bench --workload random`
-        generator = torch.Generator().manual_seed(0)
-        return [torch.randint(len(tokenizer), (48,), generator=generator).tolist() for _ in range(count)]
+        return random_prompts(tokenizer, count)
     if workload == "code":
         return [ids for _, ids in spec_bench_prompts(tokenizer, count, ["code"])]
     per_category = -(-count // len(SHORT_CATEGORIES))
@@ -55,7 +55,8 @@ def _prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
 
 
 class StepLog:
-    """Wraps `Schedule.observe` while recording: each step's width, accepted count and wall time."""
+    """Wraps `Schedule.observe` while recording: each step's width (the width it verified, as the schedule records
+    it: a lookup may draft fewer tokens than allowed), accepted count and wall time."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, int, float]] = []
@@ -64,7 +65,8 @@ class StepLog:
 
         def observe(schedule, state, proposal):
             seconds = schedule.clock() - schedule.started
-            log.steps.append((schedule.decision.width, int(state.host.num_accepted[0]), seconds))
+            width = min(schedule.decision.width, proposal.tree.max_depth)
+            log.steps.append((width, int(state.host.num_accepted[0]), seconds))
             log.original(schedule, state, proposal)
 
         controller.Schedule.observe = observe

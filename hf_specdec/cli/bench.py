@@ -410,6 +410,12 @@ class Prompt:
     ids: list[int]
 
 
+def random_prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` prompts of RANDOM_PROMPT_TOKENS uniformly random token ids, the same on every machine (seed 0)."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(len(tokenizer), (RANDOM_PROMPT_TOKENS,), generator=generator).tolist() for _ in range(count)]
+
+
 def load_prompts(args: argparse.Namespace, tokenizer, count: int, target=None) -> list[Prompt]:
     """The workload's prompts: `count` test-bed prompts, or `count` per Spec-Bench category (or coding requests), or
     the repeated-task session of 4 * `count` requests (its second turns hold `target`'s greedy answers)."""
@@ -437,9 +443,7 @@ def load_prompts(args: argparse.Namespace, tokenizer, count: int, target=None) -
             raise SystemExit(f"error: --workload {args.workload}: {error}") from error
         return [Prompt(category, list(ids)) for category, ids in prompts]
     if args.workload == RANDOM_WORKLOAD:
-        generator = torch.Generator().manual_seed(0)
-        return [Prompt(RANDOM_WORKLOAD, torch.randint(len(tokenizer), (RANDOM_PROMPT_TOKENS,), generator=generator)
-                       .tolist()) for _ in range(count)]
+        return [Prompt(RANDOM_WORKLOAD, ids) for ids in random_prompts(tokenizer, count)]
     texts = load_workload(args.workload)
     if count > len(texts):
         raise SystemExit(f"error: {count} prompts asked (--num-prompts, or the largest --batch-size), but "
