@@ -776,6 +776,8 @@ def run(args: argparse.Namespace) -> int:
                 references[(category, batch_size)] = outputs
             measurements.append(m)
     gathered = gather_object([asdict(m) for m in measurements])
+    # the last collective: a process group left to the interpreter's exit can abort a rank (gloo's threads)
+    state.destroy_process_group()
     if not state.is_main_process:
         return 0
     groups: dict[tuple, list[Measurement]] = {}

@@ -134,4 +134,5 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
         accelerator.unwrap_model(objective).save(config.out, target, rows, result)
         (config.out / METRICS_FILE).write_text(json.dumps(result, indent=2, sort_keys=True))
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group: one left to the interpreter's exit can abort a rank
     return result
