@@ -474,7 +474,7 @@ class RaggedKVCache:
                 capacity = max(2 * slots, MIN_CAPACITY)
                 if self.expected_slots is not None:
                     capacity = max(slots, min(capacity, self.expected_slots))
-                self.kv.capacity = capacity  # nothing allocated yet: the first forward allocates this many
+                self.kv.plan(capacity)
             self.valid = torch.ones(batch, capacity, dtype=torch.bool, device=device)
         elif slots > capacity:
             if self.kv.static:

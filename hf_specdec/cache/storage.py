@@ -151,6 +151,12 @@ class SlotCache(DynamicCache):
         return (key_states.new_zeros(shape),
                 value_states.new_zeros(batch, value_states.shape[1], self.capacity, value_states.shape[3]))
 
+    def plan(self, capacity: int) -> None:
+        """The slots the first forward allocates per layer (before any layer has buffers)."""
+        if any(layer.key_buffer is not None for layer in self.layers):
+            raise RuntimeError("SlotCache.plan: the buffers are allocated already (use grow)")
+        self.capacity = capacity
+
     def _joint_ready(self) -> bool:
         return self.joint is not None and self.joint_layers == len(self.layers) == self.num_layers
 

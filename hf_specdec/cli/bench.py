@@ -58,7 +58,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.config import SCHEDULES
 from hf_specdec.cli.environment import environment
-from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens
+from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, empty_suffix_cache
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 from hf_specdec.proposers.early_exit import early_exit_draft, num_layers
 from hf_specdec.pruned_draft import CONFIG_KEY as PRUNED_KEY
@@ -321,13 +321,6 @@ def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, h
     return generate, config
 
 
-def _empty_suffix_cache(config: SpeculativeConfig | None) -> None:
-    """Suffix cases start every pass over the prompts with an empty cache: each pass sees the same requests in the
-    same order, later ones drafting from the outputs of earlier ones in the pass."""
-    if config is not None and config.suffix_cache is not None:
-        config.suffix_cache.clear()
-
-
 def _add_counts(total: list[int], counts: list[int]) -> list[int]:
     """Per-position counts added up; an empty total starts from zeros."""
     return [a + b for a, b in zip(total or [0] * len(counts), counts)]
@@ -348,7 +341,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     if case == "early_exit":  # the target's first layers, timed apart from the target's own forwards
         drafter = early_exit_draft(target, early_exit_layer)
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(drafter)
-    _empty_suffix_cache(config)
+    empty_suffix_cache(config)
     start = time.perf_counter()
     try:  # instrumented run: counts, component costs, statistics, and the output check
         for index, (ids, mask) in enumerate(batches):
@@ -379,7 +372,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     m.draft_forwards, m.draft_forward_seconds = draft_timer.calls, draft_timer.seconds
     timings = []
     for _ in range(repeats):
-        _empty_suffix_cache(config)
+        empty_suffix_cache(config)
         start = time.perf_counter()
         for ids, mask in batches:
             generate(ids, attention_mask=mask, **kwargs)

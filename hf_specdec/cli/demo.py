@@ -32,7 +32,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specdec import SpeculativeConfig
-from hf_specdec.cli.runs import Generation, run_generate
+from hf_specdec.cli.runs import Generation, empty_suffix_cache, run_generate
 from hf_specdec.cli.timing import MIN_NOISE, Repeats, noise_note, paired_speedup, time_interleaved
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.suffix import SuffixCache
@@ -208,8 +208,7 @@ def generate_once(models: DemoModels, ids: torch.Tensor, mask: torch.Tensor, kwa
                   config: SpeculativeConfig | None) -> Generation:
     """One call of plain generate (config None) or of a method; suffix decoding starts from an empty cache, so that
     no call drafts from the answer an earlier call gave to the same prompt."""
-    if config is not None and config.suffix_cache is not None:
-        config.suffix_cache.clear()
+    empty_suffix_cache(config)
     return run_generate(models.target, ids, mask, kwargs, config)
 
 

@@ -65,6 +65,13 @@ class ForwardTimer:
             handle.remove()
 
 
+def empty_suffix_cache(config: SpeculativeConfig | None) -> None:
+    """Empty the suffix cache a config was given (a no-op for other configs): a measured pass then drafts only from
+    the outputs of requests earlier in the same pass, never from an earlier pass's answers to the same prompts."""
+    if config is not None and config.suffix_cache is not None:
+        config.suffix_cache.clear()
+
+
 def count_new_tokens(sequences: torch.Tensor, prompt_length: int, pad_token_id: int | None) -> int:
     new = sequences[:, prompt_length:]
     return int(new.numel() if pad_token_id is None else (new != pad_token_id).sum())

@@ -1,6 +1,7 @@
 """Slot storage: writes land where the owner says, buffers keep their address until they must grow, and a move
 reads every source before it writes."""
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -26,6 +27,16 @@ def test_writes_at_the_given_slots_and_returns_the_used_part():
     assert not keys[:, :, 5:9].any()
     torch.testing.assert_close(values[:, :, 9:], second[1], rtol=0, atol=0)
     assert isinstance(cache.layers[0], SlotLayer) and cache.get_seq_length() == 9
+
+
+def test_plan_sets_the_first_allocation_and_only_before_it():
+    generator = torch.Generator().manual_seed(3)
+    cache = SlotCache(capacity=4)
+    cache.plan(12)
+    cache.update(*_states(generator, 5), 0)
+    assert cache.layers[0].key_buffer.shape[2] == 12
+    with pytest.raises(RuntimeError, match="allocated already"):
+        cache.plan(20)
 
 
 def test_index_writes_return_the_whole_buffer_at_a_fixed_address():
