@@ -17,13 +17,16 @@ the same with the draft of `draft-xtok` and `tokenizer=`, `assistant_tokenizer=`
 the native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is
 checked against plain generate's. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
 
-Reported per case: tokens/s (new tokens of all rows / wall time, median of --repeats), speedup over plain at the
-same batch size (the ratio of the tokens/s: when outputs differ in length, as sampled ones do and bf16 near-ties can
-make greedy ones, a ratio of wall times would credit the shorter output), tokens per target forward (new tokens per
-row / target forwards, the prefill included), mean acceptance length (1 + accepted tokens per drafting step),
-acceptance per draft position, and efficiency: the measured speedup divided by the ideal speedup, the one predicted
-from the measured number of target and draft forwards (set by the acceptance) at their measured mean cost, with
-nothing spent outside model forwards. It is measured on one instrumented run as (time inside target and draft
+Timing: after one instrumented pass of every case of a category and batch size (the counts below), their
+uninstrumented passes are timed in --repeats rounds, each round running every case once in turn, so a slow stretch
+of a busy machine hits plain and the methods alike (`hf_specdec.cli.timing`). Reported per case: tokens/s (new
+tokens of all rows / wall time, the median round), speedup over plain at the same batch size (the ratio of the
+tokens/s within each round, median over rounds: when outputs differ in length, as sampled ones do and bf16
+near-ties can make greedy ones, a ratio of wall times would credit the shorter output), tokens per target forward
+(new tokens per row / target forwards, the prefill included), mean acceptance length (1 + accepted tokens per
+drafting step), acceptance per draft position, and efficiency: the measured speedup divided by the ideal speedup,
+the one predicted from the measured number of target and draft forwards (set by the acceptance) at their measured
+mean cost, with nothing spent outside model forwards. It is measured on one instrumented run as (time inside target and draft
 forwards) / (wall time); 1.0 means the engine's own bookkeeping costs nothing.
 
 With --json the results are written there (sorted keys): the settings, the environment (hf_specdec, torch,
@@ -59,6 +62,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.config import SCHEDULES
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, empty_suffix_cache
+from hf_specdec.cli.timing import paired_speedup, time_interleaved
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 from hf_specdec.proposers.early_exit import early_exit_draft, num_layers
 from hf_specdec.pruned_draft import CONFIG_KEY as PRUNED_KEY
@@ -158,7 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts (per category for spec-bench) (default: the largest batch size)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="timed runs per case; the median is reported, and with --json every repeat (default 1)")
+                        help="timing rounds: each round times every case of a category and batch size once, in "
+                             "turn; speedups are the median of the rounds' ratios, and with --json every round's "
+                             "time is written (default 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model dtype (default float32)")
     parser.add_argument("--json", type=Path, default=None, dest="json_path",
@@ -327,9 +333,11 @@ def _add_counts(total: list[int], counts: list[int]) -> list[int]:
 
 
 def _measure(case: str, category: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft,
-             kwargs, references, repeats: int, heads=None, early_exit_layer: int | None = None,
+             kwargs, references, heads=None, early_exit_layer: int | None = None,
              tree_nodes: int | None = None, schedule: str = "", other_tokenizer: OtherTokenizer | None = None):
-    """`draft` is the draft model, or for the other-tokenizer cases `other_tokenizer.draft`."""
+    """One case's instrumented pass over `batches` (counts, forward costs, statistics, the output check): the
+    measurement, the outputs, and an uninstrumented pass to time (`time_interleaved`). `draft` is the draft model,
+    or for the other-tokenizer cases `other_tokenizer.draft`."""
     generate, config = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer, tree_nodes,
                                     schedule or "adaptive", other_tokenizer)
     if kwargs.get("do_sample"):
@@ -370,15 +378,13 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     m.instrumented_seconds = time.perf_counter() - start
     m.target_forwards, m.target_forward_seconds = target_timer.calls, target_timer.seconds
     m.draft_forwards, m.draft_forward_seconds = draft_timer.calls, draft_timer.seconds
-    timings = []
-    for _ in range(repeats):
+
+    def timed_pass() -> None:
         empty_suffix_cache(config)
-        start = time.perf_counter()
         for ids, mask in batches:
             generate(ids, attention_mask=mask, **kwargs)
-        timings.append(time.perf_counter() - start)
-    m.repeat_seconds, m.seconds = timings, statistics.median(timings)
-    return m, outputs
+
+    return m, outputs, timed_pass
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -483,10 +489,15 @@ def _rate(m: Measurement) -> float:
     return m.new_tokens / m.seconds
 
 
+def _speedup(m: Measurement, baseline: Measurement) -> float:
+    """Tokens per second over the baseline's, paired by round: the median over rounds of the ratio within each."""
+    return paired_speedup(baseline.repeat_seconds, m.repeat_seconds) * m.new_tokens / baseline.new_tokens
+
+
 def summarize(m: Measurement, plain: Measurement, native: Measurement | None = None) -> dict[str, Any]:
     """The reported row: rates, speedups and efficiency (see the module docstring)."""
     steps = m.target_forwards  # over m.calls generate calls
-    speedup = _rate(m) / _rate(plain)
+    speedup = _speedup(m, plain)
     efficiency = (m.target_forward_seconds + m.draft_forward_seconds) / m.instrumented_seconds
     return {
         "case": m.case, "category": m.category, "batch_size": m.batch_size, "k": m.k, "tree_width": m.tree_width,
@@ -500,7 +511,7 @@ def summarize(m: Measurement, plain: Measurement, native: Measurement | None = N
         "tokens_per_second": _rate(m),
         "speedup_vs_plain": speedup,
         # against transformers' matching path (same draft or lookup, same k) on the same prompts
-        "speedup_vs_transformers": _rate(m) / _rate(native) if native is not None else None,
+        "speedup_vs_transformers": _speedup(m, native) if native is not None else None,
         # new tokens per row, per target forward of the generate call that produced them (transformers' early exit
         # drafts with the target's own first layers: its draft forwards are the target's, so no such number)
         "tokens_per_target_forward": (m.new_tokens / m.rows) / (steps / m.calls)
@@ -751,23 +762,39 @@ def run(args: argparse.Namespace) -> int:
             for w in (args.tree_widths if case in ("draft", "ngram", "early_exit", *HEAD_CASES) else [1])
             for schedule in (args.schedules if case in SCHEDULED_CASES else [""])
             if not (case in NATIVE_CASES and b > 1)]
+    # the plan in groups of one category and batch size (plain first): each group's cases are timed in rounds,
+    # every case once per round, so a slow stretch of a busy machine hits plain and the methods alike
+    groups: dict[tuple[str, int], list[tuple]] = {}
+    for category, batch_size, *case in plan:
+        groups.setdefault((category, batch_size), []).append(tuple(case))
+    progress = tqdm(total=len(plan), desc=f"bench (process {state.process_index})",
+                    disable=not state.is_local_main_process)
     with state.split_between_processes(prompts) as mine:
-        references: dict[tuple, list[torch.Tensor]] = {}
-        for category, batch_size, case, k, tree_width, schedule in tqdm(plan, desc=f"bench (process {state.process_index})",
-                                                              disable=not state.is_local_main_process):
+        for (category, batch_size), group in groups.items():
             ids = [p.ids for p in mine if p.category == category]
             batches = list(_batches(tokenizer, ids, batch_size, state.device))
             if not batches:
+                progress.update(len(group))
                 continue
             generate, _ = _generate_fn("plain", target, draft, None)
             generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
-            greedy_references = None if kwargs["do_sample"] else references.get((category, batch_size))
-            m, outputs = _measure(case, category, batch_size, k, tree_width, batches, target, models.draft_for(case),
-                                  kwargs, greedy_references, args.repeats, heads, args.early_exit_layer,
-                                  args.tree_nodes, schedule, models.other_tokenizer)
-            if case == "plain":
-                references[(category, batch_size)] = outputs
-            measurements.append(m)
+            references = None
+            passes: dict[int, tuple[Measurement, Callable[[], None]]] = {}
+            for index, (case, k, tree_width, schedule) in enumerate(group):
+                m, outputs, timed_pass = _measure(case, category, batch_size, k, tree_width, batches, target,
+                                                  models.draft_for(case), kwargs,
+                                                  None if kwargs["do_sample"] else references, heads,
+                                                  args.early_exit_layer, args.tree_nodes, schedule,
+                                                  models.other_tokenizer)
+                if case == "plain":
+                    references = outputs
+                passes[index] = (m, timed_pass)
+                progress.update(1)
+            rounds = time_interleaved({index: timed for index, (_, timed) in passes.items()}, args.repeats)
+            for index, (m, _) in passes.items():
+                m.repeat_seconds, m.seconds = rounds[index].seconds, rounds[index].median_seconds
+                measurements.append(m)
+    progress.close()
     gathered = gather_object([asdict(m) for m in measurements])
     # the last collective: a process group left to the interpreter's exit can abort a rank (gloo's threads)
     state.destroy_process_group()

@@ -207,6 +207,18 @@ def test_speedups_are_ratios_of_token_rates_so_a_shorter_output_earns_nothing():
     assert row["speedup_vs_transformers"] == pytest.approx(0.75)  # against 40 tokens/s
 
 
+def test_speedups_pair_the_rounds_so_a_slow_stretch_hits_both_sides():
+    def measured(case: str, rounds: list[float]) -> Measurement:
+        return Measurement(case=case, batch_size=1, k=5, seconds=sorted(rounds)[1], repeat_seconds=rounds,
+                           instrumented_seconds=1.0, calls=1, new_tokens=100, rows=1, target_forwards=10,
+                           target_forward_seconds=0.5)
+
+    # round 2 ran on a slow stretch for plain and the method alike: twice as fast in rounds 1 and 3, 2.5x in
+    # round 2 (the medians of each side alone, 2.0 s against 5.0 s, would read 0.4x)
+    row = summarize(measured("ngram", [0.5, 4.0, 5.0]), measured("plain", [1.0, 10.0, 2.0]))
+    assert row["speedup_vs_plain"] == pytest.approx(2.0)
+
+
 def test_draft_under_another_tokenizer_beside_universal_assisted_generation(tmp_path, monkeypatch):
     """draft-xtok and hf-uag draft with the same permuted draft (built once), are exact, and ours is compared with
     transformers' in the vs-hf column."""

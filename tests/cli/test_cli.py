@@ -102,6 +102,25 @@ def test_bench_writes_table_json_and_plot(tmp_path, tiny_models, capsys):
     assert "acceptance per position" in capsys.readouterr().out
 
 
+def test_bench_times_every_case_in_each_round(tmp_path, tiny_models, monkeypatch):
+    from hf_specdec.cli import bench
+
+    calls = []
+    interleaved = bench.time_interleaved
+
+    def spy(runs, repeats):
+        calls.append((list(runs), repeats))
+        return interleaved(runs, repeats)
+
+    monkeypatch.setattr(bench, "time_interleaved", spy)
+    out = tmp_path / "results.json"
+    assert main(["bench", "--target", str(tiny_models / "target"), "--method", "plain", "ngram", "--batch-size", "1",
+                 "2", "-k", "2", "3", "--num-prompts", "2", "--max-new-tokens", "4", "--repeats", "3",
+                 "--json", str(out)]) == 0
+    assert [len(runs) for runs, _ in calls] == [3, 3] and all(repeats == 3 for _, repeats in calls)
+    assert all(len(r["seconds_repeats"]) == 3 for r in json.loads(out.read_text())["results"])
+
+
 def test_accelerate_two_cpu_processes_split_and_gather(tmp_path, tiny_models):
     out = tmp_path / "results.json"
     # torchrun-based launcher; without CUDA the processes run on the CPU over gloo
