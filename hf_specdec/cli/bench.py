@@ -767,14 +767,22 @@ def run(args: argparse.Namespace) -> int:
     groups: dict[tuple[str, int], list[tuple]] = {}
     for category, batch_size, *case in plan:
         groups.setdefault((category, batch_size), []).append(tuple(case))
-    progress = tqdm(total=len(plan), desc=f"bench (process {state.process_index})",
+    # passes: each case's instrumented one and its timed ones
+    progress = tqdm(total=len(plan) * (1 + args.repeats), desc=f"bench (process {state.process_index})",
                     disable=not state.is_local_main_process)
+
+    def counted(timed_pass: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            timed_pass()
+            progress.update(1)
+        return run
+
     with state.split_between_processes(prompts) as mine:
         for (category, batch_size), group in groups.items():
             ids = [p.ids for p in mine if p.category == category]
             batches = list(_batches(tokenizer, ids, batch_size, state.device))
             if not batches:
-                progress.update(len(group))
+                progress.update(len(group) * (1 + args.repeats))
                 continue
             generate, _ = _generate_fn("plain", target, draft, None)
             generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
@@ -788,7 +796,7 @@ def run(args: argparse.Namespace) -> int:
                                                   models.other_tokenizer)
                 if case == "plain":
                     references = outputs
-                passes[index] = (m, timed_pass)
+                passes[index] = (m, counted(timed_pass))
                 progress.update(1)
             rounds = time_interleaved({index: timed for index, (_, timed) in passes.items()}, args.repeats)
             for index, (m, _) in passes.items():
