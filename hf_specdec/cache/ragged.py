@@ -188,6 +188,11 @@ class RaggedKVCache:
         self.kv = SlotCache(committed + region, static=True, num_layers=self.num_layers)
         self.model_call = self.model if model_call is None else model_call
 
+    def release(self) -> None:
+        """The call is over: the key/value buffers go (on a CPU, their memory to the next call: `SlotCache.release`);
+        nothing may read this cache afterwards."""
+        self.kv.release()
+
     def prefill(
         self,
         # [B, P]

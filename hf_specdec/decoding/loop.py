@@ -479,14 +479,17 @@ def speculative_generate(
         inputs_embeds=model_kwargs.get("inputs_embeds"),
         past_key_values=past if past is not None and past.get_seq_length() > 0 else None,
     )
-    state = decoder.run(input_ids, prompt)
-    length = decoder.output_length()
-    sequences = state.sequences[:, :length]
-    if not generation_config.return_dict_in_generate:
-        return sequences
-    steps = length - input_ids.shape[1]
-    # built before the statistics are read: rows that stopped early cost one more target forward here
-    past_key_values = decoder.output_cache(length) if generation_config.use_cache else None
+    try:
+        state = decoder.run(input_ids, prompt)
+        length = decoder.output_length()
+        sequences = state.sequences[:, :length]
+        if not generation_config.return_dict_in_generate:
+            return sequences
+        steps = length - input_ids.shape[1]
+        # built before the statistics are read: rows that stopped early cost one more target forward here
+        past_key_values = decoder.output_cache(length) if generation_config.use_cache else None
+    finally:
+        decoder.cache.release()  # the output holds copies, never the cache's buffers
     return SpeculativeGenerateOutput(
         sequences=sequences,
         scores=decoder.score_log.steps()[:steps] if generation_config.output_scores else None,

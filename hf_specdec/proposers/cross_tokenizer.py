@@ -185,6 +185,9 @@ class CrossTokenizerProposer(Proposer):
                 row.draft.extend(continuation_ids(self.draft_tokenizer, row.tail, added))
                 row.tail = (row.tail + added)[-TAIL_CHARACTERS:]
 
+    def finish(self, state: DecodeState | None) -> None:
+        self.cache.release()  # the call is over: the draft's buffers go (`RaggedKVCache.release`)
+
     def skip(self, state: DecodeState) -> None:
         """Read the last step's text (the draft's cache takes it at the next proposal)."""
         self._catch_up(state)

@@ -173,6 +173,9 @@ class DraftModelProposer(Proposer):
             return self._propose_tree(state, budget, logits)
         return self._propose_chain(state, budget, logits, dense=all(b == self._num_drafted for b in budget_host))
 
+    def finish(self, state: DecodeState | None) -> None:
+        self.cache.release()  # the call is over: the draft's buffers go (`RaggedKVCache.release`)
+
     def skip(self, state: DecodeState) -> None:
         """Under fixed shapes the feed has a fixed width, so the unseen tokens are fed now; else at the next
         proposal, in one forward."""

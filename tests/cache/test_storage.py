@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_specdec.cache.storage import SlotCache, SlotLayer
+from hf_specdec.cache.storage import SlotCache, SlotLayer, release_spare_buffers
 
 
 def _states(generator: torch.Generator, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,3 +84,30 @@ def test_layers_of_one_shape_share_one_tensor_and_move_together():
         torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=0)
         torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=0)
     assert joint.layers[0].key_buffer.shape[2] == 12
+
+
+def test_a_released_cpu_cache_leaves_its_memory_zeroed_to_the_next_one():
+    release_spare_buffers()
+    generator = torch.Generator().manual_seed(4)
+    first = SlotCache(capacity=10, num_layers=2)
+    for index in range(2):
+        first.update(*_states(generator, 6), index)
+    memory = first.joint.data_ptr()
+    first.release()
+    assert first.joint is None and first.layers[0].key_buffer is None
+    # a smaller cache takes the memory, zeroed; a larger one finds none left and allocates its own
+    second, third = SlotCache(capacity=8, num_layers=2), SlotCache(capacity=16, num_layers=2)
+    second.update(*_states(generator, 6), 0)
+    assert second.joint.data_ptr() == memory
+    assert not second.joint[1].any() and not second.joint[0, :, :, :, 6:].any()
+    third.update(*_states(generator, 6), 0)
+    assert third.joint.data_ptr() != memory
+    # under static shapes buffers are never recycled (compiled graphs may hold them)
+    static = SlotCache(capacity=8, static=True, num_layers=1)
+    static.update(*_states(generator, 4), 0)
+    held = static.joint  # alive, so only recycling could hand its memory out again
+    static.release()
+    fresh = SlotCache(capacity=8, num_layers=1)
+    fresh.update(*_states(generator, 4), 0)
+    assert fresh.joint.data_ptr() != held.data_ptr()
+    release_spare_buffers()
