@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
@@ -98,6 +99,16 @@ class Proposer(ABC):
         see it. It is called every such step: a proposer that keeps a copy of the text catches up with the last
         step's tokens here (`state.host.emitted` holds only those). A proposer with a cache may catch up here or at
         its next proposal."""
+
+    # drafts on the host cheaply enough to say, for rows that decode plainly, what it would draft (`lookahead`)
+    looks_ahead: bool = False
+
+    def lookahead(self, state: DecodeState, rows: list[int]) -> list[np.ndarray]:
+        """For a proposer that `looks_ahead`, called after `propose` or `skip` in a step where `rows` draft nothing:
+        for each, the chain it would draft now (up to k tokens; empty: none). The adaptive schedule checks them
+        against the tokens the rows then emit, so their acceptance estimates stay current without drafting (see
+        `hf_specdec.schedule.controller`). Reads the host copy of the text only; proposes nothing."""
+        raise NotImplementedError(f"{type(self).__name__} does not look ahead")
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Called after `state` took the step's tokens (finished rows are marked in `state.finished`, and

@@ -135,6 +135,7 @@ class NgramProposer(Proposer):
     """Matches on a host copy of every row's text (`HostText`)."""
 
     reads_emitted_tokens = True
+    looks_ahead = True
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
@@ -170,6 +171,10 @@ class NgramProposer(Proposer):
         return Proposal.chain(state.last_tokens(), torch.from_numpy(drafts[:, :width]).to(device),
                               torch.from_numpy(counts).to(device),
                               dense=bool((counts == width).all())).with_host_depths(counts)
+
+    def lookahead(self, state: DecodeState, rows: list[int]) -> list[np.ndarray]:
+        """The chain `propose` would draft for each row (its most recent match's continuation)."""
+        return [find_ngram_continuation(self.text.row(row), self.min_n, self.max_n, self.k) for row in rows]
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:
         num_nodes = 1 + self.tree_width * state.step_width(self.k)

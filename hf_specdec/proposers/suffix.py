@@ -44,6 +44,7 @@ def suffix_cache_for(config: SpeculativeConfig, target: torch.nn.Module) -> Suff
 
 class SuffixProposer(Proposer):
     reads_emitted_tokens = True
+    looks_ahead = True
 
     def __init__(self, config: SpeculativeConfig, cache: SuffixCache) -> None:
         self.k = config.num_speculative_tokens
@@ -95,6 +96,24 @@ class SuffixProposer(Proposer):
 
     def propose(self, state: DecodeState) -> Proposal:
         return self.proposal(state, self.drafts(state))
+
+    def lookahead(self, state: DecodeState, rows: list[int]) -> list[np.ndarray]:
+        """Each row's best draft's most probable chain (its first node, then each node's first child: the draft
+        grows best first, so a node's first child is its most probable one)."""
+        chains = []
+        for row in rows:
+            request = self.requests[row] if row < len(self.requests) else None
+            if request is None:
+                chains.append(np.zeros(0, dtype=np.int64))
+                continue
+            draft = propose_suffix_draft(self.cache, request, self.text.row(row)[-self.context :], self.k)
+            chain, parent = [], -1
+            for node, (token, node_parent) in enumerate(zip(draft.tokens, draft.parents)):
+                if node_parent == parent:
+                    chain.append(token)
+                    parent = node
+            chains.append(np.asarray(chain, dtype=np.int64))
+        return chains
 
     def proposal(self, state: DecodeState, drafts: list[SuffixDraft]) -> Proposal:
         """The rows' drafts as one proposal: none when no row drafts, a chain when every draft is one (unless

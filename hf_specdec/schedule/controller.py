@@ -8,6 +8,14 @@ every step verifies its drafts exactly as a fixed-k step does.
 
 Timing reads the host clock at the start of a step and after its one host sync (`DecodeState.report`, which
 waits for the device), so a step's measured time covers its device work; nothing else is read from the device.
+
+Lookahead: a proposer that drafts on the host (n-gram lookup, suffix decoding: `Proposer.looks_ahead`) says what it
+would draft for the rows that decode plainly; the schedule checks each such chain against the tokens the row then
+emits, over as many steps as it takes (the first mismatch or the chain's end settles it), and updates the row's
+estimates as a drafted chain of that length would have. A deterministic draft token is accepted exactly when the
+target emits it (greedy), or with the target's probability of it, which is the chance that the emitted token is
+it (sampling), so these observations count as real ones. Such rows never probe: their estimates follow the text
+at no cost, and a row drafts again once they say it pays.
 """
 
 from __future__ import annotations
@@ -54,8 +62,11 @@ class Schedule:
         costs: dict[str | None, CostTable],
         static_shapes: bool,
         clock: Callable[[], float] = time.perf_counter,
+        looks_ahead: bool = False,
     ) -> None:
         self.adaptive = config.schedule == "adaptive"
+        # a single proposer that looks ahead: plain rows are checked against its lookahead instead of probing
+        self.looks_ahead = looks_ahead and self.adaptive and len(costs) == 1
         self.max_k = max_k
         self.disable_by_batch_size = config.disable_by_batch_size
         self.per_batch_size = config.num_speculative_tokens_per_batch_size
@@ -70,6 +81,9 @@ class Schedule:
         self.acceptance = {method: AcceptanceEstimate(batch_size, self.max_k, table.acceptance_prior(self.max_k))
                            for method, table in self.costs.items()}
         self.idle = np.zeros(batch_size, dtype=int)  # steps since each row last drafted
+        # per row: the lookahead chain being checked (None: none), and how many of its tokens were emitted so far
+        self.lookahead: list[np.ndarray | None] = [None] * batch_size
+        self.lookahead_matched = np.zeros(batch_size, dtype=int)
         self.interval = np.full(batch_size, PROBE_INTERVAL)
         self.histogram = np.zeros((batch_size, self.max_k + 1), dtype=np.int64)
         self.estimated = np.zeros(batch_size)
@@ -103,7 +117,7 @@ class Schedule:
         active = np.asarray([not done for done in state.host.finished], dtype=bool)
         cap = batch_size_cap(int(active.sum()), self.max_k, self.disable_by_batch_size, self.per_batch_size)
         widths = [w for w in self.widths if w <= cap] or [0]
-        probe = (self.idle >= self.interval) & active
+        probe = (self.idle >= self.interval) & active & (not self.looks_ahead)
         if self.adaptive and self.steps == 1 and not all(t.measured(rows_computed, 0) for t in self.costs.values()):
             widths = [0]  # calibrate: one plain step at this batch size (the first step drafted)
         times = self.step_times(rows_computed)
@@ -141,6 +155,57 @@ class Schedule:
         self.rows_computed, self.started = rows_computed, self.clock()
         return decision
 
+    def lookahead_rows(self) -> list[int]:
+        """The rows whose lookahead the proposer is asked for this step (after proposing): generating, drafting
+        nothing, with none being checked."""
+        if not self.looks_ahead:
+            return []
+        return [row for row in range(len(self.active))
+                if self.active[row] and self.allowed[row] == 0 and self.lookahead[row] is None]
+
+    def look_ahead(
+        self,
+        rows: list[int],
+        # per row of `rows`: the chain the proposer would draft (at most k tokens; empty when none)
+        chains: list[np.ndarray],
+    ) -> None:
+        for row, chain in zip(rows, chains):
+            self.lookahead[row] = np.asarray(chain[: self.max_k], dtype=np.int64)
+            self.lookahead_matched[row] = 0
+
+    def _check_lookahead(self, state: DecodeState, drafted: np.ndarray) -> None:
+        """Settle the lookahead chains against what the step emitted: a mismatch or a chain's end observes it as a
+        chain of its length with the tokens matched accepted; an empty chain, as a row that found no draft."""
+        host = state.host
+        batch = len(self.lookahead)
+        lengths, matched = np.zeros(batch, dtype=int), np.zeros(batch, dtype=int)
+        settled = np.zeros(batch, dtype=bool)
+        for row, chain in enumerate(self.lookahead):
+            if chain is None:
+                continue
+            if drafted[row] or host.finished[row]:  # its own drafts observe it instead
+                self.lookahead[row] = None
+                continue
+            count = int(self.lookahead_matched[row])
+            done = chain.size == 0
+            for token in host.emitted[row, : host.num_emitted[row]].tolist():
+                if done:
+                    break
+                if token != chain[count]:
+                    done = True
+                    break
+                count += 1
+                done = count == chain.size
+            if not done:
+                self.lookahead_matched[row] = count
+                continue
+            settled[row], lengths[row], matched[row] = True, chain.size, count
+            self.lookahead[row] = None
+        if settled.any():
+            # an empty chain: asked for max_k, drafted none (the row's draft rate learns it)
+            asked = np.where(settled, np.maximum(lengths, self.max_k * (lengths == 0)), 0)
+            self.acceptance[self.method].update(asked, matched, lengths)
+
     def observe(self, state: DecodeState, proposal: Proposal) -> None:
         """After the step's host sync: its time and each row's accepted count update the estimates. Where the
         proposal says how deep each row drafted (`Proposal.host_depths`), the step's time is that of the width it
@@ -161,6 +226,8 @@ class Schedule:
                                        seconds, int(self.active.sum()))
         self.acceptance[self.method].update(self.allowed, accepted, depths)
         drafted = self.allowed > 0
+        if self.looks_ahead:
+            self._check_lookahead(state, drafted)
         self.histogram[np.arange(len(self.active)), np.asarray(decision.limits)] += self.active
         self.method_steps[self.method] += drafted
         self.estimated += self.expected
@@ -213,4 +280,4 @@ def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer,
             and config.num_speculative_tokens_per_batch_size is None):
         return None
     return Schedule(config, max_k, {None: cost_table(model, proposer.cost_key(config, static_shapes))},
-                    static_shapes)
+                    static_shapes, looks_ahead=proposer.looks_ahead)

@@ -58,6 +58,18 @@ def test_batched_proposer_ragged_rows_and_budget():
     assert proposal.draft_probs is None
 
 
+def test_lookahead_is_the_chain_a_proposal_would_draft():
+    ids = torch.tensor([[0, 0, 6, 7, 8, 6, 7], [1, 2, 3, 4, 1, 2, 3], [0, 9, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    state = DecodeState.start(ids, mask, max_length=40, extra_capacity=5, pad_token_id=0)
+    proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    proposer.start(state, mask)
+    proposer.skip(state)
+    assert [chain.tolist() for chain in proposer.lookahead(state, [2, 0])] == [[], [8, 6, 7]]
+    proposal = proposer.propose(state)
+    assert proposal.draft_token_ids[0].tolist() == [8, 6, 7] and proposal.num_draft_tokens[2] == 0
+
+
 def test_left_padding_is_never_matched():
     ids = torch.tensor([[0, 0, 0, 5, 0]])
     mask = torch.tensor([[0, 0, 0, 1, 1]])

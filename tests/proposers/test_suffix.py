@@ -318,3 +318,24 @@ def test_hybrid_with_a_fallback_draft_of_another_tokenizer(schedule, monkeypatch
     assert calls["propose"] > 0 and calls["skip"] > 0, calls
     assert built[-1].suffix_drafts > 0 and built[-1].fallback_drafts > 0
     assert out.spec_stats.num_accepted_tokens > 0
+
+
+def test_lookahead_is_the_most_probable_chain_of_the_draft():
+    from hf_specdec.proposers.suffix import SuffixProposer
+    from hf_specdec.step import DecodeState
+
+    cache = SuffixCache(SuffixConfig(max_spec_factor=2.0))
+    for output in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 8, 7]):  # earlier requests' outputs
+        request = cache.start_request([0])
+        request.extend(output)
+        request.finish()
+    ids = torch.tensor([[11, 12, 1, 2, 3]])
+    state = DecodeState.start(ids, None, max_length=40, extra_capacity=6, pad_token_id=0)
+    proposer = SuffixProposer(SpeculativeConfig(method="suffix", num_speculative_tokens=4, max_spec_factor=2.0,
+                                                suffix_cache=cache), cache)
+    proposer.start(state, None)
+    (draft,) = proposer.drafts(state)
+    assert draft.source == "global" and 9 in draft.tokens  # a tree: the less frequent branch rides along
+    (chain,) = proposer.lookahead(state, [0])
+    assert chain.tolist() == [4, 5, 6]  # the frequent branch, first child after first child
+    proposer.finish(state)

@@ -307,3 +307,39 @@ def test_the_switch_judges_the_width_the_decision_chose():
     simulate(_schedule(costs, clock=clock), 2, lambda step, limits: [99] * len(limits), steps=40, clock=clock,
              drafted=lambda step, limits: [min(1, k) for k in limits])  # every lookup finds one token, accepted
     assert 4 in costs.unpaid_widths(2, 2)
+
+
+def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_probes():
+    """Rows of a host proposer that looks ahead (n-gram lookup, suffix decoding) never probe: their lookahead
+    chains, checked against the tokens they emit, keep their estimates current. Unpredictable text for 40 steps
+    (every chain wrong at its first token), then a repeated passage (every chain right)."""
+    batch, k = 2, 4
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False, looks_ahead=True)
+    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.start(batch)
+    history, asked = [], []
+    for step in range(120):
+        predictable = step >= 40
+        limits = list(schedule.plan(state, batch).limits)
+        rows = schedule.lookahead_rows()
+        asked.append(rows)
+        schedule.look_ahead(rows, [np.full(k, 5) for _ in rows])
+        accepted = [limit if predictable else 0 for limit in limits]
+        emitted = np.full((batch, k + 1), 5 if predictable else 9)
+        host = state.host
+        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted, emitted)
+        schedule.observe(state, SimpleNamespace(host_depths=None, tree=SimpleNamespace(max_depth=max(limits))))
+        history.append(limits)
+    history = np.array(history)
+    first_off = int(np.argmax(history[:, 0] == 0))
+    assert 0 < first_off < 40 and (history[first_off:40] == 0).all()  # off, and no probe while the text stays wrong
+    assert all(rows == [0, 1] for rows in asked[first_off:40])  # every plain step asks again after a mismatch
+    back_on = 40 + int(np.argmax(history[40:, 0] > 0))
+    assert back_on < 40 + 2 * k  # a chain settles after k matching tokens: a few plain steps, then drafting
+    assert (history[back_on:] > 0).all() and (history[-20:] == k).all()  # on for good, up to k as estimates rise
+    # without lookahead the same rows wait for probes, further and further apart
+    schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False)
+    probing = simulate(schedule, batch, lambda step, limits: [0] * batch, steps=40)
+    assert (probing[first_off:] > 0).any()
