@@ -14,8 +14,9 @@ would draft for the rows that decode plainly; the schedule checks each such chai
 emits, over as many steps as it takes (the first mismatch or the chain's end settles it), and updates the row's
 estimates as a drafted chain of that length would have. A deterministic draft token is accepted exactly when the
 target emits it (greedy), or with the target's probability of it, which is the chance that the emitted token is
-it (sampling), so these observations count as real ones. Such rows never probe: their estimates follow the text
-at no cost, and a row drafts again once they say it pays.
+it (sampling), so these observations count as real ones. Such rows probe only where their estimates say drafting
+pays and the widths it would take were switched off at this batch size (a probe measures them again); otherwise
+their estimates follow the text at no cost, and a row drafts again once they say it pays.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import numpy as np
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
-from hf_specdec.schedule.decision import Decision, decide, expected_accepted, step_expectation, width_ladder
+from hf_specdec.schedule.decision import (Decision, decide, expected_accepted, row_lengths, step_expectation,
+                                          width_ladder)
 from hf_specdec.schedule.estimates import AcceptanceEstimate, CostTable, cost_table
 from hf_specdec.schedule.rules import batch_size_cap
 from hf_specdec.stats import ScheduleStats
@@ -117,10 +119,16 @@ class Schedule:
         active = np.asarray([not done for done in state.host.finished], dtype=bool)
         cap = batch_size_cap(int(active.sum()), self.max_k, self.disable_by_batch_size, self.per_batch_size)
         widths = [w for w in self.widths if w <= cap] or [0]
-        probe = (self.idle >= self.interval) & active & (not self.looks_ahead)
+        probe = (self.idle >= self.interval) & active
         if self.adaptive and self.steps == 1 and not all(t.measured(rows_computed, 0) for t in self.costs.values()):
             widths = [0]  # calibrate: one plain step at this batch size (the first step drafted)
         times = self.step_times(rows_computed)
+        if self.looks_ahead:
+            # lookahead keeps the estimates current: a row probes only where they say drafting pays (a row's own
+            # length > 0) and yet it does not draft, the widths having been switched off at this batch size
+            # (`unpaid_widths`): only a drafting step measures whether they pay again
+            ((method, step_time),) = times.items()
+            probe &= row_lengths(expected_accepted(self.acceptance[method].values), step_time) > 0
         probe_length = min(PROBE_LENGTH, cap)
         wait = self.batch_interval
         if rows_computed > 1:  # within the probe budget
@@ -237,15 +245,20 @@ class Schedule:
         # whether drafting pays (the estimates it updated decide that), and at a large batch rows probing in turn
         # would widen nearly every step; a row that drafts by its own estimate and has a draft accepted resets it
         chose = drafted & ~self.probed
-        self.interval = np.where(self.probed, np.minimum(self.interval * 2, PROBE_MAX_INTERVAL),
+        # lookahead rows probe only to measure switched-off widths their estimates say pay: probes accepted whole
+        # confirm it, and the next comes as soon as the first did, until the widths' steps are measured again
+        confirmed = self.looks_ahead and self.probed.any() and bool(
+            (accepted[self.probed] >= self.allowed[self.probed]).all())
+        self.interval = np.where(self.probed, PROBE_INTERVAL if confirmed
+                                 else np.minimum(self.interval * 2, PROBE_MAX_INTERVAL),
                                  np.where(chose & (accepted > 0), PROBE_INTERVAL, self.interval))
         self.idle = np.where(drafted, 0, self.idle + 1)
         if decision.width == 0:
             self.plain_run += 1
         else:  # a step widened for probes doubles the batch's wait; one that drafts by the estimates resets it
             self.plain_run = 0
-            self.batch_interval = (min(self.batch_interval * 2, PROBE_MAX_INTERVAL) if self.probe_alone
-                                   else PROBE_INTERVAL)
+            self.batch_interval = (min(self.batch_interval * 2, PROBE_MAX_INTERVAL)
+                                   if self.probe_alone and not confirmed else PROBE_INTERVAL)
         state.draft_limits = state.draft_limit_tensor = state.draft_width = state.draft_method = None
 
     def finish(self) -> list[ScheduleStats]:

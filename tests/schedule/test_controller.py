@@ -343,3 +343,41 @@ def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_probes():
     schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False)
     probing = simulate(schedule, batch, lambda step, limits: [0] * batch, steps=40)
     assert (probing[first_off:] > 0).any()
+
+
+def test_lookahead_rows_probe_widths_switched_off_once_their_estimates_say_drafting_pays():
+    """Four rows share each step; the predictions make drafting look nearly free while the clock charges half a
+    plain step per drafted position. Unpredictable text first (every draft and every lookahead chain wrong): the
+    widths drafted are switched off at this batch size. Then a repeated passage: the lookahead estimates rise, but
+    only a drafting step can show that the switched-off widths pay now, so rows whose estimates say so probe, and
+    probes accepted whole come one after another."""
+    batch, k = 4, 4
+    costs = Optimistic(0.01)
+    clock = FakeClock(lambda width: 1.0 + 0.5 * width)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    schedule = Schedule(config, k, {None: costs}, static_shapes=False, clock=clock, looks_ahead=True)
+    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.start(batch)
+    history = []
+    for step in range(240):
+        predictable = step >= 80
+        decision = schedule.plan(state, batch)
+        limits = list(decision.limits)
+        rows = schedule.lookahead_rows()
+        schedule.look_ahead(rows, [np.full(k, 5) for _ in rows])
+        clock.run_step(decision.width)
+        accepted = [limit if predictable else 0 for limit in limits]
+        host = state.host
+        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted,
+                              np.full((batch, k + 1), 5 if predictable else 9))
+        schedule.observe(state, SimpleNamespace(host_depths=None, tree=SimpleNamespace(max_depth=decision.width)))
+        history.append(limits)
+        if step == 79:
+            assert costs.unpaid_widths(batch, batch), "the first phase switches widths off"
+    history = np.array(history)
+    assert (history[60:80] == 0).all()  # off, and no probe while the estimates say drafting does not pay
+    widths = history[80:].max(axis=1)
+    # a probe that drafts, accepted whole, brings the next one soon (not after a doubled wait), until the width's
+    # steps are measured to pay and the estimates choose freely again
+    assert (widths[40:] == k).all(), widths.tolist()
