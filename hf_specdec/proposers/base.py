@@ -100,7 +100,8 @@ class Proposer(ABC):
         step's tokens here (`state.host.emitted` holds only those). A proposer with a cache may catch up here or at
         its next proposal."""
 
-    # drafts on the host cheaply enough to say, for rows that decode plainly, what it would draft (`lookahead`)
+    # drafts on the host cheaply enough to say, for rows that decode plainly, what it would draft (`lookahead`;
+    # the schedule checks it against `state.host.emitted`, so only with `reads_emitted_tokens`)
     looks_ahead: bool = False
 
     def lookahead(self, state: DecodeState, rows: list[int]) -> list[np.ndarray]:

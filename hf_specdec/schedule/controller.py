@@ -293,4 +293,4 @@ def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer,
             and config.num_speculative_tokens_per_batch_size is None):
         return None
     return Schedule(config, max_k, {None: cost_table(model, proposer.cost_key(config, static_shapes))},
-                    static_shapes, looks_ahead=proposer.looks_ahead)
+                    static_shapes, looks_ahead=proposer.looks_ahead and proposer.reads_emitted_tokens)
