@@ -119,6 +119,7 @@ class Schedule:
         active = np.asarray([not done for done in state.host.finished], dtype=bool)
         cap = batch_size_cap(int(active.sum()), self.max_k, self.disable_by_batch_size, self.per_batch_size)
         widths = [w for w in self.widths if w <= cap] or [0]
+        self.cap = cap
         probe = (self.idle >= self.interval) & active
         if self.adaptive and self.steps == 1 and not all(t.measured(rows_computed, 0) for t in self.costs.values()):
             widths = [0]  # calibrate: one plain step at this batch size (the first step drafted)
@@ -166,7 +167,7 @@ class Schedule:
     def lookahead_rows(self) -> list[int]:
         """The rows whose lookahead the proposer is asked for this step (after proposing): generating, drafting
         nothing, with none being checked."""
-        if not self.looks_ahead:
+        if not self.looks_ahead or self.cap == 0:  # the batch-size rules allow no drafts: nothing to learn
             return []
         return [row for row in range(len(self.active))
                 if self.active[row] and self.allowed[row] == 0 and self.lookahead[row] is None]
@@ -245,10 +246,13 @@ class Schedule:
         # whether drafting pays (the estimates it updated decide that), and at a large batch rows probing in turn
         # would widen nearly every step; a row that drafts by its own estimate and has a draft accepted resets it
         chose = drafted & ~self.probed
-        # lookahead rows probe only to measure switched-off widths their estimates say pay: probes accepted whole
-        # confirm it, and the next comes as soon as the first did, until the widths' steps are measured again
-        confirmed = self.looks_ahead and self.probed.any() and bool(
-            (accepted[self.probed] >= self.allowed[self.probed]).all())
+        # lookahead rows probe only to measure switched-off widths their estimates say pay: a probe step that
+        # emitted tokens faster than a plain step would have confirms it, and the next comes as soon as the first
+        # did, until the width's steps are measured to pay again (else the waits double, as for any probe)
+        confirmed = False
+        if self.looks_ahead and self.probed.any():
+            plain = float(self.costs[self.method].predict(self.rows_computed, 0)[0])
+            confirmed = float(((accepted + 1) * self.active).sum()) * plain >= float(self.active.sum()) * seconds
         self.interval = np.where(self.probed, PROBE_INTERVAL if confirmed
                                  else np.minimum(self.interval * 2, PROBE_MAX_INTERVAL),
                                  np.where(chose & (accepted > 0), PROBE_INTERVAL, self.interval))

@@ -345,39 +345,51 @@ def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_probes():
     assert (probing[first_off:] > 0).any()
 
 
+def _lookahead_run(clock_slope: float, steps: int, switch_at: int, batch: int = 4, k: int = 4):
+    """Lookahead rows at a batch of four: predictions that make drafting look nearly free, a clock that charges
+    `clock_slope` plain steps per drafted position; every draft and chain wrong before `switch_at`, right after.
+    Returns the widths per step."""
+    costs = Optimistic(0.01)
+    clock = FakeClock(lambda width: 1.0 + clock_slope * width)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    schedule = Schedule(config, k, {None: costs}, static_shapes=False, clock=clock, looks_ahead=True)
+    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.start(batch)
+    widths = []
+    for step in range(steps):
+        predictable = step >= switch_at
+        decision = schedule.plan(state, batch)
+        rows = schedule.lookahead_rows()
+        schedule.look_ahead(rows, [np.full(k, 5) for _ in rows])
+        clock.run_step(decision.width)
+        accepted = [limit if predictable else 0 for limit in decision.limits]
+        host = state.host
+        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted,
+                              np.full((batch, k + 1), 5 if predictable else 9))
+        schedule.observe(state, SimpleNamespace(host_depths=None, tree=SimpleNamespace(max_depth=decision.width)))
+        widths.append(decision.width)
+        if step == switch_at - 1:
+            assert costs.unpaid_widths(batch, batch), "the first phase switches widths off"
+    return np.array(widths)
+
+
 def test_lookahead_rows_probe_widths_switched_off_once_their_estimates_say_drafting_pays():
     """Four rows share each step; the predictions make drafting look nearly free while the clock charges half a
     plain step per drafted position. Unpredictable text first (every draft and every lookahead chain wrong): the
     widths drafted are switched off at this batch size. Then a repeated passage: the lookahead estimates rise, but
     only a drafting step can show that the switched-off widths pay now, so rows whose estimates say so probe, and
     probes accepted whole come one after another."""
-    batch, k = 4, 4
-    costs = Optimistic(0.01)
-    clock = FakeClock(lambda width: 1.0 + 0.5 * width)
-    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
-    schedule = Schedule(config, k, {None: costs}, static_shapes=False, clock=clock, looks_ahead=True)
-    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
-                              pad_token_id=0)
-    schedule.start(batch)
-    history = []
-    for step in range(240):
-        predictable = step >= 80
-        decision = schedule.plan(state, batch)
-        limits = list(decision.limits)
-        rows = schedule.lookahead_rows()
-        schedule.look_ahead(rows, [np.full(k, 5) for _ in rows])
-        clock.run_step(decision.width)
-        accepted = [limit if predictable else 0 for limit in limits]
-        host = state.host
-        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted,
-                              np.full((batch, k + 1), 5 if predictable else 9))
-        schedule.observe(state, SimpleNamespace(host_depths=None, tree=SimpleNamespace(max_depth=decision.width)))
-        history.append(limits)
-        if step == 79:
-            assert costs.unpaid_widths(batch, batch), "the first phase switches widths off"
-    history = np.array(history)
-    assert (history[60:80] == 0).all()  # off, and no probe while the estimates say drafting does not pay
-    widths = history[80:].max(axis=1)
-    # a probe that drafts, accepted whole, brings the next one soon (not after a doubled wait), until the width's
+    widths = _lookahead_run(0.5, steps=240, switch_at=80)
+    assert (widths[60:80] == 0).all()  # off, and no probe while the estimates say drafting does not pay
+    # a probe step that beat a plain step brings the next one soon (not after a doubled wait), until the width's
     # steps are measured to pay and the estimates choose freely again
-    assert (widths[40:] == k).all(), widths.tolist()
+    assert (widths[120:] == 4).all(), widths[80:].tolist()
+
+
+def test_lookahead_probes_back_off_where_drafting_is_right_but_costs_more_than_it_brings():
+    """The same, with every drafted position costing two plain steps: probes accepted whole still lose to a plain
+    step, so their waits double as any probe's."""
+    widths = _lookahead_run(2.0, steps=240, switch_at=80)
+    probes = np.flatnonzero(widths[80:])
+    assert len(probes) >= 3 and (np.diff(np.diff(probes)) > 0).all(), probes.tolist()
