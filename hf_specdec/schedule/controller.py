@@ -14,9 +14,9 @@ would draft for the rows that decode plainly; the schedule checks each such chai
 emits, over as many steps as it takes (the first mismatch or the chain's end settles it), and updates the row's
 estimates as a drafted chain of that length would have. A deterministic draft token is accepted exactly when the
 target emits it (greedy), or with the target's probability of it, which is the chance that the emitted token is
-it (sampling), so these observations count as real ones. Such rows probe only where their estimates say drafting
-pays and the widths it would take were switched off at this batch size (a probe measures them again); otherwise
-their estimates follow the text at no cost, and a row drafts again once they say it pays.
+it (sampling), so these observations count as real ones: a row's estimates follow the text at no cost, and it
+drafts again as soon as they say drafting pays. Its probes go on as any row's do (they also re-measure step
+times, which a lookahead cannot).
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import numpy as np
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
-from hf_specdec.schedule.decision import (Decision, decide, expected_accepted, row_lengths, step_expectation,
-                                          width_ladder)
+from hf_specdec.schedule.decision import Decision, decide, expected_accepted, step_expectation, width_ladder
 from hf_specdec.schedule.estimates import AcceptanceEstimate, CostTable, cost_table
 from hf_specdec.schedule.rules import batch_size_cap
 from hf_specdec.stats import ScheduleStats
@@ -67,7 +66,7 @@ class Schedule:
         looks_ahead: bool = False,
     ) -> None:
         self.adaptive = config.schedule == "adaptive"
-        # a single proposer that looks ahead: plain rows are checked against its lookahead instead of probing
+        # a single proposer that looks ahead: plain rows are checked against its lookahead
         self.looks_ahead = looks_ahead and self.adaptive and len(costs) == 1
         self.max_k = max_k
         self.disable_by_batch_size = config.disable_by_batch_size
@@ -124,12 +123,6 @@ class Schedule:
         if self.adaptive and self.steps == 1 and not all(t.measured(rows_computed, 0) for t in self.costs.values()):
             widths = [0]  # calibrate: one plain step at this batch size (the first step drafted)
         times = self.step_times(rows_computed)
-        if self.looks_ahead:
-            # lookahead keeps the estimates current: a row probes only where they say drafting pays (a row's own
-            # length > 0) and yet it does not draft, the widths having been switched off at this batch size
-            # (`unpaid_widths`): only a drafting step measures whether they pay again
-            ((method, step_time),) = times.items()
-            probe &= row_lengths(expected_accepted(self.acceptance[method].values), step_time) > 0
         probe_length = min(PROBE_LENGTH, cap)
         wait = self.batch_interval
         if rows_computed > 1:  # within the probe budget
@@ -246,23 +239,15 @@ class Schedule:
         # whether drafting pays (the estimates it updated decide that), and at a large batch rows probing in turn
         # would widen nearly every step; a row that drafts by its own estimate and has a draft accepted resets it
         chose = drafted & ~self.probed
-        # lookahead rows probe only to measure switched-off widths their estimates say pay: a probe step that
-        # emitted tokens faster than a plain step would have confirms it, and the next comes as soon as the first
-        # did, until the width's steps are measured to pay again (else the waits double, as for any probe)
-        confirmed = False
-        if self.looks_ahead and self.probed.any():
-            plain = float(self.costs[self.method].predict(self.rows_computed, 0)[0])
-            confirmed = float(((accepted + 1) * self.active).sum()) * plain >= float(self.active.sum()) * seconds
-        self.interval = np.where(self.probed, PROBE_INTERVAL if confirmed
-                                 else np.minimum(self.interval * 2, PROBE_MAX_INTERVAL),
+        self.interval = np.where(self.probed, np.minimum(self.interval * 2, PROBE_MAX_INTERVAL),
                                  np.where(chose & (accepted > 0), PROBE_INTERVAL, self.interval))
         self.idle = np.where(drafted, 0, self.idle + 1)
         if decision.width == 0:
             self.plain_run += 1
         else:  # a step widened for probes doubles the batch's wait; one that drafts by the estimates resets it
             self.plain_run = 0
-            self.batch_interval = (min(self.batch_interval * 2, PROBE_MAX_INTERVAL)
-                                   if self.probe_alone and not confirmed else PROBE_INTERVAL)
+            self.batch_interval = (min(self.batch_interval * 2, PROBE_MAX_INTERVAL) if self.probe_alone
+                                   else PROBE_INTERVAL)
         state.draft_limits = state.draft_limit_tensor = state.draft_width = state.draft_method = None
 
     def finish(self) -> list[ScheduleStats]:

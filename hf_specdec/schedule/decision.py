@@ -15,9 +15,8 @@ predicted wall time of a step whose widest row drafts w tokens (draft and verify
    tokens are weighed by that rate, and the step costs `step_time[w]` only when some row drafts, `step_time[0]`
    otherwise (a row's own length is the same either way: gain and cost both come only with a draft).
 3. Rows that have not drafted for a while probe (they draft `probe_length` tokens), so a row whose text becomes
-   predictable turns speculation back on (a proposer that looks ahead probes only to measure widths switched off
-   by rule 4: see `hf_specdec.schedule.controller`). A probe rides along a step that drafts anyway (within its
-   width, at no extra cost to the batch); only when `probe_alone` may it turn a plain step into a drafting one.
+   predictable turns speculation back on. A probe rides along a step that drafts anyway (within its width, at no
+   extra cost to the batch); only when `probe_alone` may it turn a plain step into a drafting one.
 4. Widths whose steps at this batch size have realized fewer tokens per second than a plain step
    (`CostTable.unpaid_widths`) are not the estimates' to choose (`estimate_widths`): only probes reach them.
 """

@@ -309,10 +309,10 @@ def test_the_switch_judges_the_width_the_decision_chose():
     assert 4 in costs.unpaid_widths(2, 2)
 
 
-def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_probes():
-    """Rows of a host proposer that looks ahead (n-gram lookup, suffix decoding) never probe: their lookahead
-    chains, checked against the tokens they emit, keep their estimates current. Unpredictable text for 40 steps
-    (every chain wrong at its first token), then a repeated passage (every chain right)."""
+def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_waiting_for_a_probe():
+    """Rows of a host proposer that looks ahead (n-gram lookup, suffix decoding): their lookahead chains, checked
+    against the tokens they emit, keep their estimates current. Unpredictable text for 40 steps (every chain wrong
+    at its first token), then a repeated passage (every chain right)."""
     batch, k = 2, 4
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
     schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False, looks_ahead=True)
@@ -334,62 +334,15 @@ def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_probes():
         history.append(limits)
     history = np.array(history)
     first_off = int(np.argmax(history[:, 0] == 0))
-    assert 0 < first_off < 40 and (history[first_off:40] == 0).all()  # off, and no probe while the text stays wrong
-    assert all(rows == [0, 1] for rows in asked[first_off:40])  # every plain step asks again after a mismatch
+    assert 0 < first_off < 30 and (history[first_off:40] == 0).mean() > 0.8  # off while the text stays wrong
+    plain_steps = [step for step in range(first_off, 40) if not history[step].any()]
+    assert all(asked[step] == [0, 1] for step in plain_steps)  # every plain step asks again after a mismatch
     back_on = 40 + int(np.argmax(history[40:, 0] > 0))
     assert back_on < 40 + 2 * k  # a chain settles after k matching tokens: a few plain steps, then drafting
     assert (history[back_on:] > 0).all() and (history[-20:] == k).all()  # on for good, up to k as estimates rise
-    # without lookahead the same rows wait for probes, further and further apart
+    # without lookahead the rows find out only from a probe, which comes only after PROBE_INTERVAL plain steps or
+    # more (their waits doubling)
     schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False)
-    probing = simulate(schedule, batch, lambda step, limits: [0] * batch, steps=40)
-    assert (probing[first_off:] > 0).any()
-
-
-def _lookahead_run(clock_slope: float, steps: int, switch_at: int, batch: int = 4, k: int = 4):
-    """Lookahead rows at a batch of four: predictions that make drafting look nearly free, a clock that charges
-    `clock_slope` plain steps per drafted position; every draft and chain wrong before `switch_at`, right after.
-    Returns the widths per step."""
-    costs = Optimistic(0.01)
-    clock = FakeClock(lambda width: 1.0 + clock_slope * width)
-    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
-    schedule = Schedule(config, k, {None: costs}, static_shapes=False, clock=clock, looks_ahead=True)
-    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
-                              pad_token_id=0)
-    schedule.start(batch)
-    widths = []
-    for step in range(steps):
-        predictable = step >= switch_at
-        decision = schedule.plan(state, batch)
-        rows = schedule.lookahead_rows()
-        schedule.look_ahead(rows, [np.full(k, 5) for _ in rows])
-        clock.run_step(decision.width)
-        accepted = [limit if predictable else 0 for limit in decision.limits]
-        host = state.host
-        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted,
-                              np.full((batch, k + 1), 5 if predictable else 9))
-        schedule.observe(state, SimpleNamespace(host_depths=None, tree=SimpleNamespace(max_depth=decision.width)))
-        widths.append(decision.width)
-        if step == switch_at - 1:
-            assert costs.unpaid_widths(batch, batch), "the first phase switches widths off"
-    return np.array(widths)
-
-
-def test_lookahead_rows_probe_widths_switched_off_once_their_estimates_say_drafting_pays():
-    """Four rows share each step; the predictions make drafting look nearly free while the clock charges half a
-    plain step per drafted position. Unpredictable text first (every draft and every lookahead chain wrong): the
-    widths drafted are switched off at this batch size. Then a repeated passage: the lookahead estimates rise, but
-    only a drafting step can show that the switched-off widths pay now, so rows whose estimates say so probe, and
-    probes accepted whole come one after another."""
-    widths = _lookahead_run(0.5, steps=240, switch_at=80)
-    assert (widths[60:80] == 0).all()  # off, and no probe while the estimates say drafting does not pay
-    # a probe step that beat a plain step brings the next one soon (not after a doubled wait), until the width's
-    # steps are measured to pay and the estimates choose freely again
-    assert (widths[120:] == 4).all(), widths[80:].tolist()
-
-
-def test_lookahead_probes_back_off_where_drafting_is_right_but_costs_more_than_it_brings():
-    """The same, with every drafted position costing two plain steps: probes accepted whole still lose to a plain
-    step, so their waits double as any probe's."""
-    widths = _lookahead_run(2.0, steps=240, switch_at=80)
-    probes = np.flatnonzero(widths[80:])
-    assert len(probes) >= 3 and (np.diff(np.diff(probes)) > 0).all(), probes.tolist()
+    blind = simulate(schedule, batch, lambda step, limits: [limit if step >= 40 else 0 for limit in limits],
+                     steps=120)
+    assert 40 + int(np.argmax(blind[40:, 0] > 0)) > back_on
