@@ -75,6 +75,7 @@ class Schedule:
         # under static shapes each width is a compiled shape: the ladder, and the k of each batch-size rule
         rule_ks = {k for _, _, k in self.per_batch_size or ()}
         self.widths = tuple(sorted(set(width_ladder(max_k)) | rule_ks)) if static_shapes else tuple(range(max_k + 1))
+        self.static_shapes = static_shapes
         self.clock = clock
 
     def start(self, batch_size: int) -> None:
@@ -218,8 +219,11 @@ class Schedule:
         depths = proposal.host_depths
         width = decision.width if depths is None else min(decision.width, proposal.tree.max_depth)
         accepted = np.asarray(state.host.num_accepted)
-        if self.adaptive or len(self.costs) > 1:
-            table = self.costs[self.method]
+        table = self.costs[self.method]
+        if self.static_shapes and (self.rows_computed, width) not in table.compiled:
+            # a shape's first step compiles its graph (seconds to minutes on a CPU): not a step time
+            table.compiled.add((self.rows_computed, width))
+        elif self.adaptive or len(self.costs) > 1:
             table.observe(self.rows_computed, width, seconds)
             # what the width the decision chose delivered (a host proposer may verify less than it allowed); one
             # row's steps are its own, and its estimates decide for it

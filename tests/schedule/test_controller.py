@@ -346,3 +346,23 @@ def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_waiting_for_a_pr
     blind = simulate(schedule, batch, lambda step, limits: [limit if step >= 40 else 0 for limit in limits],
                      steps=120)
     assert 40 + int(np.argmax(blind[40:, 0] > 0)) > back_on
+
+
+def test_under_static_shapes_a_shapes_first_step_compiles_and_is_not_a_step_time():
+    """Each width's first step costs 100 plain steps more (its graph compiles); every draft is accepted. Timing
+    those steps would make every width look far too costly for good; they are left out, and the row drafts."""
+    k = 4
+    compiled: set[int] = set()
+
+    def cost(width):
+        first = width not in compiled
+        compiled.add(width)
+        return 1.0 + 0.1 * width + (100.0 if first else 0.0)
+
+    clock = FakeClock(cost)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    costs = CostTable()
+    schedule = Schedule(config, k, {None: costs}, static_shapes=True, clock=clock)
+    history = simulate(schedule, 1, lambda step, limits: limits, steps=60, clock=clock)
+    assert max(costs.times.values()) < 2.0, costs.times
+    assert (history[-20:] == k).all(), history.ravel().tolist()
