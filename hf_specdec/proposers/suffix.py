@@ -98,21 +98,13 @@ class SuffixProposer(Proposer):
         return self.proposal(state, self.drafts(state))
 
     def lookahead(self, state: DecodeState, rows: list[int]) -> list[np.ndarray]:
-        """Each row's best draft's most probable chain (its first node, then each node's first child: the draft
-        grows best first, so a node's first child is its most probable one)."""
+        """Each row's best draft's most probable chain (`SuffixDraft.most_probable_chain`)."""
         chains = []
         for row in rows:
-            request = self.requests[row] if row < len(self.requests) else None
-            if request is None:
-                chains.append(np.zeros(0, dtype=np.int64))
-                continue
-            draft = propose_suffix_draft(self.cache, request, self.text.row(row)[-self.context :], self.k)
-            chain, parent = [], -1
-            for node, (token, node_parent) in enumerate(zip(draft.tokens, draft.parents)):
-                if node_parent == parent:
-                    chain.append(token)
-                    parent = node
-            chains.append(np.asarray(chain, dtype=np.int64))
+            request = self.requests[row]
+            draft = EMPTY_DRAFT if request is None else propose_suffix_draft(
+                self.cache, request, self.text.row(row)[-self.context :], self.k)
+            chains.append(np.asarray(draft.most_probable_chain(), dtype=np.int64))
         return chains
 
     def proposal(self, state: DecodeState, drafts: list[SuffixDraft]) -> Proposal:

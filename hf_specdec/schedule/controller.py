@@ -190,16 +190,11 @@ class Schedule:
                 self.lookahead[row] = None
                 continue
             count = int(self.lookahead_matched[row])
-            done = chain.size == 0
-            for token in host.emitted[row, : host.num_emitted[row]].tolist():
-                if done:
-                    break
-                if token != chain[count]:
-                    done = True
-                    break
-                count += 1
-                done = count == chain.size
-            if not done:
+            rest = chain[count:]
+            new = host.emitted[row, : host.num_emitted[row]][: rest.size]
+            agree = int(np.argmin(np.append(new == rest[: new.size], False)))  # the emitted tokens that match
+            count += agree
+            if agree == new.size and count < chain.size:  # all matched so far, the chain not through: wait
                 self.lookahead_matched[row] = count
                 continue
             settled[row], lengths[row], matched[row] = True, chain.size, count
