@@ -13,6 +13,9 @@ forwards, each compiled once per shape (`dynamic=False`), kept on the module and
 default inductor mode is used.
 
 `CompiledForward` counts the calls that compiled, per input shapes, so a test can hold recompiles to one per shape.
+A static cache's capacity depends on the call's length limit, and every capacity is a new graph: as transformers'
+own static cache does, a module's static caches never shrink across calls (`static_room`), so a call with a shorter
+prompt reuses the graphs of a longer one.
 """
 
 from __future__ import annotations
@@ -109,11 +112,24 @@ class CompiledForward:
         self.compiles: collections.Counter = collections.Counter()
 
     def __call__(self, **inputs: Any) -> Any:
-        before = counters["stats"]["unique_graphs"]
+        before = graphs_compiled()
         out = self.function(**inputs)
-        if counters["stats"]["unique_graphs"] != before:
+        if graphs_compiled() != before:
             self.compiles[input_shapes(inputs)] += 1
         return out
+
+
+def graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process so far (a step during which it grew compiled one)."""
+    return counters["stats"]["unique_graphs"]
+
+
+def static_room(module: torch.nn.Module, needed: int) -> int:
+    """Token slots per row for a static cache of `module` that must hold `needed`: as many, or the most an
+    earlier call's static cache of the same module held (its compiled graphs fit that capacity)."""
+    room = max(needed, _STATIC_ROOM.get(module, 0))
+    _STATIC_ROOM[module] = room
+    return room
 
 
 def input_shapes(inputs: dict[str, Any]) -> tuple:
@@ -131,6 +147,7 @@ def input_shapes(inputs: dict[str, Any]) -> tuple:
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STATIC_ROOM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compiled_forward(module: torch.nn.Module, settings: CompileSettings) -> CompiledForward:

@@ -51,6 +51,7 @@ import torch
 from hf_specdec.cache.exchange import filled_layers
 from hf_specdec.cache.features import FeatureTap
 from hf_specdec.cache.storage import MIN_CAPACITY, SlotCache
+from hf_specdec.compile import static_room
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
 
 FULL_ATTENTION = "full_attention"
@@ -183,9 +184,10 @@ class RaggedKVCache:
     def make_static(self, committed: int, region: int, model_call=None) -> None:
         """Static shapes from the next prefill on (see the module docstring): room for `committed` committed
         tokens per row and `region` slots of a step, allocated once; `model_call` runs the forwards after the
-        prompt (a compiled forward; default the model)."""
-        self.static = StaticLayout(committed, region)
-        self.kv = SlotCache(committed + region, static=True, num_layers=self.num_layers)
+        prompt (a compiled forward; default the model). The room for committed tokens is never less than an
+        earlier call's static cache of the same model had (`static_room`), so its compiled graphs are reused."""
+        self.static = StaticLayout(static_room(self.model, committed), region)
+        self.kv = SlotCache(self.static.committed + region, static=True, num_layers=self.num_layers)
         self.model_call = self.model if model_call is None else model_call
 
     def release(self) -> None:

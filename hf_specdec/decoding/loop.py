@@ -219,7 +219,8 @@ class SpeculativeDecoder:
                     f">= {committed + nodes}"
                 )
         model_call = None if self.compile_settings is None else compiled_forward(self.model, self.compile_settings)
-        self.cache.make_static(committed, nodes, model_call)
+        # transformers' `max_cache_len` pre-sizes static caches for the largest call expected (the whole cache)
+        self.cache.make_static(max(committed, (self.generation_config.max_cache_len or 0) - nodes), nodes, model_call)
 
     def step(self) -> None:
         """propose -> verify -> accept -> emit -> commit."""

@@ -8,6 +8,8 @@ every step verifies its drafts exactly as a fixed-k step does.
 
 Timing reads the host clock at the start of a step and after its one host sync (`DecodeState.report`, which
 waits for the device), so a step's measured time covers its device work; nothing else is read from the device.
+A step during which torch.compile built a graph (a shape first met, in this call or after an earlier one) is not
+timed.
 
 Lookahead: a proposer that drafts on the host (n-gram lookup, suffix decoding: `Proposer.looks_ahead`) says what it
 would draft for the rows that decode plainly; the schedule checks each such chain against the tokens the row then
@@ -26,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hf_specdec.compile import graphs_compiled
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.schedule.decision import Decision, decide, expected_accepted, step_expectation, width_ladder
@@ -64,6 +67,7 @@ class Schedule:
         static_shapes: bool,
         clock: Callable[[], float] = time.perf_counter,
         looks_ahead: bool = False,
+        graphs_compiled: Callable[[], int] = graphs_compiled,
     ) -> None:
         self.adaptive = config.schedule == "adaptive"
         # a single proposer that looks ahead: plain rows are checked against its lookahead
@@ -77,6 +81,7 @@ class Schedule:
         self.widths = tuple(sorted(set(width_ladder(max_k)) | rule_ks)) if static_shapes else tuple(range(max_k + 1))
         self.static_shapes = static_shapes
         self.clock = clock
+        self.graphs_compiled = graphs_compiled  # a step during which this count grew compiled a graph
 
     def start(self, batch_size: int) -> None:
         """A new call: per-row estimates start from what earlier calls ended with (step times carry over)."""
@@ -155,7 +160,7 @@ class Schedule:
         # rows that probed: due and drafting (a due row in a plain step waits)
         self.probed = probe & (np.asarray(decision.limits) > 0)
         self.decision, self.method, self.active = decision, method, active
-        self.rows_computed, self.started = rows_computed, self.clock()
+        self.rows_computed, self.started, self.graphs = rows_computed, self.clock(), self.graphs_compiled()
         return decision
 
     def lookahead_rows(self) -> list[int]:
@@ -215,10 +220,9 @@ class Schedule:
         width = decision.width if depths is None else min(decision.width, proposal.tree.max_depth)
         accepted = np.asarray(state.host.num_accepted)
         table = self.costs[self.method]
-        if self.static_shapes and (self.rows_computed, width) not in table.compiled:
-            # a shape's first step compiles its graph (seconds to minutes on a CPU): not a step time
-            table.compiled.add((self.rows_computed, width))
-        elif self.adaptive or len(self.costs) > 1:
+        # a step that compiled a graph (a shape met first: seconds to minutes on a CPU) is not a step time
+        compiled = self.graphs_compiled() != self.graphs
+        if not compiled and (self.adaptive or len(self.costs) > 1):
             table.observe(self.rows_computed, width, seconds)
             # what the width the decision chose delivered (a host proposer may verify less than it allowed); one
             # row's steps are its own, and its estimates decide for it

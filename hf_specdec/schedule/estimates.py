@@ -118,8 +118,6 @@ class CostTable:
         # per (batch size, width): tokens per second realized by the steps that drafted (a moving average), and
         # their number
         self.realized: dict[tuple[int, int], tuple[float, int]] = {}
-        # under static shapes, the (batch size, width) steps seen once: the first step of a shape compiles its graph
-        self.compiled: set[tuple[int, int]] = set()
         # per batch size a call started with: the plain steps in a row its probes waited for when it ended
         self.probe_wait: dict[int, int] = {}
 

@@ -78,19 +78,22 @@ def _compile_config(**options) -> CompileConfig:
 
 def test_compiled_greedy_matches_plain_generate_and_compiles_once_per_shape():
     """The verify forward is compiled once per shape; a second call (and a call with other prompts of the same
-    batch and width) compiles nothing; the output is plain generate's every time. First with schedule="fixed"
-    (its shapes are known: k + 1 or 1), then adaptive: widths from its ladder only, each compiled once."""
+    batch and width, or a shorter length limit: static caches never shrink) compiles nothing; the output is plain
+    generate's every time. First with schedule="fixed" (its shapes are known: k + 1 or 1), then adaptive: widths
+    from its ladder only, each compiled once."""
     target = make_model("llama")
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, schedule="fixed")
     compiled = compiled_forward(target, _settings_of(target))
-    for seed in (3, 3, 8):
+    for seed, new_tokens in ((3, NEW_TOKENS), (3, NEW_TOKENS), (8, NEW_TOKENS), (8, NEW_TOKENS - 5)):
         ids, mask = padded_batch(LENGTHS, seed=seed, repeat_period=5)
-        expected = target.generate(ids, **_kwargs(mask))
+        kwargs = _kwargs(mask) | dict(max_new_tokens=new_tokens)
+        expected = target.generate(ids, **kwargs)
         out = hf_specdec.generate(target, ids, speculative=config, compile_config=_compile_config(),
-                                  return_dict_in_generate=True, **_kwargs(mask))
+                                  return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, expected), seed
         assert out.spec_stats.num_accepted_tokens > 0
         assert set(compiled.compiles.values()) == {1}, compiled.compiles  # each verify shape compiled once
+        assert len(compiled.compiles) == 2, compiled.compiles  # and no new capacity
     # k + 1 tokens per row, or 1 when the lookup found nothing in any row
     assert {dict(signature)["input_ids"] for signature in compiled.compiles} == {(3, 5), (3, 1)}
     adaptive = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
