@@ -219,7 +219,9 @@ class SlotCache(DynamicCache):
         return self.joint is not None and self.joint_layers == len(self.layers) == self.num_layers
 
     def grow(self, capacity: int) -> None:
-        if capacity > self.capacity and self._joint_ready():
+        if capacity <= self.capacity:
+            return  # every layer's buffers hold `self.capacity` slots (or are made so when allocated)
+        if self._joint_ready():
             grown = self.joint.new_zeros(*self.joint.shape[:4], capacity, self.joint.shape[5])
             grown[..., : self.capacity, :].copy_(self.joint)
             self._repoint(grown)
