@@ -103,8 +103,9 @@ class EagleProposer(DraftModelProposer):
         return per_target[target]
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
-        """Feed prompt token p with the target's feature at p - 1 (p >= 1; a row's first real token has no feature
-        before it, so it is never fed)."""
+        """Prompt token p is to be fed with the target's feature at p - 1 (p >= 1; a row's first real token has no
+        feature before it, so it is never fed): in the head's first forward (`_feed_prompt`), so a call whose rows
+        all decode plainly never runs the head over its prompt."""
         prompt = state.sequences[:, : state.prompt_length]
         device = self.draft.device
         self._expect_call(state)
@@ -112,6 +113,7 @@ class EagleProposer(DraftModelProposer):
         self.cached_lengths = state.lengths.clone()
         self.cached_host = list(state.host.lengths)
         self._backlog: list[torch.Tensor] = []  # [B, n, F] each: features of tokens committed in plain steps
+        self._prompt_feed: tuple | None = None  # the prompt's pairs, until the head's first forward feeds them
         if state.prompt_length < 2:
             return
         real = torch.ones_like(prompt[:, 1:], dtype=torch.bool)
@@ -121,9 +123,17 @@ class EagleProposer(DraftModelProposer):
         features = state.target_features[:, :-1]
         features = features.gather(1, order[:, :, None].to(features.device).expand(-1, -1, features.shape[2]))
         pairs = real.sum(dim=1).tolist()  # once per call, at the prompt
-        no_logits = torch.empty(state.batch_size, 0, dtype=torch.long, device=device)  # the feed needs none
-        self.cache.prefill_chain(prompt[:, 1:].gather(1, order).to(device), real.gather(1, order).to(device), pairs,
-                                 features=features, from_target=True, logits_at=no_logits)
+        self._prompt_feed = (prompt[:, 1:].gather(1, order).to(device), real.gather(1, order).to(device), pairs,
+                             features)
+
+    def _feed_prompt(self) -> None:
+        """Feed the prompt's pairs, kept since `start`, to the head (before its first other forward)."""
+        if self._prompt_feed is None:
+            return
+        input_ids, real, pairs, features = self._prompt_feed
+        self._prompt_feed = None
+        no_logits = input_ids.new_empty(input_ids.shape[0], 0)  # the feed needs none
+        self.cache.prefill_chain(input_ids, real, pairs, features=features, from_target=True, logits_at=no_logits)
 
     role = "the EAGLE head"
     selects_logits = True
@@ -160,6 +170,7 @@ class EagleProposer(DraftModelProposer):
         self._keep_feed(state)
 
     def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
+        self._feed_prompt()
         logits = super()._feed_unseen(state)
         self._backlog = []  # fed with the step's own tokens
         return logits

@@ -236,6 +236,28 @@ def test_head_is_fed_the_target_feature_before_each_token(version, plain_run, mo
         assert max(widths) > SHAPES["dynamic"]["depth"] + 1, widths
 
 
+def test_a_call_that_never_drafts_never_runs_the_head():
+    """With every step plain (speculation off by the batch-size rule) the head is not run over the prompt or the
+    committed tokens: the prompt's feed waits for the head's first forward. The output is plain generate's."""
+    target = make_model("llama")
+    ids, mask = padded_batch([12, 5, 9], seed=4)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    calls = []
+    original = EagleDrafter.forward
+
+    def counting(self, *args, **kwargs):
+        calls.append(None)
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EagleDrafter, "forward", counting)
+        config = SpeculativeConfig(method="eagle", heads=eagle_head(target, "eagle3"), disable_by_batch_size=1)
+        out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, max_new_tokens=12,
+                                  do_sample=False, eos_token_id=None, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.num_draft_tokens == 0 and calls == []
+
+
 def test_prompt_features_skip_left_padding():
     """The prefill pairs exactly the real tokens after each row's first one with the features before them."""
     target = make_model("llama")
