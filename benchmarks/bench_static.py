@@ -36,10 +36,13 @@ from transformers import CompileConfig
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.suffix import SuffixCache
 
-METHODS = ("ngram", "draft", "medusa", "eagle", "eagle3")
-# the settings the README measured best per method on the test bed (greedy, batch 1, CPU)
-SETTINGS = {"ngram": dict(num_speculative_tokens=5), "draft": dict(num_speculative_tokens=3),
+METHODS = ("ngram", "suffix", "draft", "medusa", "eagle", "eagle3")
+# the settings the README measured best per method on the test bed (greedy, batch 1, CPU); suffix decoding with
+# n-gram lookup's k (its verify width under static shapes)
+SETTINGS = {"ngram": dict(num_speculative_tokens=5), "suffix": dict(num_speculative_tokens=5),
+            "draft": dict(num_speculative_tokens=3),
             "medusa": dict(num_speculative_tokens=3), "eagle": dict(num_speculative_tokens=5),
             "eagle3": dict(num_speculative_tokens=5)}
 
@@ -61,8 +64,8 @@ def load(model: str, device: torch.device, dtype: torch.dtype):
         target, tokenizer = load_real_model(model, dtype=dtype)
         prompts = [ids for _, ids in spec_bench_prompts(tokenizer, num_per_category=1)]
     target = target.to(device).eval()
-    drafters = {"ngram": None}
-    for method in METHODS[1:]:
+    drafters = {"ngram": None, "suffix": None}
+    for method in METHODS[2:]:
         if model in ("testbed", "smollm2") and has_drafter(model, method):
             drafters[method] = load_drafter(model, method, target).to(device, dtype).eval()
     return tokenizer, target, drafters, prompts
@@ -88,9 +91,9 @@ def _committed_drafters():
     return has_drafter, load_drafter
 
 
-def speculative(method: str, drafter) -> SpeculativeConfig:
-    if method == "ngram":
-        return SpeculativeConfig(method="ngram", **SETTINGS[method])
+def speculative(method: str, drafter, suffix_cache: SuffixCache | None = None) -> SpeculativeConfig:
+    if method in ("ngram", "suffix"):
+        return SpeculativeConfig(method=method, suffix_cache=suffix_cache, **SETTINGS[method])
     if method == "draft":
         return SpeculativeConfig(method="draft", draft_model=drafter, **SETTINGS[method])
     kind = "medusa" if method == "medusa" else "eagle"
@@ -122,6 +125,8 @@ class Runner:
         if variant == "compiled":
             options |= compile_switches(self.device)
         outputs, forwards = [], 0
+        # suffix decoding: a cache of its own per pass (never an earlier pass's answers to the same prompts)
+        suffix_cache = SuffixCache() if method == "suffix" else None
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         start = time.perf_counter()
@@ -131,7 +136,7 @@ class Runner:
                 out = self.target.generate(ids, attention_mask=mask, **options)
                 forwards += out.shape[1] - ids.shape[1]
             else:
-                config = speculative(method, self.drafters[method])
+                config = speculative(method, self.drafters[method], suffix_cache)
                 result = hf_specdec.generate(self.target, ids, attention_mask=mask, speculative=config,
                                              return_dict_in_generate=True, use_cache=False, **options)
                 out, forwards = result.sequences, forwards + result.spec_stats.target_forward_passes
@@ -191,7 +196,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="testbed", help="testbed, smollm2, or a model folder")
     parser.add_argument("--methods", nargs="+", default=["ngram", "medusa", "eagle"], choices=METHODS)
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=4,
+                        help="the first N prompts (a chat model: one Spec-Bench question per category in Spec-Bench's "
+                             "order, mt_bench, translation, summarization, qa, math_reasoning, rag; 6 for all)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
