@@ -79,7 +79,6 @@ class Schedule:
         # under static shapes each width is a compiled shape: the ladder, and the k of each batch-size rule
         rule_ks = {k for _, _, k in self.per_batch_size or ()}
         self.widths = tuple(sorted(set(width_ladder(max_k)) | rule_ks)) if static_shapes else tuple(range(max_k + 1))
-        self.static_shapes = static_shapes
         self.clock = clock
         self.graphs_compiled = graphs_compiled  # a step during which this count grew compiled a graph
 

@@ -72,6 +72,30 @@ def test_static_shapes_match_plain_generate(arch):
         assert out.spec_stats.num_draft_tokens > 0
 
 
+def test_static_caches_never_shrink_and_take_max_cache_len(monkeypatch):
+    """A model's static cache keeps the most room an earlier call needed (its compiled graphs fit that capacity),
+    and transformers' `max_cache_len` pre-sizes it; the output is plain generate's."""
+    from hf_specdec.cache.ragged import RaggedKVCache
+
+    capacities = []
+    original = RaggedKVCache.make_static
+
+    def recording(cache, committed, region, model_call=None):
+        original(cache, committed, region, model_call)
+        capacities.append(cache.kv.capacity)
+
+    monkeypatch.setattr(RaggedKVCache, "make_static", recording)
+    target = make_model("llama")
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    for extra in (dict(max_new_tokens=NEW_TOKENS), dict(max_new_tokens=4), dict(max_new_tokens=4, max_cache_len=90)):
+        kwargs = _kwargs(mask) | extra
+        out = hf_specdec.generate(target, ids, speculative=config, cache_implementation="static", **kwargs)
+        assert torch.equal(out, target.generate(ids, **kwargs))
+    first = max(LENGTHS) + NEW_TOKENS + 5  # prompt + new tokens + the verify width (k + 1)
+    assert capacities == [first, first, 90]
+
+
 def _compile_config(**options) -> CompileConfig:
     return CompileConfig(fullgraph=True, **options)
 
