@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
             static = [python, "benchmarks/bench_static.py", "--methods", "ngram", "--prompts", "1",
                       "--max-new-tokens", "8", "--repeats", "1", "--no-compiled"]
         else:
-            static = [python, "benchmarks/bench_static.py", "--model", "smollm2", "--methods", "ngram", "--prompts",
-                      "12", "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "3"]
+            static = [python, "benchmarks/bench_static.py", "--model", "smollm2", "--methods", "ngram", "suffix",
+                      "eagle3", "--prompts", "6", "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "3"]
         part = run_part("real-model bench (compiled)", static + ["--json", str(static_json)])
         report["parts"]["real_model_static"] = part | {"results": read_json(static_json)}
 
