@@ -184,9 +184,9 @@ class RaggedKVCache:
     def make_static(self, committed: int, region: int, model_call=None) -> None:
         """Static shapes from the next prefill on (see the module docstring): room for `committed` committed
         tokens per row and `region` slots of a step, allocated once; `model_call` runs the forwards after the
-        prompt (a compiled forward; default the model). The room for committed tokens is never less than an
-        earlier call's static cache of the same model had (`static_room`), so its compiled graphs are reused."""
-        self.static = StaticLayout(static_room(self.model, committed), region)
+        prompt (a compiled forward; default the model). The room for committed tokens is rounded up to its
+        bucket (`static_room`), so calls of similar lengths share compiled graphs."""
+        self.static = StaticLayout(static_room(committed), region)
         self.kv = SlotCache(self.static.committed + region, static=True, num_layers=self.num_layers)
         self.model_call = self.model if model_call is None else model_call
 

@@ -72,28 +72,31 @@ def test_static_shapes_match_plain_generate(arch):
         assert out.spec_stats.num_draft_tokens > 0
 
 
-def test_static_caches_never_shrink_and_take_max_cache_len(monkeypatch):
-    """A model's static cache keeps the most room an earlier call needed (its compiled graphs fit that capacity),
-    and transformers' `max_cache_len` pre-sizes it; the output is plain generate's."""
+def test_static_cache_rooms_come_in_buckets_and_take_max_cache_len(monkeypatch):
+    """A static cache's room for committed tokens is the next power of two of what the call can hold (calls in one
+    bucket share compiled graphs; a short call after a long one does not attend over the long one's room), and
+    transformers' `max_cache_len` pre-sizes it; the output is plain generate's."""
     from hf_specdec.cache.ragged import RaggedKVCache
+    from hf_specdec.compile import static_room
 
-    capacities = []
+    assert [static_room(n) for n in (1, 64, 65, 200, 1000, 1025)] == [64, 64, 128, 256, 1024, 2048]
+    rooms = []
     original = RaggedKVCache.make_static
 
     def recording(cache, committed, region, model_call=None):
         original(cache, committed, region, model_call)
-        capacities.append(cache.kv.capacity)
+        rooms.append((cache.static.committed, cache.kv.capacity - cache.static.committed))
 
     monkeypatch.setattr(RaggedKVCache, "make_static", recording)
     target = make_model("llama")
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
     ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
-    for extra in (dict(max_new_tokens=NEW_TOKENS), dict(max_new_tokens=4), dict(max_new_tokens=4, max_cache_len=90)):
+    for extra in (dict(max_new_tokens=60), dict(max_new_tokens=4), dict(max_new_tokens=4, max_cache_len=90)):
         kwargs = _kwargs(mask) | extra
         out = hf_specdec.generate(target, ids, speculative=config, cache_implementation="static", **kwargs)
         assert torch.equal(out, target.generate(ids, **kwargs))
-    first = max(LENGTHS) + NEW_TOKENS + 5  # prompt + new tokens + the verify width (k + 1)
-    assert capacities == [first, first, 90]
+    # 12 + 60 tokens -> 128; 12 + 4 -> 64; max_cache_len 90 less the verify width (5) -> 128
+    assert rooms == [(128, 5), (64, 5), (128, 5)]
 
 
 def _compile_config(**options) -> CompileConfig:
@@ -102,7 +105,7 @@ def _compile_config(**options) -> CompileConfig:
 
 def test_compiled_greedy_matches_plain_generate_and_compiles_once_per_shape():
     """The verify forward is compiled once per shape; a second call (and a call with other prompts of the same
-    batch and width, or a shorter length limit: static caches never shrink) compiles nothing; the output is plain
+    batch and width, or a shorter length limit in the same cache bucket) compiles nothing; the output is plain
     generate's every time. First with schedule="fixed" (its shapes are known: k + 1 or 1), then adaptive: widths
     from its ladder only, each compiled once."""
     target = make_model("llama")
@@ -117,7 +120,7 @@ def test_compiled_greedy_matches_plain_generate_and_compiles_once_per_shape():
         assert torch.equal(out.sequences, expected), seed
         assert out.spec_stats.num_accepted_tokens > 0
         assert set(compiled.compiles.values()) == {1}, compiled.compiles  # each verify shape compiled once
-        assert len(compiled.compiles) == 2, compiled.compiles  # and no new capacity
+        assert len(compiled.compiles) == 2, compiled.compiles  # and no new cache capacity
     # k + 1 tokens per row, or 1 when the lookup found nothing in any row
     assert {dict(signature)["input_ids"] for signature in compiled.compiles} == {(3, 5), (3, 1)}
     adaptive = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
