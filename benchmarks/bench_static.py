@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import CompileConfig
-
 from torch._dynamo.utils import counters
+from transformers import CompileConfig
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
@@ -224,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if not args.no_compiled:
         cases += ["plain-compiled"] + [f"{m}-compiled" for m in args.methods]
     rounds: list[dict] = []
-    round_index = 0
+    round_index = compiled_while_timed = 0
     while len(rounds) < args.repeats:
         # round 0 warms up; so does every later round in which a graph compiled (a shape first met: the adaptive
         # schedule can reach a width in one cache bucket only rounds later), up to MAX_WARMUP_ROUNDS in all
@@ -249,14 +248,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         compiled = counters["stats"]["unique_graphs"] != graphs
         warm_up = round_index == 0 or (compiled and round_index < MAX_WARMUP_ROUNDS)
         if not warm_up:
-            for timing in timings.values():
-                timing["compiled"] = compiled  # past the warm-up rounds: timed all the same, and marked
             rounds.append(timings)
+            compiled_while_timed += compiled  # past the warm-up rounds a round that compiled is timed all the same
         print(f"round {round_index}{' (warm-up)' if warm_up else ''}: "
               + ", ".join(f"{c} {t['seconds']:.2f}s" for c, t in timings.items()), flush=True)
         round_index += 1
     tokens = sum(int(e.shape[1] - p.shape[1]) for e, p in zip(runner.expected, runner.prompts))
     report = summarise(args, runner, rounds, tokens)
+    report["warm_up_rounds"], report["timed_rounds_that_compiled"] = round_index - len(rounds), compiled_while_timed
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
