@@ -38,7 +38,6 @@ from transformers import CompileConfig
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.suffix import SuffixCache
 
 # rounds that may warm up: the first, and the next ones as long as a graph compiled in them
 MAX_WARMUP_ROUNDS = 4
@@ -95,9 +94,11 @@ def _committed_drafters():
     return has_drafter, load_drafter
 
 
-def speculative(method: str, drafter, suffix_cache: SuffixCache | None = None) -> SpeculativeConfig:
-    if method in ("ngram", "suffix"):
-        return SpeculativeConfig(method=method, suffix_cache=suffix_cache, **SETTINGS[method])
+def speculative(method: str, drafter, suffix_cache=None) -> SpeculativeConfig:
+    if method == "ngram":
+        return SpeculativeConfig(method="ngram", **SETTINGS[method])
+    if method == "suffix":
+        return SpeculativeConfig(method="suffix", suffix_cache=suffix_cache, **SETTINGS[method])
     if method == "draft":
         return SpeculativeConfig(method="draft", draft_model=drafter, **SETTINGS[method])
     kind = "medusa" if method == "medusa" else "eagle"
@@ -130,7 +131,11 @@ class Runner:
             options |= compile_switches(self.device)
         outputs, forwards = [], 0
         # suffix decoding: a cache of its own per pass (never an earlier pass's answers to the same prompts)
-        suffix_cache = SuffixCache() if method == "suffix" else None
+        suffix_cache = None
+        if method == "suffix":
+            from hf_specdec.suffix import SuffixCache  # imported here: a `--baseline` checkout may predate it
+
+            suffix_cache = SuffixCache()
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         start = time.perf_counter()
