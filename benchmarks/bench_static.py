@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import counters  # not hf_specdec.compile.graphs_compiled: a --baseline may predate it
 from transformers import CompileConfig
 
 import hf_specdec

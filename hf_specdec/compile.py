@@ -15,9 +15,8 @@ default inductor mode is used.
 `CompiledForward` counts the calls that compiled, per input shapes, so a test can hold recompiles to one per shape.
 A static cache's capacity depends on the call's length limit, and every capacity is a new graph. Capacities come in
 powers of two (`static_room`): a call reuses the graphs of every earlier call in its bucket, and attention spans
-at most twice what the call can hold. (transformers' own static cache keeps the largest size any call needed, so a
-short prompt after a long one attends over the long one's capacity: on a CPU a 48-token prompt's call took 1.47 s
-at its own capacity and 2.19 s after a 771-token prompt had grown it.)
+at most twice what the call can hold (transformers' own static cache keeps the largest size any call needed; a
+short call at a long call's capacity ran 1.65x as long here: `benchmarks/static_capacity.py`).
 """
 
 from __future__ import annotations

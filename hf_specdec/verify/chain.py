@@ -66,6 +66,8 @@ def greedy_verify(
 ) -> VerificationResult:
     """Keep drafts while they equal the target's argmax; then emit the target's argmax."""
     k = draft_token_ids.shape[1]
+    if k == 0:  # a plain step (a host fact): each row emits the target's argmax, no chain arithmetic
+        return VerificationResult.chain(target_token_ids, target_token_ids.new_zeros(target_token_ids.shape[0]))
     accepted = (draft_token_ids == target_token_ids[:, :k]) & _valid_drafts(draft_token_ids, num_draft_tokens)
     num_accepted = _first_rejection(accepted)
     final = target_token_ids.gather(1, num_accepted[:, None]).squeeze(1)

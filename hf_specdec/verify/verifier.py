@@ -44,8 +44,6 @@ class Verifier:
         tree = proposal.tree
         if not self.do_sample:
             target_ids = scores.argmax(dim=-1)
-            if tree.num_nodes == 1:  # no drafts (a host fact): each row emits the target's argmax
-                return VerificationResult.chain(target_ids, target_ids.new_zeros(target_ids.shape[0]))
             if tree.is_chain:
                 return greedy_verify(tree.token_ids[:, 1:], proposal.num_draft_tokens, target_ids)
             return greedy_tree_verify(tree, target_ids)

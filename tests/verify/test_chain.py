@@ -114,3 +114,10 @@ def test_identical_draft_and_target_always_accepted_without_nan():
     result = rejection_sample(drafts, torch.full((200,), 2), probs[:, :2], probs, torch.Generator().manual_seed(4))
     assert (result.num_accepted == 2).all()
     assert (result.output_token_ids >= 0).all()
+
+
+def test_greedy_without_drafts_emits_the_argmax():
+    """A plain step (k = 0): every row emits the target's argmax, nothing accepted."""
+    result = greedy_verify(_t([[], []]).reshape(2, 0), _t([0, 0]), _t([[4], [9]]))
+    assert result.output_token_ids.tolist() == [[4], [9]] and result.num_accepted.tolist() == [0, 0]
+    assert result.path_nodes.tolist() == [[0], [0]] and result.num_nodes == 1
