@@ -13,7 +13,7 @@ import argparse
 import time
 
 import torch
-from transformers import CompileConfig
+from bench_static import compile_switches
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
@@ -30,10 +30,8 @@ def main() -> None:
     torch.set_num_threads(1)
     model, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
     ids = torch.tensor([next(iter(spec_bench_prompts(tokenizer, 1, ["mt_bench"])))[1]])
-    compile_config = CompileConfig()
-    compile_config._compile_all_devices = True  # transformers compiles on a CPU only with this flag
     options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False,
-                   pad_token_id=tokenizer.pad_token_id, cache_implementation="static", compile_config=compile_config)
+                   pad_token_id=tokenizer.pad_token_id, **compile_switches(torch.device("cpu")))
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=5, schedule="fixed")
     cases = {}
     for label, extra in (("own size", {}), (f"max_cache_len={args.large}", {"max_cache_len": args.large})):
