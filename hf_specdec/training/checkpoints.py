@@ -1,26 +1,74 @@
-"""Checkpoints that resume, for every trainer: accelerate's state (model, optimizer, scheduler, RNG) plus the step."""
+"""Checkpoints that resume, for every trainer: accelerate's state (model, optimizer, scheduler, RNG), the step, the
+history so far, and the settings they were trained under.
+
+A rerun resumes only a checkpoint written under the same settings (`run_settings`: everything but where files go,
+how fast the machine runs, and `steps`, which a rerun may raise to train on); one written under other settings is
+an error that names them, before any work, rather than a silent mix of two runs.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from accelerate import Accelerator
 
+from hf_specdec.training.config import TrainConfig
+
 STATE_FILE = "training_state.json"
+# fields that change where files go or how fast a run goes, not what it trains; `steps` may grow on a rerun
+NOT_SETTINGS = frozenset({"out", "generated_data", "feature_cache", "generate_batch_size", "save_every", "threads",
+                          "steps"})
 
 
-def resume(accelerator: Accelerator, folder: Path) -> int:
-    """Load the checkpoint in `folder` if there is one; the step to go on from (0 for a fresh run)."""
-    if not (folder / STATE_FILE).is_file():
-        return 0
+@dataclass
+class TrainingState:
+    """What the loop has done: `step` steps, with their losses and metrics."""
+
+    step: int = 0
+    loss_history: list[float] = field(default_factory=list)
+    metrics_history: list[dict] = field(default_factory=list)
+
+
+def run_settings(config: TrainConfig) -> dict[str, str]:
+    """The settings a checkpoint must share with a run that resumes it: the config's class and fields, as strings."""
+    settings = {k: str(v) for k, v in asdict(config).items() if k not in NOT_SETTINGS}
+    return {"config": type(config).__name__, **settings}
+
+
+def check_settings(folder: Path, config: TrainConfig) -> None:
+    """Raise if `folder` holds a checkpoint written under other settings than `config`'s."""
+    path = folder / STATE_FILE
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text()).get("settings")
+    current = run_settings(config)
+    if saved == current:
+        return
+    if saved is None:
+        differ = "settings not recorded"
+    else:
+        differ = ", ".join(f"{k}: {saved.get(k)!r} there, {current.get(k)!r} now"
+                           for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k))
+    raise ValueError(f"{type(config).__name__}.out: {folder} holds a checkpoint of another run ({differ}); remove "
+                     f"that folder to start over, or pass another out")
+
+
+def resume(accelerator: Accelerator, folder: Path) -> TrainingState:
+    """Load the checkpoint in `folder` if there is one (its settings checked by `check_settings`); what it did."""
+    path = folder / STATE_FILE
+    if not path.is_file():
+        return TrainingState()
     accelerator.load_state(str(folder))
-    return int(json.loads((folder / STATE_FILE).read_text())["step"])
+    saved = json.loads(path.read_text())
+    return TrainingState(saved["step"], saved.get("loss_history", []), saved.get("metrics_history", []))
 
 
-def save(accelerator: Accelerator, folder: Path, step: int) -> None:
-    """Save the state after `step` steps (all processes take part; the main one writes the step)."""
+def save(accelerator: Accelerator, folder: Path, state: TrainingState, config: TrainConfig) -> None:
+    """Save the state after `state.step` steps (all processes take part; the main one writes the state file)."""
     accelerator.wait_for_everyone()
     accelerator.save_state(str(folder))
     if accelerator.is_main_process:
-        (folder / STATE_FILE).write_text(json.dumps({"step": step}, sort_keys=True))
+        record = {**asdict(state), "settings": run_settings(config)}
+        (folder / STATE_FILE).write_text(json.dumps(record, sort_keys=True))

@@ -9,7 +9,7 @@ method:
 3. the target's features over the rows, computed once and cached on disk (`target_features.py`), unless the
    objective runs the target itself (`feature_layers = None`: Medusa-2 trains a LoRA on it);
 4. a seeded loop (AdamW, linear warm-up then cosine decay to 10%, gradient clipping, optional bf16 autocast), with
-   checkpoints every `save_every` steps that a rerun resumes from;
+   checkpoints every `save_every` steps that a rerun under the same settings resumes from (`checkpoints.py`);
 5. the trained drafter and `train_metrics.json` (loss and per-step metrics) in `config.out`.
 """
 
@@ -85,6 +85,7 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
     """Train the objective `make_objective(config, target, rows)` builds; returns what `train_metrics.json` holds."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    checkpoints.check_settings(config.out / CHECKPOINT_DIR, config)  # before the target answers anything
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.base, local_files_only=True)
     source = read_source(config, tokenizer)  # bad data files fail here, before the target loads
@@ -103,13 +104,13 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, config.steps, config.warmup_steps))
     objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
-    start = checkpoints.resume(accelerator, config.out / CHECKPOINT_DIR)
+    state = checkpoints.resume(accelerator, config.out / CHECKPOINT_DIR)
 
     generator = torch.Generator()
     min_length = accelerator.unwrap_model(objective).min_batch_length
-    history, metrics_history = [], []
+    history, metrics_history = state.loss_history, state.metrics_history
     name = type(accelerator.unwrap_model(objective)).__name__.removesuffix("Objective").lower()
-    progress = tqdm(range(start, config.steps), desc=name, disable=not accelerator.is_local_main_process)
+    progress = tqdm(range(state.step, config.steps), desc=name, disable=not accelerator.is_local_main_process)
     for step in progress:
         generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
         index = torch.randint(0, len(rows.input_ids), (config.batch_size,), generator=generator)
@@ -126,7 +127,8 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
         progress.set_postfix(loss=f"{history[-1]:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()
                                                            if isinstance(v, float)})
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
-            checkpoints.save(accelerator, config.out / CHECKPOINT_DIR, step + 1)
+            state.step = step + 1
+            checkpoints.save(accelerator, config.out / CHECKPOINT_DIR, state, config)
     accelerator.wait_for_everyone()
     result = {"steps": config.steps, "loss_history": history, "metrics_history": metrics_history,
               "config": {k: str(v) for k, v in asdict(config).items()}}

@@ -70,6 +70,11 @@ def curve(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+def _requests() -> int:
+    with open(Path(__file__).with_name("prompts.jsonl")) as handle:
+        return sum(1 for line in handle if line.strip())
+
+
 def readme(dest: Path, kind: str, metrics: dict, minutes: float) -> str:
     size = sum(p.stat().st_size for p in dest.rglob("*.safetensors")) / 2**20
     config = metrics["config"]
@@ -82,8 +87,8 @@ use it by default; `hf_specdec.testbed.drafters.load_drafter("smollm2", "{kind}"
 Trained on this repository's CPU ({threads} torch thread{"s" if threads != 1 else ""} on a shared 2-core machine;
 `train.sh` ran {minutes:.0f} min for it,
 the target's answers and feature cache included where it built them) by
-self-distillation: the target (bfloat16) answered the first {config['num_samples']} requests of
-`examples/drafters/smollm2/prompts.jsonl` greedily (at most {config['max_new_tokens']} new tokens each; the
+self-distillation: the target (bfloat16) answered {config['num_samples']} of the {_requests()} requests of
+`examples/drafters/smollm2/prompts.jsonl` (a sample drawn with seed {config['seed']}) greedily (at most {config['max_new_tokens']} new tokens each; the
 requests share no 8-word run with Spec-Bench or the code workload), and the drafter learned the target's answers
 from the target's cached features, with bf16 autocast:
 

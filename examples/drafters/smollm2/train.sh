@@ -7,19 +7,16 @@
 # trainer reads those rows and the target's cached features (EAGLE-1/2, Medusa, the draft and the MLP speculator share
 # the final hidden states, EAGLE-3 has its fused layers), so only the first run pays for them. Work files go to $WORK (default
 # ~/.cache/hf_specdec/smollm2-drafters, several GB); each drafter lands in $WORK/<kind> with train_metrics.json,
-# and is copied here in bfloat16. THREADS (default 2) sets the torch threads; NUM_SAMPLES (default 640) how many
-# prompts of prompts.jsonl the target answers (the first ones).
+# and is copied here in bfloat16. THREADS (default 2) sets the torch threads; NUM_SAMPLES how many prompts of
+# prompts.jsonl (a seeded sample of them) the target answers for every drafter (default: each drafter's own count in
+# SAMPLES below; drafters trained on the same count share the answers and features).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 HERE=examples/drafters/smollm2
 WORK=${WORK:-$HOME/.cache/hf_specdec/smollm2-drafters}
 THREADS=${THREADS:-2}
 BASE=$(python -c "from hf_specdec.testbed.real_model import ensure_smollm2; print(ensure_smollm2())")
-PROMPTS=${NUM_SAMPLES:-640}
-COMMON=(--base "$BASE" --data "$HERE/prompts.jsonl" --prompt-records --num-samples "$PROMPTS" --max-new-tokens 192
-        --seq-len 512 --generate-batch-size 64 --generated-data "$WORK/generated_data.safetensors"
-        --target-dtype bfloat16 --mixed-precision bf16 --threads "$THREADS" --save-every 100)
-FINAL=(--feature-cache "$WORK/features_final")
+declare -A SAMPLES=([eagle3]=1920 [eagle]=640 [medusa]=640 [draft]=640 [mlp_speculator]=640)
 
 # The EAGLE-1/2 head starts from scratch: a copy of the target's last layer (the trainer's default) writes values far
 # larger than the final normed hidden state the head regresses, and from it training diverged (cross-entropy 273 at
@@ -29,14 +26,22 @@ train() {  # kind, then the trainer's own options
     shift
     python -m hf_specdec.cli train "$@" --out "$WORK/$kind"
 }
+common() {  # the options every trainer takes, for a drafter trained on $1 answers
+    COMMON=(--base "$BASE" --data "$HERE/prompts.jsonl" --prompt-records --num-samples "$1" --max-new-tokens 192
+            --seq-len 512 --generate-batch-size 64 --generated-data "$WORK/generated_data_$1.safetensors"
+            --target-dtype bfloat16 --mixed-precision bf16 --threads "$THREADS" --save-every 100)
+    FINAL=(--feature-cache "$WORK/features_final_$1")
+}
 
 for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
     for one in $kind; do
         begin=$SECONDS
+        samples=${NUM_SAMPLES:-${SAMPLES[$one]:-640}}
+        common "$samples"
         case $one in
-            eagle3) train eagle3 eagle "${COMMON[@]}" --feature-cache "$WORK/features_eagle3" --version eagle3 \
-                        --draft-vocab-size 8192 --ttt-steps 4 --steps 400 --batch-size 8 --learning-rate 1e-3 \
-                        --warmup-steps 40 ;;
+            eagle3) train eagle3 eagle "${COMMON[@]}" --feature-cache "$WORK/features_eagle3_$samples" \
+                        --version eagle3 --draft-vocab-size 8192 --ttt-steps 4 --steps 1200 --batch-size 8 \
+                        --learning-rate 1e-3 --warmup-steps 60 ;;
             eagle) train eagle eagle "${COMMON[@]}" "${FINAL[@]}" --version eagle --no-init-from-target --steps 300 \
                        --batch-size 8 --learning-rate 1e-3 --warmup-steps 30 ;;
             medusa) train medusa medusa "${COMMON[@]}" "${FINAL[@]}" --num-heads 4 --shared-lm-head --steps 200 \
