@@ -20,7 +20,7 @@ from hf_specdec.testbed.spec_bench import code_requests, load_spec_bench
 FOLDER = Path(__file__).resolve().parents[2] / "examples" / "drafters" / "smollm2"
 OVERLAP_WORDS = 8
 MAX_TOTAL_MB = 80
-# the drafters committed for SmolLM2 (an MLP speculator is trained by `train.sh mlp_speculator`, not committed yet)
+# the drafters committed for SmolLM2, each trained by `train.sh <kind>`
 COMMITTED = ("draft", "medusa", "eagle", "eagle3", "mlp_speculator")
 
 
