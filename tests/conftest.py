@@ -141,6 +141,9 @@ class InjectedCosts(CostTable):
     def measured(self, batch_size: int, width: int) -> bool:
         return True
 
+    def plain_due(self, batch_size: int) -> bool:
+        return False
+
     def predict(self, batch_size: int, max_k: int) -> np.ndarray:
         return 1.0 + self.slope * np.arange(max_k + 1, dtype=float)
 

@@ -125,9 +125,12 @@ class Schedule:
         widths = [w for w in self.widths if w <= cap] or [0]
         self.cap = cap
         probe = (self.idle >= self.interval) & active
-        if self.adaptive and self.steps == 1 and not all(t.measured(rows_computed, 0) for t in self.costs.values()):
-            widths = [0]  # calibrate: one plain step at this batch size (the first step drafted)
         times = self.step_times(rows_computed)
+        # (re)calibrate: a plain step measures the plain step's time where a candidate's is due
+        # (`CostTable.plain_due`; at a call's first step, which drafts, the prefill's timing is still settling)
+        due = [method for method, table in self.costs.items() if table.plain_due(rows_computed)]
+        if self.adaptive and self.steps >= 1 and due:
+            widths, times = [0], {due[0]: times[due[0]]}
         probe_length = min(PROBE_LENGTH, cap)
         wait = self.batch_interval
         if rows_computed > 1:  # within the probe budget

@@ -34,6 +34,9 @@ REFIT_SAMPLES = 8
 REALIZED_RATE = 0.2
 # drafting steps measured at a batch size and width before their realized rate can switch that width off there
 REALIZED_SAMPLES = 4
+# steps at a batch size after which a plain step re-measures the plain step's time (whose steps a drafter that
+# pays may never take): at most one step in this many is made plain for it
+PLAIN_REFRESH = 64
 
 
 class AcceptanceEstimate:
@@ -120,6 +123,8 @@ class CostTable:
         self.realized: dict[tuple[int, int], tuple[float, int]] = {}
         # per batch size a call started with: the plain steps in a row its probes waited for when it ended
         self.probe_wait: dict[int, int] = {}
+        # per (batch size, width): the batch size's sample count when the width was last measured there
+        self.last_measured: dict[tuple[int, int], int] = {}
 
     def observe(self, batch_size: int, width: int, seconds: float) -> None:
         key = (batch_size, width)
@@ -130,6 +135,24 @@ class CostTable:
             rate = TIME_RATE_DOWN if seconds < old else TIME_RATE_UP
             self.times[key] = (1 - rate) * old + rate * seconds
         self.samples[batch_size] = self.samples.get(batch_size, 0) + 1
+        self.last_measured[key] = self.samples[batch_size]
+
+    def plain_due(self, batch_size: int) -> bool:
+        """Whether the next step at this batch size should be plain, to measure the plain step's time: never
+        measured; last measured `PLAIN_REFRESH` or more steps ago; or at or above what a wider step measured since.
+        A wider step does not cost less, nor the same with a drafter run in it: the plain time is stale (from a
+        call with a longer context, or a stall), and the decision, which never predicts a wider step cheaper than a
+        narrower one, would read drafting as free and draft every step, so that no plain step would correct it. (A
+        plain time measured after the wider one is the fresher: drafting re-measures the wider width, as the
+        decision then chooses.)"""
+        plain = self.times.get((batch_size, 0))
+        if plain is None:
+            return True
+        plain_at = self.last_measured[(batch_size, 0)]
+        if self.samples[batch_size] - plain_at >= PLAIN_REFRESH:
+            return True
+        return any(seconds <= plain and self.last_measured[(size, width)] > plain_at
+                   for (size, width), seconds in self.times.items() if size == batch_size and width > 0)
 
     def observe_realized(self, batch_size: int, width: int, tokens: float, seconds: float, rows: int) -> None:
         """A step of `rows` generating rows that drafted at `width`: the tokens it emitted over its wall time. When

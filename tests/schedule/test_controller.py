@@ -9,7 +9,7 @@ import torch
 
 from hf_specdec import SpeculativeConfig
 from hf_specdec.schedule.controller import PROBE_BUDGET, PROBE_INTERVAL, Schedule
-from hf_specdec.schedule.estimates import ACCEPTANCE_PRIOR, ACCEPTANCE_RATE, CostTable
+from hf_specdec.schedule.estimates import ACCEPTANCE_PRIOR, ACCEPTANCE_RATE, PLAIN_REFRESH, CostTable
 from hf_specdec.step.state import DecodeState, HostView
 from tests.conftest import InjectedCosts
 
@@ -133,6 +133,35 @@ def test_measured_step_times_drive_the_decision():
         assert (plain_share > 0.7) if expect_off else (plain_share < 0.2), (slope, history.ravel().tolist())
 
 
+def test_a_stale_plain_step_time_is_measured_again():
+    """An earlier call's plain steps, over a longer context, measured 3 time units; this call's plain step costs 1
+    and each drafted position 0.25, at acceptance 0.1. Read as it was, the stale time makes drafting look free (a
+    wider step is never predicted cheaper than a narrower one), and no plain step would ever correct it; the
+    schedule measures a plain step again and stops drafting."""
+    rng = np.random.default_rng(2)
+
+    def accept(step, limits):
+        return [int(np.argmin(np.append(rng.random(8) < 0.1, False)))]
+
+    clock = FakeClock(lambda width: 1.0 + 0.25 * width)
+    costs = CostTable()
+    costs.observe(1, 0, 3.0)  # the earlier, longer-context call
+    history = simulate(_schedule(costs, clock=clock), 1, accept, steps=80, clock=clock)
+    assert costs.times[(1, 0)] < 1.5
+    assert (history[20:] == 0).mean() > 0.7, history.ravel().tolist()
+
+
+def test_a_drafter_that_pays_takes_a_plain_step_now_and_then_to_measure_it():
+    """Every draft accepted and drafting nearly free: the schedule drafts every step but one in PLAIN_REFRESH,
+    which re-measures the plain step."""
+    clock = FakeClock(lambda width: 1.0 + 0.01 * width)
+    history = simulate(_schedule(CostTable(), clock=clock), 1, lambda step, limits: [99], steps=4 * PLAIN_REFRESH,
+                       clock=clock)
+    plain = np.flatnonzero(history[:, 0] == 0)
+    assert plain[0] == 1  # the first steps calibrate
+    assert len(plain) == 4 and np.all(np.diff(plain) == PLAIN_REFRESH + 1), plain.tolist()
+
+
 def test_batch_size_rules_cap_the_adaptive_and_the_fixed_schedule():
     always = lambda step, limits: [99] * len(limits)  # noqa: E731
     for schedule in ("adaptive", "fixed"):
@@ -221,6 +250,8 @@ class Optimistic(InjectedCosts):
 
     def measured(self, batch_size, width):
         return CostTable.measured(self, batch_size, width)
+
+    plain_due = CostTable.plain_due
 
 
 def test_drafting_stops_where_drafting_steps_delivered_less_than_plain_ones():

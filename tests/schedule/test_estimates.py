@@ -9,6 +9,7 @@ import torch
 from hf_specdec.schedule.estimates import (
     ACCEPTANCE_PRIOR,
     ACCEPTANCE_RATE,
+    PLAIN_REFRESH,
     PRIOR_SLOPE,
     REFIT_SAMPLES,
     AcceptanceEstimate,
@@ -100,6 +101,32 @@ def test_predictions_never_fall_with_width():
     table.observe(2, 3, 2.0)  # noise: the wider step measured faster
     predicted = table.predict(2, 3)
     assert (np.diff(predicted) >= 0).all()
+
+
+def test_a_plain_step_is_due_when_unmeasured_old_or_above_a_wider_step():
+    table = CostTable()
+    assert table.plain_due(1)  # never measured
+    table.observe(1, 0, 1.0)
+    table.observe(1, 1, 1.2)
+    assert not table.plain_due(1) and table.plain_due(4)  # per batch size
+    for _ in range(PLAIN_REFRESH - 2):
+        table.observe(1, 1, 1.2)
+    assert not table.plain_due(1)
+    table.observe(1, 1, 1.2)  # PLAIN_REFRESH steps since the plain one
+    assert table.plain_due(1)
+    table.observe(1, 0, 1.0)
+    assert not table.plain_due(1)
+    # a wider step measured below the plain step's time since: the plain time is stale (a longer context's)
+    table.observe(1, 0, 3.0)
+    table.observe(1, 2, 1.1)
+    assert table.times[(1, 2)] < table.times[(1, 0)] and table.plain_due(1)
+    table.observe(1, 0, 1.0)
+    table.observe(1, 0, 1.0)  # faster measurements bring it down
+    assert not table.plain_due(1)
+    # a plain time measured after a cheaper wider one is the fresher: drafting re-measures the wider width
+    table.observe(1, 3, 0.5)
+    table.observe(1, 0, 1.0)
+    assert table.times[(1, 3)] < table.times[(1, 0)] and not table.plain_due(1)
 
 
 def test_tables_are_kept_per_model_and_key_for_the_process():
