@@ -127,7 +127,7 @@ class Schedule:
         probe = (self.idle >= self.interval) & active
         times = self.step_times(rows_computed)
         # (re)calibrate: a plain step measures the plain step's time where a candidate's is due
-        # (`CostTable.plain_due`; at a call's first step, which drafts, the prefill's timing is still settling)
+        # (`CostTable.plain_due`), from a call's second step on (its first drafts)
         due = [method for method, table in self.costs.items() if table.plain_due(rows_computed)]
         if self.adaptive and self.steps >= 1 and due:
             widths, times = [0], {due[0]: times[due[0]]}
