@@ -138,9 +138,6 @@ class InjectedCosts(CostTable):
     def observe_realized(self, batch_size: int, width: int, tokens: float, seconds: float, rows: int) -> None:
         pass
 
-    def measured(self, batch_size: int, width: int) -> bool:
-        return True
-
     def plain_due(self, batch_size: int) -> bool:
         return False
 

@@ -128,9 +128,10 @@ class Schedule:
         times = self.step_times(rows_computed)
         # (re)calibrate: a plain step measures the plain step's time where a candidate's is due
         # (`CostTable.plain_due`), from a call's second step on (its first drafts)
-        due = [method for method, table in self.costs.items() if table.plain_due(rows_computed)]
-        if self.adaptive and self.steps >= 1 and due:
-            widths, times = [0], {due[0]: times[due[0]]}
+        if self.adaptive and self.steps >= 1:
+            due = [method for method, table in self.costs.items() if table.plain_due(rows_computed)]
+            if due:
+                widths, times = [0], {due[0]: times[due[0]]}
         probe_length = min(PROBE_LENGTH, cap)
         wait = self.batch_interval
         if rows_computed > 1:  # within the probe budget

@@ -196,9 +196,6 @@ class CostTable:
         kept = self.acceptance
         self.acceptance = ended if kept is None or kept.shape != ended.shape else 0.5 * kept + 0.5 * ended
 
-    def measured(self, batch_size: int, width: int) -> bool:
-        return (batch_size, width) in self.times
-
     def predict(self, batch_size: int, max_k: int) -> np.ndarray:
         """[max_k + 1] predicted step time at widths 0..max_k for `batch_size` rows (relative units before any
         measurement: only ratios between widths matter to the decision)."""

@@ -127,7 +127,7 @@ def test_measured_step_times_drive_the_decision():
         clock = FakeClock(lambda width, s=slope: 1.0 + s * width)
         costs = CostTable()
         history = simulate(_schedule(costs, clock=clock), 1, accept, steps=80, clock=clock)
-        assert costs.measured(1, 0) and costs.measured(1, 4)  # the first steps calibrate: width 4, then plain
+        assert (1, 0) in costs.times and (1, 4) in costs.times  # the first steps calibrate: width 4, then plain
         assert history[1].tolist() == [0]
         plain_share = (history[20:] == 0).mean()
         assert (plain_share > 0.7) if expect_off else (plain_share < 0.2), (slope, history.ravel().tolist())
@@ -247,9 +247,6 @@ class Optimistic(InjectedCosts):
 
     observe = CostTable.observe
     observe_realized = CostTable.observe_realized
-
-    def measured(self, batch_size, width):
-        return CostTable.measured(self, batch_size, width)
 
     plain_due = CostTable.plain_due
 
