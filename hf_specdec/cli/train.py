@@ -19,8 +19,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from hf_specdec.training import checkpoints
-from hf_specdec.training.config import CHECKPOINT_DIR
+from hf_specdec.training.checkpoints import OtherRunError
 from hf_specdec.training.draft_model import DraftTrainConfig, train_draft
 from hf_specdec.training.eagle import EagleTrainConfig, train_eagle
 from hf_specdec.training.medusa import MedusaTrainConfig, train_medusa
@@ -95,10 +94,12 @@ def run(config_class: type, trainer: Callable[..., dict], args: argparse.Namespa
     and print the loss from first to last step."""
     try:
         config = config_class(**{f.name: getattr(args, f.name) for f in fields(config_class)})
-        checkpoints.check_settings(config.out / CHECKPOINT_DIR, config)  # the trainer checks it too
     except ValueError as error:
         raise SystemExit(f"error: {error}") from error
-    history = trainer(config)["loss_history"]
+    try:
+        history = trainer(config)["loss_history"]
+    except OtherRunError as error:  # the trainer checks the checkpoint in `out` before any work
+        raise SystemExit(f"error: {error}") from error
     if history:
         print(f"trained {len(history)} steps: loss {history[0]:.3f} -> {history[-1]:.3f}; "
               f"{written.format(config=config)}")

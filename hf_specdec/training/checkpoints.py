@@ -22,6 +22,10 @@ NOT_SETTINGS = frozenset({"out", "generated_data", "feature_cache", "generate_ba
                           "steps"})
 
 
+class OtherRunError(ValueError):
+    """`config.out` holds a checkpoint written under other settings (raised before any work)."""
+
+
 @dataclass
 class TrainingState:
     """What the loop has done: `step` steps, with their losses and metrics."""
@@ -38,7 +42,7 @@ def run_settings(config: TrainConfig) -> dict[str, str]:
 
 
 def check_settings(folder: Path, config: TrainConfig) -> None:
-    """Raise if `folder` holds a checkpoint written under other settings than `config`'s."""
+    """Raise `OtherRunError` if `folder` holds a checkpoint written under other settings than `config`'s."""
     path = folder / STATE_FILE
     if not path.is_file():
         return
@@ -51,7 +55,7 @@ def check_settings(folder: Path, config: TrainConfig) -> None:
     else:
         differ = ", ".join(f"{k}: {saved.get(k)!r} there, {current.get(k)!r} now"
                            for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k))
-    raise ValueError(f"{type(config).__name__}.out: {folder} holds a checkpoint of another run ({differ}); remove "
+    raise OtherRunError(f"{type(config).__name__}.out: {folder} holds a checkpoint of another run ({differ}); remove "
                      f"that folder to start over, or pass another out")
 
 
