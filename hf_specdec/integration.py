@@ -24,7 +24,7 @@ from hf_specdec.config import (HEADS_CLASS, SPEC_METHODS, SpeculativeConfig, des
                                is_mtp_model, method_hint)
 from hf_specdec.decoding.loop import speculative_generate
 
-SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("6.0.0"))  # [low, high)
+SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("5.24.0"))  # [low, high): 5.24 passes generate a `cache` input
 _TRANSFORMERS_GENERATE = GenerationMixin.generate
 
 
