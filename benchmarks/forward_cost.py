@@ -16,6 +16,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.testbed.loading import load_testbed
 from hf_specdec.testbed.real_model import load_real_model
 
@@ -34,13 +35,13 @@ def forward_seconds(model, context: int, widths: list[int], repeats: int) -> dic
     vocab = model.config.vocab_size
     prefix = torch.randint(10, vocab, (1, context), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=model.config)
-    model(prefix, past_key_values=cache, use_cache=True)
+    model(prefix, **{CACHE_KWARG: cache}, use_cache=True)
     times: dict[int, list[float]] = {w: [] for w in widths}
     for _ in range(repeats + 1):  # the first round warms up
         for width in widths:
             new = torch.randint(10, vocab, (1, width))
             start = time.perf_counter()
-            model(new, past_key_values=cache, use_cache=True)
+            model(new, **{CACHE_KWARG: cache}, use_cache=True)
             times[width].append(time.perf_counter() - start)
             cache.crop(-width)
     return {w: statistics.median(t[1:]) for w, t in times.items()}

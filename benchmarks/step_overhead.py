@@ -30,6 +30,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StaticCac
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cli.environment import environment
 from hf_specdec.proposers import base
 from hf_specdec.step import DecodeState, Proposal
@@ -87,7 +88,7 @@ def bare_forward_seconds(target, prompts, k: int, context: int, compile_config, 
     cache = StaticCache(config=target.config, max_cache_len=context + k + 1)
     prefix = torch.randint(3, target.config.vocab_size, (batch, context), device=target.device)
     with torch.no_grad():
-        target(prefix, past_key_values=cache, use_cache=True)
+        target(prefix, **{CACHE_KWARG: cache}, use_cache=True)
         forward = target.forward
         if compile_config is not None:
             options = compile_config.to_dict()
@@ -102,7 +103,7 @@ def bare_forward_seconds(target, prompts, k: int, context: int, compile_config, 
                 layer.cumulative_length.fill_(context)
             sync(target.device)
             start = time.perf_counter()
-            forward(input_ids=new, position_ids=position[None].expand(batch, -1), past_key_values=cache,
+            forward(input_ids=new, position_ids=position[None].expand(batch, -1), **{CACHE_KWARG: cache},
                     use_cache=True)
             sync(target.device)
             times.append(time.perf_counter() - start)

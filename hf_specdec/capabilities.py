@@ -7,12 +7,13 @@ from typing import Any
 from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.configuration_utils import GenerationMode
 
+from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import AttentionLayout
 from hf_specdec.compile import STATIC_CACHE_IMPLEMENTATIONS
 
 # model_kwargs that `generate` prepares and the engine understands; anything else (pixel_values, ...) would be
 # silently dropped, so it is refused.
-KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", CACHE_KWARG, "use_cache", "logits_to_keep",
                       "cache_position", "token_type_ids", "inputs_embeds", "output_attentions",
                       "output_hidden_states"}
 # Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` does not have.
@@ -50,15 +51,15 @@ def check_generation_supported(
             "KV cache, dynamic or (with 'static') of fixed capacity for compiled forwards; it does not offload or "
             f"quantize it; use one of {[c for c in SUPPORTED_CACHE_IMPLEMENTATIONS if c]} or drop cache_implementation"
         )
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_KWARG)
     if isinstance(cache, StaticCache) and cache.get_seq_length() > 0:
         raise ValueError(
-            "past_key_values: a filled StaticCache; speculative decoding continues a conversation only from a "
+            f"{CACHE_KWARG}: a filled StaticCache; speculative decoding continues a conversation only from a "
             "DynamicCache (what generate returns by default); pass an empty StaticCache, or a DynamicCache"
         )
     if cache is not None and type(cache) not in (DynamicCache, StaticCache):
         raise ValueError(
-            f"past_key_values: a {type(cache).__name__}; speculative decoding continues only from a transformers "
+            f"{CACHE_KWARG}: a {type(cache).__name__}; speculative decoding continues only from a transformers "
             "DynamicCache (what generate returns by default) and takes an empty StaticCache; drop it or pass one "
             "of those"
         )
@@ -66,8 +67,8 @@ def check_generation_supported(
     if cached > 0:
         if method in NEEDS_PROMPT_FEATURES:
             raise ValueError(
-                f"past_key_values: method={method!r} reads the target's features at every prompt position, which a "
-                "filled cache does not keep; start from the whole prompt (no past_key_values) or use another method"
+                f"{CACHE_KWARG}: method={method!r} reads the target's features at every prompt position, which a "
+                f"filled cache does not keep; start from the whole prompt (no {CACHE_KWARG}) or use another method"
             )
     if model_kwargs.get("inputs_embeds") is not None and method in NEEDS_PROMPT_IDS:
         raise ValueError(

@@ -20,11 +20,20 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
-from hf_specdec.config import (HEADS_CLASS, SPEC_METHODS, SpeculativeConfig, describe, heads_class, is_causal_lm,
-                               is_mtp_model, method_hint)
+from hf_specdec.cache.naming import given_cache
+from hf_specdec.config import (
+    HEADS_CLASS,
+    SPEC_METHODS,
+    SpeculativeConfig,
+    describe,
+    heads_class,
+    is_causal_lm,
+    is_mtp_model,
+    method_hint,
+)
 from hf_specdec.decoding.loop import speculative_generate
 
-SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("5.24.0"))  # [low, high): 5.24 passes generate a `cache` input
+SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("5.25.0"))  # [low, high): the versions the suite runs on
 _TRANSFORMERS_GENERATE = GenerationMixin.generate
 
 
@@ -150,7 +159,7 @@ def _generate(
         custom_generate=speculative_generate,
         speculative_config=config,
         spec_streamer=streamer,
-        spec_user_cache=kwargs.get("past_key_values"),
+        spec_user_cache=given_cache(kwargs),
         **kwargs,
     )
 

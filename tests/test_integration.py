@@ -121,11 +121,11 @@ def test_draft_with_padded_vocabulary_works_on_the_shared_part():
 
 def test_transformers_version_range():
     check_transformers_version("5.23.0")
-    check_transformers_version("5.23.9")
-    with pytest.raises(RuntimeError, match="transformers >=5.23.0,<5.24.0"):
+    check_transformers_version("5.24.0")
+    with pytest.raises(RuntimeError, match="transformers >=5.23.0,<5.25.0"):
         check_transformers_version("4.57.1")
-    with pytest.raises(RuntimeError, match="found 5.24.0"):
-        check_transformers_version("5.24.0")
+    with pytest.raises(RuntimeError, match="found 5.25.0"):
+        check_transformers_version("5.25.0")
     with pytest.raises(RuntimeError, match="found 6.1.0"):
         check_transformers_version("6.1.0")
 

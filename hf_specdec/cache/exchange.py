@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, StaticCache
 
+from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.step.state import PromptInputs
 
 
@@ -86,7 +87,7 @@ def recompute(
     inputs = {
         "attention_mask": torch.cat([mask, mask.new_ones(rows, new)], dim=1),
         "position_ids": torch.cat([positions, positions[:, -1:] + 1 + torch.arange(new, device=device)], dim=1),
-        "past_key_values": DynamicCache(),
+        CACHE_KWARG: DynamicCache(),
         "use_cache": True,
     }
     if prompt.token_type_ids is not None:
@@ -99,7 +100,7 @@ def recompute(
     if model._supports_logits_to_keep():
         inputs["logits_to_keep"] = 1
     with torch.no_grad():
-        cache = model(**inputs).past_key_values
+        cache = getattr(model(**inputs), CACHE_KWARG)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 

@@ -50,6 +50,7 @@ import torch
 
 from hf_specdec.cache.exchange import filled_layers
 from hf_specdec.cache.features import FeatureTap
+from hf_specdec.cache.naming import cache_keyword
 from hf_specdec.cache.storage import MIN_CAPACITY, SlotCache
 from hf_specdec.compile import static_room
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
@@ -143,6 +144,7 @@ class RaggedKVCache:
     def __init__(self, model) -> None:
         self.model = model
         self.model_call = model  # what runs a forward (a compiled forward under static shapes)
+        self.cache_keyword = cache_keyword(model)
         self.layout = AttentionLayout.from_model(model)
         self.num_layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
         self.kv = SlotCache(MIN_CAPACITY, num_layers=self.num_layers)
@@ -229,7 +231,7 @@ class RaggedKVCache:
         model_kwargs = {
             "attention_mask": attention_mask if self.padded else None,
             "position_ids": position_ids,
-            "past_key_values": self.kv,
+            self.cache_keyword: self.kv,
             "use_cache": True,
             "is_first_iteration": True,
         }
@@ -399,7 +401,7 @@ class RaggedKVCache:
             input_ids=input_ids,
             position_ids=self.next_position[:, None] + depths,
             attention_mask=mask,
-            past_key_values=self.kv,
+            **{self.cache_keyword: self.kv},
             use_cache=True,
             **{name: value[:, None].expand(-1, width) for name, value in self.row_inputs.items()},
         )

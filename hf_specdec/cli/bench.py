@@ -59,10 +59,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.config import SCHEDULES
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, empty_suffix_cache
 from hf_specdec.cli.timing import paired_speedup, time_interleaved
+from hf_specdec.config import SCHEDULES
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 from hf_specdec.proposers.early_exit import early_exit_draft, num_layers
 from hf_specdec.pruned_draft import CONFIG_KEY as PRUNED_KEY

@@ -28,6 +28,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.cache.exchange import fill_static_cache, full_layers, recompute
+from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward, uses_static_shapes
@@ -213,7 +214,7 @@ class SpeculativeDecoder:
             capacity = self.static_cache.get_max_length()
             if capacity < committed + nodes:
                 raise ValueError(
-                    f"past_key_values: a StaticCache of max_cache_len={capacity}; speculative decoding needs the "
+                    f"{CACHE_KWARG}: a StaticCache of max_cache_len={capacity}; speculative decoding needs the "
                     f"prompt ({prompt_length}) + max_new_tokens ({committed - prompt_length}) + the draft budget "
                     f"({nodes} verified tokens per step) = {committed + nodes} slots; build it with max_cache_len "
                     f">= {committed + nodes}"
@@ -470,7 +471,7 @@ def speculative_generate(
     if speculative_config.fallback is not None:  # hybrid drafting: the fallback drafter's needs too
         check_generation_supported(model, generation_config, model_kwargs, synced_gpus,
                                    speculative_config.fallback.method)
-    past = model_kwargs.get("past_key_values")
+    past = model_kwargs.get(CACHE_KWARG)
     static_cache = past if isinstance(past, StaticCache) and past is spec_user_cache else None
     decoder = SpeculativeDecoder(
         model, speculative_config, logits_processor, stopping_criteria, generation_config, spec_streamer, static_cache
@@ -497,7 +498,7 @@ def speculative_generate(
         sequences=sequences,
         scores=decoder.score_log.steps()[:steps] if generation_config.output_scores else None,
         logits=decoder.logit_log.steps()[:steps] if generation_config.output_logits else None,
-        past_key_values=past_key_values,
+        **{CACHE_KWARG: past_key_values},
         hidden_states=decoder.output_log.hidden_steps(steps),
         attentions=decoder.output_log.attention_steps(steps),
         spec_stats=decoder.stats.finish(None if decoder.schedule is None else decoder.schedule.finish()),

@@ -60,7 +60,7 @@ class EagleDrafter(nn.Module):
         position_ids: torch.Tensor,
         # [B, 1, W, S] additive
         attention_mask: torch.Tensor,
-        past_key_values,
+        cache,
         # [B, W, F]: the feature before each token (the target's, or the head's own output at the parent)
         features: torch.Tensor,
         from_target: bool,
@@ -72,7 +72,7 @@ class EagleDrafter(nn.Module):
     ) -> CausalLMOutputWithPast:
         embeds = self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))
         hidden = self.head(embeds.to(self.device), features.to(self.device), position_ids.to(self.device),
-                           attention_mask, past_key_values, from_target=from_target)
+                           attention_mask, cache, from_target=from_target)
         logits = self.head.logits(select_positions(hidden, logits_at), self.lm_head)
         return CausalLMOutputWithPast(logits=logits, hidden_states=(hidden,))
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.draft_model import select_positions
@@ -99,7 +100,7 @@ class MtpDrafter(nn.Module):
         position_ids: torch.Tensor,
         # [B, 1, W, S] additive, {layer type: mask}, or None (one query per row, every slot visible)
         attention_mask,
-        past_key_values,
+        cache,
         # [B, W, H]: the hidden state before each token (the target's, or the drafting layer's output at the parent)
         features: torch.Tensor,
         from_target: bool,
@@ -129,7 +130,7 @@ class MtpDrafter(nn.Module):
                     rotaries[key] = mtp.rotary_emb(embeds, position_ids=position_ids, **rope_kwargs)
                 rotary = rotaries[key]
             hidden = layer(embeds, features, position_embeddings=rotary, attention_mask=mask,
-                           position_ids=position_ids, past_key_values=past_key_values)
+                           position_ids=position_ids, **{CACHE_KWARG: cache})
             if mtp.use_shared_post_norm:
                 hidden = mtp.shared_post_norm(hidden)
             if index == drafting:

@@ -49,7 +49,7 @@ class HeavyChildren:
     list is tightened). Built with threshold = heavy_fraction x count / 2, so it stays complete for lookups
     (which need heavy_fraction x count) until the node's count halves."""
 
-    __slots__ = ("threshold", "members")
+    __slots__ = ("members", "threshold")
 
     def __init__(self, threshold: float, members: list[int]) -> None:
         self.threshold = threshold

@@ -167,7 +167,7 @@ class EagleObjective(Objective):
             window = slice(1 + step, 1 + step + width)  # tokens x_{i+1+s} and their next-token targets
             positions = torch.arange(window.start, window.stop, device=embeds.device).expand(size, -1)  # [B, W]
             mask = ttt_attention_mask(width, step, head.dtype, embeds.device).expand(size, -1, -1, -1)
-            hidden = head(embeds[:, window], hidden, positions, mask, past_key_values=cache,
+            hidden = head(embeds[:, window], hidden, positions, mask, cache=cache,
                           from_target=step == 0)  # [B, W, H]
             logits = head.lm_head(head.norm(hidden)).float()  # [B, W, D]
             weight = trained[:, window].float()  # [B, W]

@@ -10,6 +10,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cache.naming import CACHE_KWARG
 from tests.conftest import make_draft, make_model, padded_batch
 
 KWARGS = dict(do_sample=False, eos_token_id=None, return_dict_in_generate=True)
@@ -85,11 +86,11 @@ def test_filled_cache_refused_for_eagle_and_other_cache_types():
     first = target.generate(ids, attention_mask=mask, max_new_tokens=2, **KWARGS)
     longer = torch.cat([mask, mask.new_ones(2, 2)], dim=1)
     eagle = SpeculativeConfig(method="eagle", heads=eagle_head(target))
-    with pytest.raises(ValueError, match="past_key_values: method='eagle' reads the target's features"):
+    with pytest.raises(ValueError, match=f"{CACHE_KWARG}: method='eagle' reads the target's features"):
         hf_specdec.generate(target, first.sequences, attention_mask=longer, past_key_values=first.past_key_values,
                             speculative=eagle, max_new_tokens=2)
     static = StaticCache(config=target.config, max_cache_len=32)
     target.generate(ids, attention_mask=mask, past_key_values=static, max_new_tokens=2)  # now filled
-    with pytest.raises(ValueError, match="past_key_values: a filled StaticCache"):
+    with pytest.raises(ValueError, match=f"{CACHE_KWARG}: a filled StaticCache"):
         hf_specdec.generate(target, first.sequences, attention_mask=longer, past_key_values=static,
                             spec_method="ngram", max_new_tokens=2)

@@ -8,7 +8,6 @@ import torch
 from hf_specdec.cache.features import FeatureTap
 from tests.conftest import ARCHITECTURES, make_model, padded_batch
 
-
 # decoders named otherwise (`h` / `ln_f`, `final_layer_norm`)
 UNTAPPED = ("gpt2", "gpt_neox", "opt")
 

@@ -13,6 +13,7 @@ from transformers import CompileConfig, StaticCache
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.compile import compiled_forward
 from hf_specdec.schedule.decision import width_ladder
 from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
@@ -217,7 +218,7 @@ def test_static_cache_too_short_fails_before_any_forward(forward_counter):
     ids, mask = padded_batch([6, 4], seed=1)
     count = forward_counter(target)
     short = StaticCache(config=target.config, max_cache_len=6 + 8)  # room for the prompt and max_new_tokens only
-    with pytest.raises(ValueError, match=r"past_key_values: a StaticCache of max_cache_len=14; speculative decoding "
+    with pytest.raises(ValueError, match=rf"{CACHE_KWARG}: a StaticCache of max_cache_len=14; speculative decoding "
                                          r"needs the prompt \(6\) \+ max_new_tokens \(8\) \+ the draft budget \(6 "
                                          r"verified tokens per step\) = 20 slots; build it with max_cache_len >= 20"):
         hf_specdec.generate(target, ids, attention_mask=mask, past_key_values=short, max_new_tokens=8,
@@ -259,7 +260,7 @@ def test_static_cache_is_accepted_and_comes_back_filled():
             continue
         length = fed.shape[1]
         torch.testing.assert_close(ours.keys[:, :, :length] * seen, theirs.keys[:, :, :length] * seen)
-    with pytest.raises(ValueError, match="past_key_values: a filled StaticCache"):
+    with pytest.raises(ValueError, match=f"{CACHE_KWARG}: a filled StaticCache"):
         hf_specdec.generate(target, out.sequences, past_key_values=cache, spec_method="ngram", max_new_tokens=2)
 
 

@@ -3,6 +3,7 @@ fed exactly the target features EAGLE defines (the feature before each token, fr
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -100,6 +101,7 @@ def test_eagle3_draft_vocabulary_maps_to_target_ids():
     drafted: list[torch.Tensor] = []
     original = EagleDrafter.forward
 
+    @functools.wraps(original)  # the cache keyword is read from the forward's signature
     def recording(self, input_ids, *args, **kwargs):
         out = original(self, input_ids, *args, **kwargs)
         drafted.append(out.logits.argmax(dim=-1).flatten())
@@ -168,6 +170,7 @@ def test_plain_steps_between_drafts_match_plain_generate(version, shape, monkeyp
     feeds = []
     original = EagleDrafter.forward
 
+    @functools.wraps(original)
     def counting(self, *args, **kwargs):
         feeds.append(kwargs.get("from_target", args[5] if len(args) > 5 else None))
         return original(self, *args, **kwargs)
@@ -203,10 +206,10 @@ def test_head_is_fed_the_target_feature_before_each_token(version, plain_run, mo
     fed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     original = EagleDrafter.forward
 
-    def recording(self, input_ids, position_ids, attention_mask, past_key_values, features, from_target, **kwargs):
+    def recording(self, input_ids, position_ids, attention_mask, cache, features, from_target, **kwargs):
         if from_target:
             fed.append((input_ids[0].clone(), position_ids[0].clone(), features[0].clone()))
-        return original(self, input_ids, position_ids, attention_mask, past_key_values, features, from_target, **kwargs)
+        return original(self, input_ids, position_ids, attention_mask, cache, features, from_target, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(EagleDrafter, "forward", recording)
@@ -265,9 +268,9 @@ def test_prompt_features_skip_left_padding():
     calls = []
     original = EagleDrafter.forward
 
-    def recording(self, input_ids, position_ids, attention_mask, past_key_values, features, from_target, **kwargs):
+    def recording(self, input_ids, position_ids, attention_mask, cache, features, from_target, **kwargs):
         calls.append((input_ids.clone(), features.clone()))
-        return original(self, input_ids, position_ids, attention_mask, past_key_values, features, from_target, **kwargs)
+        return original(self, input_ids, position_ids, attention_mask, cache, features, from_target, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(EagleDrafter, "forward", recording)

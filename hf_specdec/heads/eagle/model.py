@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.heads.adapter import AdapterMixin, resolve_folder, write_json, write_safetensors
 from hf_specdec.heads.eagle.config import EagleConfig, resolve_feature_layers
 from hf_specdec.heads.eagle.convert import SPECULATORS_WEIGHTS_NAME, read_published, to_speculators
@@ -66,7 +67,7 @@ class Eagle3Layer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         # [B, 1, W, S] additive, or None (causal is then not applied: callers always pass one)
         attention_mask: torch.Tensor | None,
-        past_key_values,
+        cache,
     ) -> torch.Tensor:
         residual = hidden
         hidden = self.hidden_norm(hidden)
@@ -76,7 +77,7 @@ class Eagle3Layer(nn.Module):
             torch.cat([self.input_layernorm(embeds), hidden], dim=-1),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            **{CACHE_KWARG: cache},
         )
         hidden = residual + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -132,7 +133,7 @@ class EagleHead(AdapterMixin, nn.Module):
         position_ids: torch.Tensor,
         # [B, 1, W, S] additive mask over the head's KV cache slots
         attention_mask: torch.Tensor | None,
-        past_key_values=None,
+        cache=None,
         from_target: bool = True,
     ) -> torch.Tensor:
         """The head's output hidden states [B, W, H]: the next features, and (through `logits`) its guesses."""
@@ -141,10 +142,10 @@ class EagleHead(AdapterMixin, nn.Module):
             hidden = self.fc(torch.cat([embeds, features], dim=-1))
             position_embeddings = self.rotary_emb(hidden, position_ids)
             return self.layers[0](hidden, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=past_key_values, position_embeddings=position_embeddings)
+                                  **{CACHE_KWARG: cache}, position_embeddings=position_embeddings)
         hidden = self.fc(features) if from_target else features
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        return self.midlayer(embeds, hidden, position_embeddings, attention_mask, past_key_values)
+        return self.midlayer(embeds, hidden, position_embeddings, attention_mask, cache)
 
     def logits(
         self,
