@@ -111,6 +111,15 @@ class Proposer(ABC):
         `hf_specdec.schedule.controller`). Reads the host copy of the text only; proposes nothing."""
         raise NotImplementedError(f"{type(self).__name__} does not look ahead")
 
+    # for a proposer that drafts on the host: how many kinds of draft `draft_classes` tells apart (0: it does not)
+    num_draft_classes: int = 0
+
+    def draft_classes(self, state: DecodeState) -> np.ndarray:
+        """[B] int: the kind of draft each row has now, before the schedule decides (0: none; 1 to
+        `num_draft_classes`: a kind whose acceptance the adaptive schedule estimates apart, e.g. the length of the
+        n-gram an n-gram lookup matched). Reads the committed text on the host only."""
+        raise NotImplementedError(f"{type(self).__name__} does not tell its drafts apart")
+
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Called after `state` took the step's tokens (finished rows are marked in `state.finished`, and
         `state.host` is up to date), with what the target accepted (`result.num_accepted`, and the accepted path

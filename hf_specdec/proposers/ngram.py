@@ -31,22 +31,23 @@ from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.tree import TokenTree
 
 
-def _longest_match_ends(
+def _longest_match(
     # [L] the row's tokens (no padding)
     tokens: np.ndarray,
     min_n: int,
     max_n: int,
-) -> np.ndarray:
-    """End indices (ascending) of the earlier occurrences of the longest suffix n-gram, n in [min_n, max_n].
+) -> tuple[int, np.ndarray]:
+    """(n, end indices ascending) of the earlier occurrences of the longest suffix n-gram, n in [min_n, max_n];
+    (0, []) when none matches.
 
     Grows the match one token to the left at a time: the ends matching the last token, then those whose previous
     token matches too, and so on; one pass over the text, then work proportional to the matches."""
     length = tokens.shape[0]
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1]) if length > 1 else tokens[:0]
-    best = tokens[:0]
+    best = (0, tokens[:0])
     for n in range(1, max_n + 1):
         if n >= min_n and ends.size:
-            best = ends
+            best = (n, ends)
         if n == max_n or not ends.size:
             break
         ends = ends[ends >= n]
@@ -75,7 +76,7 @@ def find_ngram_continuation(
 ) -> np.ndarray:
     """The overlapping copy of `max_tokens` tokens after the most recent occurrence of the longest matching suffix
     n-gram ([] when none)."""
-    ends = _longest_match_ends(tokens, min_n, max_n) if max_tokens > 0 else tokens[:0]
+    ends = _longest_match(tokens, min_n, max_n)[1] if max_tokens > 0 else tokens[:0]
     if not ends.size:
         return tokens[:0]
     return _copy_after(tokens, int(ends[-1]), max_tokens)
@@ -94,7 +95,7 @@ def find_ngram_continuations(
     found: list[np.ndarray] = []
     if max_tokens <= 0:
         return found
-    for end in _longest_match_ends(tokens, min_n, max_n)[::-1].tolist():
+    for end in _longest_match(tokens, min_n, max_n)[1][::-1].tolist():
         continuation = _copy_after(tokens, end, max_tokens)
         if not any(np.array_equal(continuation, c) for c in found):
             found.append(continuation)
@@ -175,6 +176,17 @@ class NgramProposer(Proposer):
     def lookahead(self, state: DecodeState, rows: list[int]) -> list[np.ndarray]:
         """The chain `propose` would draft for each row (its most recent match's continuation)."""
         return [find_ngram_continuation(self.text.row(row), self.min_n, self.max_n, self.k) for row in rows]
+
+    @property
+    def num_draft_classes(self) -> int:
+        return self.max_n
+
+    def draft_classes(self, state: DecodeState) -> np.ndarray:
+        """[B] the length of the n-gram each row's text ends with that matched earlier (0: none): a draft that
+        follows a longer match is accepted more often."""
+        self._catch_up(state)
+        return np.asarray([_longest_match(self.text.row(row), self.min_n, self.max_n)[0]
+                           for row in range(state.batch_size)], dtype=np.int64)
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:
         num_nodes = 1 + self.tree_width * state.step_width(self.k)

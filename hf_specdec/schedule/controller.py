@@ -68,10 +68,16 @@ class Schedule:
         clock: Callable[[], float] = time.perf_counter,
         looks_ahead: bool = False,
         graphs_compiled: Callable[[], int] = graphs_compiled,
+        draft_classes: Callable[[DecodeState], np.ndarray] | None = None,
+        num_draft_classes: int = 0,
     ) -> None:
         self.adaptive = config.schedule == "adaptive"
         # a single proposer that looks ahead: plain rows are checked against its lookahead
         self.looks_ahead = looks_ahead and self.adaptive and len(costs) == 1
+        # a single host proposer that tells its drafts apart (`Proposer.draft_classes`): each row's acceptance is its
+        # draft class's, pooled over all rows, and whether it drafts at all is known before the decision
+        self.draft_classes = draft_classes if self.adaptive and len(costs) == 1 and num_draft_classes else None
+        self.num_draft_classes = num_draft_classes
         self.max_k = max_k
         self.disable_by_batch_size = config.disable_by_batch_size
         self.per_batch_size = config.num_speculative_tokens_per_batch_size
@@ -90,6 +96,11 @@ class Schedule:
         # per row: the lookahead chain being checked (None: none), and how many of its tokens were emitted so far
         self.lookahead: list[np.ndarray | None] = [None] * batch_size
         self.lookahead_matched = np.zeros(batch_size, dtype=int)
+        self.lookahead_class = np.zeros(batch_size, dtype=int)  # the draft class of each row's lookahead chain
+        self.classes: np.ndarray | None = None  # [B] each row's draft class this step, with `draft_classes`
+        if self.draft_classes is not None:
+            (table,) = self.costs.values()
+            self.class_estimate = table.class_estimate(self.num_draft_classes, self.max_k)
         self.interval = np.full(batch_size, PROBE_INTERVAL)
         self.histogram = np.zeros((batch_size, self.max_k + 1), dtype=np.int64)
         self.estimated = np.zeros(batch_size)
@@ -125,6 +136,11 @@ class Schedule:
         widths = [w for w in self.widths if w <= cap] or [0]
         self.cap = cap
         probe = (self.idle >= self.interval) & active
+        if self.draft_classes is not None:
+            # whether a row has a draft, and its kind, are known now; lookahead observes every class for free, so
+            # no row probes
+            self.classes = np.asarray(self.draft_classes(state))
+            probe = np.zeros_like(active)
         times = self.step_times(rows_computed)
         # (re)calibrate: a plain step measures the plain step's time where a candidate's is due
         # (`CostTable.plain_due`), from a call's second step on (its first drafts)
@@ -141,20 +157,24 @@ class Schedule:
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in times.items():
             estimate = self.acceptance[method]
-            accepted = expected_accepted(estimate.values)  # [B, K + 1]: given that the row drafts
+            values, draft_rate = estimate.values, estimate.draft_rate
+            if self.classes is not None:  # a row without a draft expects nothing from drafting, so it does not
+                values = np.where(self.classes[:, None] > 0, self.class_estimate.values[self.classes], 0.0)
+                draft_rate = np.ones(len(self.classes))
+            accepted = expected_accepted(values)  # [B, K + 1]: given that the row drafts
             if self.adaptive:
                 # widths whose steps delivered less than plain ones at this batch size: only probes draft at them
                 unpaid = self.costs[method].unpaid_widths(rows_computed, int(active.sum()))
                 decision = decide(accepted, step_time, active, probe, widths, probe_length,
-                                  estimate.draft_rate, self.probe_alone, [w for w in widths if w not in unpaid])
+                                  draft_rate, self.probe_alone, [w for w in widths if w not in unpaid])
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
                 limits = np.where(active, width, 0)
                 decision = Decision(width, tuple(int(x) for x in limits),
-                                    *step_expectation(accepted, step_time, active, limits, width, estimate.draft_rate))
+                                    *step_expectation(accepted, step_time, active, limits, width, draft_rate))
             rate = decision.expected_tokens / max(decision.expected_time, 1e-12)
             if best is None or rate > best[0] * (1.0 + 1e-9):
-                best = (rate, method, decision, accepted * estimate.draft_rate[:, None])
+                best = (rate, method, decision, accepted * draft_rate[:, None])
         _, method, decision, accepted = best
         self.allowed = np.minimum(decision.limits, state.host_draft_budget())  # the length limit cuts too
         self.expected = accepted[rows, self.allowed]  # expected accepted drafts, how often the row drafts included
@@ -183,6 +203,8 @@ class Schedule:
         for row, chain in zip(rows, chains):
             self.lookahead[row] = np.asarray(chain[: self.max_k], dtype=np.int64)
             self.lookahead_matched[row] = 0
+            if self.classes is not None:
+                self.lookahead_class[row] = self.classes[row]
 
     def _check_lookahead(self, state: DecodeState, drafted: np.ndarray) -> None:
         """Settle the lookahead chains against what the step emitted: a mismatch or a chain's end observes it as a
@@ -210,7 +232,10 @@ class Schedule:
         if settled.any():
             # an empty chain: asked for max_k, drafted none (the row's draft rate learns it)
             asked = np.where(settled, np.maximum(lengths, self.max_k * (lengths == 0)), 0)
-            self.acceptance[self.method].update(asked, matched, lengths)
+            if self.classes is not None:
+                self.class_estimate.update_classes(self.lookahead_class, asked, matched, lengths)
+            else:
+                self.acceptance[self.method].update(asked, matched, lengths)
 
     def observe(self, state: DecodeState, proposal: Proposal) -> None:
         """After the step's host sync: its time and each row's accepted count update the estimates. Where the
@@ -232,7 +257,10 @@ class Schedule:
             if width and self.rows_computed > 1:
                 table.observe_realized(self.rows_computed, decision.width, float(((accepted + 1) * self.active).sum()),
                                        seconds, int(self.active.sum()))
-        self.acceptance[self.method].update(self.allowed, accepted, depths)
+        if self.classes is not None:
+            self.class_estimate.update_classes(self.classes, self.allowed, accepted, depths)
+        else:
+            self.acceptance[self.method].update(self.allowed, accepted, depths)
         drafted = self.allowed > 0
         if self.looks_ahead:
             self._check_lookahead(state, drafted)
@@ -288,4 +316,5 @@ def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer,
             and config.num_speculative_tokens_per_batch_size is None):
         return None
     return Schedule(config, max_k, {None: cost_table(model, proposer.cost_key(config, static_shapes))},
-                    static_shapes, looks_ahead=proposer.looks_ahead and proposer.reads_emitted_tokens)
+                    static_shapes, looks_ahead=proposer.looks_ahead and proposer.reads_emitted_tokens,
+                    draft_classes=proposer.draft_classes, num_draft_classes=proposer.num_draft_classes)

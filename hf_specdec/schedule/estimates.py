@@ -19,6 +19,10 @@ import numpy as np
 # the whole: replaying the schedule on recorded acceptance (`benchmarks/schedule_replay.py`; SmolLM2 with its EAGLE-3
 # head, batch 1, coding requests, k <= 5) it reached 0.96 of the best fixed k's speed at 0.3 and 0.98 at 0.1
 ACCEPTANCE_RATE = 0.1
+# the acceptance by draft class (`Proposer.draft_classes`), pooled over all rows: a new observation's weight, at
+# least (a class's first observations average as a running mean does after CLASS_PRIOR_COUNT prior ones)
+CLASS_ACCEPTANCE_RATE = 0.05
+CLASS_PRIOR_COUNT = 2
 # weight of a new step in the moving average of whether a row drafts when allowed (a lookup finds a match or not)
 DRAFT_RATE_WEIGHT = 0.3
 # acceptance assumed before a row's first observation at a position (optimistic: a new row drafts, and measures)
@@ -51,11 +55,15 @@ class AcceptanceEstimate:
     draft are not observed; instead `draft_rate` (per row, a moving average of whether it drafted when allowed)
     says how often asking brings a draft at all."""
 
-    def __init__(self, batch_size: int, max_k: int, prior: np.ndarray | None = None) -> None:
+    def __init__(self, batch_size: int, max_k: int, prior: np.ndarray | None = None, rate: float = ACCEPTANCE_RATE,
+                 prior_count: float | None = None) -> None:
         # [K] prior (default ACCEPTANCE_PRIOR everywhere): what earlier calls measured, `CostTable.acceptance_prior`
         start = np.full(max_k, ACCEPTANCE_PRIOR) if prior is None else prior
+        # a new observation's weight: `rate`, or with `prior_count` at least 1 / (observations + prior_count)
+        self.rate, self.prior_count = rate, prior_count
         self.raw = np.tile(start, (batch_size, 1))  # the averages, at observed positions
         self.seen = np.zeros((batch_size, max_k), dtype=bool)
+        self.observations = np.zeros((batch_size, max_k))
         self.values = self.raw.copy()  # [B, K]: the estimates (observed averages, carried to unobserved positions)
         self.draft_rate = np.ones(batch_size)  # [B]
 
@@ -80,7 +88,10 @@ class AcceptanceEstimate:
         observed = (positions < drafted_rows[:, None]) & (positions <= accepted_rows)
         outcome = (positions < accepted_rows).astype(float)
         start = np.where(self.seen, self.raw, self.values)
-        self.raw = np.where(observed, (1 - ACCEPTANCE_RATE) * start + ACCEPTANCE_RATE * outcome, self.raw)
+        self.observations += observed
+        weight = (self.rate if self.prior_count is None
+                  else np.maximum(self.rate, 1.0 / (self.observations + self.prior_count)))
+        self.raw = np.where(observed, (1 - weight) * start + weight * outcome, self.raw)
         self.seen |= observed
         self._carry()
         # the position just past a draft accepted whole was reached but not drafted: its average moves towards the
@@ -91,8 +102,25 @@ class AcceptanceEstimate:
                    & (accepted_rows >= drafted_rows[:, None]) & self.seen)
         if reached.any():
             before = np.concatenate([self.values[:, :1], self.values[:, :-1]], axis=1)
-            self.raw = np.where(reached, (1 - ACCEPTANCE_RATE) * self.raw + ACCEPTANCE_RATE * before, self.raw)
+            self.raw = np.where(reached, (1 - self.rate) * self.raw + self.rate * before, self.raw)
             self._carry()
+
+    def update_classes(
+        self,
+        # [B] per row: its draft class (this estimate's row), 0 for none
+        classes: Sequence[int],
+        # per row: drafts allowed, accepted, and the depth it drafted (as in `update`)
+        allowed: Sequence[int],
+        accepted: Sequence[int],
+        drafted: Sequence[int] | None = None,
+    ) -> None:
+        """A pooled estimate, one row per draft class: each row's observation updates its class, in turn."""
+        drafted = allowed if drafted is None else drafted
+        for row in np.flatnonzero((np.asarray(classes) > 0) & (np.asarray(allowed) > 0)).tolist():
+            one = np.zeros(self.values.shape[0], dtype=np.int64)
+            cls = int(classes[row])
+            self.update(np.where(np.arange(one.size) == cls, allowed[row], 0), one + int(accepted[row]),
+                        one + int(drafted[row]))
 
     def _carry(self) -> None:
         """Each position reads the nearest observed position at or before it (position 0: its own, prior or not)."""
@@ -114,6 +142,8 @@ class CostTable:
         # [K]: the acceptance estimates rows ended earlier calls with, averaged (a new call's rows start there)
         self.acceptance: np.ndarray | None = None
         self.times: dict[tuple[int, int], float] = {}
+        # acceptance by draft class (`Proposer.draft_classes`), pooled over the rows of every call (`class_estimate`)
+        self.class_acceptance: AcceptanceEstimate | None = None
         # samples observed at each batch size
         self.samples: dict[int, int] = {}
         # per batch size: the fitted line (slope, intercept), and the widths and sample count it was fitted on
@@ -189,6 +219,15 @@ class CostTable:
         before any, or for another k)."""
         kept = self.acceptance
         return kept.copy() if kept is not None and kept.shape[0] == max_k else None
+
+    def class_estimate(self, num_classes: int, max_k: int) -> AcceptanceEstimate:
+        """The acceptance of each draft class (row c: class c; row 0, no draft, is never observed), kept for the
+        life of the process like the step times."""
+        kept = self.class_acceptance
+        if kept is None or kept.values.shape != (num_classes + 1, max_k):
+            self.class_acceptance = AcceptanceEstimate(num_classes + 1, max_k, rate=CLASS_ACCEPTANCE_RATE,
+                                                       prior_count=CLASS_PRIOR_COUNT)
+        return self.class_acceptance
 
     def record_acceptance(self, estimate: AcceptanceEstimate) -> None:
         """A call ended: its rows' estimates, averaged, move the prior of later calls halfway towards them."""

@@ -70,6 +70,20 @@ def test_lookahead_is_the_chain_a_proposal_would_draft():
     assert proposal.draft_token_ids[0].tolist() == [8, 6, 7] and proposal.num_draft_tokens[2] == 0
 
 
+def test_draft_classes_are_the_matched_ngram_lengths():
+    """Row 0 ends with `6 7`, matched earlier (2); row 1 with `1 2 3`, matched in full (3, the longest looked for);
+    row 2 with nothing seen before (0: no draft). With prompt_lookup_min=3, row 0's 2-gram is no match."""
+    ids = torch.tensor([[0, 0, 6, 7, 8, 6, 7], [1, 2, 3, 4, 1, 2, 3], [0, 9, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    state = DecodeState.start(ids, mask, max_length=40, extra_capacity=5, pad_token_id=0)
+    proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    proposer.start(state, mask)
+    assert proposer.num_draft_classes == 3 and proposer.draft_classes(state).tolist() == [2, 3, 0]
+    strict = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=3))
+    strict.start(state, mask)
+    assert strict.draft_classes(state).tolist() == [0, 3, 0]
+
+
 def test_left_padding_is_never_matched():
     ids = torch.tensor([[0, 0, 0, 5, 0]])
     mask = torch.tensor([[0, 0, 0, 1, 1]])

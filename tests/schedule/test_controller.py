@@ -401,3 +401,50 @@ def test_a_step_that_compiles_a_graph_is_not_a_step_time():
         assert max(costs.times.values()) < 2.0, costs.times
         assert (history[-20:] == k).all(), history.ravel().tolist()
     assert graphs[0] >= 4
+
+
+def test_draft_classes_draft_where_their_class_pays_and_never_without_a_draft():
+    """A host proposer that tells its drafts apart (`Proposer.draft_classes`, n-gram lookup: the matched n-gram's
+    length): class 1 drafts are always wrong, class 3 drafts always right, and rows of class 0 have no draft. The
+    pooled class estimates learn it from lookahead and drafts alike: class 1 rows stop drafting, class 3 rows draft
+    k, class 0 rows never draft, and no row probes."""
+    batch, k = 3, 4
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    costs = InjectedCosts(0.1)
+    classes = np.array([1, 3, 0])
+    schedule = Schedule(config, k, {None: costs}, static_shapes=False, looks_ahead=True,
+                        draft_classes=lambda state: classes, num_draft_classes=3)
+    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.start(batch)
+    history = []
+    for _ in range(60):
+        limits = list(schedule.plan(state, batch).limits)
+        rows = schedule.lookahead_rows()
+        # class 1 chains start with 7 (the text goes on with 5), class 3 chains are right
+        schedule.look_ahead(rows, [np.full(k, 7 if classes[row] == 1 else 5) for row in rows])
+        depths = [limit if classes[row] else 0 for row, limit in enumerate(limits)]
+        accepted = [depth if classes[row] == 3 else 0 for row, depth in enumerate(depths)]
+        host = state.host
+        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted,
+                              np.full((batch, k + 1), 5))
+        schedule.observe(state, SimpleNamespace(host_depths=depths, tree=SimpleNamespace(max_depth=max(depths))))
+        history.append(limits)
+    history = np.array(history)
+    assert (history[-40:, 0] == 0).all()  # class 1: off
+    assert (history[-40:, 1] == k).all()  # class 3: k
+    assert (history[:, 2] == 0).all()  # no draft, no limit: not even a probe
+    estimate = costs.class_acceptance.values
+    assert estimate[1, 0] < 0.1 and estimate[3].min() > 0.9
+    # the estimates outlive the call: a new call's class 1 rows do not draft from its first step
+    schedule.start(batch)
+    assert schedule.plan(state, batch).limits[0] == 0
+
+
+def test_draft_classes_are_not_consulted_by_the_fixed_schedule():
+    calls = []
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, schedule="fixed", disable_by_batch_size=8)
+    schedule = Schedule(config, 3, {None: CostTable()}, static_shapes=False,
+                        draft_classes=lambda state: calls.append(1) or np.zeros(2, dtype=int), num_draft_classes=3)
+    limits = simulate(schedule, 2, lambda step, limits: [0, 0], steps=5)
+    assert not calls and (limits == 3).all()

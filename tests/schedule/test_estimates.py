@@ -9,6 +9,8 @@ import torch
 from hf_specdec.schedule.estimates import (
     ACCEPTANCE_PRIOR,
     ACCEPTANCE_RATE,
+    CLASS_ACCEPTANCE_RATE,
+    CLASS_PRIOR_COUNT,
     PLAIN_REFRESH,
     PRIOR_SLOPE,
     REFIT_SAMPLES,
@@ -153,3 +155,25 @@ def test_a_position_reached_but_not_drafted_moves_towards_the_one_before():
     before = estimate.values[0, 1]
     estimate.update([1], [0])  # rejected at position 1: position 2 was not reached, and stays
     assert estimate.values[0, 1] == pytest.approx(before)
+
+
+def test_class_estimates_pool_rows_and_start_as_a_running_mean():
+    """`update_classes`: each row's observation updates its class (row 0 of the estimate, no draft, never); a class's
+    first observations weigh as a running mean after CLASS_PRIOR_COUNT prior ones, later ones at least
+    CLASS_ACCEPTANCE_RATE; the estimates live in the step-time table, one per shape."""
+    table = CostTable()
+    estimate = table.class_estimate(num_classes=2, max_k=3)
+    assert table.class_estimate(2, 3) is estimate and table.class_estimate(2, 4) is not estimate
+    estimate = table.class_estimate(2, 3)
+    # rows of classes 1, 1, 0, 2: the two class 1 rows drafted 3 and had 0 accepted; the class 2 row had all 3
+    estimate.update_classes([1, 1, 0, 2], allowed=[3, 3, 3, 3], accepted=[0, 0, 3, 3])
+    prior = ACCEPTANCE_PRIOR
+    first = prior * CLASS_PRIOR_COUNT / (CLASS_PRIOR_COUNT + 1)
+    assert estimate.values[1, 0] == pytest.approx(first * (CLASS_PRIOR_COUNT + 1) / (CLASS_PRIOR_COUNT + 2))
+    assert np.allclose(estimate.values[0], prior)  # no draft: never observed
+    assert np.allclose(estimate.values[2], (prior * CLASS_PRIOR_COUNT + 1) / (CLASS_PRIOR_COUNT + 1))
+    for _ in range(200):
+        estimate.update_classes([1], allowed=[3], accepted=[0])
+    assert estimate.values[1, 0] < 1e-3
+    estimate.update_classes([1], allowed=[3], accepted=[1])
+    assert estimate.values[1, 0] == pytest.approx(CLASS_ACCEPTANCE_RATE, abs=1e-3)  # the weight's floor

@@ -27,8 +27,8 @@ def mixed_priors(monkeypatch):
     step, some rows draft k, some fewer, some none, so the steps mix limits."""
     make = estimates.AcceptanceEstimate.__init__
 
-    def init(self, batch_size, max_k, prior=None):
-        make(self, batch_size, max_k, prior)
+    def init(self, batch_size, max_k, prior=None, **kwargs):  # draft classes' estimates (n-gram) mix likewise
+        make(self, batch_size, max_k, prior, **kwargs)
         priors = np.array([0.0, 0.3, 0.95])[np.arange(batch_size) % 3]
         self.values = priors[:, None] * np.ones((1, max_k))
         self.raw = self.values.copy()

@@ -57,7 +57,8 @@ def test_the_draft_models_dynamic_tree_runs_on_the_schedule():
     from hf_specdec.testbed import load_testbed
 
     _, target, draft = load_testbed()
-    proposer = SimpleNamespace(cost_key=lambda config, static_shapes: "draft", looks_ahead=False)
+    proposer = SimpleNamespace(cost_key=lambda config, static_shapes: "draft", looks_ahead=False,
+                               draft_classes=None, num_draft_classes=0)
     tree = SpeculativeConfig(method="draft", draft_model=draft, top_k=2, depth=3, total_tokens=4)
     assert tree.schedule == "adaptive" and build_schedule(tree, target, proposer, 3, False) is not None
     ruled = SpeculativeConfig(method="draft", draft_model=draft, top_k=2, depth=3, total_tokens=4,
