@@ -15,7 +15,10 @@ clock around each step), from fixed-k runs on a few of the prompts. `replay` run
 decision, probes, the step-time table) on those outcomes with a simulated clock, one row at a time, calls in
 sequence as in one process, and prints adaptive (k <= 1, k <= 5) against every fixed k, in speedup over plain
 steps (no per-call costs: the engine's prefill and setup are the same in every case) and as a share of the best
-fixed k, for each value of `estimates.ACCEPTANCE_RATE` given.
+fixed k, for each value of `estimates.ACCEPTANCE_RATE` given. N-gram lookup runs as in the engine: the text of
+each position (the prompt, rebuilt with the model's tokenizer, and the recorded output) gives the draft, which
+plain steps look ahead with, and its class (the matched n-gram's length); `--step-slope s` replaces the recorded
+step times by `plain * (1 + s * width)` (float32 on a CPU is about 0.135: a step of width 5 cost 1.67 plain steps).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ import torch
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.bench import random_prompts
-from hf_specdec.proposers.ngram import find_ngram_continuation
+from hf_specdec.proposers.ngram import find_ngram_continuation, matched_ngram_length
 from hf_specdec.schedule import controller, estimates
 from hf_specdec.schedule.estimates import CostTable
+from hf_specdec.step.state import HostView
 from hf_specdec.testbed.drafters import load_drafter
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import spec_bench_prompts
@@ -143,21 +147,46 @@ class ReplayState:
         self.draft_limits = limits
 
 
-def replay(data: dict, method: str, max_k: int, schedule: str) -> float:
-    """Speedup over plain steps of `schedule` with at most `max_k` drafts per step, over every recorded call."""
-    step_seconds = data["step_seconds"][method]
+class Lookups:
+    """N-gram lookup at every position of the recorded outputs, as the engine's proposer sees each row's text: the
+    chain it would draft (k tokens) and its draft class."""
+
+    def __init__(self, data: dict, tokenizer) -> None:
+        prompts = _prompts(tokenizer, data["workload"], len(data["records"]))
+        config = SpeculativeConfig(method="ngram", num_speculative_tokens=data["k"])
+        low, high = config.prompt_lookup_min, config.prompt_lookup_max
+        self.chains, self.classes = [], []
+        for prompt, call in zip(prompts, data["records"]):
+            if len(prompt) != call["prompt_tokens"]:
+                raise SystemExit("error: the recording's prompts are not this tokenizer's")
+            texts = [np.array(prompt + call["tokens"][:n]) for n in range(1, len(call["tokens"]) + 1)]
+            self.chains.append([find_ngram_continuation(text, low, high, data["k"]) for text in texts])
+            self.classes.append([matched_ngram_length(text, low, high) for text in texts])
+
+
+def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: list[float],
+           lookups: Lookups | None = None) -> float:
+    """Speedup over plain steps of `schedule` with at most `max_k` drafts per step, over every recorded call. With
+    `lookups`, n-gram lookup runs as the engine runs it: plain steps look ahead, and drafts have classes."""
     clock = [0.0]
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=max_k, schedule=schedule,
                                disable_by_batch_size=100 if schedule == "fixed" else None)
-    plan = controller.Schedule(config, max_k, {None: CostTable()}, static_shapes=False, clock=lambda: clock[0])
+    current = [0]  # the replayed row's draft class at this step
+    engine = dict(looks_ahead=True, draft_classes=lambda state: np.array(current),
+                  num_draft_classes=3) if lookups is not None else {}
+    plan = controller.Schedule(config, max_k, {None: CostTable()}, static_shapes=False, clock=lambda: clock[0],
+                               **engine)
     plain = spent = 0.0
-    for call in data["records"]:
-        outcomes, total = call[method], len(call["tokens"])
+    for index, call in enumerate(data["records"]):
+        outcomes, tokens = call[method], call["tokens"]
+        total = len(tokens)
         plain += (total - 1) * step_seconds[0]
         plan.start(1)
         generated = 1  # the prefill chose the first token
         while generated < total:
             state = ReplayState(generated, total)
+            if lookups is not None:
+                current[0] = lookups.classes[index][generated - 1]
             plan.plan(state, 1)
             allowed = state.host_draft_budget()[0]
             if method == "ngram":  # a lookup drafts what it found, at most what was allowed
@@ -167,10 +196,14 @@ def replay(data: dict, method: str, max_k: int, schedule: str) -> float:
             else:
                 depth = allowed
                 accepted = min(outcomes[generated - 1], allowed)
+            if lookups is not None and (rows := plan.lookahead_rows()):
+                plan.look_ahead(rows, [lookups.chains[index][generated - 1]])
             clock[0] += step_seconds[depth]
             spent += step_seconds[depth]
+            emitted = tokens[generated : generated + accepted + 1]
             generated += accepted + 1
-            state.host = SimpleNamespace(finished=[generated >= total], lengths=[generated], num_accepted=[accepted])
+            state.host = HostView([generated], [generated >= total], [len(emitted)], [accepted],
+                                  np.array([emitted + [0] * (max_k + 1 - len(emitted))]))
             plan.observe(state, SimpleNamespace(host_depths=(depth,) if method == "ngram" else None,
                                                 tree=SimpleNamespace(max_depth=depth)))
         plan.finish()
@@ -181,15 +214,21 @@ def replay_all(args: argparse.Namespace) -> None:
     with open(args.file) as f:
         data = json.load(f)
     default = estimates.ACCEPTANCE_RATE
+    _, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
+    lookups = Lookups(data, tokenizer)
     print(f"workload {data['workload']}, {len(data['records'])} calls; speedup over plain steps")
     try:
         for method in METHODS:
-            fixed = {k: replay(data, method, k, "fixed") for k in range(1, data["k"] + 1)}
+            seconds = data["step_seconds"][method]
+            if args.step_slope is not None:
+                seconds = [seconds[0] * (1 + args.step_slope * width) for width in range(len(seconds))]
+            engine = lookups if method == "ngram" else None
+            fixed = {k: replay(data, method, k, "fixed", seconds) for k in range(1, data["k"] + 1)}
             best = max(fixed.values())
             print(f"{method}: fixed " + ", ".join(f"k={k} {v:.3f}x" for k, v in fixed.items()))
             for rate in args.rates:
                 estimates.ACCEPTANCE_RATE = rate
-                adaptive = {k: replay(data, method, k, "adaptive") for k in (1, data["k"])}
+                adaptive = {k: replay(data, method, k, "adaptive", seconds, engine) for k in (1, data["k"])}
                 print(f"  acceptance weight {rate}: " + ", ".join(
                     f"adaptive k<={k} {v:.3f}x ({v / best:.3f} of the best fixed)" for k, v in adaptive.items()))
     finally:
@@ -208,6 +247,8 @@ def main() -> None:
     rep.add_argument("file")
     rep.add_argument("--rates", type=float, nargs="+", default=[estimates.ACCEPTANCE_RATE],
                      help="values of the acceptance moving average's weight to compare")
+    rep.add_argument("--step-slope", type=float, default=None,
+                     help="step time of width w = plain * (1 + slope * w) instead of the recorded times")
     args = parser.parse_args()
     if args.command == "record":
         record(args)

@@ -82,6 +82,17 @@ def find_ngram_continuation(
     return _copy_after(tokens, int(ends[-1]), max_tokens)
 
 
+def matched_ngram_length(
+    # [L] the row's tokens (no padding)
+    tokens: np.ndarray,
+    min_n: int,
+    max_n: int,
+) -> int:
+    """The length of the longest suffix n-gram, n in [min_n, max_n], that occurred earlier (0: none): the draft
+    class of `NgramProposer.draft_classes`."""
+    return _longest_match(tokens, min_n, max_n)[0]
+
+
 def find_ngram_continuations(
     # [L] the row's tokens (no padding)
     tokens: np.ndarray,
@@ -185,7 +196,7 @@ class NgramProposer(Proposer):
         """[B] the length of the n-gram each row's text ends with that matched earlier (0: none): a draft that
         follows a longer match is accepted more often."""
         self._catch_up(state)
-        return np.asarray([_longest_match(self.text.row(row), self.min_n, self.max_n)[0]
+        return np.asarray([matched_ngram_length(self.text.row(row), self.min_n, self.max_n)
                            for row in range(state.batch_size)], dtype=np.int64)
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:

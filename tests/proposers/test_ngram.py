@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from hf_specdec import SpeculativeConfig
-from hf_specdec.proposers.ngram import NgramProposer, find_ngram_continuation
+from hf_specdec.proposers.ngram import NgramProposer, find_ngram_continuation, matched_ngram_length
 from hf_specdec.step import DecodeState
 
 
@@ -82,6 +82,7 @@ def test_draft_classes_are_the_matched_ngram_lengths():
     strict = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=3))
     strict.start(state, mask)
     assert strict.draft_classes(state).tolist() == [0, 3, 0]
+    assert matched_ngram_length(np.array([5, 6, 7, 8, 6, 7]), 1, 3) == 2
 
 
 def test_left_padding_is_never_matched():

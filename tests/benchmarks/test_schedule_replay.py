@@ -1,0 +1,34 @@
+"""benchmarks/schedule_replay.py replays the schedule on a recording (a smoke test on a synthetic one; the real
+recordings need the real model's tokenizer): n-gram lookup with lookahead and draft classes, and the model drafter's
+accepted counts."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+
+def _module():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "schedule_replay.py"
+    spec = importlib.util.spec_from_file_location("schedule_replay", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_replay_runs_fixed_and_adaptive_with_lookahead():
+    replay = _module()
+    k = 3
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 5]
+    # n-gram outcomes per position: (lookup depth, accepted), a class and a chain; the model drafter's accepted counts
+    ngram = [[k, k] if 2 <= n <= 9 else [0, 0] for n in range(len(tokens) - 1)]
+    chains = [np.array(tokens[n + 1 : n + 1 + k]) if 2 <= n <= 9 else np.array([], dtype=np.int64)
+              for n in range(len(tokens))]
+    lookups = SimpleNamespace(chains=[chains] * 2, classes=[[3 if 2 <= n <= 9 else 0 for n in range(len(tokens))]] * 2)
+    data = {"k": k, "records": [{"tokens": tokens, "ngram": ngram, "eagle3": [1] * (len(tokens) - 1)}] * 2}
+    seconds = [1.0 + 0.05 * width for width in range(k + 1)]
+    fixed = replay.replay(data, "ngram", k, "fixed", seconds)
+    adaptive = replay.replay(data, "ngram", k, "adaptive", seconds, lookups)
+    assert fixed > 1.5 and adaptive > 1.2  # the repeated stretch is drafted either way
+    assert replay.replay(data, "eagle3", 1, "fixed", seconds) > 1.5
