@@ -19,6 +19,13 @@ target emits it (greedy), or with the target's probability of it, which is the c
 it (sampling), so these observations count as real ones: a row's estimates follow the text at no cost, and it
 drafts again as soon as they say drafting pays. Its probes go on as any row's do (they also re-measure step
 times, which a lookahead cannot).
+
+Draft classes: a host proposer that can say before the decision what kind of draft each row has
+(`Proposer.draft_classes`; n-gram lookup: the length of the matched n-gram, 0 for no match) gets acceptance
+estimates per class instead of per row, pooled over every row and call (`CostTable.class_estimate`), from its
+drafts and its lookahead chains alike. A row without a draft expects nothing from drafting and gets no limit; no
+row probes (lookahead observes every class for free). The class is a function of the committed text, so this
+stays as lossless as the rest.
 """
 
 from __future__ import annotations
