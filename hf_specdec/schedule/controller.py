@@ -161,6 +161,37 @@ class Schedule:
             wait = max(wait, min((t[probe_length] - t[0]) / t[0] for t in times.values()) / PROBE_BUDGET)
         self.probe_alone = self.plain_run >= wait  # due rows may widen a plain step
         rows = np.arange(len(active))
+        if widths == [0] or (self.classes is not None and not (self.classes[active] > 0).any()):
+            # a plain step whatever the estimates say (no width to draft at, or no row with a draft): nothing to
+            # weigh; the first candidate takes it (as it would a tie)
+            method = next(iter(times))
+            decision = Decision(0, (0,) * len(active), float(active.sum()), float(times[method][0]))
+            accepted = np.zeros((len(active), self.max_k + 1))
+        else:
+            method, decision, accepted = self._weigh(times, active, probe, widths, probe_length, rows_computed)
+        self.allowed = np.minimum(decision.limits, state.host_draft_budget())  # the length limit cuts too
+        self.expected = accepted[rows, self.allowed]  # expected accepted drafts, how often the row drafts included
+        state.set_draft_limits(list(decision.limits), decision.width)
+        state.draft_method = method
+        # rows that probed: due and drafting (a due row in a plain step waits)
+        self.probed = probe & (np.asarray(decision.limits) > 0)
+        self.decision, self.method, self.active = decision, method, active
+        self.rows_computed, self.started, self.graphs = rows_computed, self.clock(), self.graphs_compiled()
+        return decision
+
+    def _weigh(
+        self,
+        # per candidate: [K + 1] predicted step time by width
+        times: dict[str | None, np.ndarray],
+        # [B] bool: rows generating; rows due a probe
+        active: np.ndarray,
+        probe: np.ndarray,
+        widths: list[int],
+        probe_length: int,
+        rows_computed: int,
+    ) -> tuple[str | None, Decision, np.ndarray]:
+        """The candidate, the decision and its [B, K + 1] expected accepted drafts (how often each row drafts
+        included) with the most expected tokens per second."""
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in times.items():
             estimate = self.acceptance[method]
@@ -183,15 +214,7 @@ class Schedule:
             if best is None or rate > best[0] * (1.0 + 1e-9):
                 best = (rate, method, decision, accepted * draft_rate[:, None])
         _, method, decision, accepted = best
-        self.allowed = np.minimum(decision.limits, state.host_draft_budget())  # the length limit cuts too
-        self.expected = accepted[rows, self.allowed]  # expected accepted drafts, how often the row drafts included
-        state.set_draft_limits(list(decision.limits), decision.width)
-        state.draft_method = method
-        # rows that probed: due and drafting (a due row in a plain step waits)
-        self.probed = probe & (np.asarray(decision.limits) > 0)
-        self.decision, self.method, self.active = decision, method, active
-        self.rows_computed, self.started, self.graphs = rows_computed, self.clock(), self.graphs_compiled()
-        return decision
+        return method, decision, accepted
 
     def lookahead_rows(self) -> list[int]:
         """The rows whose lookahead the proposer is asked for this step (after proposing): generating, drafting
