@@ -42,6 +42,7 @@ def _configs(target):
         "random_draft_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
                                                tree_width=2),
         "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2),
         "medusa_tree": SpeculativeConfig(method="medusa", heads=heads_for(target),
                                          tree_paths=[(0,), (1,), (0, 0), (1, 0)]),
         "auto": SpeculativeConfig(method="auto", draft_model=copy.deepcopy(target), num_speculative_tokens=3),
