@@ -196,7 +196,7 @@ class Schedule:
         for method, step_time in times.items():
             estimate = self.acceptance[method]
             values, draft_rate = estimate.values, estimate.draft_rate
-            if self.classes is not None:  # a row without a draft expects nothing from drafting, so it does not
+            if self.classes is not None:  # a row without a draft expects nothing from drafting: it gets no limit
                 values = np.where(self.classes[:, None] > 0, self.class_estimate.values[self.classes], 0.0)
                 draft_rate = np.ones(len(self.classes))
             accepted = expected_accepted(values)  # [B, K + 1]: given that the row drafts

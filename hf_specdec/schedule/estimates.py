@@ -116,11 +116,11 @@ class AcceptanceEstimate:
     ) -> None:
         """A pooled estimate, one row per draft class: each row's observation updates its class, in turn."""
         drafted = allowed if drafted is None else drafted
+        size = self.values.shape[0]
         for row in np.flatnonzero((np.asarray(classes) > 0) & (np.asarray(allowed) > 0)).tolist():
-            one = np.zeros(self.values.shape[0], dtype=np.int64)
-            cls = int(classes[row])
-            self.update(np.where(np.arange(one.size) == cls, allowed[row], 0), one + int(accepted[row]),
-                        one + int(drafted[row]))
+            mine = np.arange(size) == int(classes[row])  # only the row's class is asked
+            self.update(np.where(mine, int(allowed[row]), 0), np.full(size, int(accepted[row])),
+                        np.full(size, int(drafted[row])))
 
     def _carry(self) -> None:
         """Each position reads the nearest observed position at or before it (position 0: its own, prior or not)."""
