@@ -26,6 +26,10 @@ estimates per class instead of per row, pooled over every row and call (`CostTab
 drafts and its lookahead chains alike. A row without a draft expects nothing from drafting and gets no limit; no
 row probes (lookahead observes every class for free). The class is a function of the committed text, so this
 stays as lossless as the rest.
+
+The critical path: a call lasts as long as its rows with the most tokens left before `max_length`, so the width
+is chosen for those rows' tokens; the rows ahead of them draft within that width where their own estimates say
+so (the step costs its width whoever drafts), and do not widen a step by themselves.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import numpy as np
 from hf_specdec.compile import graphs_compiled
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
-from hf_specdec.schedule.decision import Decision, decide, expected_accepted, step_expectation, width_ladder
+from hf_specdec.schedule.decision import (Decision, decide, expected_accepted, row_lengths, step_expectation,
+                                          width_ladder)
 from hf_specdec.schedule.estimates import AcceptanceEstimate, CostTable, cost_table
 from hf_specdec.schedule.rules import batch_size_cap
 from hf_specdec.stats import ScheduleStats
@@ -59,6 +64,8 @@ PROBE_LENGTH = 2
 # its own: at batch 1 the budget delayed finding a repeated passage (n-gram on the demo's math question: 1.16
 # instead of 1.83 tokens per target forward)
 PROBE_BUDGET = 0.03
+# rows with at most this many tokens left fewer than the row with the most count as the call's critical path
+CRITICAL_SLACK = 0
 
 
 class Schedule:
@@ -168,7 +175,12 @@ class Schedule:
             decision = Decision(0, (0,) * len(active), float(active.sum()), float(times[method][0]))
             accepted = np.zeros((len(active), self.max_k + 1))
         else:
-            method, decision, accepted = self._weigh(times, active, probe, widths, probe_length, rows_computed)
+            # the call lasts as long as its rows with the most tokens left before max_length: their tokens shorten it,
+            # the others' do not
+            left = state.max_length - np.asarray(state.host.lengths)
+            critical = active & (left >= left[active].max() - CRITICAL_SLACK)
+            method, decision, accepted = self._weigh(times, active, critical, probe, widths, probe_length,
+                                                     rows_computed)
         self.allowed = np.minimum(decision.limits, state.host_draft_budget())  # the length limit cuts too
         self.expected = accepted[rows, self.allowed]  # expected accepted drafts, how often the row drafts included
         state.set_draft_limits(list(decision.limits), decision.width)
@@ -183,15 +195,17 @@ class Schedule:
         self,
         # per candidate: [K + 1] predicted step time by width
         times: dict[str | None, np.ndarray],
-        # [B] bool: rows generating; rows due a probe
+        # [B] bool: rows generating; those on the call's critical path; rows due a probe
         active: np.ndarray,
+        critical: np.ndarray,
         probe: np.ndarray,
         widths: list[int],
         probe_length: int,
         rows_computed: int,
     ) -> tuple[str | None, Decision, np.ndarray]:
         """The candidate, the decision and its [B, K + 1] expected accepted drafts (how often each row drafts
-        included) with the most expected tokens per second."""
+        included) with the most expected tokens per second. The critical rows' tokens choose the width; the other
+        rows draft within it where their own estimates say so (a step's cost is its width's, whoever drafts)."""
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in times.items():
             estimate = self.acceptance[method]
@@ -203,8 +217,14 @@ class Schedule:
             if self.adaptive:
                 # widths whose steps delivered less than plain ones at this batch size: only probes draft at them
                 unpaid = self.costs[method].unpaid_widths(rows_computed, int(active.sum()))
-                decision = decide(accepted, step_time, active, probe, widths, probe_length,
+                decision = decide(accepted, step_time, critical, probe & critical, widths, probe_length,
                                   draft_rate, self.probe_alone, [w for w in widths if w not in unpaid])
+                riders = active & ~critical
+                if decision.width and riders.any():
+                    limits = np.where(riders, np.minimum(row_lengths(accepted, step_time), decision.width),
+                                      decision.limits)
+                    decision = Decision(decision.width, tuple(int(x) for x in limits), *step_expectation(
+                        accepted, step_time, active, limits, decision.width, draft_rate))
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
                 limits = np.where(active, width, 0)

@@ -448,3 +448,28 @@ def test_draft_classes_are_not_consulted_by_the_fixed_schedule():
                         draft_classes=lambda state: calls.append(1) or np.zeros(2, dtype=int), num_draft_classes=3)
     limits = simulate(schedule, 2, lambda step, limits: [0, 0], steps=5)
     assert not calls and (limits == 3).all()
+
+
+def test_the_width_is_the_critical_rows_and_rows_ahead_ride_along():
+    """The call lasts as long as its rows with the most tokens left: rows ahead of them draft only within the width
+    those rows choose. Row 1 is three tokens behind rows 0 and 2, which draft well; when row 1's drafts do not pay
+    the step is plain, when they do all three draft."""
+    batch, k = 3, 4
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)  # per-row estimates (no lookahead here)
+    schedule = Schedule(config, k, {None: InjectedCosts(0.2)}, static_shapes=False)
+    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=100, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.start(batch)
+    state.host = HostView([20, 17, 20], [False] * batch, [1] * batch, [0] * batch)
+    estimate = schedule.acceptance[None]
+    estimate.raw[:] = estimate.values[:] = np.array([[0.95], [0.0], [0.95]])
+    assert schedule.plan(state, batch).width == 0  # rows 0 and 2 would pay, but they are not the call's length
+    state.draft_limits = state.draft_limit_tensor = state.draft_width = None
+    estimate.raw[1] = estimate.values[1] = 0.95
+    decision = schedule.plan(state, batch)
+    assert decision.width == k and decision.limits == (k, k, k)
+    # all rows equally far from max_length: each counts (the first steps of every call)
+    state.draft_limits = state.draft_limit_tensor = state.draft_width = None
+    state.host = HostView([20, 20, 20], [False] * batch, [1] * batch, [0] * batch)
+    estimate.raw[1] = estimate.values[1] = 0.0
+    assert schedule.plan(state, batch).limits == (k, 0, k)
