@@ -135,7 +135,7 @@ class ReplayState:
     """The part of `DecodeState` the schedule reads and writes, for one row."""
 
     def __init__(self, generated: int, total: int) -> None:
-        self.generated, self.total = generated, total
+        self.generated, self.total, self.max_length = generated, total, total
         self.host = SimpleNamespace(finished=[False], lengths=[generated], num_accepted=[0])
         self.draft_limits = None
 
