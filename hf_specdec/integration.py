@@ -21,16 +21,8 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 from hf_specdec.cache.naming import given_cache
-from hf_specdec.config import (
-    HEADS_CLASS,
-    SPEC_METHODS,
-    SpeculativeConfig,
-    describe,
-    heads_class,
-    is_causal_lm,
-    is_mtp_model,
-    method_hint,
-)
+from hf_specdec.config import (HEADS_CLASS, SPEC_METHODS, SpeculativeConfig, describe, heads_class, is_causal_lm,
+                               is_mtp_model, method_hint)
 from hf_specdec.decoding.loop import speculative_generate
 
 SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("5.25.0"))  # [low, high): the versions the suite runs on

@@ -55,8 +55,8 @@ def check_settings(folder: Path, config: TrainConfig) -> None:
     else:
         differ = ", ".join(f"{k}: {saved.get(k)!r} there, {current.get(k)!r} now"
                            for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k))
-    raise OtherRunError(f"{type(config).__name__}.out: {folder} holds a checkpoint of another run ({differ}); remove "
-                     f"that folder to start over, or pass another out")
+    raise OtherRunError(f"{type(config).__name__}.out: {folder} holds a checkpoint of another run ({differ}); "
+                        "remove that folder to start over, or pass another out")
 
 
 def resume(accelerator: Accelerator, folder: Path) -> TrainingState:
