@@ -42,8 +42,7 @@ import numpy as np
 from hf_specdec.compile import graphs_compiled
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
-from hf_specdec.schedule.decision import (Decision, decide, expected_accepted, row_lengths, step_expectation,
-                                          width_ladder)
+from hf_specdec.schedule.decision import Decision, decide, expected_accepted, step_expectation, width_ladder
 from hf_specdec.schedule.estimates import AcceptanceEstimate, CostTable, cost_table
 from hf_specdec.schedule.rules import batch_size_cap
 from hf_specdec.stats import ScheduleStats
@@ -204,8 +203,8 @@ class Schedule:
         rows_computed: int,
     ) -> tuple[str | None, Decision, np.ndarray]:
         """The candidate, the decision and its [B, K + 1] expected accepted drafts (how often each row drafts
-        included) with the most expected tokens per second. The critical rows' tokens choose the width; the other
-        rows draft within it where their own estimates say so (a step's cost is its width's, whoever drafts)."""
+        included) with the most expected tokens per second (`decide`: the critical rows' tokens choose the
+        width)."""
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in times.items():
             estimate = self.acceptance[method]
@@ -217,14 +216,8 @@ class Schedule:
             if self.adaptive:
                 # widths whose steps delivered less than plain ones at this batch size: only probes draft at them
                 unpaid = self.costs[method].unpaid_widths(rows_computed, int(active.sum()))
-                decision = decide(accepted, step_time, critical, probe & critical, widths, probe_length,
-                                  draft_rate, self.probe_alone, [w for w in widths if w not in unpaid])
-                riders = active & ~critical
-                if decision.width and riders.any():
-                    limits = np.where(riders, np.minimum(row_lengths(accepted, step_time), decision.width),
-                                      decision.limits)
-                    decision = Decision(decision.width, tuple(int(x) for x in limits), *step_expectation(
-                        accepted, step_time, active, limits, decision.width, draft_rate))
+                decision = decide(accepted, step_time, active, probe, widths, probe_length, draft_rate,
+                                  self.probe_alone, [w for w in widths if w not in unpaid], critical)
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
                 limits = np.where(active, width, 0)

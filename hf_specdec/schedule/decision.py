@@ -19,6 +19,8 @@ predicted wall time of a step whose widest row drafts w tokens (draft and verify
    extra cost to the batch); only when `probe_alone` may it turn a plain step into a drafting one.
 4. Widths whose steps at this batch size have realized fewer tokens per second than a plain step
    (`CostTable.unpaid_widths`) are not the estimates' to choose (`estimate_widths`): only probes reach them.
+5. The width is chosen for the `critical` rows' tokens alone (a call lasts as long as its rows with the most tokens
+   left); the other rows draft within it, each to its own length, and neither widen a step nor probe.
 """
 
 from __future__ import annotations
@@ -83,16 +85,19 @@ def decide(
     # the widths the estimates may choose (None: all of `widths`); the others only probes reach (drafting at them
     # has not paid at this batch size)
     estimate_widths: Sequence[int] | None = None,
+    # [B]: the rows whose tokens choose the width (None: every active row)
+    critical: Sequence[bool] | None = None,
 ) -> Decision:
     batch, max_k = accepted.shape[0], accepted.shape[1] - 1
     active_rows = np.asarray(active, dtype=bool)
-    probing = np.asarray(probe, dtype=bool) & active_rows
+    critical_rows = active_rows if critical is None else active_rows & np.asarray(critical, dtype=bool)
+    probing = np.asarray(probe, dtype=bool) & critical_rows
     widths = [w for w in widths if w <= max_k]
     own = np.where(active_rows, row_lengths(accepted, step_time), 0)
     # every candidate width at once (0 among them): limits [W, B], each row's own length within the width
     candidates = np.asarray([w for w in widths if estimate_widths is None or w == 0 or w in estimate_widths])
-    tokens, time = step_expectation(accepted, step_time, active_rows, np.minimum(own[None, :], candidates[:, None]),
-                                    candidates, draft_rate)
+    tokens, time = step_expectation(accepted, step_time, critical_rows,
+                                    np.minimum(own[None, :], candidates[:, None]), candidates, draft_rate)
     rate = tokens / np.maximum(time, 1e-12)
     # the narrowest width within a relative 1e-9 of the best rate (a tie goes to the narrower width)
     best_width = int(candidates[np.argmax(rate >= rate.max() * (1.0 - 1e-9))])

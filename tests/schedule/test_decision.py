@@ -131,3 +131,14 @@ def test_a_stack_of_candidate_steps_is_judged_as_each_alone():
     np.testing.assert_allclose(tokens, [t for t, _ in alone])
     np.testing.assert_allclose(times, [t for _, t in alone])
     assert isinstance(alone[0][0], float) and isinstance(alone[0][1], float)
+
+
+def test_the_critical_rows_choose_the_width_and_the_others_draft_within_it():
+    """Row 1 alone is critical: its acceptance decides the width; rows 0 and 2 draft within it to their own length."""
+    accepted = expected_accepted(np.array([[0.95] * 4, [0.0] * 4, [0.95] * 4]))
+    step_time = 1.0 + 0.1 * np.arange(5)
+    args = (accepted, step_time, [True] * 3, [False] * 3, list(range(5)), 2)
+    assert decide(*args, critical=[False, True, False]).width == 0
+    assert decide(*args).limits == (4, 0, 4)  # every row critical: rows 0 and 2 choose
+    accepted[1] = accepted[0]
+    assert decide(*args, critical=[False, True, False]).limits == (4, 4, 4)

@@ -92,14 +92,13 @@ def cycled_widths(monkeypatch):
     steps = itertools.count()
 
     def forced(acceptance, step_time, active, probe, widths, probe_length, draft_rate=None, probe_alone=True,
-               estimate_widths=None):
+               estimate_widths=None, critical=None):
         width = WIDTH_CYCLE[next(steps) % len(WIDTH_CYCLE)]
         rows = np.arange(len(active))
         limits = np.where(np.asarray(active, dtype=bool), np.where(rows % 3 == 1, max(width - 1, 0), width), 0)
         return Decision(int(limits.max()), tuple(int(x) for x in limits), 1.0, 1.0)
 
     monkeypatch.setattr(controller, "decide", forced)
-    monkeypatch.setattr(controller, "CRITICAL_SLACK", 10**9)  # every row decided by `forced`, none riding along
 
 
 @pytest.fixture
