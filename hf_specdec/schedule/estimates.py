@@ -75,34 +75,53 @@ class AcceptanceEstimate:
         accepted: Sequence[int],
         # per row: the depth it drafted (at most `allowed`), where the proposer reports it; None: as allowed
         drafted: Sequence[int] | None = None,
+        # per row: the estimate row its observation goes to (None: its own); rows sharing one are pooled, n
+        # observations at once moving an average as n in turn would by their mean
+        into: Sequence[int] | None = None,
     ) -> None:
         allowed_rows = np.asarray(allowed)
         drafted_rows = allowed_rows if drafted is None else np.minimum(np.asarray(drafted), allowed_rows)
         asked = allowed_rows > 0
         if not asked.any():  # a plain step: nothing drafted, nothing observed
             return
-        self.draft_rate = np.where(asked, (1 - DRAFT_RATE_WEIGHT) * self.draft_rate
-                                   + DRAFT_RATE_WEIGHT * (drafted_rows > 0), self.draft_rate)
+        size = self.values.shape[0]
+
+        def pooled(values: np.ndarray) -> np.ndarray:  # [B, ...] -> [E, ...]: sums over the rows of each estimate
+            if into is None:
+                return values.astype(float)
+            total = np.zeros((size, *values.shape[1:]))
+            np.add.at(total, np.asarray(into), values)
+            return total
+
+        def weight(count: np.ndarray, rate: float) -> np.ndarray:  # of `count` observations' mean
+            return 1.0 - (1.0 - rate) ** count
+
+        times_asked = pooled(asked)
+        self.draft_rate = np.where(times_asked > 0, self.draft_rate + weight(times_asked, DRAFT_RATE_WEIGHT) * (
+            pooled(asked & (drafted_rows > 0)) / np.maximum(times_asked, 1) - self.draft_rate), self.draft_rate)
         positions = np.arange(self.values.shape[1])[None, :]
         accepted_rows = np.asarray(accepted)[:, None]
         observed = (positions < drafted_rows[:, None]) & (positions <= accepted_rows)
-        outcome = (positions < accepted_rows).astype(float)
+        count = pooled(observed)
+        mean = pooled(observed & (positions < accepted_rows)) / np.maximum(count, 1)
         start = np.where(self.seen, self.raw, self.values)
-        self.observations += observed
-        weight = (self.rate if self.prior_count is None
-                  else np.maximum(self.rate, 1.0 / (self.observations + self.prior_count)))
-        self.raw = np.where(observed, (1 - weight) * start + weight * outcome, self.raw)
-        self.seen |= observed
+        self.observations += count
+        step = weight(count, self.rate)
+        if self.prior_count is not None:
+            step = np.maximum(step, count / (self.observations + self.prior_count))
+        self.raw = np.where(count > 0, (1 - step) * start + step * mean, self.raw)
+        self.seen |= count > 0
         self._carry()
         # the position just past a draft accepted whole was reached but not drafted: its average moves towards the
         # position before it as an observation would. Otherwise a deeper position's average, once low, would stay
         # low while the row drafts short (it is observed only when drafted), and the row never drafts deeper again
         # however well its drafts go
-        reached = ((positions == drafted_rows[:, None]) & (drafted_rows[:, None] > 0)
-                   & (accepted_rows >= drafted_rows[:, None]) & self.seen)
+        seen = self.seen if into is None else self.seen[np.asarray(into)]
+        reached = pooled((positions == drafted_rows[:, None]) & (drafted_rows[:, None] > 0)
+                         & (accepted_rows >= drafted_rows[:, None]) & seen)
         if reached.any():
             before = np.concatenate([self.values[:, :1], self.values[:, :-1]], axis=1)
-            self.raw = np.where(reached, (1 - self.rate) * self.raw + self.rate * before, self.raw)
+            self.raw = self.raw + weight(reached, self.rate) * (before - self.raw)
             self._carry()
 
     def update_classes(
@@ -114,13 +133,10 @@ class AcceptanceEstimate:
         accepted: Sequence[int],
         drafted: Sequence[int] | None = None,
     ) -> None:
-        """A pooled estimate, one row per draft class: each row's observation updates its class, in turn."""
-        drafted = allowed if drafted is None else drafted
-        size = self.values.shape[0]
-        for row in np.flatnonzero((np.asarray(classes) > 0) & (np.asarray(allowed) > 0)).tolist():
-            mine = np.arange(size) == int(classes[row])  # only the row's class is asked
-            self.update(np.where(mine, int(allowed[row]), 0), np.full(size, int(accepted[row])),
-                        np.full(size, int(drafted[row])))
+        """A pooled estimate, one row per draft class: the observations of a step's rows of each class at once
+        (a row of class 0 has no draft, and its class is never observed)."""
+        classes = np.asarray(classes)
+        self.update(np.where(classes > 0, np.asarray(allowed), 0), accepted, drafted, into=classes)
 
     def _carry(self) -> None:
         """Each position reads the nearest observed position at or before it (position 0: its own, prior or not)."""
