@@ -76,10 +76,7 @@ def find_ngram_continuation(
 ) -> np.ndarray:
     """The overlapping copy of `max_tokens` tokens after the most recent occurrence of the longest matching suffix
     n-gram ([] when none)."""
-    ends = _longest_match(tokens, min_n, max_n)[1] if max_tokens > 0 else tokens[:0]
-    if not ends.size:
-        return tokens[:0]
-    return _copy_after(tokens, int(ends[-1]), max_tokens)
+    return _first(continuations_after(tokens, _longest_match(tokens, min_n, max_n)[1], max_tokens, 1))
 
 
 def matched_ngram_length(
@@ -103,16 +100,34 @@ def find_ngram_continuations(
 ) -> list[np.ndarray]:
     """Up to `max_branches` distinct continuations (overlapping copies) of the longest matching suffix n-gram, most
     recent match first."""
+    return continuations_after(tokens, _longest_match(tokens, min_n, max_n)[1], max_tokens, max_branches)
+
+
+def continuations_after(
+    # [L] the row's tokens
+    tokens: np.ndarray,
+    # end indices (ascending) of a suffix n-gram's earlier occurrences (`_longest_match`)
+    ends: np.ndarray,
+    max_tokens: int,
+    max_branches: int,
+) -> list[np.ndarray]:
+    """Up to `max_branches` distinct continuations of `max_tokens` tokens after those occurrences, most recent
+    first."""
     found: list[np.ndarray] = []
     if max_tokens <= 0:
         return found
-    for end in _longest_match(tokens, min_n, max_n)[1][::-1].tolist():
+    for end in ends[::-1].tolist():
         continuation = _copy_after(tokens, end, max_tokens)
         if not any(np.array_equal(continuation, c) for c in found):
             found.append(continuation)
         if len(found) == max_branches:
             break
     return found
+
+
+def _first(found: list[np.ndarray]) -> np.ndarray:
+    """The first continuation found ([] when none)."""
+    return found[0] if found else np.zeros(0, dtype=np.int64)
 
 
 def build_trie(
@@ -155,9 +170,25 @@ class NgramProposer(Proposer):
         self.max_n = config.prompt_lookup_max
         self.tree_width = config.tree_width
         self.text: HostText | None = None
+        # per row: (text length, n, ends) of its last match (`_match`)
+        self.matches: list[tuple[int, int, np.ndarray] | None] = []
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         self.text = HostText(state)
+        self.matches = [None] * state.batch_size
+
+    def _match(self, row: int) -> tuple[np.ndarray, int, np.ndarray]:
+        """The row's text, and the length and earlier end indices of its longest matching suffix n-gram: matched
+        once per text (a step's draft classes, proposal and lookahead share it; the text only grows)."""
+        tokens = self.text.row(row)
+        kept = self.matches[row]
+        if kept is None or kept[0] != tokens.shape[0]:
+            kept = self.matches[row] = (tokens.shape[0], *_longest_match(tokens, self.min_n, self.max_n))
+        return tokens, kept[1], kept[2]
+
+    def _continuations(self, row: int, max_tokens: int, max_branches: int) -> list[np.ndarray]:
+        tokens, _, ends = self._match(row)
+        return continuations_after(tokens, ends, max_tokens, max_branches)
 
     def _catch_up(self, state: DecodeState) -> None:
         self.text.catch_up(state)
@@ -173,7 +204,7 @@ class NgramProposer(Proposer):
         drafts = np.zeros((state.batch_size, self.k), dtype=np.int64)
         counts = np.zeros(state.batch_size, dtype=np.int64)
         for row in range(state.batch_size):
-            found = find_ngram_continuation(self.text.row(row), self.min_n, self.max_n, budget[row])
+            found = _first(self._continuations(row, budget[row], 1))
             drafts[row, : found.size] = found
             counts[row] = found.size
         device = state.sequences.device
@@ -186,7 +217,7 @@ class NgramProposer(Proposer):
 
     def lookahead(self, state: DecodeState, rows: list[int]) -> list[np.ndarray]:
         """The chain `propose` would draft for each row (its most recent match's continuation)."""
-        return [find_ngram_continuation(self.text.row(row), self.min_n, self.max_n, self.k) for row in rows]
+        return [_first(self._continuations(row, self.k, 1)) for row in rows]
 
     @property
     def num_draft_classes(self) -> int:
@@ -196,15 +227,14 @@ class NgramProposer(Proposer):
         """[B] the length of the n-gram each row's text ends with that matched earlier (0: none): a draft that
         follows a longer match is accepted more often."""
         self._catch_up(state)
-        return np.asarray([matched_ngram_length(self.text.row(row), self.min_n, self.max_n)
-                           for row in range(state.batch_size)], dtype=np.int64)
+        return np.asarray([self._match(row)[1] for row in range(state.batch_size)], dtype=np.int64)
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:
         num_nodes = 1 + self.tree_width * state.step_width(self.k)
         rows, depths = [], []
         for row in range(state.batch_size):
             tokens = self.text.row(row)
-            found = find_ngram_continuations(tokens, self.min_n, self.max_n, budget[row], self.tree_width)
+            found = self._continuations(row, budget[row], self.tree_width)
             depths.append(max((len(continuation) for continuation in found), default=0))
             rows.append(build_trie(int(tokens[-1]), found, num_nodes))
         device = state.sequences.device
