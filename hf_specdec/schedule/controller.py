@@ -63,8 +63,6 @@ PROBE_LENGTH = 2
 # its own: at batch 1 the budget delayed finding a repeated passage (n-gram on the demo's math question: 1.16
 # instead of 1.83 tokens per target forward)
 PROBE_BUDGET = 0.03
-# rows with at most this many tokens left fewer than the row with the most count as the call's critical path
-CRITICAL_SLACK = 0
 
 
 class Schedule:
@@ -177,7 +175,7 @@ class Schedule:
             # the call lasts as long as its rows with the most tokens left before max_length: their tokens shorten it,
             # the others' do not
             left = state.max_length - np.asarray(state.host.lengths)
-            critical = active & (left >= left[active].max() - CRITICAL_SLACK)
+            critical = active & (left == left[active].max())
             method, decision, accepted = self._weigh(times, active, critical, probe, widths, probe_length,
                                                      rows_computed)
         self.allowed = np.minimum(decision.limits, state.host_draft_budget())  # the length limit cuts too
