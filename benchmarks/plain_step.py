@@ -1,7 +1,8 @@
 """The engine with speculation switched off (`disable_by_batch_size=1`) against transformers' plain generate on the
 same batch: what a plain step and a call's own setup cost inside hf_specdec (the proposer's too: EAGLE-3 reads the
 target's features at every forward and keeps its head's cache). SmolLM2-135M-Instruct in bf16, 1 thread, interleaved
-repeats.
+repeats. Each case also prints its host time per target forward: wall time outside the target's forwards (timed by
+forward hooks) over their number. `--adaptive` adds each method with the adaptive schedule on.
 
     python benchmarks/plain_step.py --prompts 16 --max-new-tokens 32 --repeats 3 --method ngram eagle3
 """
@@ -17,6 +18,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.runs import ForwardTimer
 from hf_specdec.testbed.drafters import load_drafter
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import spec_bench_prompts
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--method", nargs="+", choices=["ngram", "eagle3"], default=["ngram"],
                         help="proposers to run with speculation off (eagle3: the committed SmolLM2 head)")
+    parser.add_argument("--adaptive", action="store_true", help="also run each method with the adaptive schedule")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
@@ -47,17 +50,26 @@ def main() -> None:
                                 disable_by_batch_size=1, **heads)
         cases[f"{method}, speculation off"] = functools.partial(hf_specdec.generate, model, batch["input_ids"],
                                                                 speculative=off, **kwargs)
+        if args.adaptive:
+            on = SpeculativeConfig(method=off.method, num_speculative_tokens=5, **heads)
+            cases[f"{method}, adaptive"] = functools.partial(hf_specdec.generate, model, batch["input_ids"],
+                                                             speculative=on, **kwargs)
     for run in cases.values():  # warm-up
         run()
     seconds: dict[str, list[float]] = {name: [] for name in cases}
+    host: dict[str, list[float]] = {name: [] for name in cases}  # ms outside the target's forwards, per forward
     for _ in range(args.repeats):
         for name, run in cases.items():
+            timer = ForwardTimer(model)
             start = time.perf_counter()
             run()
             seconds[name].append(time.perf_counter() - start)
+            timer.close()
+            host[name].append(1000 * (seconds[name][-1] - timer.seconds) / max(timer.calls, 1))
     medians = {name: statistics.median(times) for name, times in seconds.items()}
     for name, times in seconds.items():
-        print(f"{name}: {', '.join(f'{t:.2f}' for t in times)} s")
+        print(f"{name}: {', '.join(f'{t:.2f}' for t in times)} s; host time {statistics.median(host[name]):.2f} ms "
+              "per target forward")
     for name in cases:
         if name != "transformers":
             print(f"batch {len(ids)}: hf_specdec {name} runs at {medians['transformers'] / medians[name]:.3f}x "
