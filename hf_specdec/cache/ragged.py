@@ -15,8 +15,9 @@ Design
   ancestors; for a chain, every earlier real one). Rows with fewer tokens fill the rest with dummies, which nobody
   sees.
 * `commit` ends the region: each row keeps some of its region slots (a chain's prefix, a tree's accepted path),
-  moved right after its committed tokens by one gather per layer, skipped when they are already there (one row
-  taking a chain's prefix, or rows of equal length). The slots after a row's length are stale and masked.
+  moved right after its committed tokens: a chain's prefix, known on the host, by one copy per row that is not
+  already there (a row whose length is the region's start is); a tree's path, known on the device, by one indexed
+  read and write. The slots after a row's length are stale and masked.
 * Host facts stay on the host: `width`, the region's extent and whether a forward needs a mask at all come from
   host ints and flags (the row lengths the engine learns in its one host read per step, or a bound on them), never
   from reading the device. Masks are built on the device from the per-row lengths, by
@@ -424,10 +425,14 @@ class RaggedKVCache:
         kept_on_host: Sequence[int] | None = None,
     ) -> None:
         """End the region: each row keeps `num_kept` of its region slots, moved right after its committed tokens
-        (one indexed read and write, skipped when they are already there)."""
-        in_place = (self.static is None and sources is None and self.host_lengths is not None
-                    and all(n == self.width for n in self.host_lengths))
-        if not in_place and self.region:
+        (a chain's prefix on the host: one copy per row not already there; else one indexed read and write)."""
+        host_spans = (self.static is None and sources is None and self.host_lengths is not None
+                      and kept_on_host is not None)
+        if host_spans:  # a chain's prefix, all on the host: rows already in place copy nothing
+            self.kv.move_spans([(row, self.width, length, kept)
+                                for row, (length, kept) in enumerate(zip(self.host_lengths, kept_on_host))
+                                if kept and length != self.width])
+        elif self.region:
             count = self.region if sources is None else sources.shape[1]
             steps = torch.arange(count, device=num_kept.device)[None, :]
             read = self.width + (steps if sources is None else sources)

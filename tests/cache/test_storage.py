@@ -111,3 +111,20 @@ def test_a_released_cpu_cache_leaves_its_memory_zeroed_to_the_next_one():
     fresh.update(*_states(generator, 4), 0)
     assert fresh.joint.data_ptr() != held.data_ptr()
     release_spare_buffers()
+
+
+@pytest.mark.parametrize("num_layers", [2, None])
+def test_host_spans_move_as_the_indexed_move_does(num_layers):
+    generator = torch.Generator().manual_seed(5)
+    spans, indexed = SlotCache(capacity=12, num_layers=num_layers), SlotCache(capacity=12, num_layers=num_layers)
+    states = [_states(generator, 10) for _ in range(2)]
+    for cache in (spans, indexed):
+        for index, layer_states in enumerate(states):
+            cache.update(*layer_states, index)
+    # row 0: slots 7, 8 -> 3, 4; row 1: slots 7, 8, 9 -> 5, 6, 7 (overlapping: slot 7 is read before it is written)
+    spans.move_spans([(0, 7, 3, 2), (1, 7, 5, 3)])
+    indexed.move(torch.tensor([[7, 8, 9], [7, 8, 9]]), torch.tensor([[3, 4, 11], [5, 6, 7]]))
+    for ours, theirs in zip(spans.buffers(), indexed.buffers()):
+        torch.testing.assert_close(ours[0][:, :, :10], theirs[0][:, :, :10], rtol=0, atol=0)
+        torch.testing.assert_close(ours[1][:, :, :10], theirs[1][:, :, :10], rtol=0, atol=0)
+    torch.testing.assert_close(spans.layers[1].value_buffer[1, :, 5:8], states[1][1][1, :, 7:10], rtol=0, atol=0)
