@@ -104,8 +104,10 @@ class Schedule:
         self.acceptance = {method: AcceptanceEstimate(batch_size, self.max_k, table.acceptance_prior(self.max_k))
                            for method, table in self.costs.items()}
         self.idle = np.zeros(batch_size, dtype=int)  # steps since each row last drafted
-        # per row: the lookahead chain being checked (None: none), and how many of its tokens were emitted so far
-        self.lookahead: list[np.ndarray | None] = [None] * batch_size
+        # per row: the lookahead chain being checked ([B, K] tokens, its first `lookahead_length` real; length -1:
+        # none), and how many of its tokens were emitted so far
+        self.lookahead_tokens = np.zeros((batch_size, self.max_k), dtype=np.int64)
+        self.lookahead_length = np.full(batch_size, -1)
         self.lookahead_matched = np.zeros(batch_size, dtype=int)
         self.lookahead_class = np.zeros(batch_size, dtype=int)  # the draft class of each row's lookahead chain
         self.classes: np.ndarray | None = None  # [B] each row's draft class this step, with `draft_classes`
@@ -232,8 +234,7 @@ class Schedule:
         nothing, with none being checked."""
         if not self.looks_ahead or self.cap == 0:  # the batch-size rules allow no drafts: nothing to learn
             return []
-        return [row for row in range(len(self.active))
-                if self.active[row] and self.allowed[row] == 0 and self.lookahead[row] is None]
+        return np.flatnonzero(self.active & (self.allowed == 0) & (self.lookahead_length < 0)).tolist()
 
     def look_ahead(
         self,
@@ -242,34 +243,37 @@ class Schedule:
         chains: list[np.ndarray],
     ) -> None:
         for row, chain in zip(rows, chains):
-            self.lookahead[row] = np.asarray(chain[: self.max_k], dtype=np.int64)
-            self.lookahead_matched[row] = 0
-            if self.classes is not None:
-                self.lookahead_class[row] = self.classes[row]
+            chain = np.asarray(chain[: self.max_k], dtype=np.int64)
+            self.lookahead_tokens[row, : chain.size] = chain
+            self.lookahead_length[row] = chain.size
+        self.lookahead_matched[rows] = 0
+        if self.classes is not None:
+            self.lookahead_class[rows] = self.classes[rows]
 
     def _check_lookahead(self, state: DecodeState, drafted: np.ndarray) -> None:
         """Settle the lookahead chains against what the step emitted: a mismatch or a chain's end observes it as a
         chain of its length with the tokens matched accepted; an empty chain, as a row that found no draft."""
         host = state.host
-        batch = len(self.lookahead)
-        lengths, matched = np.zeros(batch, dtype=int), np.zeros(batch, dtype=int)
-        settled = np.zeros(batch, dtype=bool)
-        for row, chain in enumerate(self.lookahead):
-            if chain is None:
-                continue
-            if drafted[row] or host.finished[row]:  # its own drafts observe it instead
-                self.lookahead[row] = None
-                continue
-            count = int(self.lookahead_matched[row])
-            rest = chain[count:]
-            new = host.emitted[row, : host.num_emitted[row]][: rest.size]
-            agree = int(np.argmin(np.append(new == rest[: new.size], False)))  # the emitted tokens that match
-            count += agree
-            if agree == new.size and count < chain.size:  # all matched so far, the chain not through: wait
-                self.lookahead_matched[row] = count
-                continue
-            settled[row], lengths[row], matched[row] = True, chain.size, count
-            self.lookahead[row] = None
+        pending = self.lookahead_length >= 0
+        if not pending.any():
+            return
+        dropped = pending & (drafted | np.asarray(host.finished))  # its own drafts observe it instead
+        self.lookahead_length[dropped] = -1
+        pending &= ~dropped
+        # [B, E]: each emitted token against the chain token it meets (the rows' next unmatched ones on)
+        emitted, length, matched = host.emitted, self.lookahead_length, self.lookahead_matched
+        column = np.arange(emitted.shape[1])[None, :]
+        position = matched[:, None] + column
+        chain = np.take_along_axis(self.lookahead_tokens, np.minimum(position, self.max_k - 1), axis=1)
+        compared = pending[:, None] & (column < np.asarray(host.num_emitted)[:, None]) & (position < length[:, None])
+        agree = np.argmin(np.pad((emitted == chain) & compared, ((0, 0), (0, 1))), axis=1)  # first mismatch
+        count = matched + agree
+        # all emitted tokens matched and the chain not through: wait for the next step
+        waiting = pending & (agree == compared.sum(axis=1)) & (count < length)
+        self.lookahead_matched = np.where(waiting, count, matched)
+        settled = pending & ~waiting
+        lengths, matched = np.where(settled, length, 0), np.where(settled, count, 0)
+        self.lookahead_length[settled] = -1
         if settled.any():
             # an empty chain: asked for max_k, drafted none (the row's draft rate learns it)
             asked = np.where(settled, np.maximum(lengths, self.max_k * (lengths == 0)), 0)

@@ -473,3 +473,35 @@ def test_the_width_is_the_critical_rows_and_rows_ahead_ride_along():
     state.host = HostView([20, 20, 20], [False] * batch, [1] * batch, [0] * batch)
     estimate.raw[1] = estimate.values[1] = 0.0
     assert schedule.plan(state, batch).limits == (k, 0, k)
+
+
+def test_lookahead_chains_settle_at_their_first_mismatch_or_end_across_steps():
+    """Each row's chain is checked against the tokens it emits, step after step: settled at its first mismatch or
+    its end (observed as a chain of its length with the matched tokens accepted), kept while all emitted tokens
+    match; a row that drafts or finishes drops its chain unobserved."""
+    batch, k = 5, 4
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, disable_by_batch_size=1)  # all plain
+    schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False, looks_ahead=True)
+    schedule.adaptive = schedule.looks_ahead = True
+    schedule.start(batch)
+    observed = []
+    schedule.acceptance[None].update = lambda asked, accepted, drafted: observed.append(
+        (asked.tolist(), accepted.tolist(), np.asarray(drafted).tolist()))
+    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=100, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.plan(state, batch)
+    schedule.cap = k
+    schedule.look_ahead([0, 1, 2, 3, 4], [np.array([1, 2, 3, 4]), np.array([1, 2]), np.array([], dtype=np.int64),
+                                          np.array([1, 2, 3]), np.array([7, 8])])
+    # step 1: row 0 emits 1 (matches, waits), row 1 emits 1, 2, 5 (chain through), row 2 (empty chain) settles, row 3
+    # emits 1, 9 (mismatch at its second token), row 4 finishes
+    state.host = HostView([4] * batch, [False, False, False, False, True], [1, 3, 1, 2, 0], [0] * batch,
+                          np.array([[1, 0, 0], [1, 2, 5], [6, 0, 0], [1, 9, 0], [7, 0, 0]]))
+    schedule._check_lookahead(state, np.zeros(batch, dtype=bool))
+    assert observed == [([0, 2, k, 3, 0], [0, 2, 0, 1, 0], [0, 2, 0, 3, 0])]
+    assert schedule.lookahead_rows() == [1, 2, 3, 4]  # row 0 still waits
+    # step 2: row 0 emits 2, 3, 8 (mismatch at its fourth token)
+    state.host = HostView([5] * batch, [False] * 4 + [True], [3, 1, 1, 1, 0], [0] * batch,
+                          np.array([[2, 3, 8], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]))
+    schedule._check_lookahead(state, np.zeros(batch, dtype=bool))
+    assert observed[1] == ([4, 0, 0, 0, 0], [3, 0, 0, 0, 0], [4, 0, 0, 0, 0])
