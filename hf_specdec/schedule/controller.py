@@ -264,9 +264,10 @@ class Schedule:
         emitted, length, matched = host.emitted, self.lookahead_length, self.lookahead_matched
         column = np.arange(emitted.shape[1])[None, :]
         position = matched[:, None] + column
-        chain = np.take_along_axis(self.lookahead_tokens, np.minimum(position, self.max_k - 1), axis=1)
+        chain = self.lookahead_tokens[np.arange(len(length))[:, None], np.minimum(position, self.max_k - 1)]
         compared = pending[:, None] & (column < np.asarray(host.num_emitted)[:, None]) & (position < length[:, None])
-        agree = np.argmin(np.pad((emitted == chain) & compared, ((0, 0), (0, 1))), axis=1)  # first mismatch
+        agreeing = (emitted == chain) & compared
+        agree = np.argmin(np.concatenate([agreeing, np.zeros_like(agreeing[:, :1])], axis=1), axis=1)  # 1st mismatch
         count = matched + agree
         # all emitted tokens matched and the chain not through: wait for the next step
         waiting = pending & (agree == compared.sum(axis=1)) & (count < length)

@@ -132,7 +132,7 @@ def step_expectation(
     `step_time[0]` otherwise. Floats for one step, [W] arrays for a stack of candidates."""
     limits = np.asarray(limits)
     rate = np.ones(limits.shape[-1]) if draft_rate is None else np.clip(draft_rate, 0.0, 1.0)
-    gained = np.take_along_axis(accepted, limits.reshape(-1, limits.shape[-1]).T, axis=1).T.reshape(limits.shape)
+    gained = accepted[np.arange(limits.shape[-1]), limits]  # [B] or [W, B]
     tokens = ((1.0 + rate * gained) * active).sum(axis=-1)
     drafts_somewhere = 1.0 - np.prod(np.where((limits > 0) & active, 1.0 - rate, 1.0), axis=-1)
     time = step_time[0] + drafts_somewhere * (step_time[np.asarray(width)] - step_time[0])

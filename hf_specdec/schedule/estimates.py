@@ -84,14 +84,14 @@ class AcceptanceEstimate:
         asked = allowed_rows > 0
         if not asked.any():  # a plain step: nothing drafted, nothing observed
             return
-        size = self.values.shape[0]
+        # [E, B]: which estimate each row's observation goes to
+        members = None
+        if into is not None:
+            members = (np.arange(self.values.shape[0])[:, None] == np.asarray(into)[None, :]).astype(float)
 
         def pooled(values: np.ndarray) -> np.ndarray:  # [B, ...] -> [E, ...]: sums over the rows of each estimate
-            if into is None:
-                return values.astype(float)
-            total = np.zeros((size, *values.shape[1:]))
-            np.add.at(total, np.asarray(into), values)
-            return total
+            values = values.astype(float)
+            return values if members is None else np.tensordot(members, values, axes=1)
 
         def weight(count: np.ndarray, rate: float) -> np.ndarray:  # of `count` observations' mean
             return 1.0 - (1.0 - rate) ** count
@@ -142,7 +142,7 @@ class AcceptanceEstimate:
         """Each position reads the nearest observed position at or before it (position 0: its own, prior or not)."""
         positions = np.arange(self.values.shape[1])[None, :]
         source = np.maximum.accumulate(np.where(self.seen, positions, 0), axis=1)
-        self.values = np.take_along_axis(self.raw, source, axis=1)
+        self.values = self.raw[np.arange(source.shape[0])[:, None], source]
 
 
 class CostTable:
