@@ -122,7 +122,8 @@ class SpecStatsRecorder:
         # [B] bool: the rows the forward ran for
         rows: torch.Tensor,
     ) -> None:
-        """A target forward outside speculation steps (the returned cache computed again for rows that stopped)."""
+        """A target forward that verified no drafts: a step in which no row drafted, or the returned cache computed
+        again for rows that stopped."""
         self.total_forwards += 1
         self.counts[3] += rows.long().to(self.counts.device)
 

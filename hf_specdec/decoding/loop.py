@@ -325,7 +325,10 @@ class SpeculativeDecoder:
         step; the target's features where the tokens were chosen are kept for the proposer; the host learns the
         new lengths, the finished rows and what was emitted (the step's one host read)."""
         state = self.state
-        self.stats.record(~state.finished, proposal.num_draft_tokens, result.num_accepted)
+        if proposal.num_nodes > 1:
+            self.stats.record(~state.finished, proposal.num_draft_tokens, result.num_accepted)
+        else:  # nothing drafted: a forward for the rows generating
+            self.stats.record_forward(~state.finished)
         state.commit(num_emitted, scratch_width=result.output_token_ids.shape[1])
         state.finished |= self.finished_rows()
         if self.cache.hidden_states is not None:

@@ -152,7 +152,7 @@ class Schedule:
         if self.draft_classes is not None:
             # whether a row has a draft, and its kind, are known now; lookahead observes every class for free, so
             # no row probes
-            self.classes = np.asarray(self.draft_classes(state))
+            self.classes = np.asarray(self.draft_classes(state)) if cap else np.zeros(len(active), dtype=int)
             probe = np.zeros_like(active)
         times = self.step_times(rows_computed)
         # (re)calibrate: a plain step measures the plain step's time where a candidate's is due

@@ -66,9 +66,8 @@ class Proposal:
     def no_draft(cls, state: DecodeState) -> Proposal:
         """No draft: the step verifies each row's last committed token alone (the prefill's first token is chosen
         this way too)."""
-        none = state.lengths.new_zeros(state.batch_size, 0)
-        return cls.chain(state.last_tokens(), none, none.new_zeros(state.batch_size),
-                         dense=True).with_host_depths([0] * state.batch_size)
+        tree = TokenTree.from_template(chain_template(0), state.last_tokens()[:, None])
+        return cls(tree, host_depths=(0,) * state.batch_size)
 
     def with_host_depths(self, depths) -> Proposal:
         """This proposal, with each row's draft depth as the host knows it (see `host_depths`)."""
