@@ -528,6 +528,14 @@ class RaggedKVCache:
         """Additive mask(s) [B, 1, W, width + R]: committed slots before the row's length (valid, windowed), the
         region slots `visible` names (real ones), always the query's own slot; sliding windows on orders."""
         width = query_orders.shape[1]
+        window = self.layout.sliding_window
+        committed = self.valid[:, : self.width] & (self._slot_orders(self.width) < self.lengths[:, None])
+        if width == 1 and start == 0 and visible is None and window is None and self.static is None:
+            # one query per row in a new region (a step without drafts): the row's committed slots and itself
+            mask = torch.zeros(committed.shape[0], 1, 1, self.width + 1, dtype=self.model.dtype,
+                               device=committed.device)
+            mask[:, 0, 0, : self.width].masked_fill_(~committed, torch.finfo(mask.dtype).min)
+            return mask
         if visible is None:  # a chain: every earlier region slot and itself
             slots = torch.arange(self.region, device=query_orders.device)
             visible = (slots[None, :] <= start + torch.arange(width, device=slots.device)[:, None])[None]
@@ -535,7 +543,6 @@ class RaggedKVCache:
         if visible.shape[2] < region:
             visible = torch.nn.functional.pad(visible, (0, region - visible.shape[2]))
         visible = visible & self.region_real[:, None, :]
-        committed = self.valid[:, : self.width] & (self._slot_orders(self.width) < self.lengths[:, None])
 
         def mask(window: int | None) -> torch.Tensor:
             built = ancestry_attention_mask(committed, self._slot_orders(self.width), query_orders, visible, window,
@@ -547,7 +554,6 @@ class RaggedKVCache:
                 buffer = self._mask_buffers[(width, window)] = torch.empty_like(built)
             return buffer.copy_(built)
 
-        window = self.layout.sliding_window
         if window is None:
             return mask(None)
         if self.layout.per_layer_type:

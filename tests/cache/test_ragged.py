@@ -162,3 +162,27 @@ def test_first_allocation_follows_the_expected_length():
     assert cache.kv.capacity >= 52
     rows = [[int(t) for t, m in zip(i, k) if m] + [int(t) for t in i[:12]] for i, k in zip(ids, mask)]
     torch.testing.assert_close(logits[:, -1], _reference_next_logits(model, rows), rtol=1e-4, atol=1e-4)
+
+
+def test_one_query_per_row_takes_the_mask_the_ancestry_construction_builds():
+    """A step without drafts (one query per row, after rows of different lengths and prompt padding) gets its mask
+    directly: the same additive mask as the general construction from each query's ancestry."""
+    model = make_model("llama")
+    ids, mask = padded_batch([9, 4, 7], seed=5)
+    cache = RaggedKVCache(model)
+    with torch.no_grad():
+        cache.prefill(ids, mask)
+        block = torch.randint(3, 100, (3, 3), generator=torch.Generator().manual_seed(6))
+        cache.forward(block, torch.arange(3).expand(3, -1))
+        cache.commit(torch.tensor([3, 1, 2]), kept_on_host=[3, 1, 2])
+    depths = torch.zeros(3, 1, dtype=torch.long)
+    cache.region, cache.region_orders = 1, cache.lengths[:, None] + depths
+    cache.region_real = torch.ones(3, 1, dtype=torch.bool)
+    direct = cache._mask(cache.region_orders, None, 0)
+    committed = cache.valid[:, : cache.width] & (cache._slot_orders(cache.width) < cache.lengths[:, None])
+    general = ragged.ancestry_attention_mask(committed, cache._slot_orders(cache.width), cache.region_orders,
+                                             torch.ones(3, 1, 1, dtype=torch.bool), None, model.dtype,
+                                             cache.region_orders, 0)
+    assert direct.shape == general.shape == (3, 1, 1, cache.width + 1)
+    torch.testing.assert_close(direct, general, rtol=0, atol=0)
+    assert (direct[1, 0, 0] < 0).sum() == cache.width - cache.host_lengths[1] + int((mask[1] == 0).sum())
