@@ -117,7 +117,7 @@ class Proposer(ABC):
     def draft_classes(self, state: DecodeState) -> np.ndarray:
         """[B] int: the kind of draft each row has now, before the schedule decides (0: none; 1 to
         `num_draft_classes`: a kind whose acceptance the adaptive schedule estimates apart, e.g. the length of the
-        n-gram an n-gram lookup matched). Reads the committed text on the host only."""
+        n-gram an n-gram lookup matched; 0 for finished rows). Reads the committed text on the host only."""
         raise NotImplementedError(f"{type(self).__name__} does not tell its drafts apart")
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:

@@ -227,7 +227,9 @@ class NgramProposer(Proposer):
         """[B] the length of the n-gram each row's text ends with that matched earlier (0: none): a draft that
         follows a longer match is accepted more often."""
         self._catch_up(state)
-        return np.asarray([self._match(row)[1] for row in range(state.batch_size)], dtype=np.int64)
+        finished = state.host.finished
+        return np.asarray([0 if finished[row] else self._match(row)[1] for row in range(state.batch_size)],
+                          dtype=np.int64)
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:
         num_nodes = 1 + self.tree_width * state.step_width(self.k)
