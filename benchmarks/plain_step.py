@@ -2,9 +2,12 @@
 same batch: what a plain step and a call's own setup cost inside hf_specdec (the proposer's too: EAGLE-3 reads the
 target's features at every forward and keeps its head's cache). SmolLM2-135M-Instruct in bf16, 1 thread, interleaved
 repeats. Each case also prints its host time per target forward: wall time outside the target's forwards (timed by
-forward hooks) over their number. `--adaptive` adds each method with the adaptive schedule on.
+forward hooks) over their number. `--adaptive` adds each method with the adaptive schedule on. `--target tiny`
+swaps the model for a random Llama with SmolLM2's vocabulary (hidden 64, 2 layers) on the same prompts: its forwards
+cost little, so the wall times compare the engine's own work per step with plain `generate`'s.
 
     python benchmarks/plain_step.py --prompts 16 --max-new-tokens 32 --repeats 3 --method ngram eagle3
+    python benchmarks/plain_step.py --target tiny --prompts 4 --max-new-tokens 64 --repeats 10 --adaptive
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import statistics
 import time
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
@@ -34,9 +38,19 @@ def main() -> None:
     parser.add_argument("--method", nargs="+", choices=["ngram", "eagle3"], default=["ngram"],
                         help="proposers to run with speculation off (eagle3: the committed SmolLM2 head)")
     parser.add_argument("--adaptive", action="store_true", help="also run each method with the adaptive schedule")
+    parser.add_argument("--target", choices=["smollm2", "tiny"], default="smollm2",
+                        help="tiny: a random Llama with SmolLM2's vocabulary, whose forwards cost little")
     args = parser.parse_args()
+    if args.target == "tiny" and "eagle3" in args.method:
+        parser.error("--target tiny: the EAGLE-3 head is SmolLM2's; run --method ngram")
     torch.set_num_threads(1)
     model, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
+    if args.target == "tiny":
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                             bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id)
+        model = LlamaForCausalLM(config).eval().to(torch.bfloat16)
     tokenizer.padding_side = "left"
     per_category = -(-args.prompts // len(CATEGORIES))
     ids = [prompt_ids for _, prompt_ids in spec_bench_prompts(tokenizer, per_category, CATEGORIES)][: args.prompts]
