@@ -172,8 +172,8 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: lis
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=max_k, schedule=schedule,
                                disable_by_batch_size=100 if schedule == "fixed" else None)
     current = [0]  # the replayed row's draft class at this step
-    engine = dict(looks_ahead=True, draft_classes=lambda state: np.array(current),
-                  num_draft_classes=3) if lookups is not None else {}
+    engine = dict(looks_ahead=True, draft_classes=controller.DraftClasses(lambda state: np.array(current), 3)
+                  ) if lookups is not None else {}
     plan = controller.Schedule(config, max_k, {None: CostTable()}, static_shapes=False, clock=lambda: clock[0],
                                **engine)
     plain = spent = 0.0

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -65,6 +66,19 @@ PROBE_LENGTH = 2
 PROBE_BUDGET = 0.03
 
 
+@dataclass(frozen=True)
+class DraftClasses:
+    """A host proposer's draft classes (`Proposer.draft_classes`): each row's class before a step (0: no draft), out
+    of `count` classes."""
+
+    of_rows: Callable[[DecodeState], np.ndarray]
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"DraftClasses.count: {self.count}; a proposer with draft classes has at least one")
+
+
 class Schedule:
     """Per-row draft limits for each step. `adaptive=False` applies the batch-size rules alone (k otherwise).
     With several candidate proposers (`costs` keyed by method, `method="auto"`), each step also names the one
@@ -79,16 +93,14 @@ class Schedule:
         clock: Callable[[], float] = time.perf_counter,
         looks_ahead: bool = False,
         graphs_compiled: Callable[[], int] = graphs_compiled,
-        draft_classes: Callable[[DecodeState], np.ndarray] | None = None,
-        num_draft_classes: int = 0,
+        draft_classes: DraftClasses | None = None,
     ) -> None:
         self.adaptive = config.schedule == "adaptive"
         # a single proposer that looks ahead: plain rows are checked against its lookahead
         self.looks_ahead = looks_ahead and self.adaptive and len(costs) == 1
         # a single host proposer that tells its drafts apart (`Proposer.draft_classes`): each row's acceptance is its
         # draft class's, pooled over all rows, and whether it drafts at all is known before the decision
-        self.draft_classes = draft_classes if self.adaptive and len(costs) == 1 and num_draft_classes else None
-        self.num_draft_classes = num_draft_classes
+        self.draft_classes = draft_classes if self.adaptive and len(costs) == 1 else None
         self.max_k = max_k
         self.disable_by_batch_size = config.disable_by_batch_size
         self.per_batch_size = config.num_speculative_tokens_per_batch_size
@@ -113,7 +125,7 @@ class Schedule:
         self.classes: np.ndarray | None = None  # [B] each row's draft class this step, with `draft_classes`
         if self.draft_classes is not None:
             (table,) = self.costs.values()
-            self.class_estimate = table.class_estimate(self.num_draft_classes, self.max_k)
+            self.class_estimate = table.class_estimate(self.draft_classes.count, self.max_k)
         self.interval = np.full(batch_size, PROBE_INTERVAL)
         self.histogram = np.zeros((batch_size, self.max_k + 1), dtype=np.int64)
         self.estimated = np.zeros(batch_size)
@@ -152,7 +164,7 @@ class Schedule:
         if self.draft_classes is not None:
             # whether a row has a draft, and its kind, are known now; lookahead observes every class for free, so
             # no row probes
-            self.classes = np.asarray(self.draft_classes(state)) if cap else np.zeros(len(active), dtype=int)
+            self.classes = np.asarray(self.draft_classes.of_rows(state)) if cap else np.zeros(len(active), dtype=int)
             probe = np.zeros_like(active)
         times = self.step_times(rows_computed)
         # (re)calibrate: a plain step measures the plain step's time where a candidate's is due
@@ -363,4 +375,5 @@ def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer,
         return None
     return Schedule(config, max_k, {None: cost_table(model, proposer.cost_key(config, static_shapes))},
                     static_shapes, looks_ahead=proposer.looks_ahead and proposer.reads_emitted_tokens,
-                    draft_classes=proposer.draft_classes, num_draft_classes=proposer.num_draft_classes)
+                    draft_classes=(DraftClasses(proposer.draft_classes, proposer.num_draft_classes)
+                                   if proposer.num_draft_classes else None))

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from hf_specdec import SpeculativeConfig
-from hf_specdec.schedule.controller import PROBE_BUDGET, PROBE_INTERVAL, Schedule
+from hf_specdec.schedule.controller import PROBE_BUDGET, PROBE_INTERVAL, DraftClasses, Schedule
 from hf_specdec.schedule.estimates import ACCEPTANCE_PRIOR, ACCEPTANCE_RATE, PLAIN_REFRESH, CostTable
 from hf_specdec.step.state import DecodeState, HostView
 from tests.conftest import InjectedCosts
@@ -413,7 +413,7 @@ def test_draft_classes_draft_where_their_class_pays_and_never_without_a_draft():
     costs = InjectedCosts(0.1)
     classes = np.array([1, 3, 0])
     schedule = Schedule(config, k, {None: costs}, static_shapes=False, looks_ahead=True,
-                        draft_classes=lambda state: classes, num_draft_classes=3)
+                        draft_classes=DraftClasses(lambda state: classes, 3))
     state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
                               pad_token_id=0)
     schedule.start(batch)
@@ -445,7 +445,7 @@ def test_draft_classes_are_not_consulted_by_the_fixed_schedule():
     calls = []
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, schedule="fixed", disable_by_batch_size=8)
     schedule = Schedule(config, 3, {None: CostTable()}, static_shapes=False,
-                        draft_classes=lambda state: calls.append(1) or np.zeros(2, dtype=int), num_draft_classes=3)
+                        draft_classes=DraftClasses(lambda state: calls.append(1) or np.zeros(2, dtype=int), 3))
     limits = simulate(schedule, 2, lambda step, limits: [0, 0], steps=5)
     assert not calls and (limits == 3).all()
 
