@@ -21,11 +21,12 @@ drafts again as soon as they say drafting pays. Its probes go on as any row's do
 times, which a lookahead cannot).
 
 Draft classes: a host proposer that can say before the decision what kind of draft each row has
-(`Proposer.draft_classes`; n-gram lookup: the length of the matched n-gram, 0 for no match) gets acceptance
-estimates per class instead of per row, pooled over every row and call (`CostTable.class_estimate`), from its
-drafts and its lookahead chains alike. A row without a draft expects nothing from drafting and gets no limit; no
-row probes (lookahead observes every class for free). The class is a function of the committed text, so this
-stays as lossless as the rest.
+(`Proposer.draft_classes`; n-gram lookup: the length of the matched n-gram; suffix decoding: that of the context
+its draft matched, bucketed; 0 for no draft) gets acceptance estimates per class instead of per row, pooled over
+every row and call (`CostTable.class_estimate`), from its drafts and its lookahead chains alike. A row without a
+draft expects nothing from drafting and gets no limit; no row probes (lookahead observes every class for free). The
+class is a function of the committed text (and, for suffix decoding, of earlier requests' outputs), so this stays
+as lossless as the rest.
 
 The critical path: a call lasts as long as its rows with the most tokens left before `max_length`, so the width
 is chosen for those rows' tokens; the rows ahead of them draft within that width where their own estimates say

@@ -15,7 +15,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.proposers.hybrid import HybridProposer
-from hf_specdec.suffix import SuffixCache, SuffixConfig
+from hf_specdec.suffix import EMPTY_DRAFT, SuffixCache, SuffixConfig, propose_suffix_draft
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
@@ -338,4 +338,43 @@ def test_lookahead_is_the_most_probable_chain_of_the_draft():
     assert draft.source == "global" and 9 in draft.tokens  # a tree: the less frequent branch rides along
     (chain,) = proposer.lookahead(state, [0])
     assert chain.tolist() == [4, 5, 6]  # the frequent branch, first child after first child
+    proposer.finish(state)
+
+
+def test_draft_classes_are_the_drafts_tree_and_match_length(monkeypatch):
+    """Row 0 ends with `1 2 3`, which an earlier output continues (a match of 3 tokens in the global tree); row 1
+    with `2 3` after an unseen token (2 tokens, global); row 2 with `7 8`, seen in its own prompt (2 tokens, local);
+    row 3 with nothing seen before (0: no draft). The class is the match length's bucket, shifted for the global
+    tree, and the proposal drafts what the classes looked up."""
+    from hf_specdec.proposers import suffix as module
+    from hf_specdec.proposers.suffix import MATCH_CLASS_BOUNDS, SuffixProposer, match_class
+    from hf_specdec.step import DecodeState
+    from hf_specdec.suffix import SuffixDraft
+
+    buckets = len(MATCH_CLASS_BOUNDS)
+    lengths = (1, 2, 3, 4, 5, 6, 8, 9, 13, 14, 24)
+    assert [match_class(SuffixDraft((1,), (-1,), (1,), (1.0,), 1.0, m, "local")) for m in lengths] == \
+        [1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+    assert [match_class(SuffixDraft((1,), (-1,), (1,), (1.0,), 1.0, m, "global")) for m in (1, 24)] == \
+        [1 + buckets, 2 * buckets]
+    assert match_class(EMPTY_DRAFT) == 0
+    cache = SuffixCache(SuffixConfig())
+    request = cache.start_request([0])
+    request.extend([1, 2, 3, 4, 5, 6])
+    request.finish()
+    ids = torch.tensor([[11, 12, 1, 2, 3], [13, 14, 15, 2, 3], [7, 8, 9, 7, 8], [16, 17, 18, 19, 20]])
+    state = DecodeState.start(ids, None, max_length=40, extra_capacity=6, pad_token_id=0)
+    proposer = SuffixProposer(SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_cache=cache),
+                              cache)
+    proposer.start(state, None)
+    lookups = []
+    monkeypatch.setattr(module, "propose_suffix_draft", lambda *args: lookups.append(args) or
+                        propose_suffix_draft(*args))
+    assert proposer.num_draft_classes == 2 * buckets
+    assert proposer.draft_classes(state).tolist() == [3 + buckets, 2 + buckets, 2, 0]
+    proposal = proposer.propose(state)
+    assert len(lookups) == 4  # the step's classes and proposal share each row's lookup
+    assert proposal.draft_token_ids[0].tolist()[:3] == [4, 5, 6] and proposal.draft_token_ids[1].tolist()[:2] == [4, 5]
+    assert proposal.draft_token_ids[2].tolist()[:2] == [9, 7]
+    assert proposal.num_draft_tokens.tolist() == [3, 2, 2, 0]  # capped at the match length (max_spec_factor 1)
     proposer.finish(state)
