@@ -146,15 +146,18 @@ class SlotLayer(DynamicLayer):
         self,
         # [B, M] long: slots read
         sources: torch.Tensor,
-        # [B, M] long: slots written (distinct within a row)
+        # [B, M] long: slots written (distinct within a row, or written twice from the same slot)
         targets: torch.Tensor,
+        # [B] long: the buffer rows these are (default: every row, in order)
+        rows: torch.Tensor | None = None,
     ) -> None:
-        """buffer[b, :, targets[b, i]] = buffer[b, :, sources[b, i]], all reads before any write: one indexed read
-        and one indexed write per buffer."""
+        """buffer[rows[b], :, targets[b, i]] = buffer[rows[b], :, sources[b, i]], all reads before any write: one
+        indexed read and one indexed write per buffer."""
         if self.key_buffer is None:
             return
-        rows = torch.arange(sources.shape[0], device=self.key_buffer.device)[:, None]
-        sources, targets = sources.to(rows.device), targets.to(rows.device)
+        device = self.key_buffer.device
+        rows = (torch.arange(sources.shape[0], device=device) if rows is None else rows.to(device))[:, None]
+        sources, targets = sources.to(device), targets.to(device)
         for buffer in (self.key_buffer, self.value_buffer):
             buffer[rows, :, targets] = buffer[rows, :, sources]
 
@@ -274,21 +277,28 @@ class SlotCache(DynamicCache):
         # what [source, source + count) held
         spans: Sequence[tuple[int, int, int, int]],
     ) -> None:
-        """`move` for spans the host knows (a chain's kept tokens): one narrow copy per span, for the whole model
-        when the layers share one tensor, and no index tensors (SmolLM2-135M at batch 4 on a CPU: a step's commit
-        took 0.3 ms with `move`, under 0.1 ms so)."""
-        if self._joint_ready():
-            buffers, row_axis = [self.joint], 2  # [L, 2, B, H, capacity, D]
-        else:
-            buffers, row_axis = [b for layer in self.layers for b in (layer.key_buffer, layer.value_buffer)
-                                 if b is not None], 0  # [B, H, capacity, D]
-        for buffer in buffers:
-            for row, source, target, count in spans:
-                slots = buffer.select(row_axis, row)
-                read = slots.narrow(row_axis + 1, source, count)
-                if target + count > source:  # the spans overlap: read everything before writing
-                    read = read.clone()
-                slots.narrow(row_axis + 1, target, count).copy_(read)
+        """`move` for spans the host knows (a chain's kept tokens): one narrow copy per span for the whole model
+        when the layers share one tensor, with no index tensors (SmolLM2-135M at batch 4 on a CPU: a step's commit
+        took 0.3 ms with `move`, under 0.1 ms so); layers of their own take one indexed move each, over the spans'
+        rows."""
+        if not spans:
+            return
+        if not self._joint_ready():
+            # [S, M]: each span's slots, its last one repeated up to the longest (a repeated pair writes the same
+            # value twice)
+            steps = torch.arange(max(count for _, _, _, count in spans))[None, :]
+            rows, sources, targets, counts = (torch.tensor(column) for column in zip(*spans))
+            steps = torch.minimum(steps, counts[:, None] - 1)
+            for layer in self.layers:
+                layer.move(sources[:, None] + steps, targets[:, None] + steps, rows)
+            return
+        joint = self.joint  # [L, 2, B, H, capacity, D]
+        for row, source, target, count in spans:
+            slots = joint.select(2, row)
+            read = slots.narrow(3, source, count)
+            if target + count > source:  # the spans overlap: read everything before writing
+                read = read.clone()
+            slots.narrow(3, target, count).copy_(read)
 
     def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys [B, H, capacity, D], values)."""

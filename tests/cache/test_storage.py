@@ -128,3 +128,19 @@ def test_host_spans_move_as_the_indexed_move_does(num_layers):
         torch.testing.assert_close(ours[0][:, :, :10], theirs[0][:, :, :10], rtol=0, atol=0)
         torch.testing.assert_close(ours[1][:, :, :10], theirs[1][:, :, :10], rtol=0, atol=0)
     torch.testing.assert_close(spans.layers[1].value_buffer[1, :, 5:8], states[1][1][1, :, 7:10], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_layers", [2, None])
+def test_host_spans_of_some_rows_leave_the_other_rows_alone(num_layers):
+    generator = torch.Generator().manual_seed(6)
+    cache = SlotCache(capacity=12, num_layers=num_layers)
+    states = [_states(generator, 10) for _ in range(2)]
+    for index, layer_states in enumerate(states):
+        cache.update(*layer_states, index)
+    before = [(keys.clone(), values.clone()) for keys, values in cache.buffers()]
+    cache.move_spans([(1, 8, 2, 1)])
+    for (keys, values), (old_keys, old_values) in zip(cache.buffers(), before):
+        torch.testing.assert_close(keys[0], old_keys[0], rtol=0, atol=0)
+        torch.testing.assert_close(keys[1, :, 2], old_keys[1, :, 8], rtol=0, atol=0)
+        torch.testing.assert_close(values[1, :, 2], old_values[1, :, 8], rtol=0, atol=0)
+        torch.testing.assert_close(values[1, :, 3:], old_values[1, :, 3:], rtol=0, atol=0)
