@@ -20,6 +20,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from hf_specdec.training.checkpoints import OtherRunError
+from hf_specdec.training.config import DataError
 from hf_specdec.training.draft_model import DraftTrainConfig, train_draft
 from hf_specdec.training.eagle import EagleTrainConfig, train_eagle
 from hf_specdec.training.medusa import MedusaTrainConfig, train_medusa
@@ -98,7 +99,7 @@ def run(config_class: type, trainer: Callable[..., dict], args: argparse.Namespa
         raise SystemExit(f"error: {error}") from error
     try:
         history = trainer(config)["loss_history"]
-    except OtherRunError as error:  # the trainer checks the checkpoint in `out` before any work
+    except (OtherRunError, DataError) as error:  # the checkpoint in `out`, the rows: checked before training
         raise SystemExit(f"error: {error}") from error
     if history:
         print(f"trained {len(history)} steps: loss {history[0]:.3f} -> {history[-1]:.3f}; "

@@ -19,7 +19,7 @@ from hf_specdec.training.config import TrainConfig
 STATE_FILE = "training_state.json"
 # fields that change where files go or how fast a run goes, not what it trains; `steps` may grow on a rerun
 NOT_SETTINGS = frozenset({"out", "generated_data", "feature_cache", "generate_batch_size", "save_every", "threads",
-                          "steps"})
+                          "steps", "eval_every"})
 
 
 class OtherRunError(ValueError):
@@ -28,11 +28,13 @@ class OtherRunError(ValueError):
 
 @dataclass
 class TrainingState:
-    """What the loop has done: `step` steps, with their losses and metrics."""
+    """What the loop has done: `step` steps, with their losses and metrics, and the held-out measurements (each a
+    dict with "step", "loss" and the metrics)."""
 
     step: int = 0
     loss_history: list[float] = field(default_factory=list)
     metrics_history: list[dict] = field(default_factory=list)
+    eval_history: list[dict] = field(default_factory=list)
 
 
 def run_settings(config: TrainConfig) -> dict[str, str]:
@@ -66,7 +68,8 @@ def resume(accelerator: Accelerator, folder: Path) -> TrainingState:
         return TrainingState()
     accelerator.load_state(str(folder))
     saved = json.loads(path.read_text())
-    return TrainingState(saved["step"], saved.get("loss_history", []), saved.get("metrics_history", []))
+    return TrainingState(saved["step"], saved.get("loss_history", []), saved.get("metrics_history", []),
+                         saved.get("eval_history", []))
 
 
 def save(accelerator: Accelerator, folder: Path, state: TrainingState, config: TrainConfig) -> None:

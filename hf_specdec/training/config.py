@@ -20,6 +20,10 @@ CHECKPOINT_DIR = "checkpoint"
 METRICS_FILE = "train_metrics.json"
 
 
+class DataError(ValueError):
+    """The data read does not fit the config (found once the rows are known, before any training step)."""
+
+
 @dataclass
 class TrainConfig:
     base: Path = field(metadata={"help": "target model folder (frozen)"})
@@ -62,6 +66,11 @@ class TrainConfig:
     warmup_steps: int = field(default=20, metadata={"help": "linear warm-up steps, then cosine decay to 10%"})
     grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip"})
     save_every: int = field(default=100, metadata={"help": "checkpoint every N steps"})
+    eval_rows: int = field(
+        default=0, metadata={"help": "rows held out of training (a seeded choice), on which the loss and metrics are "
+                                     "measured every eval_every steps and after the last (0: none)"})
+    eval_every: int | None = field(default=None, metadata={"help": "steps between held-out measurements (default: "
+                                                                   "save_every)"})
     seed: int = field(default=0, metadata={"help": "seed for data, initialisation and sampling"})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: torch's choice)"})
 
@@ -86,6 +95,17 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{owner}.{name}: expected an int >= 1, got {value!r}")
+        if isinstance(self.eval_rows, bool) or not isinstance(self.eval_rows, int) or self.eval_rows < 0:
+            raise ValueError(f"{owner}.eval_rows: expected an int >= 0, got {self.eval_rows!r}")
+        if self.data_source == "generated" and self.eval_rows >= self.num_samples:
+            raise ValueError(f"{owner}.eval_rows: {self.eval_rows} held out of {self.num_samples} rows (num_samples) "
+                             f"leaves none to train on; hold out fewer or raise num_samples")
+        if self.eval_every is not None and (isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int)
+                                            or self.eval_every < 1):
+            raise ValueError(f"{owner}.eval_every: expected an int >= 1 or None, got {self.eval_every!r}")
+        if self.eval_every is not None and not self.eval_rows:
+            raise ValueError(f"{owner}.eval_every: {self.eval_every} given without eval_rows; hold out rows to "
+                             f"measure on (eval_rows), or drop eval_every")
         if self.threads is not None and (isinstance(self.threads, bool) or self.threads < 1):
             raise ValueError(f"{owner}.threads: expected an int >= 1 or None, got {self.threads!r}")
         for name in ("temperature", "warmup_steps"):

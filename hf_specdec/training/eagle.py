@@ -2,9 +2,9 @@
 objective of the shared training loop (`skeleton.py`: target-written rows, cached target features, accelerate).
 
 * `version="eagle"`: index i of a row feeds `cat(embed(x_{i+1}), f_i + noise)` (f = the target's final normed
-  hidden state, noise uniform of width `noise`), and the head's output there regresses f_{i+1} (smooth L1) and,
-  through the target's lm_head, matches the target's next-token distribution at i + 1 (soft cross-entropy, weight
-  `ce_weight`), as EAGLE-1's recipe.
+  hidden state, noise uniform of width `noise` in training), and the head's output there regresses f_{i+1} (smooth
+  L1) and, through the target's lm_head, matches the target's next-token distribution at i + 1 (soft
+  cross-entropy, weight `ce_weight`), as EAGLE-1's recipe.
 * `version="eagle3"`: the training-time test unrolls `ttt_steps` steps. Step 0 reads the fused target features f_i
   with token x_{i+1}; step s reads the head's own step s - 1 output at index i with token x_{i+1+s} (the drafting
   chain the head runs at inference) at position i + 1 + s. Attention at step s sees the step-0 keys causally and,
@@ -134,7 +134,7 @@ class EagleObjective(Objective):
     def _eagle_loss(self, batch: TargetBatch, embeds: torch.Tensor, lm_head: nn.Linear):
         features, length = batch.features, embeds.shape[1]
         inputs = features[:, :-1]  # [B, L-1, H]: f_i
-        if self.noise > 0:
+        if self.noise > 0 and self.training:  # held-out measurements read the features as they are
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.noise
         positions = torch.arange(1, length, device=embeds.device).expand(embeds.shape[0], -1)  # [B, L-1]
         hidden = self.head(embeds[:, 1:], inputs, positions, attention_mask=None)  # [B, L-1, H]

@@ -10,7 +10,11 @@ method:
    objective runs the target itself (`feature_layers = None`: Medusa-2 trains a LoRA on it);
 4. a seeded loop (AdamW, linear warm-up then cosine decay to 10%, gradient clipping, optional bf16 autocast), with
    checkpoints every `save_every` steps that a rerun under the same settings resumes from (`checkpoints.py`);
-5. the trained drafter and `train_metrics.json` (loss and per-step metrics) in `config.out`.
+5. with `eval_rows`, that many rows held out of training (a seeded choice), on which the loss and metrics are
+   measured every `eval_every` steps and after the last: a drafter that fits its training rows better and better
+   while the held-out ones stop improving is learning those rows, not the target;
+6. the trained drafter and `train_metrics.json` (loss and per-step metrics, the held-out measurements) in
+   `config.out`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,7 +33,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_specdec.training import checkpoints
-from hf_specdec.training.config import CHECKPOINT_DIR, METRICS_FILE, TrainConfig
+from hf_specdec.training.config import CHECKPOINT_DIR, METRICS_FILE, DataError, TrainConfig
 from hf_specdec.training.generated import TrainingRows, read_source, training_rows
 from hf_specdec.training.target_features import (
     FINAL_LAYER,
@@ -81,6 +86,64 @@ def load_target(config: TrainConfig, accelerator: Accelerator) -> nn.Module:
     return target.requires_grad_(False).eval().to(accelerator.device)
 
 
+# added to the seed for the choice of held-out rows (apart from the seeds of the training batches)
+EVAL_SEED_OFFSET = 7919
+
+
+def split_rows(count: int, eval_rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows [count - eval_rows], held-out rows [eval_rows]): row indices, ascending; a seeded choice of
+    the held-out ones (every row trains when there are none)."""
+    if eval_rows == 0:
+        return torch.arange(count), torch.arange(0)
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET))
+    return order[eval_rows:].sort().values, order[:eval_rows].sort().values
+
+
+def _mean_metrics(measured: list[tuple[int, float, dict]]) -> dict:
+    """"loss" and each metric (a float, or a list of floats per head or step) averaged over batches, each weighted by
+    its rows."""
+    total = sum(rows for rows, _, _ in measured)
+    result = {"loss": sum(rows * loss for rows, loss, _ in measured) / total}
+    for name, value in measured[0][2].items():
+        if isinstance(value, list):
+            result[name] = [sum(rows * m[name][i] for rows, _, m in measured) / total for i in range(len(value))]
+        elif isinstance(value, float):
+            result[name] = sum(rows * m[name] for rows, _, m in measured) / total
+    return result
+
+
+def evaluate(
+    objective: Objective,
+    target: nn.Module,
+    rows: TrainingRows,
+    # [E] the held-out row indices
+    held_out: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+    cache,
+    autocast: bool,
+) -> dict:
+    """The objective's loss and metrics on the held-out rows (in batches of `batch_size`, in order), without
+    gradients and in eval mode; neither the objective's modes nor any random state are changed for training."""
+    modes = [(module, module.training) for module in objective.modules()]
+    objective.eval()
+    measured = []
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), (
+                torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()):
+            for start in range(0, len(held_out), batch_size):
+                index = held_out[start : start + batch_size]
+                batch = target_batch(target, rows, index, device, cache, objective.feature_layers,
+                                     objective.min_batch_length)
+                loss, metrics = objective(batch, target)
+                measured.append((len(index), float(loss), metrics))
+    finally:
+        for module, training in modes:
+            module.train(training)
+    return _mean_metrics(measured)
+
+
 def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
     """Train the objective `make_objective(config, target, rows)` builds; returns what `train_metrics.json` holds."""
     if config.threads:
@@ -91,6 +154,10 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
     source = read_source(config, tokenizer)  # bad data files fail here, before the target loads
     target = load_target(config, accelerator)
     rows = training_rows(config, accelerator, target, source)
+    if config.eval_rows >= len(rows.input_ids):
+        raise DataError(f"{type(config).__name__}.eval_rows: {config.eval_rows} held out of the data's "
+                         f"{len(rows.input_ids)} rows leaves none to train on; hold out fewer")
+    trained_rows, held_out = split_rows(len(rows.input_ids), config.eval_rows, config.seed)
     torch.manual_seed(config.seed)
     objective = make_objective(config, target, rows)
     layers = objective.feature_layers
@@ -108,14 +175,16 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
 
     generator = torch.Generator()
     min_length = accelerator.unwrap_model(objective).min_batch_length
-    history, metrics_history = state.loss_history, state.metrics_history
+    history, metrics_history, eval_history = state.loss_history, state.metrics_history, state.eval_history
+    eval_every = config.eval_every or config.save_every
+    autocast = config.mixed_precision == "bf16"
     name = type(accelerator.unwrap_model(objective)).__name__.removesuffix("Objective").lower()
     progress = tqdm(range(state.step, config.steps), desc=name, disable=not accelerator.is_local_main_process)
     for step in progress:
         generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
-        index = torch.randint(0, len(rows.input_ids), (config.batch_size,), generator=generator)
+        index = trained_rows[torch.randint(0, len(trained_rows), (config.batch_size,), generator=generator)]
         batch = target_batch(target, rows, index, accelerator.device, cache, layers, min_length)
-        with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=config.mixed_precision == "bf16"):
+        with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss, metrics = objective(batch, target)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(objective.parameters(), config.grad_clip)
@@ -124,14 +193,20 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
         optimizer.zero_grad()
         history.append(float(loss.detach()))
         metrics_history.append(metrics)
-        progress.set_postfix(loss=f"{history[-1]:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()
-                                                           if isinstance(v, float)})
+        if len(held_out) and ((step + 1) % eval_every == 0 or step + 1 == config.steps):
+            measured = evaluate(accelerator.unwrap_model(objective), target, rows, held_out, config.batch_size,
+                                accelerator.device, cache, autocast)
+            eval_history.append({"step": step + 1, **measured})
+        shown = {k: f"{v:.2f}" for k, v in metrics.items() if isinstance(v, float)}
+        if eval_history:
+            shown["eval_loss"] = f"{eval_history[-1]['loss']:.3f}"
+        progress.set_postfix(loss=f"{history[-1]:.3f}", **shown)
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
             state.step = step + 1
             checkpoints.save(accelerator, config.out / CHECKPOINT_DIR, state, config)
     accelerator.wait_for_everyone()
     result = {"steps": config.steps, "loss_history": history, "metrics_history": metrics_history,
-              "config": {k: str(v) for k, v in asdict(config).items()}}
+              "eval_history": eval_history, "config": {k: str(v) for k, v in asdict(config).items()}}
     if accelerator.is_main_process:
         accelerator.unwrap_model(objective).save(config.out, target, rows, result)
         (config.out / METRICS_FILE).write_text(json.dumps(result, indent=2, sort_keys=True))

@@ -70,6 +70,19 @@ def curve(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+def held_out(metrics: dict) -> str:
+    """The held-out rows' measurements (the trainer's `--eval-rows`) as a table, or nothing without them."""
+    history = metrics.get("eval_history") or []
+    if not history:
+        return ""
+    names = [k for k, v in history[0].items() if k not in ("step", "loss") and isinstance(v, (float, list))]
+    lines = [f"\nOn the {metrics['config']['eval_rows']} rows held out of training:\n",
+             "| step | loss | " + " | ".join(names) + " |", "|---" * (2 + len(names)) + "|"]
+    lines += [f"| {m['step']} | {_fmt(m['loss'])} | " + " | ".join(_fmt(m[name]) for name in names) + " |"
+              for m in history]
+    return "\n".join(lines) + "\n"
+
+
 def _requests() -> int:
     with open(Path(__file__).with_name("prompts.jsonl")) as handle:
         return sum(1 for line in handle if line.strip())
@@ -103,7 +116,7 @@ Training curve (mean over {WINDOW} steps at five points; accuracy = top-1 agreem
 training rows; lists are per head or per unrolled step):
 
 {curve(metrics)}
-"""
+{held_out(metrics)}"""
 
 
 def main(argv: list[str]) -> None:
