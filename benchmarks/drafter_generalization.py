@@ -1,0 +1,128 @@
+"""How well the committed SmolLM2 drafters carry over from their training requests to new ones: per-position
+acceptance of greedy chains on requests they were trained on, on held-out requests of the same file, and on
+Spec-Bench.
+
+    python benchmarks/drafter_generalization.py --kinds eagle3 eagle medusa mlp_speculator draft \\
+        --num-prompts 12 --json benchmarks/results/drafter_generalization_smollm2_cpu.json
+
+The drafters learned the target's answers to a seeded sample of `examples/drafters/smollm2/prompts.jsonl`
+(`train.sh`: the first N of a permutation drawn with seed 0, N per drafter in its SAMPLES). "trained" takes the
+first --num-prompts of that permutation (requests every drafter trained on), "held-out" its last --num-prompts
+(requests none of them saw), "spec-bench" --num-prompts / 6 questions per Spec-Bench category. Each request's
+greedy answer (--max-new-tokens) is generated with a fixed chain of k draft tokens (the drafter's depth, at most
+5) and the schedule fixed, so every step drafts. A drop from "trained" to "held-out" is what the drafter learned
+of its rows by heart (more requests would close it); one from "held-out" to "spec-bench" is the shift from the
+training requests' kind of text to the benchmark's (more varied requests would close it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.testbed import drafters
+from hf_specdec.testbed.real_model import load_real_model
+from hf_specdec.testbed.spec_bench import SPEC_BENCH_CATEGORIES, spec_bench_prompts
+
+HERE = Path(__file__).resolve().parents[1] / "examples" / "drafters" / "smollm2"
+KINDS = ("eagle3", "eagle", "medusa", "mlp_speculator", "draft")
+MAX_K = 5
+
+
+def trained_counts() -> dict[str, int]:
+    """Requests each drafter was trained on: train.sh's SAMPLES."""
+    line = re.search(r"declare -A SAMPLES=\(([^)]*)\)", (HERE / "train.sh").read_text())
+    if line is None:
+        raise SystemExit(f"error: no SAMPLES in {HERE / 'train.sh'}")
+    return {kind: int(count) for kind, count in re.findall(r"\[(\w+)\]=(\d+)", line.group(1))}
+
+
+def request_sets(tokenizer, count: int) -> dict[str, list[list[int]]]:
+    """(set name: prompt token ids): trained, held-out and Spec-Bench requests, `count` of each."""
+    records = [json.loads(line) for line in (HERE / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(0)).tolist()
+    least = min(trained_counts().values())
+    if 2 * count > len(records) - least or count > least:
+        raise SystemExit(f"error: --num-prompts {count}: at most {min(least, len(records) - least)} (trained and "
+                         f"held-out requests must not overlap)")
+
+    def ids(index: int) -> list[int]:
+        return tokenizer(records[index]["text"], add_special_tokens=False)["input_ids"]
+
+    per_category = max(1, count // len(SPEC_BENCH_CATEGORIES))
+    return {"trained": [ids(i) for i in order[:count]], "held-out": [ids(i) for i in order[-count:]],
+            "spec-bench": [list(p) for _, p in spec_bench_prompts(tokenizer, num_per_category=per_category)]}
+
+
+def config_for(kind: str, target) -> SpeculativeConfig:
+    drafter = drafters.load_drafter("smollm2", kind, target)
+    if kind == "draft":
+        return SpeculativeConfig(method="draft", draft_model=drafter, num_speculative_tokens=MAX_K, schedule="fixed")
+    if kind == "medusa":
+        depth = drafter.config.num_heads
+    elif kind == "mlp_speculator":
+        depth = drafter.config.n_predict
+    else:
+        depth = MAX_K
+    method = "eagle" if kind in ("eagle", "eagle3") else kind
+    return SpeculativeConfig(method=method, heads=drafter, num_speculative_tokens=min(MAX_K, depth),
+                             schedule="fixed")
+
+
+def measure(target, tokenizer, config: SpeculativeConfig, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    drafts = accepted = 0
+    per_position: list[int] | None = None
+    for ids in prompts:
+        out = hf_specdec.generate(target, torch.tensor([ids]), speculative=config, max_new_tokens=max_new_tokens,
+                                  do_sample=False, pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
+        stats = out.spec_stats
+        drafts += stats.num_drafts
+        accepted += stats.num_accepted_tokens
+        counts = list(stats.accepted_per_position)
+        per_position = counts if per_position is None else [a + b for a, b in zip(per_position, counts)]
+    return {"drafting_steps": drafts, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+            "accepted_at_position": [count / max(drafts, 1) for count in per_position or []]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--num-prompts", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.num_prompts < 1:
+        raise SystemExit(f"error: --num-prompts: expected >= 1, got {args.num_prompts}")
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_real_model(dtype=torch.bfloat16, progress=False)
+    sets = request_sets(tokenizer, args.num_prompts)
+    counts = trained_counts()
+    results = []
+    print(f"{'drafter':<15} {'requests':<11} {'steps':>6} {'tau':>5}  accepted at position 1..k (share of steps)")
+    for kind in args.kinds:
+        config = config_for(kind, target)
+        for name, prompts in sets.items():
+            start = time.perf_counter()
+            row = {"drafter": kind, "requests": name, "num_prompts": len(prompts), "trained_on": counts.get(kind),
+                   "k": config.num_speculative_tokens, **measure(target, tokenizer, config, prompts,
+                                                                  args.max_new_tokens)}
+            row["seconds"] = time.perf_counter() - start
+            results.append(row)
+            print(f"{kind:<15} {name:<11} {row['drafting_steps']:>6} {row['mean_acceptance_length']:>5.2f}  "
+                  + " ".join(f"{p:.3f}" for p in row["accepted_at_position"]), flush=True)
+    if args.json:
+        settings = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16",
+                    "threads": args.threads, "torch": torch.__version__}
+        args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
