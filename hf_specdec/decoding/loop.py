@@ -488,6 +488,8 @@ def speculative_generate(
     )
     try:
         state = decoder.run(input_ids, prompt)
+        # the call ends for the schedule whatever the output: its rows' estimates start the next call's
+        schedule_stats = None if decoder.schedule is None else decoder.schedule.finish()
         length = decoder.output_length()
         sequences = state.sequences[:, :length]
         if not generation_config.return_dict_in_generate:
@@ -504,5 +506,5 @@ def speculative_generate(
         **{CACHE_KWARG: past_key_values},
         hidden_states=decoder.output_log.hidden_steps(steps),
         attentions=decoder.output_log.attention_steps(steps),
-        spec_stats=decoder.stats.finish(None if decoder.schedule is None else decoder.schedule.finish()),
+        spec_stats=decoder.stats.finish(schedule_stats),
     )
