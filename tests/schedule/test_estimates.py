@@ -177,3 +177,22 @@ def test_class_estimates_pool_rows_and_start_as_a_running_mean():
     assert estimate.values[1, 0] < 1e-3
     estimate.update_classes([1], allowed=[3], accepted=[1])
     assert estimate.values[1, 0] == pytest.approx(CLASS_ACCEPTANCE_RATE, abs=1e-3)  # the weight's floor
+
+
+def test_a_narrower_width_stalled_above_a_wider_one_comes_down_to_it():
+    """Width 1 measured in a stall and then left alone; width 2's steps, measured lower, bring it down (a narrower
+    step does not cost more); the plain step's own average is left to its own measurements."""
+    table = CostTable()
+    table.observe(1, 0, 1.5)
+    table.observe(1, 1, 1.1)
+    table.observe(1, 1, 2.0)  # a stall: the average rises to 1.28
+    assert table.times[(1, 1)] == pytest.approx(1.28)
+    table.observe(1, 2, 1.2)
+    assert table.times[(1, 1)] == pytest.approx(1.2)
+    table.observe(1, 2, 1.1)
+    assert table.times[(1, 1)] == pytest.approx(1.15) == table.times[(1, 2)]
+    assert table.times[(1, 0)] == 1.5
+    table.observe(1, 1, 1.0)  # its own measurements move it below the wider width again
+    assert table.times[(1, 1)] < table.times[(1, 2)]
+    table.observe(2, 2, 0.5)  # another batch size's steps leave this one's alone
+    assert table.times[(1, 1)] == pytest.approx(1.075)
