@@ -286,11 +286,15 @@ class SlotCache(DynamicCache):
         if not self._joint_ready():
             # [S, M]: each span's slots, its last one repeated up to the longest (a repeated pair writes the same
             # value twice)
-            steps = torch.arange(max(count for _, _, _, count in spans))[None, :]
-            rows, sources, targets, counts = (torch.tensor(column) for column in zip(*spans))
+            device = next((layer.key_buffer.device for layer in self.layers if layer.key_buffer is not None), None)
+            if device is None:  # nothing allocated yet: nothing to move
+                return
+            rows, sources, targets, counts = (torch.tensor(column, device=device) for column in zip(*spans))
+            steps = torch.arange(int(counts.max()), device=device)[None, :]
             steps = torch.minimum(steps, counts[:, None] - 1)
+            reads, writes = sources[:, None] + steps, targets[:, None] + steps
             for layer in self.layers:
-                layer.move(sources[:, None] + steps, targets[:, None] + steps, rows)
+                layer.move(reads, writes, rows)
             return
         joint = self.joint  # [L, 2, B, H, capacity, D]
         for row, source, target, count in spans:

@@ -119,7 +119,11 @@ class SuffixProposer(Proposer):
     def drafts(self, state: DecodeState) -> list[SuffixDraft]:
         """Each row's best suffix draft (`EMPTY_DRAFT` for finished rows and rows with no budget left)."""
         self._catch_up(state)
-        return [self._draft(row, min(budget, self.k)) for row, budget in enumerate(state.host_draft_budget())]
+        return [self._draft(row, budget) for row, budget in enumerate(self._budgets(state))]
+
+    def _budgets(self, state: DecodeState) -> list[int]:
+        """Each row's node budget this step: k, or what is left before max_length."""
+        return [min(budget, self.k) for budget in state.host_draft_budget()]
 
     def propose(self, state: DecodeState) -> Proposal:
         return self.proposal(state, self.drafts(state))
@@ -132,9 +136,11 @@ class SuffixProposer(Proposer):
 
     def draft_classes(self, state: DecodeState) -> np.ndarray:
         """[B] each row's draft class (`match_class`: the tree its best draft came from and the length of the
-        context it matched; 0: no draft, or a finished row)."""
+        context it matched; 0: no draft, a finished row, or no budget left)."""
         self._catch_up(state)
-        return np.asarray([match_class(self._draft(row, self.k)) for row in range(state.batch_size)], dtype=np.int64)
+        budgets = self._budgets(state)  # the proposal's: it reuses these lookups
+        return np.asarray([match_class(self._draft(row, budget)) for row, budget in enumerate(budgets)],
+                          dtype=np.int64)
 
     def proposal(self, state: DecodeState, drafts: list[SuffixDraft]) -> Proposal:
         """The rows' drafts as one proposal: none when no row drafts, a chain when every draft is one (unless

@@ -185,10 +185,9 @@ class CostTable:
         else:
             rate = TIME_RATE_DOWN if seconds < old else TIME_RATE_UP
             self.times[key] = (1 - rate) * old + rate * seconds
-        if width > 0:  # the plain step's average is the plain step's own (`plain_due` refreshes it)
-            for (size, narrower), average in list(self.times.items()):
-                if size == batch_size and 0 < narrower < width and average > self.times[key]:
-                    self.times[(size, narrower)] = self.times[key]
+        for narrower in range(1, width):  # the plain step's average is its own (`plain_due` refreshes it)
+            if self.times.get((batch_size, narrower), 0.0) > self.times[key]:
+                self.times[(batch_size, narrower)] = self.times[key]
         self.samples[batch_size] = self.samples.get(batch_size, 0) + 1
         self.last_measured[key] = self.samples[batch_size]
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -130,8 +129,8 @@ def evaluate(
     measured = []
     devices = [device] if device.type == "cuda" else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), (
-                torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()):
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), torch.autocast(
+                device.type, dtype=torch.bfloat16, enabled=autocast):
             for start in range(0, len(held_out), batch_size):
                 index = held_out[start : start + batch_size]
                 batch = target_batch(target, rows, index, device, cache, objective.feature_layers,
@@ -193,7 +192,9 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
         optimizer.zero_grad()
         history.append(float(loss.detach()))
         metrics_history.append(metrics)
-        if len(held_out) and ((step + 1) % eval_every == 0 or step + 1 == config.steps):
+        # the main process measures (the others' measurements would be the same; it writes the history)
+        if len(held_out) and accelerator.is_main_process and ((step + 1) % eval_every == 0
+                                                              or step + 1 == config.steps):
             measured = evaluate(accelerator.unwrap_model(objective), target, rows, held_out, config.batch_size,
                                 accelerator.device, cache, autocast)
             eval_history.append({"step": step + 1, **measured})

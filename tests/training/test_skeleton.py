@@ -5,6 +5,9 @@ refused."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import read_source
 from hf_specdec.training.skeleton import split_rows
 
+ROOT = Path(__file__).resolve().parents[2]
 DATA = [Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"]
 SEQ_LEN = 32
 
@@ -114,3 +118,16 @@ def test_bad_held_out_options_are_refused_before_training(base, tmp_path):
     with pytest.raises(SystemExit, match=f"eval_rows: {rows} held out of the data's {rows} rows"):
         cli_main(_argv(base, tmp_path, 1, "--eval-rows", str(rows)))
     assert not (tmp_path / "train_metrics.json").exists()
+
+
+def test_two_cpu_processes_measure_once_and_keep_in_step(base, tmp_path):
+    """Under accelerate with 2 processes the main one measures the held-out rows while the other waits at the next
+    step's gradient exchange; the run ends with every measurement."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_specdec.cli",
+               *_argv(base, tmp_path, 4, "--eval-rows", "8", "--eval-every", "2")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads((tmp_path / "train_metrics.json").read_text())["eval_history"]
+    assert [m["step"] for m in measured] == [2, 4]
