@@ -13,6 +13,10 @@ greedy answer (--max-new-tokens) is generated with a fixed chain of k draft toke
 5) and the schedule fixed, so every step drafts. A drop from "trained" to "held-out" is what the drafter learned
 of its rows by heart (more requests would close it); one from "held-out" to "spec-bench" is the shift from the
 training requests' kind of text to the benchmark's (more varied requests would close it).
+
+`--training-forward` also checks, for the EAGLE heads on the trained requests, that drafting is the head's training
+forward: each step's first drafted token against the guess of one forward of the head over the whole greedy text
+with the target's features from one forward over it (as the trainer computes step 0), at the same position.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.proposers.eagle import EagleProposer
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import SPEC_BENCH_CATEGORIES, spec_bench_prompts
@@ -93,6 +98,43 @@ def measure(target, tokenizer, config: SpeculativeConfig, prompts: list[list[int
             "accepted_at_position": [count / max(drafts, 1) for count in per_position or []]}
 
 
+def training_forward_agreement(target, tokenizer, config: SpeculativeConfig, prompts: list[list[int]],
+                               max_new_tokens: int) -> tuple[int, int]:
+    """(steps whose first drafted token equals the head's training-forward guess at its position, steps)."""
+    head, firsts = config.heads, []
+    propose = EagleProposer.propose
+
+    def recording(self, state):
+        proposal = propose(self, state)
+        if proposal.tree.token_ids.shape[1] > 1 and bool(proposal.tree.valid[0, 1]):
+            firsts.append((int(state.host.lengths[0]), int(proposal.tree.token_ids[0, 1])))
+        return proposal
+
+    agree = steps = 0
+    EagleProposer.propose = recording
+    try:
+        for ids in prompts:
+            firsts.clear()
+            text = hf_specdec.generate(target, torch.tensor([ids]), speculative=config, max_new_tokens=max_new_tokens,
+                                       do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            with torch.no_grad():
+                states = target(text, output_hidden_states=True).hidden_states
+                features = torch.cat([states[i] for i in head.target_feature_layers(target)], dim=-1)
+                length = text.shape[1]
+                causal = torch.full((length - 1, length - 1), torch.finfo(head.dtype).min).triu(1)[None, None]
+                # index i feeds token i + 1 with the feature at i and guesses token i + 2
+                hidden = head(target.get_input_embeddings()(text[:, 1:]), features[:, :-1],
+                              torch.arange(1, length)[None], causal.to(head.dtype), cache=None, from_target=True)
+                guesses = head.logits(hidden, target.get_output_embeddings()).argmax(-1)[0]
+            for position, token in firsts:  # a draft for sequence index `position`
+                if position < length:
+                    steps += 1
+                    agree += int(guesses[position - 2]) == token
+    finally:
+        EagleProposer.propose = propose
+    return agree, steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
@@ -100,6 +142,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--training-forward", action="store_true",
+                        help="check the EAGLE heads' drafting against their training forward (trained requests)")
     args = parser.parse_args()
     if args.num_prompts < 1:
         raise SystemExit(f"error: --num-prompts: expected >= 1, got {args.num_prompts}")
@@ -120,6 +164,12 @@ def main() -> None:
             results.append(row)
             print(f"{kind:<15} {name:<11} {row['drafting_steps']:>6} {row['mean_acceptance_length']:>5.2f}  "
                   + " ".join(f"{p:.3f}" for p in row["accepted_at_position"]), flush=True)
+        if args.training_forward and kind in ("eagle", "eagle3"):
+            agree, steps = training_forward_agreement(target, tokenizer, config, sets["trained"],
+                                                      args.max_new_tokens)
+            results.append({"drafter": kind, "requests": "trained", "training_forward_agreement": agree,
+                            "training_forward_steps": steps})
+            print(f"{kind}: first drafted token = the training forward's guess in {agree} of {steps} steps")
     if args.json:
         settings = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16",
                     "threads": args.threads, "torch": torch.__version__}

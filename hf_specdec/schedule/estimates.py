@@ -176,8 +176,8 @@ class CostTable:
         """A step of `width` at `batch_size` took `seconds`. A narrower drafting width whose average stands above
         this width's comes down to it: a narrower step does not cost more than a wider one, and a width the decision
         stops choosing because of a stall in its average is not measured again to correct it (on a CPU at batch 1
-        the EAGLE-3 head's width-1 average sat at 1.34 plain steps during the steps it left plain, where its steps
-        took 1.15 in median)."""
+        the EAGLE-3 head's width-1 average sat at 1.35 plain steps during the steps it left plain, where its steps
+        took 1.13 in median: `benchmarks/schedule_trace.py`)."""
         key = (batch_size, width)
         old = self.times.get(key)
         if old is None:
