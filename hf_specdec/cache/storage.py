@@ -290,7 +290,7 @@ class SlotCache(DynamicCache):
             if device is None:  # nothing allocated yet: nothing to move
                 return
             rows, sources, targets, counts = (torch.tensor(column, device=device) for column in zip(*spans))
-            steps = torch.arange(int(counts.max()), device=device)[None, :]
+            steps = torch.arange(max(count for *_, count in spans), device=device)[None, :]  # from the host's spans
             steps = torch.minimum(steps, counts[:, None] - 1)
             reads, writes = sources[:, None] + steps, targets[:, None] + steps
             for layer in self.layers:
