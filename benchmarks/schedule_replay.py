@@ -112,23 +112,77 @@ def record(args: argparse.Namespace) -> None:
                 ngram.append([len(draft), accepted])
             records.append({"prompt_tokens": len(prompt), "tokens": tokens, "eagle3": eagle, "ngram": ngram})
             print(f"prompt {index}: EAGLE-3 accepted {eagle}", flush=True)
-        step_seconds = {}
-        for method in METHODS:  # width 0: speculation off; width w: fixed k = w
-            times = []
-            for width in range(K + 1):
-                extra = dict(disable_by_batch_size=1) if width == 0 else dict(disable_by_batch_size=100)
-                log.steps.clear()
-                for prompt in prompts[:TIMING_PROMPTS]:
-                    hf_specdec.generate(model, torch.tensor([prompt]), max_new_tokens=args.max_new_tokens,
-                                        speculative=config(method, max(width, 1), **extra), **greedy)
-                times.append(statistics.median(s for w, _, s in log.steps if w == width))
-            step_seconds[method] = np.maximum.accumulate(times).tolist()
-            print(f"{method} step seconds by width: {[round(t, 4) for t in step_seconds[method]]}", flush=True)
+        step_seconds, step_samples = measure_steps(model, prompts[:TIMING_PROMPTS], args.max_new_tokens, config, log,
+                                                    greedy)
     finally:
         log.close()
     with open(args.out, "w") as f:
-        json.dump({"workload": args.workload, "k": K, "step_seconds": step_seconds, "records": records}, f,
-                  sort_keys=True)
+        json.dump({"workload": args.workload, "k": K, "step_seconds": step_seconds, "step_samples": step_samples,
+                   "records": records}, f, sort_keys=True)
+
+
+def measure_steps(model, prompts: list[list[int]], max_new_tokens: int, config, log: StepLog, greedy: dict
+                  ) -> tuple[dict[str, list[float]], dict[str, list[list[float]]]]:
+    """Per method: the median wall time of a step by width (made non-decreasing), and every step's time by width
+    (width 0: speculation off; width w: fixed k = w), from one call per prompt and width."""
+    step_seconds, step_samples = {}, {}
+    for method in METHODS:
+        samples = []
+        for width in range(K + 1):
+            extra = dict(disable_by_batch_size=1) if width == 0 else dict(disable_by_batch_size=100)
+            log.steps.clear()
+            for prompt in prompts:
+                hf_specdec.generate(model, torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                    speculative=config(method, max(width, 1), **extra), **greedy)
+            samples.append([s for w, _, s in log.steps if w == width])
+        step_seconds[method] = np.maximum.accumulate([statistics.median(s) for s in samples]).tolist()
+        step_samples[method] = samples
+        print(f"{method} step seconds by width: {[round(t, 4) for t in step_seconds[method]]}", flush=True)
+    return step_seconds, step_samples
+
+
+def retime(args: argparse.Namespace) -> None:
+    """Measure a recording's step times again (medians and every sample), from --timing-prompts of its prompts."""
+    torch.set_num_threads(1)
+    with open(args.file) as f:
+        data = json.load(f)
+    model, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
+    head = load_drafter("smollm2", "eagle3", model)
+    prompts = _prompts(tokenizer, data["workload"], max(args.timing_prompts, len(data["records"])))
+
+    def config(method: str, k: int, **extra) -> SpeculativeConfig:
+        drafter = dict(method="eagle", heads=head) if method == "eagle3" else dict(method="ngram")
+        return SpeculativeConfig(num_speculative_tokens=k, schedule="fixed", **drafter, **extra)
+
+    greedy = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    log = StepLog()
+    try:
+        max_new_tokens = max(len(call["tokens"]) for call in data["records"])
+        data["step_seconds"], data["step_samples"] = measure_steps(model, prompts[: args.timing_prompts],
+                                                                   max_new_tokens, config, log, greedy)
+    finally:
+        log.close()
+    with open(args.file, "w") as f:
+        json.dump(data, f, sort_keys=True)
+
+
+class StepClock:
+    """A step's wall time by width: the recorded median, or (`rng` given) one of the recorded steps of that width
+    drawn at random, so that the schedule meets the noise of a real run (stalls included)."""
+
+    def __init__(self, medians: list[float], samples: list[list[float]] | None = None,
+                 rng: np.random.Generator | None = None) -> None:
+        self.medians, self.samples, self.rng = medians, samples, rng
+
+    def __call__(self, width: int) -> float:
+        if self.rng is None:
+            return self.medians[width]
+        drawn = self.samples[width]
+        return drawn[self.rng.integers(len(drawn))]
+
+    def plain(self) -> float:
+        """The expected time of a plain step (what the draws of width 0 average to)."""
+        return self.medians[0] if self.rng is None else float(np.mean(self.samples[0]))
 
 
 class ReplayState:
@@ -164,7 +218,7 @@ class Lookups:
             self.classes.append([matched_ngram_length(text, low, high) for text in texts])
 
 
-def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: list[float],
+def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: StepClock,
            lookups: Lookups | None = None) -> float:
     """Speedup over plain steps of `schedule` with at most `max_k` drafts per step, over every recorded call. With
     `lookups`, n-gram lookup runs as the engine runs it: plain steps look ahead, and drafts have classes."""
@@ -180,7 +234,7 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: lis
     for index, call in enumerate(data["records"]):
         outcomes, tokens = call[method], call["tokens"]
         total = len(tokens)
-        plain += (total - 1) * step_seconds[0]
+        plain += (total - 1) * step_seconds.plain()
         plan.start(1)
         generated = 1  # the prefill chose the first token
         while generated < total:
@@ -198,8 +252,9 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: lis
                 accepted = min(outcomes[generated - 1], allowed)
             if lookups is not None and (rows := plan.lookahead_rows()):
                 plan.look_ahead(rows, [lookups.chains[index][generated - 1]])
-            clock[0] += step_seconds[depth]
-            spent += step_seconds[depth]
+            seconds = step_seconds(depth)
+            clock[0] += seconds
+            spent += seconds
             emitted = tokens[generated : generated + accepted + 1]
             generated += accepted + 1
             state.host = HostView([generated], [generated >= total], [len(emitted)], [accepted],
@@ -213,22 +268,35 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: lis
 def replay_all(args: argparse.Namespace) -> None:
     with open(args.file) as f:
         data = json.load(f)
+    if args.sampled_times and "step_samples" not in data:
+        raise SystemExit(f"error: {args.file} has no step samples; run `retime {args.file}` first")
     default = estimates.ACCEPTANCE_RATE
     _, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
     lookups = Lookups(data, tokenizer)
-    print(f"workload {data['workload']}, {len(data['records'])} calls; speedup over plain steps")
+    timing = (f"step times drawn from the recorded steps, mean of {args.sampled_times} seeds" if args.sampled_times
+              else "median step times")
+    print(f"workload {data['workload']}, {len(data['records'])} calls; speedup over plain steps ({timing})")
     try:
         for method in METHODS:
             seconds = data["step_seconds"][method]
             if args.step_slope is not None:
                 seconds = [seconds[0] * (1 + args.step_slope * width) for width in range(len(seconds))]
             engine = lookups if method == "ngram" else None
-            fixed = {k: replay(data, method, k, "fixed", seconds) for k in range(1, data["k"] + 1)}
+
+            def speedup(max_k: int, schedule: str) -> float:
+                if not args.sampled_times:
+                    return replay(data, method, max_k, schedule, StepClock(seconds), engine)
+                samples = data["step_samples"][method]
+                return float(np.mean([replay(data, method, max_k, schedule,
+                                             StepClock(seconds, samples, np.random.default_rng(seed)), engine)
+                                      for seed in range(args.sampled_times)]))
+
+            fixed = {k: speedup(k, "fixed") for k in range(1, data["k"] + 1)}
             best = max(fixed.values())
             print(f"{method}: fixed " + ", ".join(f"k={k} {v:.3f}x" for k, v in fixed.items()))
             for rate in args.rates:
                 estimates.ACCEPTANCE_RATE = rate
-                adaptive = {k: replay(data, method, k, "adaptive", seconds, engine) for k in (1, data["k"])}
+                adaptive = {k: speedup(k, "adaptive") for k in (1, data["k"])}
                 print(f"  acceptance weight {rate}: " + ", ".join(
                     f"adaptive k<={k} {v:.3f}x ({v / best:.3f} of the best fixed)" for k, v in adaptive.items()))
     finally:
@@ -249,10 +317,20 @@ def main() -> None:
                      help="values of the acceptance moving average's weight to compare")
     rep.add_argument("--step-slope", type=float, default=None,
                      help="step time of width w = plain * (1 + slope * w) instead of the recorded times")
+    rep.add_argument("--sampled-times", type=int, default=0, metavar="SEEDS",
+                     help="draw each step's time from the recorded steps of its width (their noise and stalls "
+                          "included), averaging this many seeded replays; default: every step takes the median")
+    ret = commands.add_parser("retime", help="measure a recording's step times again, keeping every step's time")
+    ret.add_argument("file")
+    ret.add_argument("--timing-prompts", type=int, default=TIMING_PROMPTS)
     args = parser.parse_args()
     if args.command == "record":
         record(args)
+    elif args.command == "retime":
+        retime(args)
     else:
+        if args.sampled_times < 0 or (args.sampled_times and args.step_slope is not None):
+            raise SystemExit("error: --sampled-times: expected >= 0, and not with --step-slope")
         replay_all(args)
 
 

@@ -10,6 +10,7 @@ call), or from an optimistic prior on the first call.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,9 +28,12 @@ CLASS_PRIOR_COUNT = 2
 DRAFT_RATE_WEIGHT = 0.3
 # acceptance assumed before a row's first observation at a position (optimistic: a new row drafts, and measures)
 ACCEPTANCE_PRIOR = 0.7
-# step time moving averages: a faster measurement moves the estimate more than a slower one (a one-off stall,
-# a first call's warm-up, should not stop a width from being tried again)
-TIME_RATE_DOWN, TIME_RATE_UP = 0.5, 0.2
+# a width's step time at a batch size is the median of its last TIME_WINDOW measurements: a stall (a step two to
+# three times its usual length, several in a row when the machine is busy) does not move it, a lasting change does
+# within half the window. A moving average rose with every stall, and a width whose average a stall had raised was
+# left by the decision and not measured again: on a CPU at batch 1 the EAGLE-3 head's width-1 steps took 1.08 plain
+# steps in median, and the average read 1.19 at the steps the schedule left plain (`benchmarks/schedule_trace.py`)
+TIME_WINDOW = 9
 # before a width is measured at a batch size: a step of width w costs (1 + PRIOR_SLOPE * w) plain steps
 PRIOR_SLOPE = 0.1
 # samples at a batch size after which the line through its measured step times is refitted
@@ -146,18 +150,20 @@ class AcceptanceEstimate:
 
 
 class CostTable:
-    """Wall time of a step, by (rows computed, width): moving averages of measurements, and a prediction for every
+    """Wall time of a step, by (rows computed, width): medians of recent measurements, and a prediction for every
     width at a batch size (measured widths as measured; the others on a line through the measured ones, or the
     prior slope from a single one).
 
     The line through a batch size's measurements is fitted once and kept: refitted when a width is measured there
     for the first time, and otherwise after `REFIT_SAMPLES` more samples at that batch size (measured widths always
-    read their latest averages; only the widths never measured wait for the refit)."""
+    read their latest estimates; only the widths never measured wait for the refit)."""
 
     def __init__(self) -> None:
         # [K]: the acceptance estimates rows ended earlier calls with, averaged (a new call's rows start there)
         self.acceptance: np.ndarray | None = None
+        # per (batch size, width): the estimate (the median of `recent`), and the last measurements
         self.times: dict[tuple[int, int], float] = {}
+        self.recent: dict[tuple[int, int], deque] = {}
         # acceptance by draft class (`Proposer.draft_classes`), pooled over the rows of every call (`class_estimate`)
         self.class_acceptance: AcceptanceEstimate | None = None
         # samples observed at each batch size
@@ -173,21 +179,17 @@ class CostTable:
         self.last_measured: dict[tuple[int, int], int] = {}
 
     def observe(self, batch_size: int, width: int, seconds: float) -> None:
-        """A step of `width` at `batch_size` took `seconds`. A narrower drafting width whose average stands above
+        """A step of `width` at `batch_size` took `seconds`. A narrower drafting width whose estimate stands above
         this width's comes down to it: a narrower step does not cost more than a wider one, and a width the decision
-        stops choosing because of a stall in its average is not measured again to correct it (on a CPU at batch 1
-        the EAGLE-3 head's width-1 average sat at 1.35 plain steps during the steps it left plain, where its steps
-        took 1.13 in median: `benchmarks/schedule_trace.py`)."""
+        stops choosing because of a high estimate is not measured again to correct it."""
         key = (batch_size, width)
-        old = self.times.get(key)
-        if old is None:
-            self.times[key] = seconds
-        else:
-            rate = TIME_RATE_DOWN if seconds < old else TIME_RATE_UP
-            self.times[key] = (1 - rate) * old + rate * seconds
-        for narrower in range(1, width):  # the plain step's average is its own (`plain_due` refreshes it)
+        window = self.recent.setdefault(key, deque(maxlen=TIME_WINDOW))
+        window.append(seconds)
+        self.times[key] = float(np.median(window))
+        for narrower in range(1, width):  # the plain step's estimate is its own (`plain_due` refreshes it)
             if self.times.get((batch_size, narrower), 0.0) > self.times[key]:
                 self.times[(batch_size, narrower)] = self.times[key]
+                self.recent[(batch_size, narrower)] = deque([self.times[key]], maxlen=TIME_WINDOW)
         self.samples[batch_size] = self.samples.get(batch_size, 0) + 1
         self.last_measured[key] = self.samples[batch_size]
 

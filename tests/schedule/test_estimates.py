@@ -14,6 +14,7 @@ from hf_specdec.schedule.estimates import (
     PLAIN_REFRESH,
     PRIOR_SLOPE,
     REFIT_SAMPLES,
+    TIME_WINDOW,
     AcceptanceEstimate,
     CostTable,
     cost_table,
@@ -88,13 +89,30 @@ def test_the_line_is_refitted_on_a_new_width_or_after_refit_samples():
     assert table.predict(2, 4)[1] == pytest.approx(intercept + slope)
 
 
-def test_faster_measurements_move_the_estimate_more():
+def test_a_step_time_is_the_median_of_its_recent_measurements():
+    """Stalls, even two in a row, leave the estimate where the usual steps put it; a lasting change moves it within
+    half the window; measurements older than the window are forgotten."""
     table = CostTable()
-    table.observe(1, 2, 10.0)  # a first step's warm-up
+    table.observe(1, 2, 10.0)  # a first step's warm-up: the only measurement
+    assert table.times[(1, 2)] == 10.0
     table.observe(1, 2, 1.0)
-    assert table.times[(1, 2)] == pytest.approx(5.5)
-    table.observe(1, 2, 10.0)
-    assert table.times[(1, 2)] == pytest.approx(5.5 * 0.8 + 2.0)
+    table.observe(1, 2, 1.0)
+    assert table.times[(1, 2)] == 1.0
+    for _ in range(3):
+        table.observe(1, 2, 1.0)
+    table.observe(1, 2, 3.0)
+    table.observe(1, 2, 2.5)  # two stalls in a row
+    assert table.times[(1, 2)] == 1.0
+    for _ in range(TIME_WINDOW):
+        table.observe(1, 2, 1.0)
+    for _ in range(TIME_WINDOW // 2):
+        table.observe(1, 2, 2.0)  # the steps got slower (a longer context)
+    assert table.times[(1, 2)] == 1.0
+    table.observe(1, 2, 2.0)
+    assert table.times[(1, 2)] == 2.0
+    for _ in range(TIME_WINDOW):
+        table.observe(1, 2, 1.5)
+    assert table.times[(1, 2)] == 1.5 and len(table.recent[(1, 2)]) == TIME_WINDOW
 
 
 def test_predictions_never_fall_with_width():
@@ -119,11 +137,12 @@ def test_a_plain_step_is_due_when_unmeasured_old_or_above_a_wider_step():
     table.observe(1, 0, 1.0)
     assert not table.plain_due(1)
     # a wider step measured below the plain step's time since: the plain time is stale (a longer context's)
-    table.observe(1, 0, 3.0)
+    for _ in range(TIME_WINDOW):
+        table.observe(1, 0, 3.0)
     table.observe(1, 2, 1.1)
     assert table.times[(1, 2)] < table.times[(1, 0)] and table.plain_due(1)
-    table.observe(1, 0, 1.0)
-    table.observe(1, 0, 1.0)  # faster measurements bring it down
+    for _ in range(TIME_WINDOW // 2 + 1):  # faster measurements bring it down
+        table.observe(1, 0, 1.0)
     assert not table.plain_due(1)
     # a plain time measured after a cheaper wider one is the fresher: drafting re-measures the wider width
     table.observe(1, 3, 0.5)
@@ -180,13 +199,15 @@ def test_class_estimates_pool_rows_and_start_as_a_running_mean():
 
 
 def test_a_narrower_width_stalled_above_a_wider_one_comes_down_to_it():
-    """Width 1 measured in a stall and then left alone; width 2's steps, measured lower, bring it down (a narrower
-    step does not cost more); the plain step's own average is left to its own measurements."""
+    """Width 1 measured in a run of stalls and then left alone; width 2's steps, measured lower, bring it down (a
+    narrower step does not cost more), and its own next measurements start from there; the plain step's own
+    estimate is left to its own measurements."""
     table = CostTable()
     table.observe(1, 0, 1.5)
     table.observe(1, 1, 1.1)
-    table.observe(1, 1, 2.0)  # a stall: the average rises to 1.28
-    assert table.times[(1, 1)] == pytest.approx(1.28)
+    table.observe(1, 1, 2.0)
+    table.observe(1, 1, 2.0)  # stalls: the median rises to 2.0
+    assert table.times[(1, 1)] == pytest.approx(2.0)
     table.observe(1, 2, 1.2)
     assert table.times[(1, 1)] == pytest.approx(1.2)
     table.observe(1, 2, 1.1)
