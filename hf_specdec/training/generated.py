@@ -67,6 +67,14 @@ class TrainingRows:
             input_ids[index, : len(row)] = row
         return cls(input_ids, lengths, torch.tensor(starts if starts is not None else [0] * len(rows)))
 
+    def select(
+        self,
+        # [B] row indices
+        rows: torch.Tensor,
+    ) -> TrainingRows:
+        """Those rows alone, in that order (their padding kept: every row keeps the width of the others)."""
+        return TrainingRows(self.input_ids[rows], self.lengths[rows], self.starts[rows])
+
     def real(
         self,
         # [B] row indices

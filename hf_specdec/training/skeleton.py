@@ -158,7 +158,10 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
                          f"{len(rows.input_ids)} rows leaves none to train on; hold out fewer")
     trained_rows, held_out = split_rows(len(rows.input_ids), config.eval_rows, config.seed)
     torch.manual_seed(config.seed)
-    objective = make_objective(config, target, rows)
+    # what the objective reads of the rows (a draft vocabulary's token counts, a tree fitted after training) comes
+    # from the training rows alone, so the held-out rows stay unseen
+    training = rows.select(trained_rows)
+    objective = make_objective(config, target, training)
     layers = objective.feature_layers
     cache = None
     if layers is not None and config.cache_features:
@@ -209,7 +212,7 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
     result = {"steps": config.steps, "loss_history": history, "metrics_history": metrics_history,
               "eval_history": eval_history, "config": {k: str(v) for k, v in asdict(config).items()}}
     if accelerator.is_main_process:
-        accelerator.unwrap_model(objective).save(config.out, target, rows, result)
+        accelerator.unwrap_model(objective).save(config.out, target, training, result)
         (config.out / METRICS_FILE).write_text(json.dumps(result, indent=2, sort_keys=True))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroys the process group: one left to the interpreter's exit can abort a rank

@@ -89,6 +89,33 @@ def test_training_never_draws_a_held_out_row_and_measuring_changes_no_step(base,
     assert [row for index in measured for row in index] == sorted(held)
 
 
+def test_the_objective_reads_the_training_rows_alone(base, tmp_path, monkeypatch):
+    """What an objective reads of the rows when it is built (EAGLE-3's draft vocabulary) and when it is saved
+    (Medusa's tree) leaves the held-out rows out."""
+    from hf_specdec.training import eagle
+
+    seen = {}
+    make = eagle.make_objective
+
+    def recording(config, target, rows):
+        seen.setdefault("made", []).append(len(rows.input_ids))
+        objective = make(config, target, rows)
+        save = objective.save
+
+        def saving(out, target, rows, result):
+            seen.setdefault("saved", []).append(len(rows.input_ids))
+            save(out, target, rows, result)
+
+        objective.save = saving
+        return objective
+
+    monkeypatch.setattr(eagle, "make_objective", recording)
+    _train(base, tmp_path / "held", 2, "--eval-rows", "8")
+    _train(base, tmp_path / "all", 2)
+    count = _rows(base, tmp_path)
+    assert seen == {"made": [count - 8, count], "saved": [count - 8, count]}
+
+
 def test_the_held_out_loss_sees_a_drafter_learn_its_few_rows_by_heart(base, tmp_path):
     held_out = _rows(base, tmp_path) - 4  # 4 rows to train on
     result = _train(base, tmp_path / "run", 150, "--eval-rows", str(held_out), "--eval-every", "150",
