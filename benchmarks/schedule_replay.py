@@ -19,6 +19,13 @@ fixed k, for each value of `estimates.ACCEPTANCE_RATE` given. N-gram lookup runs
 each position (the prompt, rebuilt with the model's tokenizer, and the recorded output) gives the draft, which
 plain steps look ahead with, and its class (the matched n-gram's length); `--step-slope s` replaces the recorded
 step times by `plain * (1 + s * width)` (float32 on a CPU is about 0.135: a step of width 5 cost 1.67 plain steps).
+
+Every step takes its width's median time unless `--sampled-times SEEDS`: then each step's time is drawn from the
+recorded steps of its width (`record` keeps them all; `retime FILE [--timing-prompts N]` measures a recording's step
+times again with them), stalls included, and the speedups are averaged over that many seeded replays:
+
+    python benchmarks/schedule_replay.py retime replay_random.json --timing-prompts 16
+    python benchmarks/schedule_replay.py replay replay_random.json --sampled-times 8
 """
 
 from __future__ import annotations
