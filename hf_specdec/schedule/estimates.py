@@ -31,8 +31,9 @@ ACCEPTANCE_PRIOR = 0.7
 # a width's step time at a batch size is the median of its last TIME_WINDOW measurements: a stall (a step two to
 # three times its usual length, several in a row when the machine is busy) does not move it, a lasting change does
 # within half the window. A moving average rose with every stall, and a width whose average a stall had raised was
-# left by the decision and not measured again: on a CPU at batch 1 the EAGLE-3 head's width-1 steps took 1.08 plain
-# steps in median, and the average read 1.19 at the steps the schedule left plain (`benchmarks/schedule_trace.py`)
+# left by the decision and not measured again: in one traced run on a CPU at batch 1 (the setting of
+# `benchmarks/schedule_trace.py`) the EAGLE-3 head's width-1 steps took 1.08 plain steps in median, and the average
+# read 1.19 at the steps the schedule left plain
 TIME_WINDOW = 9
 # before a width is measured at a batch size: a step of width w costs (1 + PRIOR_SLOPE * w) plain steps
 PRIOR_SLOPE = 0.1
