@@ -134,6 +134,7 @@ class Schedule:
         self.accepted_total = np.zeros(batch_size, dtype=np.int64)
         self.method_steps = {method: np.zeros(batch_size, dtype=np.int64) for method in self.costs}
         self.steps = 0
+        self.drafted = False  # whether a step of this call drafted yet
         self.plain_run = 0  # plain steps in a row
         # plain steps in a row after which due rows may widen a step: where drafting has not paid at this batch size,
         # the wait earlier calls' probes had grown to (a call's probes would otherwise start over every call)
@@ -307,9 +308,14 @@ class Schedule:
         width = decision.width if depths is None else min(decision.width, proposal.tree.max_depth)
         accepted = np.asarray(state.host.num_accepted)
         table = self.costs[self.method]
-        # a step that compiled a graph (a shape met first: seconds to minutes on a CPU) is not a step time
+        # a step that compiled a graph (a shape met first: seconds to minutes on a CPU) is not a step time, nor a
+        # call's first drafting step: a model drafter reads the prompt in it (the EAGLE-3 head on SmolLM2 at batch
+        # 1: 7 ms more than its later steps, 13% of a plain step), a cost of the call whatever the width, and the
+        # wide widths a new call's prior drafts at were measured mostly there and kept that time
         compiled = self.graphs_compiled() != self.graphs
-        if not compiled and (self.adaptive or len(self.costs) > 1):
+        first_draft = decision.width > 0 and not self.drafted
+        self.drafted |= decision.width > 0
+        if not compiled and not first_draft and (self.adaptive or len(self.costs) > 1):
             table.observe(self.rows_computed, width, seconds)
             # what the width the decision chose delivered (a host proposer may verify less than it allowed); one
             # row's steps are its own, and its estimates decide for it

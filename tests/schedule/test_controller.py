@@ -127,10 +127,26 @@ def test_measured_step_times_drive_the_decision():
         clock = FakeClock(lambda width, s=slope: 1.0 + s * width)
         costs = CostTable()
         history = simulate(_schedule(costs, clock=clock), 1, accept, steps=80, clock=clock)
-        assert (1, 0) in costs.times and (1, 4) in costs.times  # the first steps calibrate: width 4, then plain
-        assert history[1].tolist() == [0]
+        # the first steps calibrate: width 4 (not timed: a call's first drafting step reads the prompt), a plain
+        # step, then drafting widths
+        assert history[0].tolist() == [4] and history[1].tolist() == [0]
+        assert (1, 0) in costs.times and any(width for _, width in costs.times)
         plain_share = (history[20:] == 0).mean()
         assert (plain_share > 0.7) if expect_off else (plain_share < 0.2), (slope, history.ravel().tolist())
+
+
+def test_a_calls_first_drafting_step_is_not_timed():
+    """A call's first drafting step carries the proposer's reading of the prompt (a cost of the call whatever the
+    width): its time stays out of the table, and the call's later drafting steps at that width are timed."""
+    clock = FakeClock(lambda width: 1.0 + 0.1 * width)
+    costs = CostTable()
+    history = simulate(_schedule(costs, clock=clock), 1, lambda step, limits: [limits[0]], steps=1, clock=clock)
+    assert history[0].tolist() == [4] and costs.times == {}
+    history = simulate(_schedule(costs, clock=clock), 1, lambda step, limits: [limits[0]], steps=6, clock=clock)
+    drafting = history[:, 0] > 0
+    assert drafting[0] and drafting.sum() >= 3 and costs.times[(1, 0)] == 1.0
+    # a new call's first drafting step is again left out: every later drafting step is timed
+    assert sum(len(costs.recent[key]) for key in costs.recent if key[1] > 0) == drafting.sum() - 1
 
 
 def test_a_stale_plain_step_time_is_measured_again():
