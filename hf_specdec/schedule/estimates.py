@@ -184,15 +184,17 @@ class CostTable:
         this width's comes down to it: a narrower step does not cost more than a wider one, and a width the decision
         stops choosing because of a high estimate is not measured again to correct it."""
         key = (batch_size, width)
-        window = self.recent.setdefault(key, deque(maxlen=TIME_WINDOW))
-        window.append(seconds)
-        self.times[key] = float(np.median(window))
+        self._keep(key, [*self.recent.get(key, ()), seconds])
         for narrower in range(1, width):  # the plain step's estimate is its own (`plain_due` refreshes it)
             if self.times.get((batch_size, narrower), 0.0) > self.times[key]:
-                self.times[(batch_size, narrower)] = self.times[key]
-                self.recent[(batch_size, narrower)] = deque([self.times[key]], maxlen=TIME_WINDOW)
+                self._keep((batch_size, narrower), [self.times[key]])
         self.samples[batch_size] = self.samples.get(batch_size, 0) + 1
         self.last_measured[key] = self.samples[batch_size]
+
+    def _keep(self, key: tuple[int, int], measurements: list[float]) -> None:
+        """The last `TIME_WINDOW` of `measurements` become the window of `key`, and their median its estimate."""
+        self.recent[key] = deque(measurements, maxlen=TIME_WINDOW)
+        self.times[key] = float(np.median(self.recent[key]))
 
     def plain_due(self, batch_size: int) -> bool:
         """Whether the next step at this batch size should be plain, to measure the plain step's time: never
