@@ -4,9 +4,9 @@
 
 SmolLM2-135M-Instruct in bf16, 1 thread, greedy, k <= 5, each prompt one call, the calls in sequence as in one
 process (`--rounds` passes over the prompts; the last is reported, the earlier ones warm the step-time table and
-the estimates). It hooks the schedule's decision (`Schedule.plan`) and its step-time table (`CostTable.observe`)
-and prints: each width's measured step times (median, in ms and in plain steps), the table's predicted step times
-and the row's acceptance estimates averaged over the steps the schedule left plain and over those it drafted, and
+the estimates). It hooks the schedule's decision (`Schedule.plan`) and its step timing (`Schedule.observe`) and
+prints: each width's measured step times (median, in ms and in plain steps; a call's first drafting steps, which
+the table leaves out, apart), the table's step times at the end, its predicted step times and the row's acceptance estimates averaged over the steps the schedule left plain and over those it drafted, and
 the histogram of draft limits.
 """
 
@@ -51,8 +51,12 @@ def main() -> None:
         config = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
 
     decisions: list[dict] = []
+    # every step's time by width as the schedule measures it; a call's first drafting steps apart (left out of the
+    # table: the drafter reads the prompt in them)
     seconds: dict[int, list[float]] = defaultdict(list)
-    plan, observe = controller.Schedule.plan, estimates.CostTable.observe
+    first_seconds: dict[int, list[float]] = defaultdict(list)
+    plan, observe = controller.Schedule.plan, controller.Schedule.observe
+    tables: list[estimates.CostTable] = []
 
     def traced_plan(self, state, rows_computed):
         decision = plan(self, state, rows_computed)
@@ -61,27 +65,36 @@ def main() -> None:
                           "estimate": self.acceptance[None].values[0].copy()})
         return decision
 
-    def traced_observe(self, batch_size, width, step_seconds):
-        seconds[width].append(step_seconds)
-        return observe(self, batch_size, width, step_seconds)
+    def traced_observe(self, state, proposal):
+        width = self.decision.width
+        (first_seconds if width and not self.drafted else seconds)[width].append(self.clock() - self.started)
+        tables[:] = [self.costs[None]]
+        return observe(self, state, proposal)
 
-    controller.Schedule.plan, estimates.CostTable.observe = traced_plan, traced_observe
+    controller.Schedule.plan, controller.Schedule.observe = traced_plan, traced_observe
     try:
         for _ in range(args.rounds):
             decisions.clear()
             seconds.clear()
+            first_seconds.clear()
             for ids in prompts:
                 hf_specdec.generate(target, torch.tensor([ids]), speculative=config,
                                     max_new_tokens=args.max_new_tokens, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id)
     finally:
-        controller.Schedule.plan, estimates.CostTable.observe = plan, observe
+        controller.Schedule.plan, controller.Schedule.observe = plan, observe
 
     plain_ms = statistics.median(seconds[0]) * 1000 if seconds[0] else float("nan")
     print(f"{args.method} on {args.workload}, last of {args.rounds} rounds: {len(decisions)} steps")
     print("measured step time by width (median): " + ", ".join(
         f"{w}: {statistics.median(s) * 1000:.1f} ms = {statistics.median(s) * 1000 / plain_ms:.2f} plain "
         f"({len(s)} steps)" for w, s in sorted(seconds.items())))
+    print("a call's first drafting step by width (median, not in the table): " + ", ".join(
+        f"{w}: {statistics.median(s) * 1000:.1f} ms = {statistics.median(s) * 1000 / plain_ms:.2f} plain "
+        f"({len(s)} steps)" for w, s in sorted(first_seconds.items())))
+    table = tables[0]
+    print("the table's step times at the end (plain steps): " + ", ".join(
+        f"{w}: {t / table.times[(1, 0)]:.2f}" for (_, w), t in sorted(table.times.items())))
     print("draft limits:", dict(sorted(Counter(d["limit"] for d in decisions).items())))
     for name, chosen in (("plain", [d for d in decisions if d["limit"] == 0]),
                          ("drafting", [d for d in decisions if d["limit"] > 0])):

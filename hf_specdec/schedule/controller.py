@@ -310,8 +310,8 @@ class Schedule:
         table = self.costs[self.method]
         # a step that compiled a graph (a shape met first: seconds to minutes on a CPU) is not a step time, nor a
         # call's first drafting step: a model drafter reads the prompt in it (the EAGLE-3 head on SmolLM2 at batch
-        # 1: 7 ms more than its later steps, 12% of a plain step), a cost of the call whatever the width, and the
-        # wide widths a new call's prior drafts at were measured mostly there and kept that time
+        # 1: 6 ms more than its later steps, a tenth of a plain step, `benchmarks/schedule_trace.py`), a cost of the
+        # call whatever the width, and the wide widths a new call's prior drafts at were measured mostly there
         compiled = self.graphs_compiled() != self.graphs
         first_draft = decision.width > 0 and not self.drafted
         self.drafted |= decision.width > 0
