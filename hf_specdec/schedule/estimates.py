@@ -28,13 +28,23 @@ CLASS_PRIOR_COUNT = 2
 DRAFT_RATE_WEIGHT = 0.3
 # acceptance assumed before a row's first observation at a position (optimistic: a new row drafts, and measures)
 ACCEPTANCE_PRIOR = 0.7
-# a width's step time at a batch size is the median of its last TIME_WINDOW measurements: a stall (a step two to
-# three times its usual length, several in a row when the machine is busy) does not move it, a lasting change does
-# within half the window. A moving average rose with every stall, and a width whose average a stall had raised was
-# left by the decision and not measured again: in one traced run on a CPU at batch 1 (the setting of
-# `benchmarks/schedule_trace.py`) the EAGLE-3 head's width-1 steps took 1.08 plain steps in median, and the average
-# read 1.19 at the steps the schedule left plain
+# a width's step time at a batch size is the lower quartile (TIME_QUANTILE) of its last TIME_WINDOW measurements.
+# The noise of a step's time is one-sided (a stall, two to three times a step's usual length, only adds), and on a
+# busy machine stalls come in runs of several steps, which land on whatever width the schedule chose then: the
+# decision then leaves a width whose estimate a run raised and does not measure it again. A moving average rose with
+# every stall (in one traced run on a CPU at batch 1, the setting of `benchmarks/schedule_trace.py`, the EAGLE-3
+# head's width-1 steps took 1.08 plain steps in median, and the average read 1.19 at the steps the schedule left
+# plain); the median of the window with a run of five (in a later trace width 2 read 1.5 plain steps after five
+# stalls in a row, 1.23 measured in median over the run). The lower quartile moves only once 7 of the 9 are slow: a
+# lasting change (a longer context) moves it, a run of stalls does not
 TIME_WINDOW = 9
+TIME_QUANTILE = 0.25
+# a drafting width measured fewer than SETTLED_SAMPLES times at a batch size (once or twice: in the process's first
+# call, whose shapes are new to the machine, or in a stall) reads at most the line through the settled widths there.
+# Read high, the decision would leave it and never measure it again (in one traced run on a CPU widths 3 to 5 kept
+# the 1.8 to 1.9 plain steps of their first steps, against 1.3 to 1.45 measured in a run before); read on the line
+# it is chosen where it pays, and measured until it settles on its own measurements
+SETTLED_SAMPLES = 3
 # before a width is measured at a batch size: a step of width w costs (1 + PRIOR_SLOPE * w) plain steps
 PRIOR_SLOPE = 0.1
 # samples at a batch size after which the line through its measured step times is refitted
@@ -151,9 +161,10 @@ class AcceptanceEstimate:
 
 
 class CostTable:
-    """Wall time of a step, by (rows computed, width): medians of recent measurements, and a prediction for every
+    """Wall time of a step, by (rows computed, width): lower quartiles of recent measurements, and a prediction for every
     width at a batch size (measured widths as measured; the others on a line through the measured ones, or the
-    prior slope from a single one).
+    prior slope from a single one; where two or more widths have settled, `SETTLED_SAMPLES` measurements or more,
+    the line goes through those alone, and a drafting width not settled reads at most the line).
 
     The line through a batch size's measurements is fitted once and kept: refitted when a width is measured there
     for the first time, and otherwise after `REFIT_SAMPLES` more samples at that batch size (measured widths always
@@ -162,7 +173,7 @@ class CostTable:
     def __init__(self) -> None:
         # [K]: the acceptance estimates rows ended earlier calls with, averaged (a new call's rows start there)
         self.acceptance: np.ndarray | None = None
-        # per (batch size, width): the estimate (the median of `recent`), and the last measurements
+        # per (batch size, width): the estimate (the lower quartile of `recent`), and the last measurements
         self.times: dict[tuple[int, int], float] = {}
         self.recent: dict[tuple[int, int], deque] = {}
         # acceptance by draft class (`Proposer.draft_classes`), pooled over the rows of every call (`class_estimate`)
@@ -192,9 +203,10 @@ class CostTable:
         self.last_measured[key] = self.samples[batch_size]
 
     def _keep(self, key: tuple[int, int], measurements: list[float]) -> None:
-        """The last `TIME_WINDOW` of `measurements` become the window of `key`, and their median its estimate."""
+        """The last `TIME_WINDOW` of `measurements` become the window of `key`, and their lower quartile its
+        estimate."""
         self.recent[key] = deque(measurements, maxlen=TIME_WINDOW)
-        self.times[key] = float(np.median(self.recent[key]))
+        self.times[key] = float(np.quantile(self.recent[key], TIME_QUANTILE))
 
     def plain_due(self, batch_size: int) -> bool:
         """Whether the next step at this batch size should be plain, to measure the plain step's time: never
@@ -274,17 +286,20 @@ class CostTable:
         # the nearest batch size measured stands in for one never measured (ratios between widths vary slowly)
         source = min(sizes, key=lambda b: (abs(np.log(b / batch_size)), b))
         points = {w: t for (b, w), t in self.times.items() if b == source}
-        measured = sorted(points)
-        if len(measured) == 1:
-            base = points[measured[0]] / (1.0 + PRIOR_SLOPE * measured[0])
-            line = base * (1.0 + PRIOR_SLOPE * widths)
+        settled = {w: t for w, t in points.items() if len(self.recent[(source, w)]) >= SETTLED_SAMPLES}
+        fitted = settled if len(settled) >= 2 else points
+        if len(fitted) == 1:
+            (only, seconds), = fitted.items()
+            line = seconds / (1.0 + PRIOR_SLOPE * only) * (1.0 + PRIOR_SLOPE * widths)
         else:
-            slope, intercept = self.line(source, points)
+            slope, intercept = self.line(source, fitted)
             line = intercept + max(slope, 0.0) * widths
-            line = np.maximum(line, min(points.values()) * 0.5)
+            line = np.maximum(line, min(fitted.values()) * 0.5)
         for w, t in points.items():
             if w <= max_k:
-                line[w] = t
+                # a drafting width not yet settled reads at most the line through the settled ones (the plain
+                # step is its own: `plain_due` measures it again)
+                line[w] = t if w in fitted or w == 0 else min(t, line[w])
         return np.maximum.accumulate(line)  # a wider step never costs less than a narrower one
 
     def line(self, batch_size: int, points: dict[int, float]) -> tuple[float, float]:

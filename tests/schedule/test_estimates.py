@@ -14,6 +14,8 @@ from hf_specdec.schedule.estimates import (
     PLAIN_REFRESH,
     PRIOR_SLOPE,
     REFIT_SAMPLES,
+    SETTLED_SAMPLES,
+    TIME_QUANTILE,
     TIME_WINDOW,
     AcceptanceEstimate,
     CostTable,
@@ -73,7 +75,7 @@ def test_the_line_is_refitted_on_a_new_width_or_after_refit_samples():
     table.observe(2, 0, 1.0)
     table.observe(2, 4, 2.0)
     np.testing.assert_allclose(table.predict(2, 4), [1.0, 1.25, 1.5, 1.75, 2.0])
-    table.observe(2, 4, 1.0)  # the width-4 average falls to 1.5
+    table.observe(2, 4, 4 / 3)  # the width-4 estimate falls to 1.5 (the lower quartile of 2 and 4/3)
     # the kept line at widths 1-3 (never below a narrower width: 1.75 at 4), not the refit's 1.125, 1.25, 1.375
     np.testing.assert_allclose(table.predict(2, 4), [1.0, 1.25, 1.5, 1.75, 1.75])
     table.observe(2, 2, 1.25)  # a new width: refitted through (0, 1), (2, 1.25), (4, 1.5)
@@ -89,23 +91,23 @@ def test_the_line_is_refitted_on_a_new_width_or_after_refit_samples():
     assert table.predict(2, 4)[1] == pytest.approx(intercept + slope)
 
 
-def test_a_step_time_is_the_median_of_its_recent_measurements():
-    """Stalls, even two in a row, leave the estimate where the usual steps put it; a lasting change moves it within
-    half the window; measurements older than the window are forgotten."""
+def test_a_step_time_is_the_lower_quartile_of_its_recent_measurements():
+    """Stalls, even a run of five in a row (more than half the window), leave the estimate where the usual steps put
+    it; a lasting change moves it once 7 of the 9 measurements are slower; measurements older than the window are
+    forgotten."""
+    assert (TIME_WINDOW, TIME_QUANTILE) == (9, 0.25)
     table = CostTable()
     table.observe(1, 2, 10.0)  # a first step's warm-up: the only measurement
     assert table.times[(1, 2)] == 10.0
-    table.observe(1, 2, 1.0)
-    table.observe(1, 2, 1.0)
-    assert table.times[(1, 2)] == 1.0
-    for _ in range(3):
+    for _ in range(4):
         table.observe(1, 2, 1.0)
-    table.observe(1, 2, 3.0)
-    table.observe(1, 2, 2.5)  # two stalls in a row
+    assert table.times[(1, 2)] == 1.0
+    for _ in range(5):
+        table.observe(1, 2, 3.0)  # a run of stalls, the warm-up forgotten
     assert table.times[(1, 2)] == 1.0
     for _ in range(TIME_WINDOW):
         table.observe(1, 2, 1.0)
-    for _ in range(TIME_WINDOW // 2):
+    for _ in range(6):
         table.observe(1, 2, 2.0)  # the steps got slower (a longer context)
     assert table.times[(1, 2)] == 1.0
     table.observe(1, 2, 2.0)
@@ -113,6 +115,35 @@ def test_a_step_time_is_the_median_of_its_recent_measurements():
     for _ in range(TIME_WINDOW):
         table.observe(1, 2, 1.5)
     assert table.times[(1, 2)] == 1.5 and len(table.recent[(1, 2)]) == TIME_WINDOW
+
+
+def test_a_width_measured_high_a_few_times_reads_the_line_until_it_settles():
+    """Widths 3 and 5 measured once, slow (a first call's new shapes), read the line through the settled plain and
+    width-1 steps, and the settled widths alone carry the line; measured at that cost until settled, a width reads
+    its own median. With fewer than two settled widths every measured width reads its own."""
+    table = CostTable()
+    table.observe(1, 3, 1.9)
+    table.observe(1, 5, 1.9)
+    np.testing.assert_allclose(table.predict(1, 5)[[3, 5]], [1.9, 1.9])  # nothing settled: as measured
+    for _ in range(SETTLED_SAMPLES):
+        table.observe(1, 0, 1.0)
+        table.observe(1, 1, 1.1)
+    np.testing.assert_allclose(table.predict(1, 5), [1.0, 1.1, 1.2, 1.3, 1.4, 1.5])
+    for _ in range(SETTLED_SAMPLES - 2):
+        table.observe(1, 5, 1.9)
+    assert table.predict(1, 5)[5] == pytest.approx(1.5)  # still short of settled
+    table.observe(1, 5, 1.9)
+    predicted = table.predict(1, 5)
+    assert predicted[5] == pytest.approx(1.9)  # settled: its own
+    # the line now runs through widths 0, 1 and 5; width 3, not settled, reads the lower of its time and the line
+    slope, intercept = np.polyfit([0, 1, 5], [1.0, 1.1, 1.9], 1)
+    assert predicted[3] == pytest.approx(min(1.9, intercept + 3 * slope))
+    # the plain step, not settled, reads its own time (`plain_due` measures it again), not the line's 1.1
+    table.observe(2, 0, 1.5)
+    for _ in range(SETTLED_SAMPLES):
+        table.observe(2, 1, 1.2)
+        table.observe(2, 2, 1.3)
+    assert table.predict(2, 2)[0] == 1.5
 
 
 def test_predictions_never_fall_with_width():
@@ -204,16 +235,15 @@ def test_a_narrower_width_stalled_above_a_wider_one_comes_down_to_it():
     estimate is left to its own measurements."""
     table = CostTable()
     table.observe(1, 0, 1.5)
-    table.observe(1, 1, 1.1)
-    table.observe(1, 1, 2.0)
-    table.observe(1, 1, 2.0)  # stalls: the median rises to 2.0
+    for _ in range(3):
+        table.observe(1, 1, 2.0)  # measured in a run of stalls only
     assert table.times[(1, 1)] == pytest.approx(2.0)
     table.observe(1, 2, 1.2)
     assert table.times[(1, 1)] == pytest.approx(1.2)
     table.observe(1, 2, 1.1)
-    assert table.times[(1, 1)] == pytest.approx(1.15) == table.times[(1, 2)]
+    assert table.times[(1, 1)] == pytest.approx(1.125) == table.times[(1, 2)]
     assert table.times[(1, 0)] == 1.5
     table.observe(1, 1, 1.0)  # its own measurements move it below the wider width again
     assert table.times[(1, 1)] < table.times[(1, 2)]
     table.observe(2, 2, 0.5)  # another batch size's steps leave this one's alone
-    assert table.times[(1, 1)] == pytest.approx(1.075)
+    assert table.times[(1, 1)] == pytest.approx(1.03125)
