@@ -6,8 +6,9 @@ SmolLM2-135M-Instruct in bf16, 1 thread, greedy, k <= 5, each prompt one call, t
 process (`--rounds` passes over the prompts; the last is reported, the earlier ones warm the step-time table and
 the estimates). It hooks the schedule's decision (`Schedule.plan`) and its step timing (`Schedule.observe`) and
 prints: each width's measured step times (median, in ms and in plain steps; a call's first drafting steps, which
-the table leaves out, apart), the table's step times at the end, its predicted step times and the row's acceptance estimates averaged over the steps the schedule left plain and over those it drafted, and
-the histogram of draft limits.
+the table leaves out, apart), the table's step times at the end, the share of steps at which the table predicted a
+width over 10% above its measured median, its predicted step times and the row's acceptance estimates averaged over
+the steps the schedule left plain and over those it drafted, and the histogram of draft limits.
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def main() -> None:
     table = tables[0]
     print("the table's step times at the end (plain steps): " + ", ".join(
         f"{w}: {t / table.times[(1, 0)]:.2f}" for (_, w), t in sorted(table.times.items())))
+    # how often the decision read a width's cost well above what its steps took over the round (a width read high
+    # is left, and not measured again to correct it)
+    print("steps at which a width's predicted time stood over 10% above its measured median: " + ", ".join(
+        f"{w}: {np.mean([d['times'][w] > 1.1 * statistics.median(s) * 1000 / plain_ms for d in decisions]):.0%}"
+        for w, s in sorted(seconds.items()) if w and w < len(decisions[0]["times"])))
     print("draft limits:", dict(sorted(Counter(d["limit"] for d in decisions).items())))
     for name, chosen in (("plain", [d for d in decisions if d["limit"] == 0]),
                          ("drafting", [d for d in decisions if d["limit"] > 0])):
