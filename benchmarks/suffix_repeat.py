@@ -22,7 +22,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.suffix import SuffixCache, SuffixConfig
 from hf_specdec.testbed.real_model import load_real_model
-from hf_specdec.testbed.repeated_tasks import repeated_task_prompts
+from hf_specdec.testbed.repeated_tasks import greedy_answers, repeated_task_prompts
 
 
 def parts(count: int) -> dict[str, slice]:
@@ -45,12 +45,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_real_model(dtype=getattr(torch, args.dtype), progress=False)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-
-    def answer(ids: list[int]) -> str:
-        out = model.generate(torch.tensor([ids]), **kwargs)
-        return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-
-    prompts = [ids for _, ids in repeated_task_prompts(tokenizer, answer, num_per_part=args.num_per_part)]
+    prompts = [ids for _, ids in repeated_task_prompts(
+        tokenizer, greedy_answers(model, tokenizer, args.max_new_tokens), num_per_part=args.num_per_part)]
     configs = {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=args.k, schedule="fixed")}
     for factor in args.max_spec_factor:
         cache = SuffixCache(SuffixConfig(max_spec_factor=factor))

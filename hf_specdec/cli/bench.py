@@ -419,16 +419,11 @@ def load_prompts(args: argparse.Namespace, tokenizer, count: int, target=None) -
     """The workload's prompts: `count` test-bed prompts, or `count` per Spec-Bench category (or coding requests), or
     the repeated-task session of 4 * `count` requests (its second turns hold `target`'s greedy answers)."""
     if args.workload == "repeat":
-        from hf_specdec.testbed.repeated_tasks import repeated_task_prompts
-
-        def answer(ids: list[int]) -> str:
-            prompt = torch.tensor([ids], device=target.device)
-            out = target.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                  pad_token_id=tokenizer.pad_token_id)
-            return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+        from hf_specdec.testbed.repeated_tasks import greedy_answers, repeated_task_prompts
 
         try:
-            prompts = repeated_task_prompts(tokenizer, answer, num_per_part=count)
+            prompts = repeated_task_prompts(tokenizer, greedy_answers(target, tokenizer, args.max_new_tokens),
+                                            num_per_part=count)
         except ValueError as error:
             raise SystemExit(f"error: --workload repeat: {error}") from error
         return [Prompt(category, list(ids)) for category, ids in prompts]

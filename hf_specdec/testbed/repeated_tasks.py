@@ -21,6 +21,7 @@ import random
 import re
 from collections.abc import Callable
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from hf_specdec.testbed.spec_bench import SpecBenchQuestion, code_requests, load_spec_bench, render_chat
@@ -49,6 +50,19 @@ def vary(text: str, rng: random.Random) -> str:
     present = [word for word in SYNONYMS if re.search(rf"\b{word}\b", text)]
     word = rng.choice(present) if present else "Write"
     return re.sub(rf"\b{word}\b", SYNONYMS[word], text, count=1) if present else f"{text} Thanks."
+
+
+def greedy_answers(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                   max_new_tokens: int) -> Callable[[list[int]], str]:
+    """`answer` for `repeated_task_prompts`: `model`'s greedy answer text to a prompt (plain `generate`)."""
+
+    def answer(ids: list[int]) -> str:
+        prompt = torch.tensor([ids], device=model.device)
+        out = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+    return answer
 
 
 def repeated_task_prompts(

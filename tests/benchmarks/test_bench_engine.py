@@ -5,25 +5,11 @@ It checks what the benchmark reports, never how fast anything was.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
-import pytest
 
-BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine.py"
 DRAFTS = ("random", "distilled", "copy")
-
-
-def load_bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The script as a module (benchmarks/ is not a package); registered while the test runs, as dataclasses need."""
-    spec = importlib.util.spec_from_file_location("bench_engine", BENCH_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def expected_cases(batch_sizes: list[int]) -> set[tuple[int, str]]:
@@ -35,9 +21,9 @@ def expected_cases(batch_sizes: list[int]) -> set[tuple[int, str]]:
     return cases
 
 
-def test_quick_run_reports_every_case_equal_to_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quick_run_reports_every_case_equal_to_plain(tmp_path: Path, benchmark_script) -> None:
     out = tmp_path / "engine.json"
-    assert load_bench(monkeypatch).main(["--quick", "--json", str(out)]) == 0
+    assert benchmark_script("bench_engine").main(["--quick", "--json", str(out)]) == 0
 
     text = out.read_text()
     results = json.loads(text)

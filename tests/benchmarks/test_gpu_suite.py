@@ -1,21 +1,13 @@
 """The GPU command's pieces run where there is no GPU (smoke sizes; no speed is asserted)."""
 
-import importlib.util
 import math
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_step_overhead_smoke(tmp_path):
-    report = _module("step_overhead").main(["--smoke", "--json", str(tmp_path / "overhead.json")])
+def test_step_overhead_smoke(tmp_path, benchmark_script):
+    report = benchmark_script("step_overhead").main(["--smoke", "--json", str(tmp_path / "overhead.json")])
     cases = {(case["mode"], case["batch"]) for case in report["cases"]}
     assert cases == {("eager", 1), ("eager", 2), ("compiled", 1), ("compiled", 2)}
     # smoke sizes measure nothing (a step can even time below zero): the numbers only have to be there

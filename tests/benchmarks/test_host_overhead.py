@@ -1,15 +1,8 @@
 """benchmarks/host_overhead.py runs and prints every path (a smoke test; no speed is asserted)."""
 
-import importlib.util
-from pathlib import Path
 
-
-def test_host_overhead_script_runs(capsys):
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "host_overhead.py"
-    spec = importlib.util.spec_from_file_location("host_overhead", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(["--repeats", "1"])
+def test_host_overhead_script_runs(capsys, benchmark_script):
+    benchmark_script("host_overhead").main(["--repeats", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("transformers", "assistant", "hf"))]
     names = [row[:26].strip() for row in rows]
     assert names == ["transformers prompt lookup", "hf_specdec ngram", "assistant_model[random]",

@@ -1,18 +1,12 @@
 """benchmarks/low_precision_ties.py compares every method, the committed drafters included, with plain generate and
 writes its report; float32 outputs must all be identical (a smoke test at tiny sizes)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 
-def test_low_precision_ties_script_reports_every_method(tmp_path):
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "low_precision_ties.py"
-    spec = importlib.util.spec_from_file_location("low_precision_ties", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_low_precision_ties_script_reports_every_method(tmp_path, benchmark_script):
     out = tmp_path / "ties.json"
-    module.main(["--model", "testbed", "--prompts", "2", "--max-new-tokens", "6", "--json", str(out)])
+    benchmark_script("low_precision_ties").main(["--model", "testbed", "--prompts", "2", "--max-new-tokens", "6", "--json", str(out)])
     report = json.loads(out.read_text())
     names = {"ngram", "ngram_tree", "draft", "medusa_tree", "eagle_tree", "eagle3_tree"}
     expected = {f"{name}/{processors}" for name in names for processors in ("none", "processors")}

@@ -2,23 +2,13 @@
 recordings need the real model's tokenizer): n-gram lookup with lookahead and draft classes, and the model drafter's
 accepted counts."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
 
-def _module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "schedule_replay.py"
-    spec = importlib.util.spec_from_file_location("schedule_replay", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_replay_runs_fixed_and_adaptive_with_lookahead():
-    replay = _module()
+def test_replay_runs_fixed_and_adaptive_with_lookahead(benchmark_script):
+    replay = benchmark_script("schedule_replay")
     k = 3
     tokens = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 5]
     # n-gram outcomes per position: (lookup depth, accepted), a class and a chain; the model drafter's accepted counts

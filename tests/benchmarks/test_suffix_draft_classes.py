@@ -1,23 +1,13 @@
 """benchmarks/suffix_draft_classes.py: its match-length buckets are the schedule's draft classes, and its tables
 count what they are given (the real run needs the real model)."""
 
-import importlib.util
-from pathlib import Path
 
 from hf_specdec.proposers.suffix import MATCH_CLASS_BOUNDS, match_class
 from hf_specdec.suffix.draft import SuffixDraft
 
 
-def _module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "suffix_draft_classes.py"
-    spec = importlib.util.spec_from_file_location("suffix_draft_classes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_match_buckets_are_the_draft_classes():
-    module = _module()
+def test_match_buckets_are_the_draft_classes(benchmark_script):
+    module = benchmark_script("suffix_draft_classes")
     by_bucket: dict[str, set[int]] = {}
     for length in range(1, 3 * MATCH_CLASS_BOUNDS[-1]):
         draft = SuffixDraft((7,), (-1,), (1,), (1.0,), 1.0, length, source="local")
@@ -28,8 +18,8 @@ def test_match_buckets_are_the_draft_classes():
     assert module.match_bucket(100) == f"{MATCH_CLASS_BOUNDS[-1]}+"
 
 
-def test_tables_count_first_tokens_accepted():
-    module = _module()
+def test_tables_count_first_tokens_accepted(benchmark_script):
+    module = benchmark_script("suffix_draft_classes")
     records = [{"match": 1, "source": "local", "first_prob": 0.9, "accepted": 0},
                {"match": 1, "source": "global", "first_prob": 0.2, "accepted": 2},
                {"match": 10, "source": "local", "first_prob": 1.0, "accepted": 5}]

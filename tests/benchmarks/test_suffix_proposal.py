@@ -1,17 +1,8 @@
 """benchmarks/suffix_proposal.py runs and prints every cell (a smoke test; no speed is asserted)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
-
-def test_suffix_proposal_script_runs(capsys, monkeypatch):
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "suffix_proposal.py"
-    spec = importlib.util.spec_from_file_location("suffix_proposal", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "suffix_proposal", module)  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    module.main(["--requests", "0", "6", "--contexts", "64", "200", "--steps", "5", "--output-tokens", "40"])
+def test_suffix_proposal_script_runs(capsys, benchmark_script):
+    benchmark_script("suffix_proposal").main(["--requests", "0", "6", "--contexts", "64", "200", "--steps", "5", "--output-tokens", "40"])
     lines = capsys.readouterr().out.splitlines()
     cells = [line.split()[:3] for line in lines if line.split()[0].isdigit()]
     assert cells == [["0", "64", "novel"], ["0", "200", "novel"], ["6", "64", "novel"], ["6", "64", "repeat"],
