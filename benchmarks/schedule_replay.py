@@ -233,7 +233,7 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: Ste
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=max_k, schedule=schedule,
                                disable_by_batch_size=100 if schedule == "fixed" else None)
     current = [0]  # the replayed row's draft class at this step
-    engine = dict(looks_ahead=True, draft_classes=controller.DraftClasses(lambda state: np.array(current), 3)
+    engine = dict(looks_ahead=True, draft_classes={None: controller.DraftClasses(lambda state: np.array(current), 3)}
                   ) if lookups is not None else {}
     plan = controller.Schedule(config, max_k, {None: CostTable()}, static_shapes=False, clock=lambda: clock[0],
                                **engine)

@@ -227,11 +227,11 @@ class SpeculativeConfig:
                     f"{describe(self.heads)}{method_hint(self.heads)}"
                 )
         elif self.method == "auto" and self.heads is not None:
-            if not isinstance(self.heads, heads_class("medusa")):
+            if self.heads_method is None:
                 raise ValueError(
-                    f"SpeculativeConfig.heads: method='auto' chooses among n-gram lookup, a draft model and Medusa "
-                    f"heads (stateless, so a step may skip them); got {describe(self.heads)}; use "
-                    f"method={'eagle'!r} for EAGLE heads"
+                    f"SpeculativeConfig.heads: method='auto' takes optional heads (MedusaHeads, an EagleHead or an "
+                    f"MlpSpeculator) to choose among with n-gram lookup and suffix decoding; got "
+                    f"{describe(self.heads)}{method_hint(self.heads)}"
                 )
         elif self.method == "mtp":
             if self.heads is not None and not is_mtp_model(self.heads):
@@ -309,19 +309,22 @@ class SpeculativeConfig:
                 self.num_speculative_tokens_per_batch_size, self.num_speculative_tokens)
 
     def _check_suffix(self) -> None:
-        """The suffix settings: only for method='suffix', valid, and agreeing with a `suffix_cache` given (whose
-        settings they then take)."""
-        names = SUFFIX_FIELDS + ("suffix_cache", "fallback", "fallback_min_score")
+        """The suffix settings: only for method='suffix' (and for 'auto', whose candidates include suffix decoding,
+        all but the hybrid's fallback), valid, and agreeing with a `suffix_cache` given (whose settings they then
+        take)."""
         defaults = {f.name: f.default for f in fields(self)}
-        if self.method != "suffix":
-            given = [name for name in names if getattr(self, name) != defaults[name]]
-            if given:
-                raise ValueError(
-                    f"SpeculativeConfig.{given[0]}: a suffix decoding setting; only method='suffix' uses it, got "
-                    f"method={self.method!r}"
-                )
+        hybrid = ("fallback", "fallback_min_score")
+        names = {"suffix": (), "auto": hybrid}.get(self.method, SUFFIX_FIELDS + ("suffix_cache", *hybrid))
+        given = [name for name in names if getattr(self, name) != defaults[name]]
+        if given:
+            users = "method='suffix'" if given[0] in hybrid else "methods 'suffix' and 'auto'"
+            raise ValueError(
+                f"SpeculativeConfig.{given[0]}: a suffix decoding setting; only {users} use{'s' if given[0] in hybrid else ''} it, got "
+                f"method={self.method!r}"
+            )
+        if self.method not in ("suffix", "auto"):
             return
-        if self.tree_width != 1 or self.tree_total_tokens is not None:
+        if self.method == "suffix" and (self.tree_width != 1 or self.tree_total_tokens is not None):
             raise ValueError(
                 "SpeculativeConfig.tree_width: suffix drafts are token trees already (num_speculative_tokens nodes, "
                 "chosen best first by frequency); drop tree_width / tree_total_tokens with method='suffix'"
@@ -382,6 +385,12 @@ class SpeculativeConfig:
     def suffix_config(self) -> SuffixConfig:
         """The suffix trees' settings for method='suffix'."""
         return SuffixConfig(**{own: getattr(self, name) for name, own in zip(SUFFIX_FIELDS, SUFFIX_CONFIG_FIELDS)})
+
+    @property
+    def heads_method(self) -> str | None:
+        """The method `heads` are for (`"medusa"`, `"eagle"` or `"mlp_speculator"`; None without heads or for
+        anything else)."""
+        return next((method for method in HEADS_CLASS if isinstance(self.heads, heads_class(method))), None)
 
     @property
     def max_draft_depth(self) -> int:

@@ -75,7 +75,8 @@ from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
 CASES = ("plain", "draft", "draft-xtok", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator", "early_exit", "suffix",
-         "suffix+eagle", "suffix+draft", "auto", "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
+         "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto", "auto+draft", "auto+medusa", "auto+eagle",
+         "auto+eagle3", "auto+mlp_speculator", "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
 # hf_specdec's cases, which run under each --schedule
 SCHEDULED_CASES = tuple(case for case in CASES if case != "plain" and not case.startswith("hf-"))
 # an unpredictable workload: random token ids (nothing to look up, nothing a draft can guess)
@@ -94,11 +95,15 @@ OTHER_TOKENIZER_CASES = ("draft-xtok", "hf-uag")
 # which it sets only when some draft token is missing from the target's vocabulary
 GREEDY_ONLY_CASES = ("hf-uag",)
 # hybrid suffix cases and the case whose drafter they fall back to (with the same k)
-HYBRID_CASES = {"suffix+eagle": "eagle", "suffix+draft": "draft"}
+HYBRID_CASES = {"suffix+eagle": "eagle", "suffix+eagle3": "eagle3", "suffix+draft": "draft"}
+# method="auto" cases with a drafter beside n-gram lookup and suffix decoding (`auto` alone has none), and its case
+AUTO_CASES = {f"auto+{case}": case for case in ("draft", "medusa", "eagle", "eagle3", "mlp_speculator")}
+# every composite case and the case whose drafter it loads
+DRAFTER_OF = {**HYBRID_CASES, **AUTO_CASES}
 TESTBED_WORKLOADS = ("completion", "edit", "long")
 CHAT_WORKLOADS = ("spec-bench", "code", "repeat")
 OVERALL = "overall"
-NEEDS_DRAFT = ("draft", "hf-assistant", "suffix+draft", *OTHER_TOKENIZER_CASES)
+NEEDS_DRAFT = ("draft", "hf-assistant", "suffix+draft", "auto+draft", *OTHER_TOKENIZER_CASES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT_LOOKUP_MAX = 3
 LOW_EFFICIENCY = 0.8
@@ -203,6 +208,8 @@ class Measurement:
     estimated_accepted: float = 0.0
     scheduled_draft_tokens: int = 0
     scheduled_accepted: int = 0
+    # method="auto": row-steps each candidate drafted
+    method_steps: dict[str, int] = field(default_factory=dict)
     # None: not compared (sampling)
     identical: bool | None = True
 
@@ -231,7 +238,7 @@ def _methods(args: argparse.Namespace) -> list[str]:
     committed = _committed(args)
 
     def has_drafter(case: str) -> bool:
-        case = HYBRID_CASES.get(case, case)
+        case = DRAFTER_OF.get(case, case)
         kind = "draft" if case in NEEDS_DRAFT else case if case in HEAD_CASES else None
         if kind is None:
             return True
@@ -242,7 +249,7 @@ def _methods(args: argparse.Namespace) -> list[str]:
         return [c for c in CASES if has_drafter(c) and not (c in GREEDY_ONLY_CASES and args.temperature > 0)]
     for case in args.methods:
         if not has_drafter(case):
-            base = HYBRID_CASES.get(case, case)
+            base = DRAFTER_OF.get(case, case)
             option = "--" + HEAD_CASES[base].replace("_", "-") if base in HEAD_CASES else "--draft"
             given = "--model" if args.model is not None else "--target"
             raise SystemExit(f"error: --method {case} with {given} needs {option} (drafters are committed for the "
@@ -275,9 +282,11 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
     """hf_specdec's config for `case` (a hybrid's fallback keeps the default schedule: the hybrid's decides);
     draft-xtok drafts with `draft` under `other_tokenizer`."""
     common = dict(num_speculative_tokens=k, schedule=schedule)
-    if case == "auto":  # n-gram lookup, and the draft model and Medusa heads when loaded
-        return SpeculativeConfig(method="auto", draft_model=draft, heads=(heads or {}).get("medusa"),
-                                 prompt_lookup_max=PROMPT_LOOKUP_MAX, **common)
+    if case == "auto" or case in AUTO_CASES:  # n-gram lookup and suffix decoding (a cache of its own), and a drafter
+        base = AUTO_CASES.get(case)
+        drafter = dict(draft_model=draft) if base == "draft" else dict(heads=heads[base]) if base else {}
+        return SpeculativeConfig(method="auto", prompt_lookup_max=PROMPT_LOOKUP_MAX, suffix_cache=SuffixCache(),
+                                 **drafter, **common)
     if case == "suffix" or case in HYBRID_CASES:  # a cache of its own, emptied before each pass (`_measure`)
         fallback = _speculative_config(HYBRID_CASES[case], draft, k, 1, heads) if case in HYBRID_CASES else None
         return SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback, **common)
@@ -327,6 +336,10 @@ def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, h
     return generate, config
 
 
+def _add_steps(total: dict[str, int], steps: dict[str, int]) -> dict[str, int]:
+    return {m: total.get(m, 0) + steps.get(m, 0) for m in dict.fromkeys([*total, *steps])}
+
+
 def _add_counts(total: list[int], counts: list[int]) -> list[int]:
     """Per-position counts added up; an empty total starts from zeros."""
     return [a + b for a, b in zip(total or [0] * len(counts), counts)]
@@ -372,6 +385,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
                     m.estimated_accepted += stats.schedule.estimated_accepted_tokens
                     m.scheduled_draft_tokens += stats.schedule.scheduled_draft_tokens
                     m.scheduled_accepted += stats.schedule.scheduled_accepted_tokens
+                    m.method_steps = _add_steps(m.method_steps, stats.schedule.method_steps)
     finally:
         target_timer.close()
         draft_timer.close()
@@ -475,6 +489,7 @@ def _combine(parts: list[Measurement], category: str, concurrent: bool) -> Measu
             total.accepted_per_position = _add_counts(total.accepted_per_position, part.accepted_per_position)
         if part.k_histogram:
             total.k_histogram = _add_counts(total.k_histogram, part.k_histogram)
+        total.method_steps = _add_steps(total.method_steps, part.method_steps)
     total.seconds = statistics.median(total.repeat_seconds)
     return total
 
@@ -503,6 +518,7 @@ def summarize(m: Measurement, plain: Measurement, native: Measurement | None = N
         "plain_share": m.k_histogram[0] / sum(m.k_histogram) if sum(m.k_histogram) else None,
         "estimated_acceptance": m.estimated_accepted / m.scheduled_draft_tokens if m.scheduled_draft_tokens else None,
         "measured_acceptance": m.scheduled_accepted / m.scheduled_draft_tokens if m.scheduled_draft_tokens else None,
+        "method_steps": m.method_steps or None,
         "tokens_per_second": _rate(m),
         "speedup_vs_plain": speedup,
         # against transformers' matching path (same draft or lookup, same k) on the same prompts
@@ -546,6 +562,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if r["k_histogram"]:
             schedule = (f" | {r['k_histogram']} {r['plain_share']:.2f} {_fmt(r['estimated_acceptance'], '.2f')}/"
                         f"{_fmt(r['measured_acceptance'], '.2f')}")
+            if r["method_steps"]:  # method="auto": row-steps drafted by each candidate
+                schedule += " " + " ".join(f"{m}:{n}" for m, n in r["method_steps"].items())
         print(f"{r['category']:<{width}}{case:<24}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tree_width']:>3}"
               f"{r['tokens_per_second']:>9.1f}{r['speedup_vs_plain']:>8.2f}x{vs_hf:>8}"
               f"{_fmt(r['tokens_per_target_forward'], '.2f'):>9}"
@@ -725,7 +743,7 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     committed = _committed(args)
     needs_draft = any(case in NEEDS_DRAFT for case in args.methods)
     draft = _load_draft(args.draft, target, committed) if needs_draft else None
-    wanted = {HYBRID_CASES.get(case, case) for case in args.methods}
+    wanted = {DRAFTER_OF.get(case, case) for case in args.methods}
     heads = {case: _load_heads(case, getattr(args, option), target, committed)
              for case, option in HEAD_CASES.items() if case in wanted}
     other = None

@@ -1,11 +1,13 @@
 """`method="auto"`: each step drafts with the proposer the schedule expects to bring the most tokens per second.
 
 The candidates are every proposer the config makes available (`AUTO_CANDIDATES`: n-gram lookup and suffix
-decoding always, a draft model or Medusa heads when given, and any method registered later with
-`register_auto_candidate`). The schedule
-(`hf_specdec.schedule.controller`) keeps acceptance estimates and step times per candidate and names the step's
-proposer in `state.draft_method`; the others are told of the step (`Proposer.skip`) so they stay in step with
-the text. One proposal per step: every row drafts with the chosen proposer, each within its own limit.
+decoding always, a draft model and heads (Medusa heads, an EAGLE head or an MLP speculator) when given, and any
+method registered later with `register_auto_candidate`). The schedule (`hf_specdec.schedule.controller`) keeps
+acceptance estimates and step times per candidate (by draft class for n-gram lookup and suffix decoding: a lookup
+says before the step how long a context it matched, so a long match can win the step over a model drafter) and
+names the step's proposer in `state.draft_method`; the others are told of the step (`Proposer.skip`) so they stay
+in step with the text (an EAGLE head keeps the committed tokens' features and feeds them at its next draft). One
+proposal per step: every row drafts with the chosen proposer, each within its own limit.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from hf_specdec.compile import CompileSettings
-from hf_specdec.config import SpeculativeConfig
+from hf_specdec.config import SUFFIX_FIELDS, SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer, register_proposer
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
@@ -32,9 +34,14 @@ def register_auto_candidate(method: str, make_config: Callable[[SpeculativeConfi
 
 
 def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
+    """The candidate `method`'s config: the auto config's own settings (the suffix decoding ones for the suffix
+    candidate only), its drafter among `fields`."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
     values.update(draft_model=None, heads=None, tree_paths=None, tree_total_tokens=None, schedule="fixed",
                   disable_by_batch_size=None, num_speculative_tokens_per_batch_size=None)
+    if method != "suffix":
+        values.update({name: defaults[name] for name in (*SUFFIX_FIELDS, "suffix_cache")})
     values.update(method=method, **fields)
     return SpeculativeConfig(**values)
 
@@ -42,8 +49,12 @@ def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
 register_auto_candidate("ngram", lambda config: _as("ngram", config))
 register_auto_candidate("draft", lambda config: None if config.draft_model is None else _as(
     "draft", config, draft_model=config.draft_model, tree_total_tokens=config.tree_total_tokens))
-register_auto_candidate("medusa", lambda config: None if config.heads is None else _as(
+register_auto_candidate("medusa", lambda config: None if config.heads_method != "medusa" else _as(
     "medusa", config, heads=config.heads, tree_width=1))
+register_auto_candidate("eagle", lambda config: None if config.heads_method != "eagle" else _as(
+    "eagle", config, heads=config.heads, tree_total_tokens=config.tree_total_tokens))
+register_auto_candidate("mlp_speculator", lambda config: None if config.heads_method != "mlp_speculator" else _as(
+    "mlp_speculator", config, heads=config.heads, tree_total_tokens=config.tree_total_tokens))
 register_auto_candidate("suffix", lambda config: _as("suffix", config, tree_width=1))
 
 

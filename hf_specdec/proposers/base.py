@@ -120,6 +120,14 @@ class Proposer(ABC):
         n-gram an n-gram lookup matched; 0 for finished rows). Reads the committed text on the host only."""
         raise NotImplementedError(f"{type(self).__name__} does not tell its drafts apart")
 
+    # whether `draft_depths` says, before the schedule decides, how deep each row's draft goes
+    knows_draft_depths: bool = False
+
+    def draft_depths(self, state: DecodeState) -> np.ndarray:
+        """[B] int: how deep each row's draft goes now, called after `draft_classes` in the same step (suffix
+        decoding: its best tree's depth, often shorter than k; 0 for no draft). Reads the host only."""
+        raise NotImplementedError(f"{type(self).__name__} does not know its draft depths before drafting")
+
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Called after `state` took the step's tokens (finished rows are marked in `state.finished`, and
         `state.host` is up to date), with what the target accepted (`result.num_accepted`, and the accepted path

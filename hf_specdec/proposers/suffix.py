@@ -142,6 +142,13 @@ class SuffixProposer(Proposer):
         return np.asarray([match_class(self._draft(row, budget)) for row, budget in enumerate(budgets)],
                           dtype=np.int64)
 
+    knows_draft_depths = True
+
+    def draft_depths(self, state: DecodeState) -> np.ndarray:
+        """[B] the depth of each row's best draft (the lookups `draft_classes` made this step)."""
+        budgets = self._budgets(state)
+        return np.asarray([self._draft(row, budget).max_depth for row, budget in enumerate(budgets)], dtype=np.int64)
+
     def proposal(self, state: DecodeState, drafts: list[SuffixDraft]) -> Proposal:
         """The rows' drafts as one proposal: none when no row drafts, a chain when every draft is one (unless
         shapes are fixed: then always a tree of 1 + k nodes), else a token tree padded to the widest row."""

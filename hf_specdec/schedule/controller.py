@@ -26,7 +26,9 @@ its draft matched, bucketed; 0 for no draft) gets acceptance estimates per class
 every row and call (`CostTable.class_estimate`), from its drafts and its lookahead chains alike. A row without a
 draft expects nothing from drafting and gets no limit; no row probes (lookahead observes every class for free). The
 class is a function of the committed text (and, for suffix decoding, of earlier requests' outputs), so this stays
-as lossless as the rest.
+as lossless as the rest. Under `method="auto"` each candidate that tells its drafts apart keeps its own class
+estimates, and the others their per-row ones: a step weighs n-gram lookup's draft for a row by the length of the
+n-gram it matched against an EAGLE head's row estimate.
 
 The critical path: a call lasts as long as its rows with the most tokens left before `max_length`, so the width
 is chosen for those rows' tokens; the rows ahead of them draft within that width where their own estimates say
@@ -70,10 +72,13 @@ PROBE_BUDGET = 0.03
 @dataclass(frozen=True)
 class DraftClasses:
     """A host proposer's draft classes (`Proposer.draft_classes`): each row's class before a step (0: no draft), out
-    of `count` classes."""
+    of `count` classes, and, where the proposer knows it then (`Proposer.draft_depths`), how deep each row's draft
+    goes (a draft position past it brings nothing, whatever its class's estimate)."""
 
     of_rows: Callable[[DecodeState], np.ndarray]
     count: int
+    # [B] int: each row's draft depth, read after `of_rows` in the same step; None: as deep as allowed
+    depths: Callable[[DecodeState], np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -94,14 +99,18 @@ class Schedule:
         clock: Callable[[], float] = time.perf_counter,
         looks_ahead: bool = False,
         graphs_compiled: Callable[[], int] = graphs_compiled,
-        draft_classes: DraftClasses | None = None,
+        # per candidate (the keys of `costs`) that tells its drafts apart: its draft classes
+        draft_classes: dict[str | None, DraftClasses] | None = None,
     ) -> None:
         self.adaptive = config.schedule == "adaptive"
         # a single proposer that looks ahead: plain rows are checked against its lookahead
         self.looks_ahead = looks_ahead and self.adaptive and len(costs) == 1
-        # a single host proposer that tells its drafts apart (`Proposer.draft_classes`): each row's acceptance is its
-        # draft class's, pooled over all rows, and whether it drafts at all is known before the decision
-        self.draft_classes = draft_classes if self.adaptive and len(costs) == 1 else None
+        # host proposers that tell their drafts apart (`Proposer.draft_classes`): each row's acceptance is its draft
+        # class's, pooled over all rows, and whether it drafts at all is known before the decision
+        self.draft_classes = dict(draft_classes or {}) if self.adaptive else {}
+        unknown = set(self.draft_classes) - set(costs)
+        if unknown:
+            raise ValueError(f"Schedule: draft classes for {sorted(map(str, unknown))}, which are not candidates")
         self.max_k = max_k
         self.disable_by_batch_size = config.disable_by_batch_size
         self.per_batch_size = config.num_speculative_tokens_per_batch_size
@@ -123,10 +132,12 @@ class Schedule:
         self.lookahead_length = np.full(batch_size, -1)
         self.lookahead_matched = np.zeros(batch_size, dtype=int)
         self.lookahead_class = np.zeros(batch_size, dtype=int)  # the draft class of each row's lookahead chain
-        self.classes: np.ndarray | None = None  # [B] each row's draft class this step, with `draft_classes`
-        if self.draft_classes is not None:
-            (table,) = self.costs.values()
-            self.class_estimate = table.class_estimate(self.draft_classes.count, self.max_k)
+        # per candidate with draft classes: [B] each row's draft class this step (and draft depth, where known),
+        # and the classes' estimates
+        self.classes: dict[str | None, np.ndarray] = {}
+        self.depths: dict[str | None, np.ndarray] = {}
+        self.class_estimate = {method: self.costs[method].class_estimate(classes.count, self.max_k)
+                               for method, classes in self.draft_classes.items()}
         self.interval = np.full(batch_size, PROBE_INTERVAL)
         self.histogram = np.zeros((batch_size, self.max_k + 1), dtype=np.int64)
         self.estimated = np.zeros(batch_size)
@@ -163,11 +174,11 @@ class Schedule:
         widths = [w for w in self.widths if w <= cap] or [0]
         self.cap = cap
         probe = (self.idle >= self.interval) & active
-        if self.draft_classes is not None:
-            # whether a row has a draft, and its kind, are known now; lookahead observes every class for free, so
-            # no row probes
-            self.classes = np.asarray(self.draft_classes.of_rows(state)) if cap else np.zeros(len(active), dtype=int)
-            probe = np.zeros_like(active)
+        # whether a row has a draft, and its kind, are known now (a candidate with classes has no probes: see _weigh)
+        self.classes = {method: (np.asarray(classes.of_rows(state)) if cap else np.zeros(len(active), dtype=int))
+                        for method, classes in self.draft_classes.items()}
+        self.depths = {method: np.asarray(classes.depths(state)) for method, classes in self.draft_classes.items()
+                       if cap and classes.depths is not None}
         times = self.step_times(rows_computed)
         # (re)calibrate: a plain step measures the plain step's time where a candidate's is due
         # (`CostTable.plain_due`), from a call's second step on (its first drafts)
@@ -181,9 +192,10 @@ class Schedule:
             wait = max(wait, min((t[probe_length] - t[0]) / t[0] for t in times.values()) / PROBE_BUDGET)
         self.probe_alone = self.plain_run >= wait  # due rows may widen a plain step
         rows = np.arange(len(active))
-        if widths == [0] or (self.classes is not None and not (self.classes[active] > 0).any()):
-            # a plain step whatever the estimates say (no width to draft at, or no row with a draft): nothing to
-            # weigh; the first candidate takes it (as it would a tie)
+        no_draft = all(method in self.classes and not (self.classes[method][active] > 0).any() for method in times)
+        if widths == [0] or no_draft:
+            # a plain step whatever the estimates say (no width to draft at, or no row with a draft from any
+            # candidate): nothing to weigh; the first candidate takes it (as it would a tie)
             method = next(iter(times))
             decision = Decision(0, (0,) * len(active), float(active.sum()), float(times[method][0]))
             accepted = np.zeros((len(active), self.max_k + 1))
@@ -198,8 +210,8 @@ class Schedule:
         self.expected = accepted[rows, self.allowed]  # expected accepted drafts, how often the row drafts included
         state.set_draft_limits(list(decision.limits), decision.width)
         state.draft_method = method
-        # rows that probed: due and drafting (a due row in a plain step waits)
-        self.probed = probe & (np.asarray(decision.limits) > 0)
+        # rows that probed: due and drafting (a due row in a plain step waits; a candidate with classes has none)
+        self.probed = probe & (np.asarray(decision.limits) > 0) & (method not in self.classes)
         self.decision, self.method, self.active = decision, method, active
         self.rows_computed, self.started, self.graphs = rows_computed, self.clock(), self.graphs_compiled()
         return decision
@@ -222,15 +234,20 @@ class Schedule:
         best: tuple[float, str | None, Decision, np.ndarray] | None = None
         for method, step_time in times.items():
             estimate = self.acceptance[method]
-            values, draft_rate = estimate.values, estimate.draft_rate
-            if self.classes is not None:  # a row without a draft expects nothing from drafting: it gets no limit
-                values = np.where(self.classes[:, None] > 0, self.class_estimate.values[self.classes], 0.0)
-                draft_rate = np.ones(len(self.classes))
+            values, draft_rate, probing = estimate.values, estimate.draft_rate, probe
+            classes = self.classes.get(method)
+            if classes is not None:
+                # a row without a draft expects nothing from drafting: it gets no limit. No row probes: its class's
+                # estimate is pooled over every row (and, with lookahead, observed for free)
+                values = np.where(classes[:, None] > 0, self.class_estimate[method].values[classes], 0.0)
+                if method in self.depths:  # a position past the row's draft is not drafted at all
+                    values = np.where(np.arange(self.max_k)[None, :] < self.depths[method][:, None], values, 0.0)
+                draft_rate, probing = np.ones(len(classes)), np.zeros_like(probe)
             accepted = expected_accepted(values)  # [B, K + 1]: given that the row drafts
             if self.adaptive:
                 # widths whose steps delivered less than plain ones at this batch size: only probes draft at them
                 unpaid = self.costs[method].unpaid_widths(rows_computed, int(active.sum()))
-                decision = decide(accepted, step_time, active, probe, widths, probe_length, draft_rate,
+                decision = decide(accepted, step_time, active, probing, widths, probe_length, draft_rate,
                                   self.probe_alone, [w for w in widths if w not in unpaid], critical)
             else:
                 width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
@@ -261,8 +278,8 @@ class Schedule:
             self.lookahead_tokens[row, : chain.size] = chain
             self.lookahead_length[row] = chain.size
         self.lookahead_matched[rows] = 0
-        if self.classes is not None:
-            self.lookahead_class[rows] = self.classes[rows]
+        if self.method in self.classes:
+            self.lookahead_class[rows] = self.classes[self.method][rows]
 
     def _check_lookahead(self, state: DecodeState, drafted: np.ndarray) -> None:
         """Settle the lookahead chains against what the step emitted: a mismatch or a chain's end observes it as a
@@ -292,8 +309,8 @@ class Schedule:
         if settled.any():
             # an empty chain: asked for max_k, drafted none (the row's draft rate learns it)
             asked = np.where(settled, np.maximum(lengths, self.max_k * (lengths == 0)), 0)
-            if self.classes is not None:
-                self.class_estimate.update_classes(self.lookahead_class, asked, matched, lengths)
+            if self.method in self.classes:
+                self.class_estimate[self.method].update_classes(self.lookahead_class, asked, matched, lengths)
             else:
                 self.acceptance[self.method].update(asked, matched, lengths)
 
@@ -322,8 +339,8 @@ class Schedule:
             if width and self.rows_computed > 1:
                 table.observe_realized(self.rows_computed, decision.width, float(((accepted + 1) * self.active).sum()),
                                        seconds, int(self.active.sum()))
-        if self.classes is not None:
-            self.class_estimate.update_classes(self.classes, self.allowed, accepted, depths)
+        if self.method in self.classes:
+            self.class_estimate[self.method].update_classes(self.classes[self.method], self.allowed, accepted, depths)
         else:
             self.acceptance[self.method].update(self.allowed, accepted, depths)
         drafted = self.allowed > 0
@@ -374,13 +391,19 @@ def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer,
     """The step schedule `config` asks for; None for `schedule="fixed"` without batch-size rules (k every step)
     with a single proposer."""
     methods = getattr(proposer, "methods", None)
-    if methods is not None:  # method="auto": a step-time table per candidate
+    if methods is not None:  # method="auto": a step-time table per candidate, and the candidates' draft classes
         costs = {m: cost_table(model, proposer.candidate_cost_key(m, static_shapes)) for m in methods}
-        return Schedule(config, max_k, costs, static_shapes)
+        return Schedule(config, max_k, costs, static_shapes,
+                        draft_classes={m: _draft_classes(c) for m, c in proposer.candidates.items()
+                                       if c.num_draft_classes})
     if (config.schedule == "fixed" and config.disable_by_batch_size is None
             and config.num_speculative_tokens_per_batch_size is None):
         return None
     return Schedule(config, max_k, {None: cost_table(model, proposer.cost_key(config, static_shapes))},
                     static_shapes, looks_ahead=proposer.looks_ahead and proposer.reads_emitted_tokens,
-                    draft_classes=(DraftClasses(proposer.draft_classes, proposer.num_draft_classes)
-                                   if proposer.num_draft_classes else None))
+                    draft_classes={None: _draft_classes(proposer)} if proposer.num_draft_classes else None)
+
+
+def _draft_classes(proposer: Proposer) -> DraftClasses:
+    return DraftClasses(proposer.draft_classes, proposer.num_draft_classes,
+                        proposer.draft_depths if proposer.knows_draft_depths else None)

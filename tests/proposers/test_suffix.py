@@ -56,12 +56,18 @@ def test_bad_settings_name_the_field(options, message):
         SpeculativeConfig(method="suffix", **options)
 
 
-def test_suffix_settings_need_method_suffix():
+def test_suffix_settings_need_method_suffix_or_auto():
     with pytest.raises(ValueError, match=r"SpeculativeConfig.min_token_prob: a suffix decoding setting; only "
-                                         r"method='suffix' uses it, got method='ngram'"):
+                                         r"methods 'suffix' and 'auto' use it, got method='ngram'"):
         SpeculativeConfig(method="ngram", min_token_prob=0.5)
     with pytest.raises(ValueError, match=r"SpeculativeConfig.suffix_cache: a suffix decoding setting"):
         SpeculativeConfig(method="ngram", suffix_cache=SuffixCache())
+    # auto drafts with suffix decoding among its candidates, but has no hybrid fallback
+    cache = SuffixCache(SuffixConfig(max_depth=12))
+    assert SpeculativeConfig(method="auto", suffix_cache=cache).max_tree_depth == 12
+    with pytest.raises(ValueError, match=r"SpeculativeConfig.fallback_min_score: a suffix decoding setting; only "
+                                         r"method='suffix' uses it, got method='auto'"):
+        SpeculativeConfig(method="auto", fallback_min_score=1.0)
 
 
 def test_a_cache_gives_its_settings():

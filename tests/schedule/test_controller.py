@@ -429,7 +429,7 @@ def test_draft_classes_draft_where_their_class_pays_and_never_without_a_draft():
     costs = InjectedCosts(0.1)
     classes = np.array([1, 3, 0])
     schedule = Schedule(config, k, {None: costs}, static_shapes=False, looks_ahead=True,
-                        draft_classes=DraftClasses(lambda state: classes, 3))
+                        draft_classes={None: DraftClasses(lambda state: classes, 3)})
     state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
                               pad_token_id=0)
     schedule.start(batch)
@@ -461,7 +461,7 @@ def test_draft_classes_are_not_consulted_by_the_fixed_schedule():
     calls = []
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, schedule="fixed", disable_by_batch_size=8)
     schedule = Schedule(config, 3, {None: CostTable()}, static_shapes=False,
-                        draft_classes=DraftClasses(lambda state: calls.append(1) or np.zeros(2, dtype=int), 3))
+                        draft_classes={None: DraftClasses(lambda state: calls.append(1) or np.zeros(2, dtype=int), 3)})
     limits = simulate(schedule, 2, lambda step, limits: [0, 0], steps=5)
     assert not calls and (limits == 3).all()
 
@@ -521,3 +521,76 @@ def test_lookahead_chains_settle_at_their_first_mismatch_or_end_across_steps():
                           np.array([[2, 3, 8], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]))
     schedule._check_lookahead(state, np.zeros(batch, dtype=bool))
     assert observed[1] == ([4, 0, 0, 0, 0], [3, 0, 0, 0, 0], [4, 0, 0, 0, 0])
+
+
+def _auto_step(schedule: Schedule, state: DecodeState, accepted: dict, depths: dict | None = None) -> tuple:
+    """One step of a schedule with several candidates: the chosen candidate's rows accept `accepted[method]` (per
+    row) of what they drafted, at most their known depth. Returns (the candidate, the limits)."""
+    decision = schedule.plan(state, len(state.host.lengths))
+    method, limits = state.draft_method, list(decision.limits)
+    drafted = [min(limit, (depths or {}).get(method, [limit] * len(limits))[row]) for row, limit in enumerate(limits)]
+    taken = [min(a, d) for a, d in zip(accepted[method], drafted)]
+    host = state.host
+    state.host = HostView(host.lengths, host.finished, [a + 1 for a in taken], taken)
+    schedule.observe(state, SimpleNamespace(host_depths=drafted, tree=SimpleNamespace(max_depth=max(drafted))))
+    return method, limits
+
+
+def test_auto_weighs_a_lookups_draft_classes_against_a_model_drafters_row_estimates():
+    """method="auto" with a host lookup that tells its drafts apart (classes: 0 none, 1 a short match whose drafts
+    fail, 3 a long match whose drafts hold) and a model drafter accepted about half the time: a step goes to the
+    lookup where a row has a long match and to the model drafter where it has none or a short one, each learning
+    its own estimates (the lookup's by class, pooled; the model drafter's by row)."""
+    k = 4
+    config = SpeculativeConfig(method="auto", num_speculative_tokens=k)
+    costs = {"ngram": InjectedCosts(0.05), "eagle": InjectedCosts(0.1)}
+    phase = [0]  # the row's class in turn: none, short, long
+    classes = DraftClasses(lambda state: np.array([phase[0]]), 3)
+    schedule = Schedule(config, k, costs, static_shapes=False, draft_classes={"ngram": classes})
+    state = DecodeState.start(torch.zeros(1, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.start(1)
+    rng = np.random.default_rng(0)
+    chosen = {0: [], 1: [], 3: []}
+    for step in range(300):
+        phase[0] = (0, 1, 3)[step % 3]
+        model_accepts = int(np.argmin(np.append(rng.random(k) < 0.6, False)))
+        method, limits = _auto_step(schedule, state, {"ngram": [k if phase[0] == 3 else 0], "eagle": [model_accepts]})
+        chosen[phase[0]].append(method if limits[0] else None)
+    late = {cls: methods[-40:] for cls, methods in chosen.items()}
+    assert late[3].count("ngram") == 40, late[3]  # a long match: the lookup's drafts, every time
+    assert late[0].count("eagle") == 40, late[0]  # no match: the model drafter
+    assert late[1].count("eagle") >= 36, late[1]  # a short match, whose drafts fail: the model drafter
+    # class 1 is observed until the model drafter's estimate (about 0.6 at the first position) wins its steps
+    estimate = costs["ngram"].class_acceptance.values
+    assert estimate[1, 0] < schedule.acceptance["eagle"].values[0, 0] and estimate[3].min() > 0.9
+
+
+def test_a_known_draft_depth_caps_what_a_class_is_expected_to_bring():
+    """A lookup that says how deep each row's draft goes (`DraftClasses.depths`, suffix decoding: often shorter than
+    k): its class estimates promise every position, but a row whose draft is one token deep is expected to gain
+    one token at most, so a model drafter whose first token is always accepted (and nothing after) wins its steps;
+    with drafts k deep the lookup wins them."""
+    k = 4
+    for depth, winner in ((1, "eagle"), (k, "suffix")):
+        config = SpeculativeConfig(method="auto", num_speculative_tokens=k)
+        costs = {"eagle": InjectedCosts(0.05), "suffix": InjectedCosts(0.05)}
+        classes = DraftClasses(lambda state: np.array([1]), 1, depths=lambda state, depth=depth: np.array([depth]))
+        schedule = Schedule(config, k, costs, static_shapes=False, draft_classes={"suffix": classes})
+        state = DecodeState.start(torch.zeros(1, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
+                                  pad_token_id=0)
+        schedule.start(1)
+        methods = [_auto_step(schedule, state, {"eagle": [1], "suffix": [k]}, depths={"suffix": [depth]})[0]
+                   for _ in range(60)]
+        assert methods[-20:].count(winner) == 20, (depth, methods)
+
+
+def test_draft_classes_must_belong_to_candidates():
+    config = SpeculativeConfig(method="auto", num_speculative_tokens=3)
+    try:
+        Schedule(config, 3, {"ngram": CostTable()}, static_shapes=False,
+                 draft_classes={"suffix": DraftClasses(lambda state: np.zeros(1, dtype=int), 2)})
+    except ValueError as error:
+        assert "suffix" in str(error)
+    else:
+        raise AssertionError("draft classes of a non-candidate were accepted")

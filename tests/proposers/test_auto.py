@@ -1,0 +1,136 @@
+"""`method="auto"`: its candidates, the heads it takes, and exactness whichever candidate drafts each step (the
+schedule's choice forced in turn through every candidate, with rows drafting different k)."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.proposers.auto import AutoProposer
+from hf_specdec.proposers.base import DraftSampling
+from hf_specdec.schedule import controller, estimates
+from hf_specdec.suffix import SuffixCache, SuffixConfig
+from tests.conftest import make_model, padded_batch
+from tests.decoding import test_sampling_lossless as lossless
+from tests.heads.medusa.test_model import heads_for
+from tests.proposers.test_eagle import eagle_head, trained_head
+from tests.proposers.test_mlp_speculator import fitted_speculator
+
+SAMPLING = DraftSampling(do_sample=False, warpers=None, generator=None)
+
+
+@pytest.fixture
+def mixed_priors(monkeypatch):
+    """Estimates start mixed: row b of a per-row estimate (the model drafters') at 0.3, 0.95, 0.6 for b % 3 = 0,
+    1, 2, and draft class c (n-gram lookup's, suffix decoding's) at the same for c % 3: from the first step rows
+    draft k, fewer or none, and no class is switched off for good (classes are not probed)."""
+    make = estimates.AcceptanceEstimate.__init__
+
+    def init(self, batch_size, max_k, prior=None, **kwargs):
+        make(self, batch_size, max_k, prior, **kwargs)
+        self.values = np.array([0.3, 0.95, 0.6])[np.arange(batch_size) % 3][:, None] * np.ones((1, max_k))
+        self.raw = self.values.copy()
+
+    monkeypatch.setattr(estimates.AcceptanceEstimate, "__init__", init)
+
+
+@pytest.fixture
+def candidates_in_turn(monkeypatch):
+    """The schedule weighs one candidate per step, each in turn (the order of `AUTO_CANDIDATES`), so every
+    candidate drafts and skips steps in every order; the rows' limits still come from the decision rule. Setting
+    the fixture's `only` to a candidate weighs that one alone."""
+    steps = itertools.count()
+    weigh = controller.Schedule._weigh
+    forced = SimpleNamespace(only=None)
+
+    def in_turn(self, times, *args):
+        methods = list(times)
+        method = forced.only or methods[next(steps) % len(methods)]
+        return weigh(self, {method: times[method]}, *args)
+
+    monkeypatch.setattr(controller.Schedule, "_weigh", in_turn)
+    return forced
+
+
+def test_candidates_follow_what_the_config_gives():
+    target = make_model("llama")
+    head = eagle_head(target)
+    for heads, expected in ((None, ["ngram", "suffix"]), (head, ["ngram", "eagle", "suffix"]),
+                            (heads_for(target), ["ngram", "medusa", "suffix"])):
+        proposer = AutoProposer(SpeculativeConfig(method="auto", heads=heads), target, SAMPLING)
+        assert list(proposer.methods) == expected
+    # the suffix candidate takes the auto config's suffix settings; the others take none
+    cache = SuffixCache(SuffixConfig(max_depth=12))
+    proposer = AutoProposer(SpeculativeConfig(method="auto", heads=head, suffix_cache=cache), target, SAMPLING)
+    assert proposer.configs["suffix"].suffix_cache is cache and proposer.candidates["suffix"].cache is cache
+    assert proposer.configs["eagle"].suffix_cache is None and proposer.configs["eagle"].heads is head
+
+
+def test_auto_refuses_what_is_not_a_drafter():
+    target = make_model("llama")
+    with pytest.raises(ValueError, match=r"SpeculativeConfig.heads: method='auto' takes optional heads \(MedusaHeads, "
+                                         r"an EagleHead or an MlpSpeculator\).*got .*Llama"):
+        SpeculativeConfig(method="auto", heads=target)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # architectures an EAGLE head is built for
+def test_every_candidate_in_turn_matches_plain_generate(arch, static, candidates_in_turn, mixed_priors):
+    """n-gram lookup, an EAGLE head (trained on the expected output, so its drafts are often accepted) and suffix
+    decoding draft in turn on a left-padded batch whose rows draft 0, some or all of k: the output is plain
+    generate's, and each candidate drafted and had drafts accepted."""
+    target = make_model(arch)
+    ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    head = trained_head(target, "eagle", expected)
+    config = SpeculativeConfig(method="auto", heads=head, num_speculative_tokens=3, suffix_cache=SuffixCache())
+    extra = {"cache_implementation": "static"} if static else {}
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs, **extra)
+    assert torch.equal(out.sequences, expected), arch
+    steps = out.spec_stats.schedule.method_steps
+    assert set(steps) == {"ngram", "eagle", "suffix"} and min(steps.values()) > 0, steps
+    assert out.spec_stats.num_accepted_tokens > 0
+
+
+def test_auto_with_an_mlp_speculator_matches_plain_generate(candidates_in_turn, mixed_priors):
+    target = make_model("llama")
+    ids, mask = padded_batch([12, 7, 10, 9], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    config = SpeculativeConfig(method="auto", heads=fitted_speculator(target, expected, n_predict=3, steps=30),
+                               num_speculative_tokens=3, suffix_cache=SuffixCache())
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.schedule.method_steps["mlp_speculator"] > 0
+
+
+def test_auto_with_an_eagle_head_samples_the_exact_target_law(candidates_in_turn, mixed_priors):
+    """The chi-square test of tests/decoding/test_sampling_lossless.py (its power is checked there) over the draws
+    of three calls, one per candidate (n-gram lookup, the EAGLE head, suffix decoding: the call's few steps are
+    weighed with that candidate alone), each step's rows drafting 0, some or all of k; each candidate's drafts are
+    checked to happen and to be both accepted and rejected. An exact law per call makes the pooled draws exact."""
+    target = lossless.make_target()
+    law = lossless.exact_law(target, lossless.TEMPERATURE)
+    config = SpeculativeConfig(method="auto", heads=lossless._eagle_head(target, "eagle"), num_speculative_tokens=2,
+                               seed=23, suffix_cache=SuffixCache(SuffixConfig(max_spec_offset=2.0,
+                                                                              min_token_prob=0.02)))
+    prompts = lossless.PROMPT.expand(lossless.N // 3, -1)
+    samples = []
+    for method in ("ngram", "eagle", "suffix"):
+        candidates_in_turn.only = method
+        out = hf_specdec.generate(target, prompts, attention_mask=torch.ones_like(prompts), speculative=config,
+                                  max_new_tokens=lossless.NEW_TOKENS, do_sample=True, top_p=1.0,
+                                  temperature=lossless.TEMPERATURE, top_k=lossless.TOP_K, return_dict_in_generate=True)
+        spec = out.spec_stats
+        assert spec.schedule.method_steps[method] > 400, (method, spec.schedule.method_steps)
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, method
+        samples.append(out.sequences[:, lossless.PROMPT.shape[1]:])
+    pvalues = lossless.chi_square_pvalues(torch.cat(samples), law)
+    assert lossless.accepted(pvalues), f"p = {pvalues}"
