@@ -233,7 +233,9 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: Ste
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=max_k, schedule=schedule,
                                disable_by_batch_size=100 if schedule == "fixed" else None)
     current = [0]  # the replayed row's draft class at this step
-    engine = dict(looks_ahead=True, draft_classes={None: controller.DraftClasses(lambda state: np.array(current), 3)}
+    chain = [np.zeros(0, dtype=np.int64)]  # the replayed row's lookahead chain at this step
+    engine = dict(lookahead={None: lambda state, rows: [chain[0] for _ in rows]},
+                  draft_classes={None: controller.DraftClasses(lambda state: np.array(current), 3)}
                   ) if lookups is not None else {}
     plan = controller.Schedule(config, max_k, {None: CostTable()}, static_shapes=False, clock=lambda: clock[0],
                                **engine)
@@ -257,8 +259,9 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: Ste
             else:
                 depth = allowed
                 accepted = min(outcomes[generated - 1], allowed)
-            if lookups is not None and (rows := plan.lookahead_rows()):
-                plan.look_ahead(rows, [lookups.chains[index][generated - 1]])
+            if lookups is not None:
+                chain[0] = lookups.chains[index][generated - 1]
+                plan.look_ahead(state)
             seconds = step_seconds(depth)
             clock[0] += seconds
             spent += seconds

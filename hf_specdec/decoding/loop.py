@@ -235,8 +235,8 @@ class SpeculativeDecoder:
         else:  # no row drafts (a schedule's plain step, or every row one token from its limit): verify the last tokens
             self.proposer.skip(self.state)
             proposal = Proposal.no_draft(self.state)
-        if self.schedule is not None and (rows := self.schedule.lookahead_rows()):
-            self.schedule.look_ahead(rows, self.proposer.lookahead(self.state, rows))
+        if self.schedule is not None:
+            self.schedule.look_ahead(self.state)
         logits = self.verify(proposal)
         scores = self.score(proposal, logits)
         result = self.verifier(proposal, scores)

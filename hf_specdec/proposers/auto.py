@@ -109,6 +109,11 @@ class AutoProposer(Proposer):
                 proposer.skip(state)
         return self.chosen.propose(state)
 
+    def skip(self, state: DecodeState) -> None:
+        """A step no candidate drafts: each is told of it, as in a step another candidate drafts."""
+        for proposer in self.candidates.values():
+            proposer.skip(state)
+
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         self.chosen.commit(state, result)
 

@@ -12,13 +12,11 @@ A step during which torch.compile built a graph (a shape first met, in this call
 timed.
 
 Lookahead: a proposer that drafts on the host (n-gram lookup, suffix decoding: `Proposer.looks_ahead`) says what it
-would draft for the rows that decode plainly; the schedule checks each such chain against the tokens the row then
-emits, over as many steps as it takes (the first mismatch or the chain's end settles it), and updates the row's
-estimates as a drafted chain of that length would have. A deterministic draft token is accepted exactly when the
-target emits it (greedy), or with the target's probability of it, which is the chance that the emitted token is
-it (sampling), so these observations count as real ones: a row's estimates follow the text at no cost, and it
-drafts again as soon as they say drafting pays. Its probes go on as any row's do (they also re-measure step
-times, which a lookahead cannot).
+would draft for the rows that do not draft with it (they decode plainly, or, under `method="auto"`, draft with
+another candidate); the schedule checks each such chain against the tokens the row then emits, over as many steps
+as it takes (`hf_specdec.schedule.lookahead`), and updates the estimates as a drafted chain of that length would
+have: a row's estimates follow the text at no cost, and it drafts again as soon as they say drafting pays. Its
+probes go on as any row's do (they also re-measure step times, which a lookahead cannot).
 
 Draft classes: a host proposer that can say before the decision what kind of draft each row has
 (`Proposer.draft_classes`; n-gram lookup: the length of the matched n-gram; suffix decoding: that of the context
@@ -48,6 +46,7 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.schedule.decision import Decision, decide, expected_accepted, step_expectation, width_ladder
 from hf_specdec.schedule.estimates import AcceptanceEstimate, CostTable, cost_table
+from hf_specdec.schedule.lookahead import LookaheadChains
 from hf_specdec.schedule.rules import batch_size_cap
 from hf_specdec.stats import ScheduleStats
 from hf_specdec.step import DecodeState, Proposal
@@ -97,20 +96,22 @@ class Schedule:
         costs: dict[str | None, CostTable],
         static_shapes: bool,
         clock: Callable[[], float] = time.perf_counter,
-        looks_ahead: bool = False,
+        # per candidate (the keys of `costs`) that looks ahead: its `Proposer.lookahead`
+        lookahead: dict[str | None, Callable[[DecodeState, list[int]], list[np.ndarray]]] | None = None,
         graphs_compiled: Callable[[], int] = graphs_compiled,
         # per candidate (the keys of `costs`) that tells its drafts apart: its draft classes
         draft_classes: dict[str | None, DraftClasses] | None = None,
     ) -> None:
         self.adaptive = config.schedule == "adaptive"
-        # a single proposer that looks ahead: plain rows are checked against its lookahead
-        self.looks_ahead = looks_ahead and self.adaptive and len(costs) == 1
+        # candidates that look ahead: rows not drafting with one are checked against its lookahead chains
+        self.lookahead = dict(lookahead or {}) if self.adaptive else {}
         # host proposers that tell their drafts apart (`Proposer.draft_classes`): each row's acceptance is its draft
         # class's, pooled over all rows, and whether it drafts at all is known before the decision
         self.draft_classes = dict(draft_classes or {}) if self.adaptive else {}
-        unknown = set(self.draft_classes) - set(costs)
+        unknown = (set(self.draft_classes) | set(self.lookahead)) - set(costs)
         if unknown:
-            raise ValueError(f"Schedule: draft classes for {sorted(map(str, unknown))}, which are not candidates")
+            raise ValueError(f"Schedule: draft classes or lookahead for {sorted(map(str, unknown))}, which are not "
+                             "candidates")
         self.max_k = max_k
         self.disable_by_batch_size = config.disable_by_batch_size
         self.per_batch_size = config.num_speculative_tokens_per_batch_size
@@ -126,12 +127,7 @@ class Schedule:
         self.acceptance = {method: AcceptanceEstimate(batch_size, self.max_k, table.acceptance_prior(self.max_k))
                            for method, table in self.costs.items()}
         self.idle = np.zeros(batch_size, dtype=int)  # steps since each row last drafted
-        # per row: the lookahead chain being checked ([B, K] tokens, its first `lookahead_length` real; length -1:
-        # none), and how many of its tokens were emitted so far
-        self.lookahead_tokens = np.zeros((batch_size, self.max_k), dtype=np.int64)
-        self.lookahead_length = np.full(batch_size, -1)
-        self.lookahead_matched = np.zeros(batch_size, dtype=int)
-        self.lookahead_class = np.zeros(batch_size, dtype=int)  # the draft class of each row's lookahead chain
+        self.chains = {method: LookaheadChains(batch_size, self.max_k) for method in self.lookahead}
         # per candidate with draft classes: [B] each row's draft class this step (and draft depth, where known),
         # and the classes' estimates
         self.classes: dict[str | None, np.ndarray] = {}
@@ -260,59 +256,34 @@ class Schedule:
         _, method, decision, accepted = best
         return method, decision, accepted
 
-    def lookahead_rows(self) -> list[int]:
-        """The rows whose lookahead the proposer is asked for this step (after proposing): generating, drafting
-        nothing, with none being checked."""
-        if not self.looks_ahead or self.cap == 0:  # the batch-size rules allow no drafts: nothing to learn
+    def lookahead_rows(self, method: str | None = None) -> list[int]:
+        """The rows a candidate that looks ahead is asked for its chain this step (after proposing): generating,
+        not drafting with it, with none of its chains being checked."""
+        if method not in self.lookahead or self.cap == 0:  # the batch-size rules allow no drafts: nothing to learn
             return []
-        return np.flatnonzero(self.active & (self.allowed == 0) & (self.lookahead_length < 0)).tolist()
+        drafting = (self.allowed > 0) if method == self.method else np.zeros_like(self.active)
+        return self.chains[method].free_rows(self.active & ~drafting)
 
-    def look_ahead(
-        self,
-        rows: list[int],
-        # per row of `rows`: the chain the proposer would draft (at most k tokens; empty when none)
-        chains: list[np.ndarray],
-    ) -> None:
-        for row, chain in zip(rows, chains):
-            chain = np.asarray(chain[: self.max_k], dtype=np.int64)
-            self.lookahead_tokens[row, : chain.size] = chain
-            self.lookahead_length[row] = chain.size
-        self.lookahead_matched[rows] = 0
-        if self.method in self.classes:
-            self.lookahead_class[rows] = self.classes[self.method][rows]
+    def look_ahead(self, state: DecodeState) -> None:
+        """After the step's proposal: each candidate that looks ahead gives the chain it would draft for its
+        `lookahead_rows`, to be checked against what they emit."""
+        for method, lookahead in self.lookahead.items():
+            rows = self.lookahead_rows(method)
+            if rows:
+                classes = self.classes.get(method, np.zeros(len(self.active), dtype=int))
+                self.chains[method].start(rows, lookahead(state, rows), classes)
 
     def _check_lookahead(self, state: DecodeState, drafted: np.ndarray) -> None:
-        """Settle the lookahead chains against what the step emitted: a mismatch or a chain's end observes it as a
-        chain of its length with the tokens matched accepted; an empty chain, as a row that found no draft."""
-        host = state.host
-        pending = self.lookahead_length >= 0
-        if not pending.any():
-            return
-        dropped = pending & (drafted | np.asarray(host.finished))  # its own drafts observe it instead
-        self.lookahead_length[dropped] = -1
-        pending &= ~dropped
-        # [B, E]: each emitted token against the chain token it meets (the rows' next unmatched ones on)
-        emitted, length, matched = host.emitted, self.lookahead_length, self.lookahead_matched
-        column = np.arange(emitted.shape[1])[None, :]
-        position = matched[:, None] + column
-        chain = self.lookahead_tokens[np.arange(len(length))[:, None], np.minimum(position, self.max_k - 1)]
-        compared = pending[:, None] & (column < np.asarray(host.num_emitted)[:, None]) & (position < length[:, None])
-        agreeing = (emitted == chain) & compared
-        agree = np.argmin(np.concatenate([agreeing, np.zeros_like(agreeing[:, :1])], axis=1), axis=1)  # 1st mismatch
-        count = matched + agree
-        # all emitted tokens matched and the chain not through: wait for the next step
-        waiting = pending & (agree == compared.sum(axis=1)) & (count < length)
-        self.lookahead_matched = np.where(waiting, count, matched)
-        settled = pending & ~waiting
-        lengths, matched = np.where(settled, length, 0), np.where(settled, count, 0)
-        self.lookahead_length[settled] = -1
-        if settled.any():
-            # an empty chain: asked for max_k, drafted none (the row's draft rate learns it)
-            asked = np.where(settled, np.maximum(lengths, self.max_k * (lengths == 0)), 0)
-            if self.method in self.classes:
-                self.class_estimate[self.method].update_classes(self.lookahead_class, asked, matched, lengths)
+        """Settle every candidate's chains against what the step emitted, as observations of its drafts."""
+        for method, chains in self.chains.items():
+            settled = chains.settle(state.host, drafted if method == self.method else np.zeros_like(drafted))
+            if settled is None:
+                continue
+            if method in self.classes:
+                self.class_estimate[method].update_classes(settled.classes, settled.asked, settled.matched,
+                                                           settled.lengths)
             else:
-                self.acceptance[self.method].update(asked, matched, lengths)
+                self.acceptance[method].update(settled.asked, settled.matched, settled.lengths)
 
     def observe(self, state: DecodeState, proposal: Proposal) -> None:
         """After the step's host sync: its time and each row's accepted count update the estimates. Where the
@@ -344,8 +315,7 @@ class Schedule:
         else:
             self.acceptance[self.method].update(self.allowed, accepted, depths)
         drafted = self.allowed > 0
-        if self.looks_ahead:
-            self._check_lookahead(state, drafted)
+        self._check_lookahead(state, drafted)
         self.histogram[np.arange(len(self.active)), np.asarray(decision.limits)] += self.active
         self.method_steps[self.method] += drafted
         self.estimated += self.expected
@@ -394,14 +364,19 @@ def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer,
     if methods is not None:  # method="auto": a step-time table per candidate, and the candidates' draft classes
         costs = {m: cost_table(model, proposer.candidate_cost_key(m, static_shapes)) for m in methods}
         return Schedule(config, max_k, costs, static_shapes,
+                        lookahead={m: c.lookahead for m, c in proposer.candidates.items() if _looks_ahead(c)},
                         draft_classes={m: _draft_classes(c) for m, c in proposer.candidates.items()
                                        if c.num_draft_classes})
     if (config.schedule == "fixed" and config.disable_by_batch_size is None
             and config.num_speculative_tokens_per_batch_size is None):
         return None
     return Schedule(config, max_k, {None: cost_table(model, proposer.cost_key(config, static_shapes))},
-                    static_shapes, looks_ahead=proposer.looks_ahead and proposer.reads_emitted_tokens,
+                    static_shapes, lookahead={None: proposer.lookahead} if _looks_ahead(proposer) else None,
                     draft_classes={None: _draft_classes(proposer)} if proposer.num_draft_classes else None)
+
+
+def _looks_ahead(proposer: Proposer) -> bool:
+    return proposer.looks_ahead and proposer.reads_emitted_tokens
 
 
 def _draft_classes(proposer: Proposer) -> DraftClasses:

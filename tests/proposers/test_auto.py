@@ -21,6 +21,7 @@ from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head, trained_head
 from tests.proposers.test_mlp_speculator import fitted_speculator
+from tests.schedule.test_lossless import cycled_widths  # noqa: F401 (a fixture)
 
 SAMPLING = DraftSampling(do_sample=False, warpers=None, generator=None)
 
@@ -81,10 +82,10 @@ def test_auto_refuses_what_is_not_a_drafter():
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # architectures an EAGLE head is built for
-def test_every_candidate_in_turn_matches_plain_generate(arch, static, candidates_in_turn, mixed_priors):
+def test_every_candidate_in_turn_matches_plain_generate(arch, static, candidates_in_turn, cycled_widths):  # noqa: F811
     """n-gram lookup, an EAGLE head (trained on the expected output, so its drafts are often accepted) and suffix
-    decoding draft in turn on a left-padded batch whose rows draft 0, some or all of k: the output is plain
-    generate's, and each candidate drafted and had drafts accepted."""
+    decoding draft in turn on a left-padded batch whose rows draft 0, some or all of k, with plain steps between:
+    the output is plain generate's, and each candidate drafted and had drafts accepted."""
     target = make_model(arch)
     ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
@@ -99,7 +100,7 @@ def test_every_candidate_in_turn_matches_plain_generate(arch, static, candidates
     assert out.spec_stats.num_accepted_tokens > 0
 
 
-def test_auto_with_an_mlp_speculator_matches_plain_generate(candidates_in_turn, mixed_priors):
+def test_auto_with_an_mlp_speculator_matches_plain_generate(candidates_in_turn, cycled_widths):  # noqa: F811
     target = make_model("llama")
     ids, mask = padded_batch([12, 7, 10, 9], seed=3, repeat_period=5)
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None)
@@ -134,3 +135,43 @@ def test_auto_with_an_eagle_head_samples_the_exact_target_law(candidates_in_turn
         samples.append(out.sequences[:, lossless.PROMPT.shape[1]:])
     pvalues = lossless.chi_square_pvalues(torch.cat(samples), law)
     assert lossless.accepted(pvalues), f"p = {pvalues}"
+
+
+def test_a_candidate_drafts_in_auto_exactly_as_alone(monkeypatch):
+    """The EAGLE head under `method="auto"`, chosen at every drafting step, with plain steps between (the forced
+    width cycle of tests/schedule/test_lossless.py, restarted for each run): it drafts exactly what it drafts as
+    `method="eagle"` under the same schedule, so the steps it skips (plain ones, and under auto those another
+    candidate drafts) keep its features in step with the text."""
+    from tests.schedule.test_lossless import WIDTH_CYCLE
+
+    steps = [0]
+
+    def forced(acceptance, step_time, active, probe, widths, probe_length, draft_rate=None, probe_alone=True,
+               estimate_widths=None, critical=None):
+        width = WIDTH_CYCLE[steps[0] % len(WIDTH_CYCLE)]
+        steps[0] += 1
+        limits = np.where(np.asarray(active, dtype=bool), width, 0)
+        return controller.Decision(width, tuple(int(x) for x in limits), 1.0, 1.0)
+
+    weigh = controller.Schedule._weigh
+    monkeypatch.setattr(controller, "decide", forced)
+    monkeypatch.setattr(controller.Schedule, "_weigh",
+                        lambda self, times, *args: weigh(self, {m: times[m] for m in times if m in (None, "eagle")},
+                                                         *args))
+    target = make_model("llama")
+    ids, mask = padded_batch([12, 7, 10, 9], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    head = trained_head(target, "eagle", expected)
+    stats = {}
+    for method in ("eagle", "auto"):
+        steps[0] = 0
+        config = SpeculativeConfig(method=method, heads=head, num_speculative_tokens=3,
+                                   **({"suffix_cache": SuffixCache()} if method == "auto" else {}))
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected), method
+        stats[method] = out.spec_stats
+    assert stats["auto"].schedule.method_steps["eagle"] > 0
+    assert stats["auto"].accepted_per_position == stats["eagle"].accepted_per_position
+    assert stats["auto"].num_drafts == stats["eagle"].num_drafts
+    assert stats["eagle"].num_accepted_tokens > 0

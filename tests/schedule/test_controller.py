@@ -359,17 +359,22 @@ def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_waiting_for_a_pr
     at its first token), then a repeated passage (every chain right)."""
     batch, k = 2, 4
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
-    schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False, looks_ahead=True)
+    asked = []
+
+    def lookahead(state, rows):  # the chain is always 5s
+        asked[-1] = rows
+        return [np.full(k, 5) for _ in rows]
+
+    schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False, lookahead={None: lookahead})
     state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
                               pad_token_id=0)
     schedule.start(batch)
-    history, asked = [], []
+    history = []
     for step in range(120):
         predictable = step >= 40
         limits = list(schedule.plan(state, batch).limits)
-        rows = schedule.lookahead_rows()
-        asked.append(rows)
-        schedule.look_ahead(rows, [np.full(k, 5) for _ in rows])
+        asked.append([])
+        schedule.look_ahead(state)
         accepted = [limit if predictable else 0 for limit in limits]
         emitted = np.full((batch, k + 1), 5 if predictable else 9)
         host = state.host
@@ -428,7 +433,9 @@ def test_draft_classes_draft_where_their_class_pays_and_never_without_a_draft():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
     costs = InjectedCosts(0.1)
     classes = np.array([1, 3, 0])
-    schedule = Schedule(config, k, {None: costs}, static_shapes=False, looks_ahead=True,
+    # class 1 chains start with 7 (the text goes on with 5), class 3 chains are right
+    schedule = Schedule(config, k, {None: costs}, static_shapes=False,
+                        lookahead={None: lambda state, rows: [np.full(k, 7 if classes[r] == 1 else 5) for r in rows]},
                         draft_classes={None: DraftClasses(lambda state: classes, 3)})
     state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
                               pad_token_id=0)
@@ -436,9 +443,7 @@ def test_draft_classes_draft_where_their_class_pays_and_never_without_a_draft():
     history = []
     for _ in range(60):
         limits = list(schedule.plan(state, batch).limits)
-        rows = schedule.lookahead_rows()
-        # class 1 chains start with 7 (the text goes on with 5), class 3 chains are right
-        schedule.look_ahead(rows, [np.full(k, 7 if classes[row] == 1 else 5) for row in rows])
+        schedule.look_ahead(state)
         depths = [limit if classes[row] else 0 for row, limit in enumerate(limits)]
         accepted = [depth if classes[row] == 3 else 0 for row, depth in enumerate(depths)]
         host = state.host
@@ -489,38 +494,6 @@ def test_the_width_is_the_critical_rows_and_rows_ahead_ride_along():
     state.host = HostView([20, 20, 20], [False] * batch, [1] * batch, [0] * batch)
     estimate.raw[1] = estimate.values[1] = 0.0
     assert schedule.plan(state, batch).limits == (k, 0, k)
-
-
-def test_lookahead_chains_settle_at_their_first_mismatch_or_end_across_steps():
-    """Each row's chain is checked against the tokens it emits, step after step: settled at its first mismatch or
-    its end (observed as a chain of its length with the matched tokens accepted), kept while all emitted tokens
-    match; a row that drafts or finishes drops its chain unobserved."""
-    batch, k = 5, 4
-    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, disable_by_batch_size=1)  # all plain
-    schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False, looks_ahead=True)
-    schedule.adaptive = schedule.looks_ahead = True
-    schedule.start(batch)
-    observed = []
-    schedule.acceptance[None].update = lambda asked, accepted, drafted: observed.append(
-        (asked.tolist(), accepted.tolist(), np.asarray(drafted).tolist()))
-    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=100, extra_capacity=8,
-                              pad_token_id=0)
-    schedule.plan(state, batch)
-    schedule.cap = k
-    schedule.look_ahead([0, 1, 2, 3, 4], [np.array([1, 2, 3, 4]), np.array([1, 2]), np.array([], dtype=np.int64),
-                                          np.array([1, 2, 3]), np.array([7, 8])])
-    # step 1: row 0 emits 1 (matches, waits), row 1 emits 1, 2, 5 (chain through), row 2 (empty chain) settles, row 3
-    # emits 1, 9 (mismatch at its second token), row 4 finishes
-    state.host = HostView([4] * batch, [False, False, False, False, True], [1, 3, 1, 2, 0], [0] * batch,
-                          np.array([[1, 0, 0], [1, 2, 5], [6, 0, 0], [1, 9, 0], [7, 0, 0]]))
-    schedule._check_lookahead(state, np.zeros(batch, dtype=bool))
-    assert observed == [([0, 2, k, 3, 0], [0, 2, 0, 1, 0], [0, 2, 0, 3, 0])]
-    assert schedule.lookahead_rows() == [1, 2, 3, 4]  # row 0 still waits
-    # step 2: row 0 emits 2, 3, 8 (mismatch at its fourth token)
-    state.host = HostView([5] * batch, [False] * 4 + [True], [3, 1, 1, 1, 0], [0] * batch,
-                          np.array([[2, 3, 8], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]))
-    schedule._check_lookahead(state, np.zeros(batch, dtype=bool))
-    assert observed[1] == ([4, 0, 0, 0, 0], [3, 0, 0, 0, 0], [4, 0, 0, 0, 0])
 
 
 def _auto_step(schedule: Schedule, state: DecodeState, accepted: dict, depths: dict | None = None) -> tuple:
