@@ -4,11 +4,14 @@ Cases: `plain` (model.generate), hf_specdec `draft`, `ngram`, `medusa`, `eagle` 
 `mlp_speculator` and `early_exit` (the target's first --early-exit-layer layers drafting; the draft and head cases use
 the drafters committed for the test bed or, with `--model smollm2`, for SmolLM2-135M-Instruct unless a folder is
 given; with --tree-width w > 1 Medusa uses the tree fitted to its heads, and EAGLE and the draft
-model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes, k * w by default), and transformers' native
-`suffix` (suffix decoding, k its most draft tokens a step) and the hybrids `suffix+eagle` / `suffix+draft` (suffix
-drafts where they score at least the fallback's k, the EAGLE-1/2 head's or the draft model's chain of k otherwise);
-each suffix case has a cache of its own, emptied before every pass over the prompts, so a pass measures requests
-drafting from the outputs of the requests before them in that pass; `draft-xtok` drafts (chains) with the draft model
+model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes, k * w by default), `suffix` (suffix
+decoding, k its most draft tokens a step), the hybrids `suffix+eagle` / `suffix+eagle3` / `suffix+draft` (suffix
+drafts where they score at least the fallback's k, the EAGLE head's or the draft model's chain of k otherwise),
+`auto` (method="auto" over n-gram lookup and suffix decoding) and `auto+<case>` for `draft`, `medusa`, `eagle`,
+`eagle3` and `mlp_speculator` (the same with that case's drafter as a third candidate; the steps each candidate
+drafted are reported); each suffix and auto case has a suffix cache of its own, emptied before every pass over the
+prompts, so a pass measures requests drafting from the outputs of the requests before them in that pass;
+`draft-xtok` drafts (chains) with the draft model
 under another tokenizer: the target's with its ordinary tokens' ids shuffled and the draft's rows moved to match, its
 vocabulary padded (`hf_specdec.testbed.other_tokenizer.permuted`, built once per run). And transformers' native
 `hf-assistant` (`assistant_model=`, drafting exactly k tokens a round), `hf-uag` (universal assisted generation:
