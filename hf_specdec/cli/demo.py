@@ -6,7 +6,8 @@ once, a few minutes on first use; any model folder or Hub id works too), in floa
 workloads (code completion, and "edit" prompts whose continuation repeats a passage of the prompt).
 
 It generates greedily with plain `generate` and with a few methods (by default n-gram lookup, suffix decoding, the
-EAGLE-3 head and the draft model, each where the model has the drafter; `--methods all` adds the n-gram trie, the
+EAGLE-3 head, `method="auto"` choosing among those three at every step, and the draft model, each where the model
+has the drafter; `--methods all` adds the n-gram trie, the
 draft model's tree, the Medusa heads as a chain and with the tree fitted to them, and the EAGLE-1/2 head as a chain
 and an EAGLE-2 dynamic tree), shows the answer text, the acceptance statistics, the speedup over plain `generate`,
 why speculation is or is not faster for this model, and checks that every output is token-for-token plain
@@ -15,8 +16,8 @@ generate's.
 Timing: torch runs on --threads threads (1 by default, so runs do not fight over cores), every method is warmed
 up with one short call, then --repeats rounds (1 by default) each run plain generate and every method once; a speedup is the median
 over rounds of plain's time / the method's within a round (`hf_specdec.cli.timing`), and every round's output is
-checked. A note says when the machine is too noisy. Suffix decoding starts every call with an empty cache: the
-calls before it generated the very same answer.
+checked. A note says when the machine is too noisy. Suffix decoding (alone and under auto) starts every call with an
+empty cache: the calls before it generated the very same answer.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ LINE_WIDTH = 116
 # every method the demo runs, in table order, and the drafter each needs (None: none)
 METHODS: dict[str, str | None] = {
     "ngram": None, "ngram-tree": None, "suffix": None, "draft": "draft", "draft-tree": "draft", "medusa": "medusa",
-    "medusa-tree": "medusa", "eagle": "eagle", "eagle-tree": "eagle", "eagle3": "eagle3",
+    "medusa-tree": "medusa", "eagle": "eagle", "eagle-tree": "eagle", "eagle3": "eagle3", "auto+eagle3": "eagle3",
 }
-# the default: the two methods without a drafter, the best trained head and the draft model
-DEFAULT_METHODS = ("ngram", "suffix", "eagle3", "draft")
+# the default: the two methods without a drafter, the best trained head, method="auto" choosing among the three each
+# step, and the draft model
+DEFAULT_METHODS = ("ngram", "suffix", "eagle3", "auto+eagle3", "draft")
 # the drafter kinds those methods use
 DRAFTER_KINDS = ("draft", "medusa", "eagle", "eagle3")
 
@@ -195,6 +197,9 @@ def method_config(name: str, models: DemoModels, k: int) -> SpeculativeConfig:
         return SpeculativeConfig(method="ngram", num_speculative_tokens=k, tree_width=3)
     if name == "suffix":  # a cache of its own, emptied before every call (`generate_once`)
         return SpeculativeConfig(method="suffix", num_speculative_tokens=k, suffix_cache=SuffixCache())
+    if name == "auto+eagle3":  # n-gram lookup, suffix decoding (a cache of its own, likewise) and the EAGLE-3 head
+        return SpeculativeConfig(method="auto", heads=models.eagle3, num_speculative_tokens=k, prompt_lookup_max=3,
+                                 suffix_cache=SuffixCache())
     if name in ("medusa", "medusa-tree"):
         return SpeculativeConfig(method="medusa", heads=models.medusa, num_speculative_tokens=k,
                                  tree_paths=models.medusa.tree() if name == "medusa-tree" else None)
