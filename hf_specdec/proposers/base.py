@@ -120,10 +120,6 @@ class Proposer(ABC):
         n-gram an n-gram lookup matched; 0 for finished rows). Reads the committed text on the host only."""
         raise NotImplementedError(f"{type(self).__name__} does not tell its drafts apart")
 
-    # whether `commit` reads which of its own draft nodes the target accepted (`result.path_nodes`: a draft model
-    # keeps their KV); a proposal of one that does not may carry other proposers' nodes too (`method="auto"`)
-    keeps_accepted_drafts: bool = False
-
     # whether `draft_depths` says, before the schedule decides, how deep each row's draft goes
     knows_draft_depths: bool = False
 

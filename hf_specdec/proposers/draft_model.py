@@ -83,8 +83,6 @@ class DraftModelProposer(Proposer):
     Each step writes one region of the draft cache: the unseen committed tokens (the feed, `_feed_width` slots),
     then the drafted nodes it feeds; `_node_slots` names the region slot (after the feed) of every fed node."""
 
-    keeps_accepted_drafts = True  # the accepted path's KV stays in the draft's cache
-
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
         self.draft = self._drafter(config, target)
         self.k = config.num_speculative_tokens

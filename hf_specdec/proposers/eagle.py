@@ -84,7 +84,6 @@ BACKLOG_LIMIT = 64
 
 class EagleProposer(DraftModelProposer):
     needs_prompt_features = True
-    keeps_accepted_drafts = False  # no draft is kept: accepted tokens are fed again with the target's features
 
     def __init__(self, config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> None:
         super().__init__(config, target, sampling)

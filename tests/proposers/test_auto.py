@@ -42,22 +42,6 @@ def mixed_priors(monkeypatch):
 
 
 @pytest.fixture
-def unions(monkeypatch):
-    """Counts the steps whose model-drafter chain took the n-gram continuation as a second branch."""
-    from hf_specdec.proposers import auto
-
-    count = [0]
-    unite = auto.unite_chains
-
-    def counted(first, second):
-        count[0] += 1
-        return unite(first, second)
-
-    monkeypatch.setattr(auto, "unite_chains", counted)
-    return count
-
-
-@pytest.fixture
 def candidates_in_turn(monkeypatch):
     """The schedule weighs one candidate for two steps, each in turn (the order of `AUTO_CANDIDATES`), so every
     candidate drafts and skips steps in every order (and, with `cycled_widths`, whose cycle of 9 a turn of 6 steps
@@ -99,12 +83,10 @@ def test_auto_refuses_what_is_not_a_drafter():
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # architectures an EAGLE head is built for
-def test_every_candidate_in_turn_matches_plain_generate(arch, static, candidates_in_turn, cycled_widths,  # noqa: F811
-                                                        unions):
-    """n-gram lookup, an EAGLE head (trained on the expected output, so its drafts are often accepted; with the
-    n-gram continuation as a second branch under dynamic shapes) and suffix decoding draft in turn on a left-padded
-    batch whose rows draft 0, some or all of k, with plain steps between: the output is plain generate's, and each
-    candidate drafted and had drafts accepted."""
+def test_every_candidate_in_turn_matches_plain_generate(arch, static, candidates_in_turn, cycled_widths):  # noqa: F811
+    """n-gram lookup, an EAGLE head (trained on the expected output, so its drafts are often accepted) and suffix
+    decoding draft in turn on a left-padded batch whose rows draft 0, some or all of k, with plain steps between:
+    the output is plain generate's, and each candidate drafted and had drafts accepted."""
     target = make_model(arch)
     ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
@@ -117,7 +99,6 @@ def test_every_candidate_in_turn_matches_plain_generate(arch, static, candidates
     steps = out.spec_stats.schedule.method_steps
     assert set(steps) == {"ngram", "eagle", "suffix"} and min(steps.values()) > 0, steps
     assert out.spec_stats.num_accepted_tokens > 0
-    assert (unions[0] > 0) != static, unions[0]  # fixed shapes keep one width: no second branch
 
 
 def test_auto_with_an_mlp_speculator_matches_plain_generate(candidates_in_turn, cycled_widths):  # noqa: F811
@@ -132,12 +113,11 @@ def test_auto_with_an_mlp_speculator_matches_plain_generate(candidates_in_turn, 
     assert out.spec_stats.schedule.method_steps["mlp_speculator"] > 0
 
 
-def test_auto_with_an_eagle_head_samples_the_exact_target_law(candidates_in_turn, mixed_priors, unions):
+def test_auto_with_an_eagle_head_samples_the_exact_target_law(candidates_in_turn, mixed_priors):
     """The chi-square test of tests/decoding/test_sampling_lossless.py (its power is checked there) over the draws
     of three calls, one per candidate (n-gram lookup, the EAGLE head, suffix decoding: the call's few steps are
     weighed with that candidate alone), each step's rows drafting 0, some or all of k; each candidate's drafts are
-    checked to happen and to be both accepted and rejected (the EAGLE head's sampled chains with n-gram lookup's
-    continuation as a second branch). An exact law per call makes the pooled draws exact."""
+    checked to happen and to be both accepted and rejected. An exact law per call makes the pooled draws exact."""
     target = lossless.make_target()
     law = lossless.exact_law(target, lossless.TEMPERATURE)
     config = SpeculativeConfig(method="auto", heads=lossless._eagle_head(target, "eagle"), num_speculative_tokens=2,
@@ -154,8 +134,6 @@ def test_auto_with_an_eagle_head_samples_the_exact_target_law(candidates_in_turn
         assert spec.schedule.method_steps[method] > 400, (method, spec.schedule.method_steps)
         assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, method
         samples.append(out.sequences[:, lossless.PROMPT.shape[1]:])
-        if method == "eagle":
-            assert unions[0] > 0
     pvalues = lossless.chi_square_pvalues(torch.cat(samples), law)
     assert lossless.accepted(pvalues), f"p = {pvalues}"
 
@@ -163,9 +141,8 @@ def test_auto_with_an_eagle_head_samples_the_exact_target_law(candidates_in_turn
 def test_a_candidate_drafts_in_auto_exactly_as_alone(monkeypatch):
     """The EAGLE head under `method="auto"`, chosen at every drafting step, with plain steps between (the forced
     width cycle of tests/schedule/test_lossless.py, restarted for each run): it drafts exactly what it drafts as
-    `method="eagle"` under the same schedule (n-gram lookup's second branch left out), so the steps it skips (plain
-    ones, and under auto those another candidate drafts) keep its features in step with the text."""
-    from hf_specdec.proposers import auto
+    `method="eagle"` under the same schedule, so the steps it skips (plain ones, and under auto those another
+    candidate drafts) keep its features in step with the text."""
     from tests.schedule.test_lossless import WIDTH_CYCLE
 
     steps = [0]
@@ -178,7 +155,6 @@ def test_a_candidate_drafts_in_auto_exactly_as_alone(monkeypatch):
         return controller.Decision(width, tuple(int(x) for x in limits), 1.0, 1.0)
 
     weigh = controller.Schedule._weigh
-    monkeypatch.setattr(auto, "unite_chains", lambda first, second: first)
     monkeypatch.setattr(controller, "decide", forced)
     monkeypatch.setattr(controller.Schedule, "_weigh",
                         lambda self, times, *args: weigh(self, {m: times[m] for m in times if m in (None, "eagle")},
