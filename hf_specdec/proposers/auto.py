@@ -1,15 +1,18 @@
-"""`method="auto"`: each step drafts with the proposer the schedule expects to bring the most tokens per second.
+"""`method="auto"`: each step, each row drafts with the proposer the schedule expects to bring the most tokens per
+second.
 
 The candidates are every proposer the config makes available (`AUTO_CANDIDATES`: n-gram lookup and suffix
 decoding always, a draft model and heads (Medusa heads, an EAGLE head or an MLP speculator) when given, and any
 method registered later with `register_auto_candidate`). The schedule (`hf_specdec.schedule.controller`) keeps
 acceptance estimates and step times per candidate (by draft class for n-gram lookup and suffix decoding: a lookup
-says before the step how long a context it matched, so a long match can win the step over a model drafter) and
-names the step's proposer in `state.draft_method`; the others are told of the step (`Proposer.skip`) so they stay
-in step with the text (an EAGLE head keeps the committed tokens' features and feeds them at its next draft). One
-proposal per step: every row drafts with the chosen proposer, each within its own limit. (Verifying a model
-drafter's chain and the n-gram continuation together, as one tree, was measured and dropped: on SmolLM2 in
-bfloat16 on a CPU it raised tokens per target forward by 6% and took as long.)
+says before the step how long a context it matched, so a long match can win over a model drafter) and names, per
+row, the proposer it drafts with in `state.draft_methods`. Rows that chose different candidates draft in the same
+step: each candidate drafts for its own rows, the rows' trees are merged into one proposal and verified in one
+forward, and each candidate commits what it drafted (`hf_specdec.proposers.row_mix`). Candidates that drafted for no
+row are told of the step (`Proposer.skip`) so they stay in step with the text (an EAGLE head keeps the committed
+tokens' features and feeds them at its next draft). (Verifying a model drafter's chain and the n-gram continuation
+of the same row together, as one tree, was measured and dropped: on SmolLM2 in bfloat16 on a CPU it raised tokens
+per target forward by 6% and took as long.)
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import torch
 from hf_specdec.compile import CompileSettings
 from hf_specdec.config import SUFFIX_FIELDS, SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer, register_proposer
+from hf_specdec.proposers.row_mix import commit_own_rows
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
+from hf_specdec.tree.merge import merge_trees
 
 # name -> the config of that candidate built from an auto config, or None when the config does not make it available
 AUTO_CANDIDATES: dict[str, Callable[[SpeculativeConfig], SpeculativeConfig | None]] = {}
@@ -74,7 +79,9 @@ class AutoProposer(Proposer):
         layers = sorted({layer for p in self.candidates.values() for layer in (p.target_feature_layers or ())})
         self.target_feature_layers = tuple(layers) or None
         self.needs_prompt_features = any(p.needs_prompt_features for p in self.candidates.values())
-        self.chosen: Proposer | None = None
+        # the candidates that drafted this step, each with (its proposal, its rows on the host and the device) where
+        # rows drafted with several, else None
+        self.drafting: dict[str, tuple[Proposal, list[bool], torch.Tensor] | None] = {}
         if "draft" in self.candidates:
             self.static_shapes_refusal = (
                 "SpeculativeConfig.method: 'auto' with a draft model needs dynamic shapes (a step drafted by another "
@@ -105,11 +112,30 @@ class AutoProposer(Proposer):
             proposer.start(state, attention_mask)
 
     def propose(self, state: DecodeState) -> Proposal:
-        self.chosen = self.candidates[state.draft_method or next(iter(self.candidates))]
-        for proposer in self.candidates.values():
-            if proposer is not self.chosen:
+        first = state.draft_method or next(iter(self.candidates))
+        methods = state.draft_methods or (first,) * state.batch_size
+        budgets = state.host_draft_budget()
+        used = list(dict.fromkeys(m for m, budget in zip(methods, budgets) if budget > 0)) or [first]
+        for method, proposer in self.candidates.items():
+            if method not in used:
                 proposer.skip(state)
-        return self.chosen.propose(state)
+        if len(used) == 1:
+            self.drafting = {used[0]: None}
+            return self.candidates[used[0]].propose(state)
+        # rows drafting with different candidates: each drafts for its own rows, one tree per row
+        device = state.sequences.device
+        self.drafting, proposals, own_rows = {}, [], []
+        for method in used:
+            own = [m == method and budget > 0 for m, budget in zip(methods, budgets)]
+            with state.limited_to([budget if mine else 0 for budget, mine in zip(budgets, own)]):
+                proposal = self.candidates[method].propose(state)
+            self.drafting[method] = (proposal, own, torch.tensor(own, device=device))
+            proposals.append(proposal)
+            own_rows.append(own)
+        choice = [next((i for i, own in enumerate(own_rows) if own[row]), 0) for row in range(state.batch_size)]
+        depths = [_depth(proposals[i], row, budgets[row]) for row, i in enumerate(choice)]
+        return Proposal(merge_trees([p.tree for p in proposals], torch.tensor(choice, device=device)),
+                        host_depths=tuple(depths))
 
     def skip(self, state: DecodeState) -> None:
         """A step no candidate drafts: each is told of it, as in a step another candidate drafts."""
@@ -117,11 +143,22 @@ class AutoProposer(Proposer):
             proposer.skip(state)
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
-        self.chosen.commit(state, result)
+        for method, mixed in self.drafting.items():
+            if mixed is None:
+                self.candidates[method].commit(state, result)
+            else:
+                commit_own_rows(self.candidates[method], state, result, *mixed)
 
     def finish(self, state: DecodeState | None) -> None:
         for proposer in self.candidates.values():
             proposer.finish(state)
+
+
+def _depth(proposal: Proposal, row: int, budget: int) -> int:
+    """How deep `row` drafted in `proposal` (as the proposer knows it, or as deep as its budget and tree allow)."""
+    if proposal.host_depths is not None:
+        return proposal.host_depths[row]
+    return min(budget, proposal.tree.max_depth)
 
 
 register_proposer("auto", AutoProposer)

@@ -36,7 +36,7 @@ so (the step costs its width whoever drafts), and do not widen a step by themsel
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,20 +195,25 @@ class Schedule:
             method = next(iter(times))
             decision = Decision(0, (0,) * len(active), float(active.sum()), float(times[method][0]))
             accepted = np.zeros((len(active), self.max_k + 1))
+            row_methods = np.full(len(active), method, dtype=object)
         else:
             # the call lasts as long as its rows with the most tokens left before max_length: their tokens shorten it,
             # the others' do not
             left = state.max_length - np.asarray(state.host.lengths)
             critical = active & (left == left[active].max())
-            method, decision, accepted = self._weigh(times, active, critical, probe, widths, probe_length,
-                                                     rows_computed)
+            method, decision, accepted, row_methods = self._weigh(times, active, critical, probe, widths,
+                                                                  probe_length, rows_computed)
         self.allowed = np.minimum(decision.limits, state.host_draft_budget())  # the length limit cuts too
         self.expected = accepted[rows, self.allowed]  # expected accepted drafts, how often the row drafts included
         state.set_draft_limits(list(decision.limits), decision.width)
         state.draft_method = method
-        # rows that probed: due and drafting (a due row in a plain step waits; a candidate with classes has none)
-        self.probed = probe & (np.asarray(decision.limits) > 0) & (method not in self.classes)
-        self.decision, self.method, self.active = decision, method, active
+        if len(self.costs) > 1:
+            state.draft_methods = tuple(row_methods)
+        # rows that probed: due and drafting with the step's candidate (a due row in a plain step waits; a
+        # candidate with classes has no probes)
+        self.probed = (probe & (np.asarray(decision.limits) > 0) & (row_methods == method)
+                       & (method not in self.classes))
+        self.decision, self.method, self.row_methods, self.active = decision, method, row_methods, active
         self.rows_computed, self.started, self.graphs = rows_computed, self.clock(), self.graphs_compiled()
         return decision
 
@@ -223,12 +228,14 @@ class Schedule:
         widths: list[int],
         probe_length: int,
         rows_computed: int,
-    ) -> tuple[str | None, Decision, np.ndarray]:
-        """The candidate, the decision and its [B, K + 1] expected accepted drafts (how often each row drafts
-        included) with the most expected tokens per second (`decide`: the critical rows' tokens choose the
-        width)."""
-        best: tuple[float, str | None, Decision, np.ndarray] | None = None
-        for method, step_time in times.items():
+    ) -> tuple[str | None, Decision, np.ndarray, np.ndarray]:
+        """The candidate whose drafting the step pays for, the decision, its [B, K + 1] expected accepted drafts
+        (how often each row drafts included) and [B] the candidate each row drafts with, with the most expected
+        tokens per second (`decide`: the critical rows' tokens choose the width). Rows may draft with a host
+        candidate that tells its drafts apart instead (`riders`: it drafts for any row at no cost of its own),
+        where it expects more within the step's limits."""
+        expected = {}  # per candidate: [B, K + 1] expected accepted drafts, how often the row drafts included
+        for method in times:
             estimate = self.acceptance[method]
             values, draft_rate, probing = estimate.values, estimate.draft_rate, probe
             classes = self.classes.get(method)
@@ -239,7 +246,16 @@ class Schedule:
                 if method in self.depths:  # a position past the row's draft is not drafted at all
                     values = np.where(np.arange(self.max_k)[None, :] < self.depths[method][:, None], values, 0.0)
                 draft_rate, probing = np.ones(len(classes)), np.zeros_like(probe)
-            accepted = expected_accepted(values)  # [B, K + 1]: given that the row drafts
+            expected[method] = (expected_accepted(values), draft_rate, probing)
+        best: tuple[float, str | None, Decision, np.ndarray, np.ndarray] | None = None
+        rows = np.arange(len(active))
+        for method, step_time in times.items():
+            accepted, draft_rate, probing = expected[method]
+            riders = self.riders(method, times)
+            # [C, B, K + 1]: what each row expects from the step's candidate and from each rider
+            offers = np.stack([accepted * draft_rate[:, None]] + [expected[rider][0] for rider in riders])
+            if riders:  # a row takes whichever offers more at its limit: the best of them at every length
+                accepted, draft_rate = offers.max(axis=0), np.ones(len(active))
             if self.adaptive:
                 # widths whose steps delivered less than plain ones at this batch size: only probes draft at them
                 unpaid = self.costs[method].unpaid_widths(rows_computed, int(active.sum()))
@@ -252,16 +268,28 @@ class Schedule:
                                     *step_expectation(accepted, step_time, active, limits, width, draft_rate))
             rate = decision.expected_tokens / max(decision.expected_time, 1e-12)
             if best is None or rate > best[0] * (1.0 + 1e-9):
-                best = (rate, method, decision, accepted * draft_rate[:, None])
-        _, method, decision, accepted = best
-        return method, decision, accepted
+                # each row's candidate: the one offering the most at its limit (a tie: the step's candidate)
+                names = np.asarray([method, *riders], dtype=object)
+                row_methods = names[offers[:, rows, np.asarray(decision.limits)].argmax(axis=0)]
+                best = (rate, method, decision, accepted * draft_rate[:, None], row_methods)
+        _, method, decision, accepted, row_methods = best
+        drafting = row_methods[np.asarray(decision.limits) > 0]
+        if drafting.size and method not in drafting:  # no row drafts with it: the step is a rider's
+            method = max(dict.fromkeys(drafting), key=lambda name: int((drafting == name).sum()))
+        return method, decision, accepted, row_methods
+
+    def riders(self, method: str | None, candidates: Iterable[str | None]) -> list[str | None]:
+        """The `candidates` other than `method` that may draft for a row in a step `method` drafts: those that draft
+        on the host and tell their drafts apart (n-gram lookup, suffix decoding), whose drafting costs next to
+        nothing and whose rows' drafts are known before the step."""
+        return [other for other in candidates if other != method and other in self.classes]
 
     def lookahead_rows(self, method: str | None = None) -> list[int]:
         """The rows a candidate that looks ahead is asked for its chain this step (after proposing): generating,
         not drafting with it, with none of its chains being checked."""
         if method not in self.lookahead or self.cap == 0:  # the batch-size rules allow no drafts: nothing to learn
             return []
-        drafting = (self.allowed > 0) if method == self.method else np.zeros_like(self.active)
+        drafting = (self.allowed > 0) & (self.row_methods == method)
         return self.chains[method].free_rows(self.active & ~drafting)
 
     def look_ahead(self, state: DecodeState) -> None:
@@ -276,7 +304,7 @@ class Schedule:
     def _check_lookahead(self, state: DecodeState, drafted: np.ndarray) -> None:
         """Settle every candidate's chains against what the step emitted, as observations of its drafts."""
         for method, chains in self.chains.items():
-            settled = chains.settle(state.host, drafted if method == self.method else np.zeros_like(drafted))
+            settled = chains.settle(state.host, drafted & (self.row_methods == method))
             if settled is None:
                 continue
             if method in self.classes:
@@ -303,21 +331,28 @@ class Schedule:
         compiled = self.graphs_compiled() != self.graphs
         first_draft = decision.width > 0 and not self.drafted
         self.drafted |= decision.width > 0
-        if not compiled and not first_draft and (self.adaptive or len(self.costs) > 1):
+        # rows drafting with a rider deeper than the step's candidate drafted: the step cost its drafting to a
+        # shallower depth and a verify of this width, which is no entry of its table
+        own = self.allowed[(self.row_methods == self.method) & self.active]
+        deeper_riders = width > (int(own.max()) if own.size else 0)
+        if not compiled and not first_draft and not deeper_riders and (self.adaptive or len(self.costs) > 1):
             table.observe(self.rows_computed, width, seconds)
             # what the width the decision chose delivered (a host proposer may verify less than it allowed); one
             # row's steps are its own, and its estimates decide for it
             if width and self.rows_computed > 1:
                 table.observe_realized(self.rows_computed, decision.width, float(((accepted + 1) * self.active).sum()),
                                        seconds, int(self.active.sum()))
-        if self.method in self.classes:
-            self.class_estimate[self.method].update_classes(self.classes[self.method], self.allowed, accepted, depths)
-        else:
-            self.acceptance[self.method].update(self.allowed, accepted, depths)
+        for method in dict.fromkeys(self.row_methods):  # each candidate observes the rows that drafted with it
+            allowed = np.where(self.row_methods == method, self.allowed, 0)
+            if method in self.classes:
+                self.class_estimate[method].update_classes(self.classes[method], allowed, accepted, depths)
+            else:
+                self.acceptance[method].update(allowed, accepted, depths)
         drafted = self.allowed > 0
         self._check_lookahead(state, drafted)
         self.histogram[np.arange(len(self.active)), np.asarray(decision.limits)] += self.active
-        self.method_steps[self.method] += drafted
+        for method in self.method_steps:
+            self.method_steps[method] += drafted & (self.row_methods == method)
         self.estimated += self.expected
         self.allowed_total += self.allowed
         self.accepted_total += accepted * drafted
@@ -335,6 +370,7 @@ class Schedule:
             self.batch_interval = (min(self.batch_interval * 2, PROBE_MAX_INTERVAL) if self.probe_alone
                                    else PROBE_INTERVAL)
         state.draft_limits = state.draft_limit_tensor = state.draft_width = state.draft_method = None
+        state.draft_methods = None
 
     def finish(self) -> list[ScheduleStats]:
         """The call's statistics per row; its rows' acceptance becomes the next call's prior."""

@@ -9,6 +9,8 @@ stop) reads `DecodeState.host`, never the device.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,8 +73,10 @@ class DecodeState:
     # the target's KV cache (`hf_specdec.cache.ragged.RaggedKVCache`), which proposers may read and never write: an
     # early-exit draft starts from the prompt's keys and values in its first layers
     target_cache: Any = field(default=None, repr=False)
-    # the proposer a schedule chose for the step (`method="auto"`), None otherwise
+    # the proposers a schedule chose for the step (`method="auto"`), None otherwise: the one whose drafting the step
+    # pays for, and per row the one it drafts with (rows without a draft limit: the step's)
     draft_method: str | None = None
+    draft_methods: tuple[str, ...] | None = None
     # [B]: the host tensor the draft limits travel through (pinned on CUDA), made on the first scheduled step
     limit_buffer: torch.Tensor | None = field(default=None, repr=False)
     limit_host: np.ndarray | None = field(default=None, repr=False)  # the buffer's memory, seen from NumPy
@@ -149,6 +153,21 @@ class DecodeState:
         # (`report`) returned; on the CPU the buffer is itself the step's tensor, read only within the step
         self.limit_host[:] = limits  # written in place through its host view: no tensor built per step
         self.draft_limit_tensor = self.limit_buffer.to(self.lengths.device, non_blocking=True)
+
+    @contextlib.contextmanager
+    def limited_to(self, limits: list[int]) -> Iterator[None]:
+        """Within the block, the draft limits are also `limits` (per row; a proposer drafting for some rows only:
+        the others 0), on a device tensor of its own."""
+        saved = self.draft_limits, self.draft_limit_tensor
+        if self.draft_limits is not None:
+            limits = [min(limit, own) for limit, own in zip(self.draft_limits, limits)]
+        self.draft_limits = limits
+        self.draft_limit_tensor = torch.tensor(limits, dtype=self.lengths.dtype).to(self.lengths.device,
+                                                                                   non_blocking=True)
+        try:
+            yield
+        finally:
+            self.draft_limits, self.draft_limit_tensor = saved
 
     def report(
         self,

@@ -3,6 +3,8 @@ schedule's choice forced in turn through every candidate, with rows drafting dif
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 import hf_specdec
+import hf_specdec.proposers.auto as auto
 from hf_specdec import SpeculativeConfig
 from hf_specdec.proposers.auto import AutoProposer
 from hf_specdec.proposers.base import DraftSampling
@@ -57,6 +60,33 @@ def candidates_in_turn(monkeypatch):
         return weigh(self, {method: times[method]}, *args)
 
     monkeypatch.setattr(controller.Schedule, "_weigh", in_turn)
+    return forced
+
+
+@pytest.fixture
+def rows_in_turn(monkeypatch):
+    """The schedule's decision (limits from the decision rule over the first candidate's estimates), with row b
+    drafting at step s with candidate (b + s) % C (the order of `AUTO_CANDIDATES`): from the first step, rows of one
+    step draft with every candidate, and each row with each in turn. `merged` counts the steps whose rows drafted
+    with more than one candidate."""
+    steps = itertools.count()
+    weigh = controller.Schedule._weigh
+    merge = auto.merge_trees
+    forced = SimpleNamespace(merged=0)
+
+    def per_row(self, times, *args):
+        names = list(times)
+        _, decision, accepted, _ = weigh(self, {names[0]: times[names[0]]}, *args)
+        step = next(steps)
+        row_methods = np.asarray([names[(b + step) % len(names)] for b in range(len(decision.limits))], dtype=object)
+        return names[step % len(names)], decision, accepted, row_methods
+
+    def counted(trees, choice):
+        forced.merged += 1
+        return merge(trees, choice)
+
+    monkeypatch.setattr(controller.Schedule, "_weigh", per_row)
+    monkeypatch.setattr(auto, "merge_trees", counted)
     return forced
 
 
@@ -111,6 +141,83 @@ def test_auto_with_an_mlp_speculator_matches_plain_generate(candidates_in_turn, 
     out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, expected)
     assert out.spec_stats.schedule.method_steps["mlp_speculator"] > 0
+
+
+def _drafter_configs(target, expected):
+    head = trained_head(target, "eagle", expected)
+    return {
+        "eagle_chain": dict(heads=head),
+        "eagle_tree": dict(heads=head, tree_width=2),
+        "draft": dict(draft_model=copy.deepcopy(target)),
+        "medusa": dict(heads=heads_for(target)),
+        "mlp_speculator": dict(heads=fitted_speculator(target, expected, n_predict=3, steps=30)),
+    }
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_rows_drafting_with_different_candidates_in_one_step_match_plain_generate(arch, static, rows_in_turn,
+                                                                                    cycled_widths):  # noqa: F811
+    """Every model drafter auto takes (an EAGLE head's chain and its top-2 tree (n-gram lookup's a trie), a draft model, Medusa heads, an
+    MLP speculator), with n-gram lookup and suffix decoding, on a left-padded batch: in each step the rows draft with
+    different candidates (their trees merged into one proposal; chains with trees), each row 0, some or all of k,
+    with plain steps between. The output is plain generate's, the steps did mix candidates, and each candidate
+    drafted."""
+    target = make_model(arch)
+    ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    extra = {"cache_implementation": "static"} if static else {}
+    for name, drafter in _drafter_configs(target, expected).items():
+        if static and name == "draft":
+            continue  # auto with a draft model needs dynamic shapes
+        rows_in_turn.merged = 0
+        config = SpeculativeConfig(method="auto", num_speculative_tokens=3, suffix_cache=SuffixCache(), **drafter)
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs, **extra)
+        assert torch.equal(out.sequences, expected), name
+        steps = out.spec_stats.schedule.method_steps
+        assert len(steps) == 3 and min(steps.values()) > 0, (name, steps)
+        assert rows_in_turn.merged > 0, name
+        assert out.spec_stats.num_accepted_tokens > 0, name
+
+
+def test_rows_drafting_with_different_candidates_sample_the_exact_target_law(rows_in_turn,
+                                                                             cycled_widths):  # noqa: F811
+    """The chi-square test of tests/decoding/test_sampling_lossless.py over one call whose steps mix candidates
+    across rows: the EAGLE head's sampled chains (with their draft distributions) next to n-gram lookup's and suffix
+    decoding's deterministic drafts in one proposal, rows drafting 0 to k. The suffix cache first reads a call's
+    outputs of the same prompts, so the suffix rows have drafts (each candidate's drafts are counted)."""
+    target = lossless.make_target()
+    law = lossless.exact_law(target, lossless.TEMPERATURE)
+    config = SpeculativeConfig(method="auto", heads=lossless._eagle_head(target, "eagle"), num_speculative_tokens=3,
+                               seed=29, suffix_cache=SuffixCache(SuffixConfig(max_spec_offset=2.0,
+                                                                              min_token_prob=0.02)))
+    prompts = lossless.PROMPT.expand(lossless.N, -1)
+    kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=lossless.NEW_TOKENS, do_sample=True,
+                  top_p=1.0, temperature=lossless.TEMPERATURE, top_k=lossless.TOP_K, return_dict_in_generate=True)
+    hf_specdec.generate(target, prompts[:500], speculative=dataclasses.replace(config, seed=31),
+                        **{**kwargs, "attention_mask": kwargs["attention_mask"][:500]})
+    drafted = {}
+    merge = auto.merge_trees
+
+    def counted(trees, choice):  # each candidate's real draft nodes in the steps that mixed candidates
+        for tree, index in zip(trees, range(len(trees))):
+            kind = "sampled" if tree.draft_probs is not None else "deterministic"
+            drafted[kind] = drafted.get(kind, 0) + int(tree.valid[choice == index][:, 1:].sum())
+        return merge(trees, choice)
+
+    auto.merge_trees = counted
+    try:
+        out = hf_specdec.generate(target, prompts, speculative=config, **kwargs)
+    finally:
+        auto.merge_trees = merge
+    assert min(drafted.values()) > 1000, drafted
+    spec = out.spec_stats
+    assert min(spec.schedule.method_steps.values()) > 1000, spec.schedule.method_steps
+    assert rows_in_turn.merged > 0
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    pvalues = lossless.chi_square_pvalues(out.sequences[:, lossless.PROMPT.shape[1]:], law)
+    assert lossless.accepted(pvalues), f"p = {pvalues}"
 
 
 def test_auto_with_an_eagle_head_samples_the_exact_target_law(candidates_in_turn, mixed_priors):

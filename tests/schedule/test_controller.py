@@ -496,17 +496,22 @@ def test_the_width_is_the_critical_rows_and_rows_ahead_ride_along():
     assert schedule.plan(state, batch).limits == (k, 0, k)
 
 
-def _auto_step(schedule: Schedule, state: DecodeState, accepted: dict, depths: dict | None = None) -> tuple:
-    """One step of a schedule with several candidates: the chosen candidate's rows accept `accepted[method]` (per
-    row) of what they drafted, at most their known depth. Returns (the candidate, the limits)."""
+def _auto_step(schedule: Schedule, state: DecodeState, accepted: dict, depths: dict | None = None,
+               rows: bool = False) -> tuple:
+    """One step of a schedule with several candidates: each row accepts `accepted[method][row]` of what it drafted
+    with its candidate, at most its known depth. Returns (the step's candidate, the limits), and with `rows` each
+    row's candidate too."""
     decision = schedule.plan(state, len(state.host.lengths))
-    method, limits = state.draft_method, list(decision.limits)
-    drafted = [min(limit, (depths or {}).get(method, [limit] * len(limits))[row]) for row, limit in enumerate(limits)]
-    taken = [min(a, d) for a, d in zip(accepted[method], drafted)]
+    limits = list(decision.limits)
+    methods = state.draft_methods
+    drafted = [min(limit, (depths or {}).get(method, [limit] * len(limits))[row])
+               for row, (limit, method) in enumerate(zip(limits, methods))]
+    taken = [min(accepted[method][row], d) for row, (method, d) in enumerate(zip(methods, drafted))]
     host = state.host
     state.host = HostView(host.lengths, host.finished, [a + 1 for a in taken], taken)
+    step = (state.draft_method, limits, methods) if rows else (state.draft_method, limits)
     schedule.observe(state, SimpleNamespace(host_depths=drafted, tree=SimpleNamespace(max_depth=max(drafted))))
-    return method, limits
+    return step
 
 
 def test_auto_weighs_a_lookups_draft_classes_against_a_model_drafters_row_estimates():
@@ -556,6 +561,44 @@ def test_a_known_draft_depth_caps_what_a_class_is_expected_to_bring():
         methods = [_auto_step(schedule, state, {"eagle": [1], "suffix": [k]}, depths={"suffix": [depth]})[0]
                    for _ in range(60)]
         assert methods[-20:].count(winner) == 20, (depth, methods)
+
+
+def test_auto_chooses_per_row_and_each_candidate_learns_from_its_own_rows():
+    """A batch of 4 under method="auto": rows 0 and 1 have a long n-gram match whose drafts always hold, rows 2 and
+    3 none; the EAGLE head's drafts are accepted about 60% of the time. Its steps draft with the head for rows 2 and
+    3 while rows 0 and 1 draft with the lookup in the same step (the lookup costs no drafting of its own); the
+    head's estimates learn from rows 2 and 3 only (rows 0 and 1 keep theirs, once the lookup's class estimate has
+    left the prior it shares with the head at the first step). Once every row has a long match,
+    the lookup alone drafts (a step the head would pay for brings nothing more)."""
+    k, batch = 4, 4
+    config = SpeculativeConfig(method="auto", num_speculative_tokens=k)
+    costs = {"ngram": InjectedCosts(0.05), "eagle": InjectedCosts(0.07)}
+    matched = np.array([3, 3, 0, 0])
+    classes = DraftClasses(lambda state: matched.copy(), 3)
+    schedule = Schedule(config, k, costs, static_shapes=False, draft_classes={"ngram": classes})
+    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.start(batch)
+    rng = np.random.default_rng(0)
+    steps = []
+    for step in range(200):
+        if step == 10:
+            kept = schedule.acceptance["eagle"].values[:2].copy()
+        model = [int(np.argmin(np.append(rng.random(k) < 0.6, False))) for _ in range(batch)]
+        steps.append(_auto_step(schedule, state, {"ngram": [k, k, 0, 0], "eagle": model}, rows=True))
+    late = [(method, methods) for method, limits, methods in steps[-40:] if max(limits) > 0]
+    assert len(late) >= 36 and all(method == "eagle" and tuple(methods) == ("ngram", "ngram", "eagle", "eagle")
+                                   for method, methods in late), late
+    eagle = schedule.acceptance["eagle"].values
+    np.testing.assert_array_equal(eagle[:2], kept)
+    assert 0.45 < eagle[2:, 0].mean() < 0.75, eagle
+    stats = schedule.finish()
+    assert [row.method_steps["ngram"] > 150 for row in stats] == [True, True, False, False]
+    matched[:] = 3
+    schedule.start(batch)
+    later = [_auto_step(schedule, state, {"ngram": [k] * batch, "eagle": [0] * batch}, rows=True)
+             for _ in range(20)]
+    assert all(method == "ngram" and set(methods) == {"ngram"} for method, limits, methods in later[-10:]), later
 
 
 def test_draft_classes_must_belong_to_candidates():

@@ -65,7 +65,11 @@ def test_adaptive_greedy_matches_plain_generate(arch, static, mixed_priors):
         schedule = out.spec_stats.schedule
         assert schedule.schedule == "adaptive"
         histogram = schedule.k_histogram
-        assert histogram[0] > 0 and sum(histogram[1:]) > 0, (name, histogram)  # plain and drafting row-steps
+        assert sum(histogram[1:]) > 0, (name, histogram)  # drafting row-steps
+        if name == "auto":  # rows the draft model's estimates leave plain draft with n-gram lookup's matches
+            assert sum(steps > 0 for steps in schedule.method_steps.values()) >= 2, schedule.method_steps
+        else:  # and plain ones
+            assert histogram[0] > 0, (name, histogram)
         if name in ("draft", "auto"):  # copies of the target: accepted wherever drafted
             assert out.spec_stats.num_accepted_tokens > 0, name
 
