@@ -232,8 +232,9 @@ class Schedule:
         """The candidate whose drafting the step pays for, the decision, its [B, K + 1] expected accepted drafts
         (how often each row drafts included) and [B] the candidate each row drafts with, with the most expected
         tokens per second (`decide`: the critical rows' tokens choose the width). Rows may draft with a host
-        candidate that tells its drafts apart instead (`riders`: it drafts for any row at no cost of its own),
-        where it expects more within the step's limits."""
+        candidate that tells its drafts apart instead (`riders`: it drafts for any row at no cost of its own)
+        where it expects more, within the width the step's candidate chose for itself or deeper where the extra
+        verified positions pay for themselves."""
         expected = {}  # per candidate: [B, K + 1] expected accepted drafts, how often the row drafts included
         for method in times:
             estimate = self.acceptance[method]
@@ -248,29 +249,45 @@ class Schedule:
                 draft_rate, probing = np.ones(len(classes)), np.zeros_like(probe)
             expected[method] = (expected_accepted(values), draft_rate, probing)
         best: tuple[float, str | None, Decision, np.ndarray, np.ndarray] | None = None
-        rows = np.arange(len(active))
+        rows, positions = np.arange(len(active)), np.arange(self.max_k + 1)
+
+        def weighed(accepted, step_time, draft_rate, probing, unpaid, rows_weighed=active) -> Decision:
+            if not self.adaptive:  # the cap, or under static shapes the widest compiled width below it
+                width = widths[-1]
+                limits = np.where(rows_weighed, width, 0)
+                return Decision(width, tuple(int(x) for x in limits),
+                                *step_expectation(accepted, step_time, rows_weighed, limits, width, draft_rate))
+            # widths whose steps delivered less than plain ones at this batch size: only probes draft at them
+            return decide(accepted, step_time, rows_weighed, probing, widths, probe_length, draft_rate,
+                          self.probe_alone, [w for w in widths if w not in unpaid], critical)
+
         for method, step_time in times.items():
             accepted, draft_rate, probing = expected[method]
+            unpaid = set(self.costs[method].unpaid_widths(rows_computed, int(active.sum())))
+            names, offers = [method], (accepted * draft_rate[:, None])[None]  # [C, B, K + 1]: each candidate's offer
             riders = self.riders(method, times)
-            # [C, B, K + 1]: what each row expects from the step's candidate and from each rider
-            offers = np.stack([accepted * draft_rate[:, None]] + [expected[rider][0] for rider in riders])
-            if riders:  # a row takes whichever offers more at its limit: the best of them at every length
-                accepted, draft_rate = offers.max(axis=0), np.ones(len(active))
-            if self.adaptive:
-                # widths whose steps delivered less than plain ones at this batch size: only probes draft at them
-                unpaid = self.costs[method].unpaid_widths(rows_computed, int(active.sum()))
-                decision = decide(accepted, step_time, active, probing, widths, probe_length, draft_rate,
-                                  self.probe_alone, [w for w in widths if w not in unpaid], critical)
+            if not riders:
+                decision = weighed(accepted, step_time, draft_rate, probing, unpaid)
             else:
-                width = widths[-1]  # the cap, or under static shapes the widest compiled width below it
-                limits = np.where(active, width, 0)
-                decision = Decision(width, tuple(int(x) for x in limits),
-                                    *step_expectation(accepted, step_time, active, limits, width, draft_rate))
+                # the candidate's own width, for the rows no rider serves as well at every length; it drafts for its
+                # rows up to it. A rider's row takes its own draft where it offers more, deeper if it goes deeper, at
+                # the cost of verifying more (the riders' own step times: their drafting costs next to nothing)
+                ridden = np.max([expected[r][0] for r in riders], axis=0)
+                served = (ridden >= offers[0]).all(axis=1) & (ridden[:, -1] > 0)
+                own = weighed(accepted, step_time, draft_rate, probing, unpaid, active & ~served).width
+                names += riders
+                offers = np.stack([offers[0][:, np.minimum(positions, own)]] + [expected[r][0] for r in riders])
+                verify = np.min([times[r] for r in riders], axis=0)
+                step_time = np.where(positions <= own, step_time, step_time[own] + verify - verify[own])
+                unpaid = {w for w in unpaid if w <= own} | set.intersection(*(
+                    {w for w in self.costs[r].unpaid_widths(rows_computed, int(active.sum())) if w > own}
+                    for r in riders))
+                accepted, draft_rate = offers.max(axis=0), np.ones(len(active))
+                decision = weighed(accepted, step_time, draft_rate, probing, unpaid)
             rate = decision.expected_tokens / max(decision.expected_time, 1e-12)
             if best is None or rate > best[0] * (1.0 + 1e-9):
                 # each row's candidate: the one offering the most at its limit (a tie: the step's candidate)
-                names = np.asarray([method, *riders], dtype=object)
-                row_methods = names[offers[:, rows, np.asarray(decision.limits)].argmax(axis=0)]
+                row_methods = np.asarray(names, dtype=object)[offers[:, rows, np.asarray(decision.limits)].argmax(0)]
                 best = (rate, method, decision, accepted * draft_rate[:, None], row_methods)
         _, method, decision, accepted, row_methods = best
         drafting = row_methods[np.asarray(decision.limits) > 0]

@@ -565,35 +565,40 @@ def test_a_known_draft_depth_caps_what_a_class_is_expected_to_bring():
 
 def test_auto_chooses_per_row_and_each_candidate_learns_from_its_own_rows():
     """A batch of 4 under method="auto": rows 0 and 1 have a long n-gram match whose drafts always hold, rows 2 and
-    3 none; the EAGLE head's drafts are accepted about 60% of the time. Its steps draft with the head for rows 2 and
-    3 while rows 0 and 1 draft with the lookup in the same step (the lookup costs no drafting of its own); the
-    head's estimates learn from rows 2 and 3 only (rows 0 and 1 keep theirs, once the lookup's class estimate has
-    left the prior it shares with the head at the first step). Once every row has a long match,
-    the lookup alone drafts (a step the head would pay for brings nothing more)."""
+    3 none; the EAGLE head's drafts are accepted with probability p. Its steps draft with the head for rows 2 and 3
+    while rows 0 and 1 draft with the lookup in the same step (the lookup costs no drafting of its own): at p = 0.6
+    all four k deep; at p = 0.3 the head's rows 2 deep at most (deeper guesses do not pay for their drafting) and
+    the lookup's rows still k deep (verifying them costs the lookup's own step times). The head's estimates learn
+    from rows 2 and 3 only (rows 0 and 1 keep theirs once the lookup's class estimate has left the prior it shares
+    with the head at the first step). Once every row has a long match, the lookup alone drafts (a step the head
+    would pay for brings nothing more)."""
     k, batch = 4, 4
-    config = SpeculativeConfig(method="auto", num_speculative_tokens=k)
-    costs = {"ngram": InjectedCosts(0.05), "eagle": InjectedCosts(0.07)}
-    matched = np.array([3, 3, 0, 0])
-    classes = DraftClasses(lambda state: matched.copy(), 3)
-    schedule = Schedule(config, k, costs, static_shapes=False, draft_classes={"ngram": classes})
-    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
-                              pad_token_id=0)
-    schedule.start(batch)
-    rng = np.random.default_rng(0)
-    steps = []
-    for step in range(200):
-        if step == 10:
-            kept = schedule.acceptance["eagle"].values[:2].copy()
-        model = [int(np.argmin(np.append(rng.random(k) < 0.6, False))) for _ in range(batch)]
-        steps.append(_auto_step(schedule, state, {"ngram": [k, k, 0, 0], "eagle": model}, rows=True))
-    late = [(method, methods) for method, limits, methods in steps[-40:] if max(limits) > 0]
-    assert len(late) >= 36 and all(method == "eagle" and tuple(methods) == ("ngram", "ngram", "eagle", "eagle")
-                                   for method, methods in late), late
-    eagle = schedule.acceptance["eagle"].values
-    np.testing.assert_array_equal(eagle[:2], kept)
-    assert 0.45 < eagle[2:, 0].mean() < 0.75, eagle
-    stats = schedule.finish()
-    assert [row.method_steps["ngram"] > 150 for row in stats] == [True, True, False, False]
+    for p, head_depth in ((0.6, k), (0.3, 2)):
+        config = SpeculativeConfig(method="auto", num_speculative_tokens=k)
+        costs = {"ngram": InjectedCosts(0.05), "eagle": InjectedCosts(0.07)}
+        matched = np.array([3, 3, 0, 0])
+        classes = DraftClasses(lambda state, matched=matched: matched.copy(), 3)
+        schedule = Schedule(config, k, costs, static_shapes=False, draft_classes={"ngram": classes})
+        state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000,
+                                  extra_capacity=8, pad_token_id=0)
+        schedule.start(batch)
+        rng = np.random.default_rng(0)
+        steps = []
+        for step in range(300):
+            if step == 10:
+                kept = schedule.acceptance["eagle"].values[:2].copy()
+            model = [int(np.argmin(np.append(rng.random(k) < p, False))) for _ in range(batch)]
+            steps.append(_auto_step(schedule, state, {"ngram": [k, k, 0, 0], "eagle": model}, rows=True))
+        late = [(method, tuple(methods), limits) for method, limits, methods in steps[-40:] if max(limits) > 0]
+        assert len(late) >= 36 and all(method == "eagle" and methods == ("ngram", "ngram", "eagle", "eagle")
+                                       for method, methods, _ in late), (p, late)
+        assert all(limits[:2] == [k, k] for _, _, limits in late), (p, late)
+        assert max(max(limits[2:]) for _, _, limits in late) == head_depth, (p, late)
+        eagle = schedule.acceptance["eagle"].values
+        np.testing.assert_array_equal(eagle[:2], kept)
+        assert abs(eagle[2:, 0].mean() - p) < 0.15, (p, eagle)
+        stats = schedule.finish()
+        assert [row.method_steps["ngram"] > 250 for row in stats] == [True, True, False, False]
     matched[:] = 3
     schedule.start(batch)
     later = [_auto_step(schedule, state, {"ngram": [k] * batch, "eagle": [0] * batch}, rows=True)
