@@ -28,6 +28,12 @@ as lossless as the rest. Under `method="auto"` each candidate that tells its dra
 estimates, and the others their per-row ones: a step weighs n-gram lookup's draft for a row by the length of the
 n-gram it matched against an EAGLE head's row estimate.
 
+Per row under `method="auto"`: a step is paid for by one candidate (its drafting and a verify of its width), and the
+host lookups (n-gram, suffix: their drafting costs next to nothing) ride along: a row takes a lookup's draft where it
+offers more than the step's candidate. The candidate's own width is chosen for the rows no lookup serves as well; a
+lookup's rows may go deeper, each extra position priced at the lookups' own step times (a verify alone). Each
+candidate's estimates learn from the rows that drafted with it.
+
 The critical path: a call lasts as long as its rows with the most tokens left before `max_length`, so the width
 is chosen for those rows' tokens; the rows ahead of them draft within that width where their own estimates say
 so (the step costs its width whoever drafts), and do not widen a step by themselves.
