@@ -12,9 +12,10 @@ The head is a one-layer model with its own ragged KV cache, driven exactly like 
 
 After verification the head keeps only the committed tokens' KV: the drafted entries were built on its own
 guesses, and the tokens the target accepted are fed again next step with the target's true features (as EAGLE
-does). A plain step (no row drafts) keeps its committed tokens' features instead of running the head: the next
-proposal feeds them all in one forward (at most `BACKLOG_LIMIT` tokens wait), so a batch that decodes plainly for a
-while pays almost nothing for the head. Candidates are deterministic in trees and sampled from the head's
+does). A step the head does not draft (a plain step, or one another proposer drafts under `method="auto"`, where
+rows commit different numbers of tokens) keeps each row's committed tokens' features instead of running the head:
+the next proposal feeds them all in one forward (at most `BACKLOG_LIMIT` tokens wait per row), so a batch that
+decodes plainly or with another drafter for a while pays almost nothing for the head. Candidates are deterministic in trees and sampled from the head's
 distribution in chains, so verification stays lossless either way.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -112,7 +114,9 @@ class EagleProposer(DraftModelProposer):
         self.cache.prefill(prompt[:, :0].to(device), None)
         self.cached_lengths = state.lengths.clone()
         self.cached_host = list(state.host.lengths)
-        self._backlog: list[torch.Tensor] = []  # [B, n, F] each: features of tokens committed in plain steps
+        # per step skipped since the last feed: [B, T, F] the features of its committed tokens, and per row how many
+        # of them (the first ones) are the row's
+        self._backlog: list[tuple[torch.Tensor, list[int]]] = []
         self._prompt_feed: tuple | None = None  # the prompt's pairs, until the head's first forward feeds them
         if state.prompt_length < 2:
             return
@@ -143,31 +147,55 @@ class EagleProposer(DraftModelProposer):
 
     def _feed_inputs(self, state: DecodeState, width: int) -> dict:
         features = state.target_features
-        if self._backlog:  # the waiting tokens come first in every row
-            features = torch.cat([*self._backlog, features.to(self._backlog[0].device)], dim=1)
+        if self._backlog:  # each row's waiting tokens come first, then the step's own
+            pieces = [kept for kept, _ in self._backlog] + [features.to(self._backlog[0][0].device)]
+            counts = [waiting for _, waiting in self._backlog]
+            counts.append([max(fed - sum(row), 0) for fed, row in zip(self._fed_host, zip(*counts))])
+            features = torch.cat(pieces, dim=1).gather(1, self._backlog_index(pieces, counts, width)[:, :, None].expand(
+                -1, -1, features.shape[2]))
         features = features[:, :width]
         if features.shape[1] < width:  # fixed shapes: dummies after the real tokens
             features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[1]))
         return {"features": features.contiguous(), "from_target": True}
+
+    @staticmethod
+    def _backlog_index(
+        # [B, T_i, F] each: the features of the steps whose tokens wait, then the step's own
+        pieces: list[torch.Tensor],
+        # per piece, per row: how many of its columns are the row's tokens (the first ones)
+        counts: list[list[int]],
+        width: int,
+    ) -> torch.Tensor:
+        """[B, width] long: for each row, the columns of the pieces laid end to end that hold its tokens' features, in
+        order (0 past its last)."""
+        offsets = np.cumsum([0] + [piece.shape[1] for piece in pieces[:-1]])
+        index = np.zeros((pieces[0].shape[0], width), dtype=np.int64)
+        for row in range(index.shape[0]):
+            columns = np.concatenate([offset + np.arange(count[row]) for offset, count in zip(offsets, counts)])
+            index[row, : min(columns.size, width)] = columns[:width]
+        return torch.from_numpy(index).to(pieces[0].device)
 
     def _draft_inputs(self, parent_hidden: torch.Tensor | None, depth: int) -> dict:
         # contiguous: a compiled forward is specialised to its inputs' strides as well as their shapes
         return {"features": parent_hidden.contiguous(), "from_target": False}
 
     def skip(self, state: DecodeState) -> None:
-        """Keep the last step's committed tokens' features for the next feed while every generating row has the
-        same number of them (their target features are kept for one step only); feed them now after a step in which
-        rows committed different numbers, past `BACKLOG_LIMIT`, or under fixed shapes (a feed of fixed width)."""
-        host, waiting = state.host, sum(features.shape[1] for features in self._backlog)  # the same in every row
-        unseen = {length - seen - waiting
-                  for length, seen, done in zip(host.lengths, self.cached_host, host.finished) if not done}
-        if len(unseen) == 1 and not self.fixed_shapes:
-            count = unseen.pop()
-            if waiting + count <= BACKLOG_LIMIT:
-                self._backlog.append(state.target_features[:, :count])
-                return
+        """Keep the last step's committed tokens' features for the next feed (each row's own number of them: their
+        target features are kept for one step only); feed them now past `BACKLOG_LIMIT` waiting tokens in a row, or
+        under fixed shapes (a feed of fixed width)."""
+        host = state.host
+        counts = [0 if done else length - seen - waiting
+                  for length, seen, waiting, done in zip(host.lengths, self.cached_host, self._waiting(), host.finished)]
+        if not self.fixed_shapes and max(w + c for w, c in zip(self._waiting(), counts)) <= BACKLOG_LIMIT:
+            self._backlog.append((state.target_features[:, : max(max(counts), 1)], counts))
+            return
         self._feed_unseen(state)
         self._keep_feed(state)
+
+    def _waiting(self) -> list[int]:
+        """Per row: its committed tokens whose features wait in the backlog."""
+        rows = len(self.cached_host)
+        return [sum(column) for column in zip(*(counts for _, counts in self._backlog))] or [0] * rows
 
     def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
         self._feed_prompt()

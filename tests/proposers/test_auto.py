@@ -245,6 +245,65 @@ def test_auto_with_an_eagle_head_samples_the_exact_target_law(candidates_in_turn
     assert lossless.accepted(pvalues), f"p = {pvalues}"
 
 
+def test_a_head_keeps_each_rows_own_tokens_waiting_and_drafts_as_if_fed_every_step(monkeypatch):
+    """In the steps another candidate drafts, rows commit different numbers of tokens; the EAGLE head keeps each
+    row's own tokens' features waiting (no head forward) and feeds them at its next draft. Under the same forced
+    decisions (candidates in turn, two steps each; the width cycle of tests/schedule/test_lossless.py), it drafts
+    exactly what a head fed after every step drafts (`BACKLOG_LIMIT` 0), and the waiting tokens did differ between
+    rows."""
+    from tests.schedule.test_lossless import WIDTH_CYCLE
+
+    steps = [0, 0]  # decisions, weighings
+
+    def forced(acceptance, step_time, active, probe, widths, probe_length, draft_rate=None, probe_alone=True,
+               estimate_widths=None, critical=None):
+        width = WIDTH_CYCLE[steps[0] % len(WIDTH_CYCLE)]
+        steps[0] += 1
+        rows = np.arange(len(active))
+        limits = np.where(np.asarray(active, dtype=bool), np.where(rows % 3 == 1, max(width - 1, 0), width), 0)
+        return controller.Decision(int(limits.max()), tuple(int(x) for x in limits), 1.0, 1.0)
+
+    weigh = controller.Schedule._weigh
+
+    def in_turn(self, times, *args):
+        method = list(times)[steps[1] // 2 % len(times)]
+        steps[1] += 1
+        return weigh(self, {method: times[method]}, *args)
+
+    monkeypatch.setattr(controller, "decide", forced)
+    monkeypatch.setattr(controller.Schedule, "_weigh", in_turn)
+    import hf_specdec.proposers.eagle as eagle
+
+    ragged = []
+    index = eagle.EagleProposer._backlog_index
+
+    def spied(pieces, counts, width):
+        ragged.append(any(len(set(step)) > 1 for step in counts[:-1]))
+        return index(pieces, counts, width)
+
+    monkeypatch.setattr(eagle.EagleProposer, "_backlog_index", staticmethod(spied))
+    target = make_model("llama")
+    ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    head = trained_head(target, "eagle", expected)
+    stats = {}
+    for limit in (eagle.BACKLOG_LIMIT, 0):
+        monkeypatch.setattr(eagle, "BACKLOG_LIMIT", limit)
+        steps[:] = [0, 0]
+        config = SpeculativeConfig(method="auto", heads=head, num_speculative_tokens=3, suffix_cache=SuffixCache())
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected), limit
+        stats[limit] = out.spec_stats
+        if limit:
+            assert any(ragged), ragged
+            ragged.clear()
+    assert not ragged  # fed after every step: nothing waited
+    waited, fed = stats.values()
+    assert waited.schedule.method_steps["eagle"] > 0 and waited.num_accepted_tokens > 0
+    assert waited.accepted_per_position == fed.accepted_per_position and waited.num_drafts == fed.num_drafts
+
+
 def test_a_candidate_drafts_in_auto_exactly_as_alone(monkeypatch):
     """The EAGLE head under `method="auto"`, chosen at every drafting step, with plain steps between (the forced
     width cycle of tests/schedule/test_lossless.py, restarted for each run): it drafts exactly what it drafts as
