@@ -105,13 +105,16 @@ class SuffixProposer(Proposer):
 
     def _draft(self, row: int, budget: int) -> SuffixDraft:
         """The row's best draft of at most `budget` nodes after its text as it stands (`EMPTY_DRAFT` for a
-        finished row or no budget): looked up once per text and budget."""
+        finished row or no budget): looked up once per text and budget (or larger budget, see below)."""
         request = self.requests[row]
         if request is None or budget == 0:
             return EMPTY_DRAFT
         tokens = self.text.row(row)
         kept = self.looked_up[row]
-        if kept is None or kept[0] != tokens.shape[0] or kept[1] != budget:
+        # a lookup with a larger budget whose draft fits this one is this budget's too: every match's draft with
+        # the smaller budget is a prefix of its draft with the larger one (best first), so none scores more
+        if kept is None or kept[0] != tokens.shape[0] or not (kept[1] == budget or
+                                                             kept[1] > budget >= kept[2].num_tokens):
             draft = propose_suffix_draft(self.cache, request, tokens[-self.context :], budget)
             kept = self.looked_up[row] = (tokens.shape[0], budget, draft)
         return kept[2]

@@ -384,3 +384,39 @@ def test_draft_classes_are_the_drafts_tree_and_match_length(monkeypatch):
     assert proposal.draft_token_ids[2].tolist()[:2] == [9, 7]
     assert proposal.num_draft_tokens.tolist() == [3, 2, 2, 0]  # capped at the match length (max_spec_factor 1)
     proposer.finish(state)
+
+
+def test_a_smaller_budget_reuses_a_lookup_whose_draft_fits(monkeypatch):
+    """A step's draft classes look each row up with the full budget k; the proposal under the schedule's smaller
+    limit reuses that lookup where its draft fits the limit (it is the smaller budget's best draft too: checked against
+    a fresh lookup) and looks the row up again where it does not."""
+    from hf_specdec.proposers import suffix as module
+    from hf_specdec.proposers.suffix import SuffixProposer
+    from hf_specdec.step import DecodeState
+
+    cache = SuffixCache(SuffixConfig(max_spec_factor=2.0))
+    for output in ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8], [5, 9, 1, 2], [5, 9, 1, 3]):
+        request = cache.start_request([0])
+        request.extend(output)
+        request.finish()
+    # row 0 ends with `1 2 3`: a long continuation (5 tokens, budget 5); row 1 with `5 9`: a short one
+    ids = torch.tensor([[11, 12, 1, 2, 3], [13, 14, 15, 5, 9]])
+    state = DecodeState.start(ids, None, max_length=40, extra_capacity=6, pad_token_id=0)
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=5, max_spec_factor=2.0, suffix_cache=cache)
+    proposer = SuffixProposer(config, cache)
+    proposer.start(state, None)
+    lookups = []
+    monkeypatch.setattr(module, "propose_suffix_draft", lambda *args: lookups.append(args[-1]) or
+                        propose_suffix_draft(*args))
+    proposer.draft_classes(state)
+    full = [proposer._draft(row, 5) for row in range(2)]
+    assert lookups == [5, 5] and full[0].num_tokens == 5 and 0 < full[1].num_tokens <= 3
+    state.set_draft_limits([3, 3], 3)
+    drafts = proposer.drafts(state)
+    assert lookups == [5, 5, 3]  # row 0's draft does not fit 3 tokens: looked up again; row 1's fits
+    assert drafts[1] is full[1]
+    fresh = SuffixProposer(config, cache)
+    fresh.start(state, None)
+    assert fresh.drafts(state) == drafts  # what a lookup with the smaller budget finds
+    proposer.finish(state)
+    fresh.finish(state)
