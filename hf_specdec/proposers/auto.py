@@ -112,10 +112,9 @@ class AutoProposer(Proposer):
             proposer.start(state, attention_mask)
 
     def propose(self, state: DecodeState) -> Proposal:
-        first = state.draft_method or next(iter(self.candidates))
-        methods = state.draft_methods or (first,) * state.batch_size
+        methods = state.draft_methods or (next(iter(self.candidates)),) * state.batch_size
         budgets = state.host_draft_budget()
-        used = list(dict.fromkeys(m for m, budget in zip(methods, budgets) if budget > 0)) or [first]
+        used = list(dict.fromkeys(m for m, budget in zip(methods, budgets) if budget > 0)) or [methods[0]]
         for method, proposer in self.candidates.items():
             if method not in used:
                 proposer.skip(state)
@@ -124,15 +123,15 @@ class AutoProposer(Proposer):
             return self.candidates[used[0]].propose(state)
         # rows drafting with different candidates: each drafts for its own rows, one tree per row
         device = state.sequences.device
-        self.drafting, proposals, own_rows = {}, [], []
+        self.drafting, proposals = {}, []
         for method in used:
             own = [m == method and budget > 0 for m, budget in zip(methods, budgets)]
             with state.limited_to([budget if mine else 0 for budget, mine in zip(budgets, own)]):
                 proposal = self.candidates[method].propose(state)
             self.drafting[method] = (proposal, own, torch.tensor(own, device=device))
             proposals.append(proposal)
-            own_rows.append(own)
-        choice = [next((i for i, own in enumerate(own_rows) if own[row]), 0) for row in range(state.batch_size)]
+        # a row without a budget drafts with none: any tree's (its nodes are invalid there)
+        choice = [used.index(m) if m in used else 0 for m in methods]
         depths = [_depth(proposals[i], row, budgets[row]) for row, i in enumerate(choice)]
         return Proposal(merge_trees([p.tree for p in proposals], torch.tensor(choice, device=device)),
                         host_depths=tuple(depths))

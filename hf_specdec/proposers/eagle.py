@@ -149,10 +149,10 @@ class EagleProposer(DraftModelProposer):
         features = state.target_features
         if self._backlog:  # each row's waiting tokens come first, then the step's own
             pieces = [kept for kept, _ in self._backlog] + [features.to(self._backlog[0][0].device)]
-            counts = [waiting for _, waiting in self._backlog]
-            counts.append([max(fed - sum(row), 0) for fed, row in zip(self._fed_host, zip(*counts))])
-            features = torch.cat(pieces, dim=1).gather(1, self._backlog_index(pieces, counts, width)[:, :, None].expand(
-                -1, -1, features.shape[2]))
+            # the step's own columns all follow (a row's past its last token are never read)
+            counts = [waiting for _, waiting in self._backlog] + [[features.shape[1]] * features.shape[0]]
+            index = self._backlog_index(pieces, counts, width)
+            features = torch.cat(pieces, dim=1).gather(1, index[:, :, None].expand(-1, -1, features.shape[2]))
         features = features[:, :width]
         if features.shape[1] < width:  # fixed shapes: dummies after the real tokens
             features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[1]))
@@ -166,13 +166,12 @@ class EagleProposer(DraftModelProposer):
         counts: list[list[int]],
         width: int,
     ) -> torch.Tensor:
-        """[B, width] long: for each row, the columns of the pieces laid end to end that hold its tokens' features, in
-        order (0 past its last)."""
-        offsets = np.cumsum([0] + [piece.shape[1] for piece in pieces[:-1]])
-        index = np.zeros((pieces[0].shape[0], width), dtype=np.int64)
-        for row in range(index.shape[0]):
-            columns = np.concatenate([offset + np.arange(count[row]) for offset, count in zip(offsets, counts)])
-            index[row, : min(columns.size, width)] = columns[:width]
+        """[B, <= width] long: for each row, the columns of the pieces laid end to end that hold its tokens' features,
+        in order (then other columns: past its last token a row's features are never read)."""
+        # [B, sum T_i] whether each column is one of the row's tokens; a stable sort puts those first, in order
+        mine = np.concatenate([np.arange(piece.shape[1])[None, :] < np.asarray(count)[:, None]
+                               for piece, count in zip(pieces, counts)], axis=1)
+        index = np.argsort(~mine, axis=1, kind="stable")[:, :width]
         return torch.from_numpy(index).to(pieces[0].device)
 
     def _draft_inputs(self, parent_hidden: torch.Tensor | None, depth: int) -> dict:
@@ -183,10 +182,10 @@ class EagleProposer(DraftModelProposer):
         """Keep the last step's committed tokens' features for the next feed (each row's own number of them: their
         target features are kept for one step only); feed them now past `BACKLOG_LIMIT` waiting tokens in a row, or
         under fixed shapes (a feed of fixed width)."""
-        host = state.host
-        counts = [0 if done else length - seen - waiting
-                  for length, seen, waiting, done in zip(host.lengths, self.cached_host, self._waiting(), host.finished)]
-        if not self.fixed_shapes and max(w + c for w, c in zip(self._waiting(), counts)) <= BACKLOG_LIMIT:
+        host, waiting = state.host, self._waiting()
+        counts = [0 if done else length - seen - wait
+                  for length, seen, wait, done in zip(host.lengths, self.cached_host, waiting, host.finished)]
+        if not self.fixed_shapes and max(w + c for w, c in zip(waiting, counts)) <= BACKLOG_LIMIT:
             self._backlog.append((state.target_features[:, : max(max(counts), 1)], counts))
             return
         self._feed_unseen(state)

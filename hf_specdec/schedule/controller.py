@@ -93,7 +93,7 @@ class DraftClasses:
 class Schedule:
     """Per-row draft limits for each step. `adaptive=False` applies the batch-size rules alone (k otherwise).
     With several candidate proposers (`costs` keyed by method, `method="auto"`), each step also names the one
-    expected to bring the most tokens per second (`state.draft_method`); a single proposer is keyed None."""
+    expected to bring the most tokens per second, per row (`state.draft_methods`); a single proposer is keyed None."""
 
     def __init__(
         self,
@@ -212,7 +212,6 @@ class Schedule:
         self.allowed = np.minimum(decision.limits, state.host_draft_budget())  # the length limit cuts too
         self.expected = accepted[rows, self.allowed]  # expected accepted drafts, how often the row drafts included
         state.set_draft_limits(list(decision.limits), decision.width)
-        state.draft_method = method
         if len(self.costs) > 1:
             state.draft_methods = tuple(row_methods)
         # rows that probed: due and drafting with the step's candidate (a due row in a plain step waits; a
@@ -254,6 +253,9 @@ class Schedule:
                     values = np.where(np.arange(self.max_k)[None, :] < self.depths[method][:, None], values, 0.0)
                 draft_rate, probing = np.ones(len(classes)), np.zeros_like(probe)
             expected[method] = (expected_accepted(values), draft_rate, probing)
+        # per candidate: the widths whose steps delivered less than plain ones at this batch size (only probes draft
+        # at them)
+        unpaid_at = {method: set(self.costs[method].unpaid_widths(rows_computed, int(active.sum()))) for method in times}
         best: tuple[float, str | None, Decision, np.ndarray, np.ndarray] | None = None
         rows, positions = np.arange(len(active)), np.arange(self.max_k + 1)
 
@@ -263,13 +265,12 @@ class Schedule:
                 limits = np.where(rows_weighed, width, 0)
                 return Decision(width, tuple(int(x) for x in limits),
                                 *step_expectation(accepted, step_time, rows_weighed, limits, width, draft_rate))
-            # widths whose steps delivered less than plain ones at this batch size: only probes draft at them
             return decide(accepted, step_time, rows_weighed, probing, widths, probe_length, draft_rate,
                           self.probe_alone, [w for w in widths if w not in unpaid], critical)
 
         for method, step_time in times.items():
             accepted, draft_rate, probing = expected[method]
-            unpaid = set(self.costs[method].unpaid_widths(rows_computed, int(active.sum())))
+            unpaid = unpaid_at[method]
             names, offers = [method], (accepted * draft_rate[:, None])[None]  # [C, B, K + 1]: each candidate's offer
             riders = self.riders(method, times)
             if not riders:
@@ -285,9 +286,8 @@ class Schedule:
                 offers = np.stack([offers[0][:, np.minimum(positions, own)]] + [expected[r][0] for r in riders])
                 verify = np.min([times[r] for r in riders], axis=0)
                 step_time = np.where(positions <= own, step_time, step_time[own] + verify - verify[own])
-                unpaid = {w for w in unpaid if w <= own} | set.intersection(*(
-                    {w for w in self.costs[r].unpaid_widths(rows_computed, int(active.sum())) if w > own}
-                    for r in riders))
+                unpaid = {w for w in unpaid if w <= own} | {w for w in set.intersection(*(unpaid_at[r] for r in riders))
+                                                          if w > own}
                 accepted, draft_rate = offers.max(axis=0), np.ones(len(active))
                 decision = weighed(accepted, step_time, draft_rate, probing, unpaid)
             rate = decision.expected_tokens / max(decision.expected_time, 1e-12)
@@ -392,8 +392,7 @@ class Schedule:
             self.plain_run = 0
             self.batch_interval = (min(self.batch_interval * 2, PROBE_MAX_INTERVAL) if self.probe_alone
                                    else PROBE_INTERVAL)
-        state.draft_limits = state.draft_limit_tensor = state.draft_width = state.draft_method = None
-        state.draft_methods = None
+        state.draft_limits = state.draft_limit_tensor = state.draft_width = state.draft_methods = None
 
     def finish(self) -> list[ScheduleStats]:
         """The call's statistics per row; its rows' acceptance becomes the next call's prior."""

@@ -73,9 +73,7 @@ class DecodeState:
     # the target's KV cache (`hf_specdec.cache.ragged.RaggedKVCache`), which proposers may read and never write: an
     # early-exit draft starts from the prompt's keys and values in its first layers
     target_cache: Any = field(default=None, repr=False)
-    # the proposers a schedule chose for the step (`method="auto"`), None otherwise: the one whose drafting the step
-    # pays for, and per row the one it drafts with (rows without a draft limit: the step's)
-    draft_method: str | None = None
+    # per row, the proposer a schedule chose for it this step (`method="auto"`), None otherwise
     draft_methods: tuple[str, ...] | None = None
     # [B]: the host tensor the draft limits travel through (pinned on CUDA), made on the first scheduled step
     limit_buffer: torch.Tensor | None = field(default=None, repr=False)

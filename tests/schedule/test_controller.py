@@ -509,7 +509,7 @@ def _auto_step(schedule: Schedule, state: DecodeState, accepted: dict, depths: d
     taken = [min(accepted[method][row], d) for row, (method, d) in enumerate(zip(methods, drafted))]
     host = state.host
     state.host = HostView(host.lengths, host.finished, [a + 1 for a in taken], taken)
-    step = (state.draft_method, limits, methods) if rows else (state.draft_method, limits)
+    step = (schedule.method, limits, methods) if rows else (schedule.method, limits)
     schedule.observe(state, SimpleNamespace(host_depths=drafted, tree=SimpleNamespace(max_depth=max(drafted))))
     return step
 
