@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import weakref
 
-import numpy as np
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -114,9 +113,9 @@ class EagleProposer(DraftModelProposer):
         self.cache.prefill(prompt[:, :0].to(device), None)
         self.cached_lengths = state.lengths.clone()
         self.cached_host = list(state.host.lengths)
-        # per step skipped since the last feed: [B, T, F] the features of its committed tokens, and per row how many
-        # of them (the first ones) are the row's
-        self._backlog: list[tuple[torch.Tensor, list[int]]] = []
+        # per step skipped since the last feed: [B, T, F] the features of its committed tokens, [B] the rows'
+        # lengths after it (on the device), and per row how many of its tokens (the first ones) are the row's (host)
+        self._backlog: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
         self._prompt_feed: tuple | None = None  # the prompt's pairs, until the head's first forward feeds them
         if state.prompt_length < 2:
             return
@@ -148,31 +147,14 @@ class EagleProposer(DraftModelProposer):
     def _feed_inputs(self, state: DecodeState, width: int) -> dict:
         features = state.target_features
         if self._backlog:  # each row's waiting tokens come first, then the step's own
-            pieces = [kept for kept, _ in self._backlog] + [features.to(self._backlog[0][0].device)]
-            # the step's own columns all follow (a row's past its last token are never read)
-            counts = [waiting for _, waiting in self._backlog] + [[features.shape[1]] * features.shape[0]]
-            index = self._backlog_index(pieces, counts, width)
+            pieces = [kept for kept, _, _ in self._backlog] + [features.to(self._backlog[0][0].device)]
+            ends = [self.cached_lengths] + [lengths for _, lengths, _ in self._backlog]
+            index = backlog_index(pieces, ends, width)
             features = torch.cat(pieces, dim=1).gather(1, index[:, :, None].expand(-1, -1, features.shape[2]))
         features = features[:, :width]
         if features.shape[1] < width:  # fixed shapes: dummies after the real tokens
             features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[1]))
         return {"features": features.contiguous(), "from_target": True}
-
-    @staticmethod
-    def _backlog_index(
-        # [B, T_i, F] each: the features of the steps whose tokens wait, then the step's own
-        pieces: list[torch.Tensor],
-        # per piece, per row: how many of its columns are the row's tokens (the first ones)
-        counts: list[list[int]],
-        width: int,
-    ) -> torch.Tensor:
-        """[B, <= width] long: for each row, the columns of the pieces laid end to end that hold its tokens' features,
-        in order (then other columns: past its last token a row's features are never read)."""
-        # [B, sum T_i] whether each column is one of the row's tokens; a stable sort puts those first, in order
-        mine = np.concatenate([np.arange(piece.shape[1])[None, :] < np.asarray(count)[:, None]
-                               for piece, count in zip(pieces, counts)], axis=1)
-        index = np.argsort(~mine, axis=1, kind="stable")[:, :width]
-        return torch.from_numpy(index).to(pieces[0].device)
 
     def _draft_inputs(self, parent_hidden: torch.Tensor | None, depth: int) -> dict:
         # contiguous: a compiled forward is specialised to its inputs' strides as well as their shapes
@@ -186,7 +168,7 @@ class EagleProposer(DraftModelProposer):
         counts = [0 if done else length - seen - wait
                   for length, seen, wait, done in zip(host.lengths, self.cached_host, waiting, host.finished)]
         if not self.fixed_shapes and max(w + c for w, c in zip(waiting, counts)) <= BACKLOG_LIMIT:
-            self._backlog.append((state.target_features[:, : max(max(counts), 1)], counts))
+            self._backlog.append((state.target_features[:, : max(max(counts), 1)], state.lengths.clone(), counts))
             return
         self._feed_unseen(state)
         self._keep_feed(state)
@@ -194,7 +176,7 @@ class EagleProposer(DraftModelProposer):
     def _waiting(self) -> list[int]:
         """Per row: its committed tokens whose features wait in the backlog."""
         rows = len(self.cached_host)
-        return [sum(column) for column in zip(*(counts for _, counts in self._backlog))] or [0] * rows
+        return [sum(column) for column in zip(*(counts for _, _, counts in self._backlog))] or [0] * rows
 
     def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
         self._feed_prompt()
@@ -206,6 +188,25 @@ class EagleProposer(DraftModelProposer):
         """Keep the committed tokens fed this step and no draft: the accepted ones are fed again next step with
         the target's true features."""
         self._keep_feed(state)
+
+
+def backlog_index(
+    # [B, T_i, F] each: the features of the steps whose tokens wait, then the step's own
+    pieces: list[torch.Tensor],
+    # [B] each, on the device: the rows' lengths before the first of those steps and after each but the last
+    ends: list[torch.Tensor],
+    width: int,
+) -> torch.Tensor:
+    """[B, <= width] long: for each row, the columns of the pieces laid end to end that hold its tokens' features, in
+    order (then other columns: past its last token a row's features are never read). Step i's first
+    `ends[i + 1] - ends[i]` columns are the row's; all of the last piece's follow. Built on the device: no copy from
+    the host."""
+    device = pieces[0].device
+    mine = [torch.arange(piece.shape[1], device=device)[None, :] < (after - before).to(device)[:, None]
+            for piece, before, after in zip(pieces, ends, ends[1:])]
+    mine.append(torch.ones(pieces[-1].shape[:2], dtype=torch.bool, device=device))
+    # a stable sort puts each row's own columns first, in order
+    return torch.argsort((~torch.cat(mine, dim=1)).to(torch.uint8), dim=1, stable=True)[:, :width]
 
 
 def _build(config: SpeculativeConfig, target: nn.Module, sampling: DraftSampling) -> Proposer:

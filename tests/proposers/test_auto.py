@@ -275,13 +275,13 @@ def test_a_head_keeps_each_rows_own_tokens_waiting_and_drafts_as_if_fed_every_st
     import hf_specdec.proposers.eagle as eagle
 
     ragged = []
-    index = eagle.EagleProposer._backlog_index
+    index = eagle.backlog_index
 
-    def spied(pieces, counts, width):
-        ragged.append(any(len(set(step)) > 1 for step in counts[:-1]))
-        return index(pieces, counts, width)
+    def spied(pieces, ends, width):
+        ragged.append(any(len(set((after - before).tolist())) > 1 for before, after in zip(ends, ends[1:])))
+        return index(pieces, ends, width)
 
-    monkeypatch.setattr(eagle.EagleProposer, "_backlog_index", staticmethod(spied))
+    monkeypatch.setattr(eagle, "backlog_index", spied)
     target = make_model("llama")
     ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
     kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
