@@ -121,20 +121,20 @@ class AutoProposer(Proposer):
         if len(used) == 1:
             self.drafting = {used[0]: None}
             return self.candidates[used[0]].propose(state)
-        # rows drafting with different candidates: each drafts for its own rows, one tree per row
-        device = state.sequences.device
+        # rows drafting with different candidates: each drafts for its own rows, one tree per row (a row without a
+        # budget drafts with none: it takes any candidate's tree, whose nodes are invalid there)
+        index = {method: i for i, method in enumerate(used)}
+        host_choice = [index.get(m, 0) for m in methods]
+        choice = state.stage_rows(host_choice)  # [B] long
         self.drafting, proposals = {}, []
-        for method in used:
-            own = [m == method and budget > 0 for m, budget in zip(methods, budgets)]
-            with state.limited_to([budget if mine else 0 for budget, mine in zip(budgets, own)]):
+        for i, method in enumerate(used):
+            own, own_rows = [c == i for c in host_choice], choice == i
+            with state.limited_to(own_rows, own):
                 proposal = self.candidates[method].propose(state)
-            self.drafting[method] = (proposal, own, torch.tensor(own, device=device))
+            self.drafting[method] = (proposal, own, own_rows)
             proposals.append(proposal)
-        # a row without a budget drafts with none: any tree's (its nodes are invalid there)
-        choice = [used.index(m) if m in used else 0 for m in methods]
-        depths = [_depth(proposals[i], row, budgets[row]) for row, i in enumerate(choice)]
-        return Proposal(merge_trees([p.tree for p in proposals], torch.tensor(choice, device=device)),
-                        host_depths=tuple(depths))
+        depths = [_depth(proposals[i], row, budgets[row]) for row, i in enumerate(host_choice)]
+        return Proposal(merge_trees([p.tree for p in proposals], choice), host_depths=tuple(depths))
 
     def skip(self, state: DecodeState) -> None:
         """A step no candidate drafts: each is told of it, as in a step another candidate drafts."""

@@ -72,7 +72,7 @@ class HybridProposer(Proposer):
             self.fallback.skip(state)
             return self.suffix.proposal(state, drafts)
         fallback = self._fallback = self.fallback.propose(state)
-        self._use_fallback_rows = torch.tensor(use, device=state.sequences.device)
+        self._use_fallback_rows = state.stage_rows([int(u) for u in use]).bool()
         # each row's draft depth (the fallback drafts at most its own depth, which the schedule's k may exceed)
         depths = [min(budget, fallback.tree.max_depth) if u else d.max_depth
                   for d, u, budget in zip(drafts, use, budgets)]

@@ -10,7 +10,7 @@ stop) reads `DecodeState.host`, never the device.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,9 @@ class DecodeState:
     # [B]: the host tensor the draft limits travel through (pinned on CUDA), made on the first scheduled step
     limit_buffer: torch.Tensor | None = field(default=None, repr=False)
     limit_host: np.ndarray | None = field(default=None, repr=False)  # the buffer's memory, seen from NumPy
+    # [B]: the same for per-row values a proposer computes on the host (`stage_rows`)
+    row_buffer: torch.Tensor | None = field(default=None, repr=False)
+    row_host: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
     def start(
@@ -141,27 +144,43 @@ class DecodeState:
         """A schedule's limits for the next proposal (copied to the device without waiting for it)."""
         self.draft_limits, self.draft_width = limits, width
         if self.limit_buffer is None:
-            if self.lengths.device.type == "cuda":
-                self.limit_buffer = torch.empty(len(limits), dtype=self.lengths.dtype, pin_memory=True)
-                self.limit_host = self.limit_buffer.numpy()
-            else:
-                self.limit_host = np.empty(len(limits), dtype=np.int64)
-                self.limit_buffer = torch.from_numpy(self.limit_host)
+            self.limit_buffer, self.limit_host = self._host_buffer()
+        self.draft_limit_tensor = self._staged(self.limit_buffer, self.limit_host, limits)
+
+    def stage_rows(self, values: list[int]) -> torch.Tensor:
+        """[B] long on the device: a per-row value a proposer computed on the host (at most once per step), copied
+        as the limits are, without waiting for the device."""
+        if self.row_buffer is None:
+            self.row_buffer, self.row_host = self._host_buffer()
+        return self._staged(self.row_buffer, self.row_host, values)
+
+    def _host_buffer(self) -> tuple[torch.Tensor, np.ndarray]:
+        """A [B] host tensor to copy per-row values through (pinned on CUDA), and its memory seen from NumPy."""
+        if self.lengths.device.type == "cuda":
+            buffer = torch.empty(self.batch_size, dtype=self.lengths.dtype, pin_memory=True)
+            return buffer, buffer.numpy()
+        host = np.empty(self.batch_size, dtype=np.int64)
+        return torch.from_numpy(host), host
+
+    def _staged(self, buffer: torch.Tensor, host: np.ndarray, values: list[int]) -> torch.Tensor:
         # refilling is safe: the previous step's copy out of the buffer finished before that step's host sync
         # (`report`) returned; on the CPU the buffer is itself the step's tensor, read only within the step
-        self.limit_host[:] = limits  # written in place through its host view: no tensor built per step
-        self.draft_limit_tensor = self.limit_buffer.to(self.lengths.device, non_blocking=True)
+        host[:] = values  # written in place through its host view: no tensor built per step
+        return buffer.to(self.lengths.device, non_blocking=True)
 
     @contextlib.contextmanager
-    def limited_to(self, limits: list[int]) -> Iterator[None]:
-        """Within the block, the draft limits are also `limits` (per row; a proposer drafting for some rows only:
-        the others 0), on a device tensor of its own."""
+    def limited_to(
+        self,
+        # [B] bool on the device, and the same on the host: the rows that keep their limits (the others get 0)
+        rows: torch.Tensor,
+        host_rows: Sequence[bool],
+    ) -> Iterator[None]:
+        """Within the block, only `rows` may draft (a proposer drafting for some rows only), within their limits."""
         saved = self.draft_limits, self.draft_limit_tensor
-        if self.draft_limits is not None:
-            limits = [min(limit, own) for limit, own in zip(self.draft_limits, limits)]
-        self.draft_limits = limits
-        self.draft_limit_tensor = torch.tensor(limits, dtype=self.lengths.dtype).to(self.lengths.device,
-                                                                                   non_blocking=True)
+        limits = self.draft_limits or [self.max_length] * self.batch_size
+        self.draft_limits = [limit if mine else 0 for limit, mine in zip(limits, host_rows)]
+        limit_tensor = self.max_length if self.draft_limit_tensor is None else self.draft_limit_tensor
+        self.draft_limit_tensor = torch.where(rows, limit_tensor, 0)
         try:
             yield
         finally:
