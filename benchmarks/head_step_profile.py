@@ -1,11 +1,14 @@
-"""Where an EAGLE or Medusa step's time goes on the test bed: the target's verify forward, the proposer (for EAGLE:
-its head forwards, split into the decoder layer and the lm_head), and the rest (the engine's bookkeeping).
+"""Where an EAGLE or Medusa step's time goes: the target's verify forward, the proposer (for EAGLE: its head
+forwards, split into the decoder layer and the lm_head), and the rest (the engine's bookkeeping).
 
-Greedy, batch 1, the committed heads, the first prompts of the completion workload; one warm-up pass, then one timed
-pass with wall-clock timers wrapped around the engine's `verify`, the proposer's `propose`, the EAGLE head's forward
-and its `logits`.
+Greedy, batch 1, the committed heads; on the test bed (float32) the first prompts of the completion workload, with
+`--model smollm2` SmolLM2-135M-Instruct (`--dtype`, default bfloat16) with its committed heads on the first Spec-Bench
+question of each category. One warm-up pass, then one timed pass with wall-clock timers wrapped around the engine's
+`verify`, the proposer's `propose`, the EAGLE head's forward and its `logits`. The schedule is fixed: every step
+drafts k tokens.
 
-Run: python benchmarks/head_step_profile.py [--method eagle|eagle3|medusa] [-k 5] [--top-k 1] [--prompts 4]
+Run: python benchmarks/head_step_profile.py [--model testbed|smollm2] [--method eagle|eagle3|medusa] [-k 5]
+    [--top-k 1] [--prompts 4]
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.decoding.loop import SpeculativeDecoder
 from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.testbed import drafters
 from hf_specdec.testbed.loading import heads_dir, load_testbed
+from hf_specdec.testbed.real_model import load_real_model
+from hf_specdec.testbed.spec_bench import spec_bench_prompts
 from hf_specdec.testbed.workloads import load_workload
 
 
@@ -43,30 +49,42 @@ def timed(owner, name: str, totals: dict, counts: dict, restore: list):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("testbed", "smollm2"), default="testbed")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="with --model smollm2: the target's dtype (the test bed runs in float32)")
     parser.add_argument("--method", choices=("eagle", "eagle3", "medusa"), default="eagle")
     parser.add_argument("-k", type=int, default=5, help="draft depth (default 5)")
     parser.add_argument("--top-k", type=int, default=1, help="EAGLE: > 1 drafts a dynamic tree of k * top_k nodes")
-    parser.add_argument("--prompts", type=int, default=4, help="completion prompts (default 4)")
+    parser.add_argument("--prompts", type=int, default=4,
+                        help="completion prompts, or with --model smollm2 Spec-Bench questions (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    tokenizer, target, _ = load_testbed()
-    if args.method == "medusa":
-        heads = MedusaHeads.from_pretrained(heads_dir("medusa")).eval()
-        config = SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=args.k)
+    if args.model == "smollm2":
+        target, tokenizer = load_real_model(dtype=getattr(torch, args.dtype))
+        heads = drafters.load_drafter("smollm2", args.method, target)
+        questions = spec_bench_prompts(tokenizer, num_per_category=1)[: args.prompts]
+        prompts = [torch.tensor([ids]) for _, ids in questions]
     else:
-        head = EagleHead.from_pretrained(heads_dir(args.method)).eval()
+        tokenizer, target, _ = load_testbed()
+        kind = MedusaHeads if args.method == "medusa" else EagleHead
+        heads = kind.from_pretrained(heads_dir(args.method)).eval()
+        prompts = [tokenizer(p, return_tensors="pt").input_ids for p in load_workload("completion")[: args.prompts]]
+    if args.method == "medusa":
+        config = SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=args.k, schedule="fixed")
+    else:
         tree = dict(top_k=args.top_k, total_tokens=args.k * args.top_k) if args.top_k > 1 else {}
-        config = SpeculativeConfig(method="eagle", heads=head, num_speculative_tokens=args.k, **tree)
-    prompts = [tokenizer(p, return_tensors="pt").input_ids for p in load_workload("completion")[: args.prompts]]
+        config = SpeculativeConfig(method="eagle", heads=heads, num_speculative_tokens=args.k, schedule="fixed", **tree)
+
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def run() -> tuple[float, int]:
         steps = 0
         start = time.perf_counter()
         for ids in prompts:
             out = hf_specdec.generate(target, ids, speculative=config, max_new_tokens=args.max_new_tokens,
-                                      do_sample=False, pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
+                                      do_sample=False, pad_token_id=pad_token_id, return_dict_in_generate=True)
             steps += out.spec_stats.target_forward_passes - 1  # the prefill is not a step
         return time.perf_counter() - start, steps
 
