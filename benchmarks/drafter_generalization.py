@@ -14,6 +14,14 @@ greedy answer (--max-new-tokens) is generated with a fixed chain of k draft toke
 of its rows by heart (more requests would close it); one from "held-out" to "spec-bench" is the shift from the
 training requests' kind of text to the benchmark's (more varied requests would close it).
 
+Spec-Bench's rows are also given per category (`per_category`). `--folder KIND=PATH` measures the drafter of that
+kind in PATH (a training run's output, laid out as the committed folder) instead of the committed one, so a
+retrained drafter is compared with the committed one without replacing it; `--sets` measures some of the three sets
+only.
+
+    python benchmarks/drafter_generalization.py --kinds eagle3 --sets spec-bench --num-prompts 24 \\
+        --folder eagle3=/path/to/trained/eagle3
+
 `--training-forward` also checks, for the EAGLE heads on the trained requests, that drafting is the head's training
 forward: each step's first drafted token against the guess of one forward of the head over the whole greedy text
 with the target's features from one forward over it (as the trainer computes step 0), at the same position.
@@ -39,6 +47,7 @@ from hf_specdec.testbed.spec_bench import SPEC_BENCH_CATEGORIES, spec_bench_prom
 HERE = Path(__file__).resolve().parents[1] / "examples" / "drafters" / "smollm2"
 KINDS = ("eagle3", "eagle", "medusa", "mlp_speculator", "draft")
 MAX_K = 5
+SETS = ("trained", "held-out", "spec-bench")
 
 
 def trained_counts() -> dict[str, int]:
@@ -49,8 +58,9 @@ def trained_counts() -> dict[str, int]:
     return {kind: int(count) for kind, count in re.findall(r"\[(\w+)\]=(\d+)", line.group(1))}
 
 
-def request_sets(tokenizer, count: int) -> dict[str, list[list[int]]]:
-    """(set name: prompt token ids): trained, held-out and Spec-Bench requests, `count` of each."""
+def request_sets(tokenizer, count: int) -> dict[str, list[tuple[str | None, list[int]]]]:
+    """(set name: (Spec-Bench category or None, prompt token ids)): trained, held-out and Spec-Bench requests,
+    `count` of each."""
     records = [json.loads(line) for line in (HERE / "prompts.jsonl").read_text().splitlines() if line.strip()]
     order = torch.randperm(len(records), generator=torch.Generator().manual_seed(0)).tolist()
     counts = trained_counts().values()
@@ -64,12 +74,27 @@ def request_sets(tokenizer, count: int) -> dict[str, list[list[int]]]:
         return tokenizer(records[index]["text"], add_special_tokens=False)["input_ids"]
 
     per_category = max(1, count // len(SPEC_BENCH_CATEGORIES))
-    return {"trained": [ids(i) for i in order[:count]], "held-out": [ids(i) for i in order[-count:]],
-            "spec-bench": [list(p) for _, p in spec_bench_prompts(tokenizer, num_per_category=per_category)]}
+    return {"trained": [(None, ids(i)) for i in order[:count]], "held-out": [(None, ids(i)) for i in order[-count:]],
+            "spec-bench": [(category, list(p)) for category, p in spec_bench_prompts(tokenizer,
+                                                                                    num_per_category=per_category)]}
 
 
-def config_for(kind: str, target) -> SpeculativeConfig:
-    drafter = drafters.load_drafter("smollm2", kind, target)
+def parse_folders(values: list[str], kinds: list[str]) -> dict[str, Path]:
+    """`--folder KIND=PATH` values as {kind: folder}; a kind not measured, twice, or a malformed value is an error."""
+    folders: dict[str, Path] = {}
+    for value in values:
+        kind, separator, path = value.partition("=")
+        if not separator or not path:
+            raise SystemExit(f"error: --folder {value!r}: expected KIND=PATH, e.g. eagle3=/path/to/eagle3")
+        if kind not in kinds or kind in folders:
+            raise SystemExit(f"error: --folder {value!r}: {kind!r} is not one of the --kinds measured {kinds}"
+                             if kind not in kinds else f"error: --folder {value!r}: a second folder for {kind!r}")
+        folders[kind] = Path(path)
+    return folders
+
+
+def config_for(kind: str, target, folder: Path | None = None) -> SpeculativeConfig:
+    drafter = drafters.load_drafter("smollm2", kind, target, folder=folder)
     if kind == "draft":
         return SpeculativeConfig(method="draft", draft_model=drafter, num_speculative_tokens=MAX_K, schedule="fixed")
     if kind == "medusa":
@@ -83,19 +108,29 @@ def config_for(kind: str, target) -> SpeculativeConfig:
                              schedule="fixed")
 
 
-def measure(target, tokenizer, config: SpeculativeConfig, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    drafts = accepted = 0
-    per_position: list[int] | None = None
-    for ids in prompts:
+def measure(target, tokenizer, config: SpeculativeConfig, prompts: list[tuple[str | None, list[int]]],
+            max_new_tokens: int) -> dict:
+    """Drafting steps, mean acceptance length and acceptance by draft position over `prompts` ((category or None,
+    token ids)), and the same per category where the prompts have them (`per_category`)."""
+    totals: dict[str | None, list] = {}  # category -> [drafting steps, accepted tokens, accepted per position]
+    for category, ids in prompts:
         out = hf_specdec.generate(target, torch.tensor([ids]), speculative=config, max_new_tokens=max_new_tokens,
                                   do_sample=False, pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
         stats = out.spec_stats
-        drafts += stats.num_drafts
-        accepted += stats.num_accepted_tokens
-        counts = list(stats.accepted_per_position)
-        per_position = counts if per_position is None else [a + b for a, b in zip(per_position, counts)]
-    return {"drafting_steps": drafts, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
-            "accepted_at_position": [count / max(drafts, 1) for count in per_position or []]}
+        for key in {None, category}:
+            total = totals.setdefault(key, [0, 0, [0] * len(stats.accepted_per_position)])
+            total[0] += stats.num_drafts
+            total[1] += stats.num_accepted_tokens
+            total[2] = [a + b for a, b in zip(total[2], stats.accepted_per_position)]
+
+    def summary(drafts: int, accepted: int, per_position: list[int]) -> dict:
+        return {"drafting_steps": drafts, "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+                "accepted_at_position": [count / max(drafts, 1) for count in per_position]}
+
+    row = summary(*totals.pop(None))
+    if totals:
+        row["per_category"] = {category: summary(*total) for category, total in totals.items()}
+    return row
 
 
 def training_forward_agreement(target, tokenizer, config: SpeculativeConfig, prompts: list[list[int]],
@@ -113,7 +148,7 @@ def training_forward_agreement(target, tokenizer, config: SpeculativeConfig, pro
     agree = steps = 0
     EagleProposer.propose = recording
     try:
-        for ids in prompts:
+        for _, ids in prompts:
             firsts.clear()
             text = hf_specdec.generate(target, torch.tensor([ids]), speculative=config, max_new_tokens=max_new_tokens,
                                        do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -135,35 +170,45 @@ def training_forward_agreement(target, tokenizer, config: SpeculativeConfig, pro
     return agree, steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--folder", nargs="+", default=[], metavar="KIND=PATH",
+                        help="measure the drafter of KIND in PATH instead of the committed one")
+    parser.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
     parser.add_argument("--num-prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--training-forward", action="store_true",
                         help="check the EAGLE heads' drafting against their training forward (trained requests)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.num_prompts < 1:
         raise SystemExit(f"error: --num-prompts: expected >= 1, got {args.num_prompts}")
+    folders = parse_folders(args.folder, args.kinds)
+    if args.training_forward and "trained" not in args.sets:
+        raise SystemExit(f"error: --training-forward checks the trained requests: add 'trained' to --sets {args.sets}")
     torch.set_num_threads(args.threads)
     target, tokenizer = load_real_model(dtype=torch.bfloat16, progress=False)
-    sets = request_sets(tokenizer, args.num_prompts)
+    sets = {name: prompts for name, prompts in request_sets(tokenizer, args.num_prompts).items()
+            if name in args.sets}
     counts = trained_counts()
     results = []
-    print(f"{'drafter':<15} {'requests':<11} {'steps':>6} {'tau':>5}  accepted at position 1..k (share of steps)")
+    print(f"{'drafter':<15} {'requests':<15} {'steps':>6} {'tau':>5}  accepted at position 1..k (share of steps)")
     for kind in args.kinds:
-        config = config_for(kind, target)
+        config = config_for(kind, target, folders.get(kind))
         for name, prompts in sets.items():
             start = time.perf_counter()
-            row = {"drafter": kind, "requests": name, "num_prompts": len(prompts), "trained_on": counts.get(kind),
+            row = {"drafter": kind, "requests": name, "num_prompts": len(prompts),
+                   "trained_on": None if kind in folders else counts.get(kind),
+                   "folder": str(folders.get(kind, drafters.drafter_dir("smollm2", kind))),
                    "k": config.num_speculative_tokens, **measure(target, tokenizer, config, prompts,
                                                                   args.max_new_tokens)}
             row["seconds"] = time.perf_counter() - start
             results.append(row)
-            print(f"{kind:<15} {name:<11} {row['drafting_steps']:>6} {row['mean_acceptance_length']:>5.2f}  "
-                  + " ".join(f"{p:.3f}" for p in row["accepted_at_position"]), flush=True)
+            for label, part in [(name, row), *row.get("per_category", {}).items()]:
+                print(f"{kind:<15} {label:<15} {part['drafting_steps']:>6} {part['mean_acceptance_length']:>5.2f}  "
+                      + " ".join(f"{p:.3f}" for p in part["accepted_at_position"]), flush=True)
         if args.training_forward and kind in ("eagle", "eagle3"):
             agree, steps = training_forward_agreement(target, tokenizer, config, sets["trained"],
                                                       args.max_new_tokens)
@@ -172,6 +217,7 @@ def main() -> None:
             print(f"{kind}: first drafted token = the training forward's guess in {agree} of {steps} steps")
     if args.json:
         settings = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16",
+                    "sets": args.sets,
                     "threads": args.threads, "torch": torch.__version__}
         args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2, sort_keys=True))
 

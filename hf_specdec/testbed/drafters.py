@@ -51,12 +51,22 @@ def has_drafter(model: str, kind: str) -> bool:
     return (folder / ("config.json" if kind == "draft" else "adapter_config.json")).is_file()
 
 
-def load_drafter(model: str, kind: str, target: PreTrainedModel):
-    """The committed drafter of `kind` for `model`, in the target's dtype and on its device, in eval mode."""
-    folder = drafter_dir(model, kind)
-    if not has_drafter(model, kind):
-        raise FileNotFoundError(f"no committed {kind} drafter for {model!r} at {folder}; train one with "
-                                "`hf-specdec train` (see that folder's README) or pass your own")
+def load_drafter(model: str, kind: str, target: PreTrainedModel, folder: str | Path | None = None):
+    """The committed drafter of `kind` for `model`, or another one of the same kind in `folder` (the committed
+    folder's layout: a head's adapter folder as `hf-specdec train` writes it), in the target's dtype and on its
+    device, in eval mode."""
+    if folder is None:
+        folder = drafter_dir(model, kind)
+        if not has_drafter(model, kind):
+            raise FileNotFoundError(f"no committed {kind} drafter for {model!r} at {folder}; train one with "
+                                    "`hf-specdec train` (see that folder's README) or pass your own")
+    else:
+        folder = Path(folder)
+        drafter_dir(model, kind)  # checks model and kind
+        marker = folder / ("config.json" if kind == "draft" else "adapter_config.json")
+        if not marker.is_file():
+            raise FileNotFoundError(f"folder {str(folder)!r}: no {marker.name} there, so it holds no {kind} drafter; "
+                                    "pass a folder laid out as the committed one")
     if kind == "draft":
         if model == "smollm2":
             return load_pruned_draft(folder, target)

@@ -9,7 +9,8 @@ import torch
 
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.testbed import drafters
-from hf_specdec.testbed.loading import heads_dir, load_testbed, testbed_dir
+from hf_specdec.testbed import loading
+from hf_specdec.testbed.loading import heads_dir, load_testbed
 
 
 def test_the_test_beds_drafters_load_in_the_targets_dtype():
@@ -36,7 +37,7 @@ def test_unknown_names_and_missing_drafters_are_clear_errors(monkeypatch, tmp_pa
 def test_every_head_kind_is_found_beside_the_test_bed(monkeypatch, tmp_path):
     """`heads_dir` serves each kind of heads, committed or not: a kind without heads (the MLP speculator) is a
     clear error naming the folder and the training command, and no drafter."""
-    assert heads_dir("eagle3") == testbed_dir().parent / "heads" / "eagle3"
+    assert heads_dir("eagle3") == loading.testbed_dir().parent / "heads" / "eagle3"
     with pytest.raises(ValueError, match="kind: expected one of .*'mlp_speculator'.*got 'lookahead'"):
         heads_dir("lookahead")
     monkeypatch.setenv("HF_SPECDEC_TESTBED", str(tmp_path / "testbed"))
@@ -51,3 +52,19 @@ def test_every_head_kind_is_found_beside_the_test_bed(monkeypatch, tmp_path):
     (folder / "adapter_config.json").write_text("{}")
     assert drafters.drafter_dir("testbed", "mlp_speculator") == folder
     assert drafters.has_drafter("testbed", "mlp_speculator")
+
+
+def test_a_drafter_loads_from_a_folder_given(tmp_path):
+    """`folder=` loads a drafter of the committed layout from elsewhere (a training run's output), the same weights
+    as the folder's; a folder without one is a clear error naming it."""
+    _, target, _ = load_testbed(dtype=torch.float32)
+    committed = drafters.load_drafter("testbed", "eagle3", target)
+    committed.save_pretrained(tmp_path / "mine")
+    mine = drafters.load_drafter("testbed", "eagle3", target, folder=tmp_path / "mine")
+    assert isinstance(mine, EagleHead) and not mine.training
+    for (name, a), (_, b) in zip(committed.state_dict().items(), mine.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(FileNotFoundError, match=f"folder '{re.escape(str(tmp_path))}': no adapter_config.json"):
+        drafters.load_drafter("testbed", "medusa", target, folder=tmp_path)
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        drafters.load_drafter("testbed", "lookahead", target, folder=tmp_path / "mine")
