@@ -86,9 +86,10 @@ def parse_folders(values: list[str], kinds: list[str]) -> dict[str, Path]:
         kind, separator, path = value.partition("=")
         if not separator or not path:
             raise SystemExit(f"error: --folder {value!r}: expected KIND=PATH, e.g. eagle3=/path/to/eagle3")
-        if kind not in kinds or kind in folders:
-            raise SystemExit(f"error: --folder {value!r}: {kind!r} is not one of the --kinds measured {kinds}"
-                             if kind not in kinds else f"error: --folder {value!r}: a second folder for {kind!r}")
+        if kind not in kinds:
+            raise SystemExit(f"error: --folder {value!r}: {kind!r} is not one of the --kinds measured {kinds}")
+        if kind in folders:
+            raise SystemExit(f"error: --folder {value!r}: a second folder for {kind!r}")
         folders[kind] = Path(path)
     return folders
 

@@ -34,13 +34,22 @@ HEAD_CLASSES = {"medusa": MedusaHeads, "eagle": EagleHead, "eagle3": EagleHead, 
 def drafter_dir(model: str, kind: str) -> Path:
     """The committed folder of one drafter (it may not exist: `has_drafter` says; the test bed's heads raise
     `FileNotFoundError` then)."""
+    _check_names(model, kind)
+    if model == "testbed":
+        return testbed_dir() / "draft" if kind == "draft" else heads_dir(kind)
+    return testbed_dir().parent / "drafters" / "smollm2" / kind
+
+
+def _check_names(model: str, kind: str) -> None:
     if model not in MODELS:
         raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    if model == "testbed":
-        return testbed_dir() / "draft" if kind == "draft" else heads_dir(kind)
-    return testbed_dir().parent / "drafters" / "smollm2" / kind
+
+
+def _marker(kind: str) -> str:
+    """The file a folder holding a drafter of `kind` has: a draft model's config, or a head's adapter config."""
+    return "config.json" if kind == "draft" else "adapter_config.json"
 
 
 def has_drafter(model: str, kind: str) -> bool:
@@ -48,7 +57,7 @@ def has_drafter(model: str, kind: str) -> bool:
         folder = drafter_dir(model, kind)
     except FileNotFoundError:
         return False
-    return (folder / ("config.json" if kind == "draft" else "adapter_config.json")).is_file()
+    return (folder / _marker(kind)).is_file()
 
 
 def load_drafter(model: str, kind: str, target: PreTrainedModel, folder: str | Path | None = None):
@@ -61,12 +70,11 @@ def load_drafter(model: str, kind: str, target: PreTrainedModel, folder: str | P
             raise FileNotFoundError(f"no committed {kind} drafter for {model!r} at {folder}; train one with "
                                     "`hf-specdec train` (see that folder's README) or pass your own")
     else:
+        _check_names(model, kind)
         folder = Path(folder)
-        drafter_dir(model, kind)  # checks model and kind
-        marker = folder / ("config.json" if kind == "draft" else "adapter_config.json")
-        if not marker.is_file():
-            raise FileNotFoundError(f"folder {str(folder)!r}: no {marker.name} there, so it holds no {kind} drafter; "
-                                    "pass a folder laid out as the committed one")
+        if not (folder / _marker(kind)).is_file():
+            raise FileNotFoundError(f"folder {str(folder)!r}: no {_marker(kind)} there, so it holds no {kind} "
+                                    "drafter; pass a folder laid out as the committed one")
     if kind == "draft":
         if model == "smollm2":
             return load_pruned_draft(folder, target)

@@ -54,9 +54,9 @@ def test_every_head_kind_is_found_beside_the_test_bed(monkeypatch, tmp_path):
     assert drafters.has_drafter("testbed", "mlp_speculator")
 
 
-def test_a_drafter_loads_from_a_folder_given(tmp_path):
+def test_a_drafter_loads_from_a_folder_given(monkeypatch, tmp_path):
     """`folder=` loads a drafter of the committed layout from elsewhere (a training run's output), the same weights
-    as the folder's; a folder without one is a clear error naming it."""
+    as the folder's, whether or not one of its kind is committed; a folder without one is a clear error naming it."""
     _, target, _ = load_testbed(dtype=torch.float32)
     committed = drafters.load_drafter("testbed", "eagle3", target)
     committed.save_pretrained(tmp_path / "mine")
@@ -68,3 +68,8 @@ def test_a_drafter_loads_from_a_folder_given(tmp_path):
         drafters.load_drafter("testbed", "medusa", target, folder=tmp_path)
     with pytest.raises(ValueError, match="kind: expected one of"):
         drafters.load_drafter("testbed", "lookahead", target, folder=tmp_path / "mine")
+    # no committed heads at all (an empty test bed folder): the folder given still loads
+    monkeypatch.setenv("HF_SPECDEC_TESTBED", str(tmp_path / "testbed"))
+    (tmp_path / "testbed").mkdir()
+    assert not drafters.has_drafter("testbed", "eagle3")
+    assert isinstance(drafters.load_drafter("testbed", "eagle3", target, folder=tmp_path / "mine"), EagleHead)
