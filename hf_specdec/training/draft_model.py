@@ -53,16 +53,16 @@ class DraftObjective(Objective):
         dtype = decoder.norm.weight.dtype  # the draft's own layers train in float32
         with torch.no_grad():
             embeds = target.get_input_embeddings()(batch.input_ids).to(dtype)  # [B, L, H]
-        hidden = decoder(inputs_embeds=embeds).last_hidden_state[:, :-1]  # [B, L - 1, H]
+        keep = batch.ahead(1)[1]  # [B, L]: the position predicts a trained token
+        hidden = decoder(inputs_embeds=embeds).last_hidden_state[keep]  # [N, H]
         lm_head = target.get_output_embeddings()
-        log_draft = torch.log_softmax(target_logits(hidden, lm_head), dim=-1)  # [B, L - 1, V]
+        log_draft = torch.log_softmax(target_logits(hidden, lm_head), dim=-1)  # [N, V]
         with torch.no_grad():
-            log_target = torch.log_softmax(target_logits(batch.hidden[:, :-1], lm_head), dim=-1)
-        weight = batch.predicted(1).float()  # [B, L - 1]
-        count = weight.sum().clamp(min=1)
-        kl = (log_target.exp() * (log_target - log_draft)).sum(-1)  # [B, L - 1]
-        loss = (kl * weight).sum() / count
-        accuracy = ((log_draft.argmax(-1) == batch.argmax[:, :-1]).float() * weight).sum() / count
+            log_target = torch.log_softmax(target_logits(batch.hidden[keep], lm_head), dim=-1)
+        count = keep.sum().clamp(min=1)
+        kl = (log_target.exp() * (log_target - log_draft)).sum(-1)  # [N]
+        loss = kl.sum() / count
+        accuracy = (log_draft.argmax(-1) == batch.argmax[keep]).float().sum() / count
         return loss, {"accuracy": float(accuracy)}
 
     def save(self, out: Path, target: nn.Module, rows: TrainingRows, result: dict) -> None:

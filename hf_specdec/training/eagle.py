@@ -138,15 +138,16 @@ class EagleObjective(Objective):
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.noise
         positions = torch.arange(1, length, device=embeds.device).expand(embeds.shape[0], -1)  # [B, L-1]
         hidden = self.head(embeds[:, 1:], inputs, positions, attention_mask=None)  # [B, L-1, H]
-        weight = batch.predicted(1).float()  # [B, L-1]: x_{i+1} is a trained token
-        count = weight.sum().clamp(min=1)
-        regression = nn.functional.smooth_l1_loss(hidden.float(), features[:, 1:].float(), reduction="none")
-        regression = (regression.mean(-1) * weight).sum() / count
-        logits = self.head.logits(hidden, lm_head)  # [B, L-1, V]
+        keep = batch.ahead(1)[1][:, :-1]  # [B, L-1]: x_{i+1} is a trained token
+        hidden = hidden[keep]  # [N, H]
+        count = keep.sum().clamp(min=1)
+        regression = nn.functional.smooth_l1_loss(hidden.float(), features[:, 1:][keep].float(), reduction="none")
+        regression = regression.mean(-1).sum() / count
+        logits = self.head.logits(hidden, lm_head)  # [N, V]
         with torch.no_grad():
-            target_probs = torch.softmax(target_logits(batch.hidden[:, 1:], lm_head), dim=-1)
-        ce = (soft_cross_entropy(logits, target_probs) * weight).sum() / count
-        accuracy = ((logits.argmax(-1) == batch.argmax[:, 1:]).float() * weight).sum() / count
+            target_probs = torch.softmax(target_logits(batch.hidden[:, 1:][keep], lm_head), dim=-1)
+        ce = soft_cross_entropy(logits, target_probs).sum() / count
+        accuracy = (logits.argmax(-1) == batch.argmax[:, 1:][keep]).float().sum() / count
         loss = regression + self.ce_weight * ce
         return loss, {"regression": float(regression.detach()), "ce": float(ce.detach()),
                       "accuracy": float(accuracy)}
@@ -155,11 +156,13 @@ class EagleObjective(Objective):
         head, size, length = self.head, embeds.shape[0], embeds.shape[1]
         width = length - self.ttt_steps  # every unrolled step has a target for all W indices
         with torch.no_grad():
-            draft_target = target_logits(batch.hidden, lm_head, head.t2d)  # [B, L, D]
-            draft_probs = torch.softmax(draft_target, dim=-1)
             # [B, L]: the target's distribution after the position predicts a trained token, its top one draftable
-            predicts = nn.functional.pad(batch.predicted(1), (0, 1), value=False)
-            trained = head.t2d[batch.argmax] & predicts
+            trained = head.t2d[batch.argmax] & batch.ahead(1)[1]
+            draft_target = target_logits(batch.hidden[trained], lm_head, head.t2d)  # [M, D] at those positions
+            draft_probs = torch.softmax(draft_target, dim=-1)
+            draft_top = draft_target.argmax(-1)  # [M]
+            row = torch.full(trained.shape, -1, device=trained.device)  # [B, L]: the position's row of the M
+            row[trained] = torch.arange(len(draft_top), device=trained.device)
         cache = DynamicCache()
         hidden = batch.features[:, :width]  # [B, W, F]
         total, accuracies, losses = embeds.new_zeros((), dtype=torch.float32), [], []
@@ -169,12 +172,12 @@ class EagleObjective(Objective):
             mask = ttt_attention_mask(width, step, head.dtype, embeds.device).expand(size, -1, -1, -1)
             hidden = head(embeds[:, window], hidden, positions, mask, cache=cache,
                           from_target=step == 0)  # [B, W, H]
-            logits = head.lm_head(head.norm(hidden)).float()  # [B, W, D]
-            weight = trained[:, window].float()  # [B, W]
-            ce = (soft_cross_entropy(logits, draft_probs[:, window]) * weight).sum() / weight.sum().clamp(min=1)
+            keep = trained[:, window]  # [B, W]
+            rows, count = row[:, window][keep], keep.sum().clamp(min=1)  # [N]
+            logits = head.lm_head(head.norm(hidden[keep])).float()  # [N, D]
+            ce = soft_cross_entropy(logits, draft_probs[rows]).sum() / count
             total = total + self.decay**step * ce
-            agree = (logits.argmax(-1) == draft_target[:, window].argmax(-1)).float() * weight
-            accuracies.append(float(agree.sum() / weight.sum().clamp(min=1)))
+            accuracies.append(float((logits.argmax(-1) == draft_top[rows]).float().sum() / count))
             losses.append(float(ce.detach()))
         # accuracy: step 0's top-1 agreement with the target; the lists hold every unrolled step
         return total, {"accuracy": accuracies[0], "accuracy_steps": accuracies, "ce_steps": losses}

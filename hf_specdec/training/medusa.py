@@ -24,7 +24,7 @@ from hf_specdec.heads.medusa import LORA_FOLDER, MedusaConfig, MedusaHeads, fit_
 from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.skeleton import Objective, train
-from hf_specdec.training.target_features import FINAL_LAYER, TargetBatch, run_target
+from hf_specdec.training.target_features import FINAL_LAYER, TargetBatch, run_target, target_batch
 
 LLAMA_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TREE_MAX_RANK = 10  # candidates per head considered when fitting the tree
@@ -72,24 +72,26 @@ class MedusaTrainConfig(TrainConfig):
             raise ValueError("MedusaTrainConfig.self_distillation: only stage 2 trains the backbone; use stage=2")
 
 
+def medusa_labels(batch: TargetBatch, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, L, K] head i's label at each position, token t + 2 + i; [B, L, K] bool: that label is trained on)."""
+    labels = [batch.ahead(2 + i) for i in range(num_heads)]
+    return torch.stack([ids for ids, _ in labels], dim=-1), torch.stack([trained for _, trained in labels], dim=-1)
+
+
 def medusa_loss(
-    # [B, L, K, V]
+    # [N, K, V]: the heads' logits at N positions
     head_logits: torch.Tensor,
-    # [B, L]
-    input_ids: torch.Tensor,
-    # [B, L] bool: the token is trained on
+    # [N, K]: head i's label at each position (token t + 2 + i)
+    labels: torch.Tensor,
+    # [N, K] bool: the label is trained on
     trained: torch.Tensor,
     decay: float,
 ) -> tuple[torch.Tensor, list[float]]:
-    """Weighted sum over heads of the cross-entropy of head i at t against token t + 2 + i (where that token is
-    trained on); and each head's loss."""
+    """Weighted sum over heads of the cross-entropy of head i against its trained labels; and each head's loss."""
     total, per_head = head_logits.new_zeros((), dtype=torch.float32), []
-    for i in range(head_logits.shape[2]):
-        shift = 2 + i
-        loss = torch.nn.functional.cross_entropy(
-            head_logits[:, :-shift, i].reshape(-1, head_logits.shape[-1]).float(), input_ids[:, shift:].reshape(-1),
-            reduction="none")
-        weight = trained[:, shift:].reshape(-1).float()
+    for i in range(head_logits.shape[1]):
+        loss = torch.nn.functional.cross_entropy(head_logits[:, i].float(), labels[:, i], reduction="none")
+        weight = trained[:, i].float()
         loss = (loss * weight).sum() / weight.sum().clamp(min=1)
         total = total + decay**i * loss
         per_head.append(float(loss.detach()))
@@ -123,20 +125,19 @@ def backbone_loss(
 
 @torch.no_grad()
 def rank_accuracy(
-    # [B, L, K, V]
+    # [N, K, V]: the heads' logits at N positions
     head_logits: torch.Tensor,
-    # [B, L]
-    input_ids: torch.Tensor,
-    # [B, L] bool: the token is trained on
+    # [N, K]: head i's label at each position (token t + 2 + i)
+    labels: torch.Tensor,
+    # [N, K] bool: the label is trained on
     trained: torch.Tensor,
     max_rank: int,
 ) -> torch.Tensor:
-    """[K, max_rank]: how often head i's rank-r candidate at t is token t + 2 + i (over trained tokens)."""
+    """[K, max_rank]: how often head i's rank-r candidate is its label (over trained labels)."""
     rows = []
-    for i in range(head_logits.shape[2]):
-        shift = 2 + i
-        candidates = head_logits[:, :-shift, i].topk(max_rank, dim=-1).indices  # [B, L - shift, R]
-        hits = (candidates == input_ids[:, shift:, None])[trained[:, shift:]]  # [M, R]
+    for i in range(head_logits.shape[1]):
+        candidates = head_logits[:, i].topk(max_rank, dim=-1).indices  # [N, R]
+        hits = (candidates == labels[:, i, None])[trained[:, i]]  # [M, R]
         rows.append(hits.float().mean(0) if len(hits) else hits.new_zeros(max_rank, dtype=torch.float32))
     return torch.stack(rows)
 
@@ -153,18 +154,19 @@ class MedusaObjective(Objective):
 
     def forward(self, batch: TargetBatch, target: nn.Module) -> tuple[torch.Tensor, dict]:
         lm_head = target.get_output_embeddings()
+        labels, trained = medusa_labels(batch, self.heads.config.num_heads)  # [B, L, K] each
+        keep = trained.any(-1)  # [B, L]: the positions some head learns from
         if self.model is None:
-            hidden = batch.features.to(self.heads.dtype)  # [B, L, H]
-            loss, per_head = medusa_loss(self.heads(hidden, lm_head), batch.input_ids, batch.trained,
-                                         self.config.decay)
+            hidden = batch.features[keep].to(self.heads.dtype)  # [N, H]
+            loss, per_head = medusa_loss(self.heads(hidden, lm_head), labels[keep], trained[keep], self.config.decay)
             return loss, {"head_loss": per_head}
         out = self.model(batch.input_ids, output_hidden_states=True)
         teacher = None
         if self.config.self_distillation:
             with torch.no_grad(), self.model.disable_adapter():
                 teacher = self.model(batch.input_ids).logits
-        heads_loss, per_head = medusa_loss(self.heads(out.hidden_states[-1], lm_head), batch.input_ids,
-                                           batch.trained, self.config.decay)
+        heads_loss, per_head = medusa_loss(self.heads(out.hidden_states[-1][keep], lm_head), labels[keep],
+                                           trained[keep], self.config.decay)
         backbone = backbone_loss(out.logits, batch.input_ids, batch.trained, teacher)
         return backbone + self.config.heads_coef * heads_loss, {"backbone_loss": float(backbone.detach()),
                                                                "head_loss": per_head}
@@ -195,14 +197,15 @@ class MedusaObjective(Objective):
         total = 0
         for _ in range(TREE_FIT_BATCHES):
             index = torch.randint(0, len(rows.input_ids), (self.config.batch_size,), generator=generator)
-            input_ids = rows.input_ids[index].to(lm_head.weight.device)
+            batch = target_batch(model, rows, index, lm_head.weight.device, None, None)
             if self.model is None:
-                hidden = run_target(model, FINAL_LAYER, input_ids)[1]
+                hidden = run_target(model, FINAL_LAYER, batch.input_ids)[1]
             else:
-                hidden = model(input_ids, output_hidden_states=True).hidden_states[-1]
-            logits = self.heads(hidden.to(self.heads.dtype), lm_head)
-            total = total + rank_accuracy(logits, input_ids, rows.trained(index).to(input_ids.device),
-                                          TREE_MAX_RANK)
+                hidden = model(batch.input_ids, output_hidden_states=True).hidden_states[-1]
+            labels, trained = medusa_labels(batch, self.heads.config.num_heads)
+            keep = trained.any(-1)
+            total = total + rank_accuracy(self.heads(hidden[keep].to(self.heads.dtype), lm_head), labels[keep],
+                                          trained[keep], TREE_MAX_RANK)
         return total / TREE_FIT_BATCHES
 
 

@@ -155,23 +155,21 @@ class MlpSpeculatorObjective(Objective):
         self.min_batch_length = head.config.n_predict + 2  # every stage has a token to learn
 
     def forward(self, batch: TargetBatch, target: nn.Module) -> tuple[torch.Tensor, dict]:
-        input_ids, length = batch.input_ids, batch.input_ids.shape[1]
-        state = self.head.input_state(batch.features[:, : max(0, length - 2)])  # [B, L - 2, H]: h_t
+        stages = self.head.config.n_predict
+        reads = [batch.ahead(1 + stage)[0] for stage in range(stages)]  # [B, L] each: the token stage j reads
+        labels = [batch.ahead(2 + stage) for stage in range(stages)]  # ([B, L], [B, L] bool) each: x_{t+2+j}
+        keep = torch.stack([trained for _, trained in labels]).any(0)  # [B, L]: positions some stage learns from
+        state = self.head.input_state(batch.features[keep])  # [N, H]: h_t
         total, losses, accuracies = state.new_zeros((), dtype=torch.float32), [], []
-        for stage in range(self.head.config.n_predict):
-            width = length - 2 - stage  # positions t whose target x_{t+2+stage} is in the row
-            if width < 1:
-                break
-            state = self.head.advance(stage, state[:, :width], input_ids[:, 1 + stage : 1 + stage + width])
-            logits = self.head.stage_logits(stage, state)  # [B, W, V]
-            targets = input_ids[:, 2 + stage : 2 + stage + width]  # [B, W]
-            weight = batch.predicted(2 + stage).float()  # [B, W]: the target token is trained on
+        for stage, (read, (label, trained)) in enumerate(zip(reads, labels)):
+            state = self.head.advance(stage, state, read[keep])  # [N, inner]
+            logits = self.head.stage_logits(stage, state)  # [N, V]
+            label, weight = label[keep], trained[keep].float()  # [N] each
             count = weight.sum().clamp(min=1)
-            ce = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-            loss = (ce.view_as(weight) * weight).sum() / count
+            loss = (nn.functional.cross_entropy(logits, label, reduction="none") * weight).sum() / count
             total = total + loss
             losses.append(float(loss.detach()))
-            accuracies.append(float(((logits.argmax(-1) == targets).float() * weight).sum() / count))
+            accuracies.append(float(((logits.argmax(-1) == label).float() * weight).sum() / count))
         # accuracy: stage 0's top-1 agreement with the row's token; the lists hold every stage
         return total, {"accuracy": accuracies[0], "stage_accuracy": accuracies, "stage_loss": losses}
 

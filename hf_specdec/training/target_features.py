@@ -8,6 +8,9 @@ Per token of a training row an objective needs some of:
   stored (with `FINAL_LAYER` it is the feature itself and is stored once);
 * the target's top token after each position.
 
+Objectives project onto a vocabulary only at the positions whose label is trained (`TargetBatch.ahead`): a batch
+is as wide as its longest row, and a prompt record's prompt and the padding after shorter rows are most of it.
+
 `build_feature_cache` runs the target once over every row (no grad, in its dtype) and writes one safetensors shard
 per batch of `batch_size` rows (fewer when they would pass `shard_bytes`) into a folder: bf16 when the target is
 bf16, else fp32 (top tokens int32). Each shard's
@@ -64,9 +67,13 @@ class TargetBatch:
     # [B, L] the target's top token after each position
     argmax: torch.Tensor | None = None
 
-    def predicted(self, distance: int = 1) -> torch.Tensor:
-        """[B, L - distance] bool: the token `distance` positions after each position is a trained one."""
-        return self.trained[:, distance:]
+    def ahead(self, distance: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The label of a guess `distance` tokens ahead of each position: ([B, L] the token `distance` positions
+        after it, 0 past the batch's width; [B, L] bool: that token is a trained one, False past the width)."""
+        size, cut = self.input_ids.shape[0], min(distance, self.input_ids.shape[1])
+        labels = torch.cat([self.input_ids[:, cut:], self.input_ids.new_zeros(size, cut)], dim=1)
+        trained = torch.cat([self.trained[:, cut:], self.trained.new_zeros(size, cut)], dim=1)
+        return labels, trained
 
 
 @torch.no_grad()

@@ -15,6 +15,9 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.main import main
 from hf_specdec.pruned_draft import load_pruned_draft
 from hf_specdec.testbed import loading
+from hf_specdec.training.draft_model import DraftTrainConfig, make_objective
+from hf_specdec.training.generated import TrainingRows
+from hf_specdec.training.target_features import target_batch
 from tests.training.test_target_features import DATA, base  # noqa: F401  (base is a fixture)
 
 
@@ -26,6 +29,24 @@ def trained(base, tmp_path_factory):  # noqa: F811
                  "32", "--num-samples", "8", "--prompt-len", "16", "--learning-rate", "3e-3", "--warmup-steps", "0",
                  "--target-layers", "0", "-1"]) == 0
     return out
+
+
+def test_the_loss_is_the_kl_from_the_target_after_each_trained_token(base):  # noqa: F811
+    """The objective against the draft's own logits, position by position: KL(target || draft) of the next-token
+    distributions at t where x_{t+1} is trained (rows 1 and 2 are trained from tokens 5 and 7 on; row 2 ends at 10)."""
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    config = DraftTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, target_layers=[0, -1])
+    torch.manual_seed(0)
+    rows = TrainingRows(torch.randint(2, 4096, (3, 12)), torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
+    objective = make_objective(config, target, rows)
+    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    with torch.no_grad():
+        loss, _ = objective(batch, target)
+        log_target = torch.log_softmax(target(rows.input_ids).logits.float(), -1)
+        log_draft = torch.log_softmax(objective.draft(rows.input_ids).logits.float(), -1)
+        terms = [(log_target[row, t].exp() * (log_target[row, t] - log_draft[row, t])).sum()
+                 for row in range(3) for t in range(11) if rows.starts[row] <= t + 1 < rows.lengths[row]]
+    assert float(loss) > 0.01 and float(loss) == pytest.approx(float(torch.stack(terms).mean()), rel=1e-4)
 
 
 def test_the_kl_goes_down_and_the_folder_holds_only_the_drafts_own_tensors(trained):

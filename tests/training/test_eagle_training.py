@@ -13,13 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_specdec.cli.main import main as cli_main
 from hf_specdec.heads.eagle import EagleHead
 from hf_specdec.testbed import loading
 from hf_specdec.training.config import GENERATED_FILE
-from hf_specdec.training.eagle import build_draft_vocab, ttt_attention_mask
+from hf_specdec.training.eagle import EagleTrainConfig, build_draft_vocab, make_objective, ttt_attention_mask
+from hf_specdec.training.generated import TrainingRows
+from hf_specdec.training.target_features import target_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = [Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"]
@@ -78,6 +80,66 @@ def test_generated_data_is_cached_and_training_resumes(base, tmp_path):
     main(_args(base, tmp_path, "eagle", steps=7, extra=extra))
     assert _history(tmp_path)[:5] == first and len(_history(tmp_path)) == 7, "the rerun did not go on from step 5"
     assert (tmp_path / GENERATED_FILE).stat().st_mtime_ns == stamp, "the rerun generated its data again"
+
+
+def _rows() -> TrainingRows:
+    """Three rows of 12 tokens; rows 1 and 2 are trained from tokens 5 and 7 on, and row 2 ends at 10."""
+    torch.manual_seed(0)
+    return TrainingRows(torch.randint(2, 4096, (3, 12)), torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
+
+
+def test_eagle_loss_is_the_heads_soft_cross_entropy_and_regression_on_trained_tokens(base):
+    """EAGLE-1/2's objective against the head's own outputs, position by position: at t the head reads f_t and
+    x_{t+1}, regresses f_{t+1} and matches the target's distribution after x_{t+1}, where x_{t+1} is trained."""
+    target, rows = LlamaForCausalLM.from_pretrained(base).eval(), _rows()
+    config = EagleTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, version="eagle")
+    objective = make_objective(config, target, rows).eval()  # eval: no noise on the features
+    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    head, lm_head = objective.head, target.get_output_embeddings()
+    with torch.no_grad():
+        _, metrics = objective(batch, target)
+        features = target.model(rows.input_ids).last_hidden_state  # [3, 12, H]: EAGLE-1/2's features
+        embeds = target.get_input_embeddings()(rows.input_ids)
+        hidden = head(embeds[:, 1:], features[:, :-1], torch.arange(1, 12).expand(3, -1), attention_mask=None)
+        ce, regression = [], []
+        for row in range(3):
+            for t in range(11):
+                if rows.starts[row] <= t + 1 < rows.lengths[row]:
+                    target_probs = torch.softmax(lm_head(features[row, t + 1]).float(), -1)
+                    ce.append(-(target_probs * torch.log_softmax(head.logits(hidden[row, t], lm_head), -1)).sum())
+                    regression.append(torch.nn.functional.smooth_l1_loss(hidden[row, t], features[row, t + 1]))
+    assert metrics["ce"] == pytest.approx(float(torch.stack(ce).mean()), rel=1e-5)
+    assert metrics["regression"] == pytest.approx(float(torch.stack(regression).mean()), rel=1e-5)
+
+
+def test_eagle3_first_step_loss_is_the_soft_cross_entropy_over_the_draft_vocabulary(base):
+    """EAGLE-3's first unrolled step against the head's own outputs, position by position: the target's distribution
+    over the draft vocabulary after x_{t+1}, where x_{t+1} is trained and the target's top token is draftable."""
+    target, rows = LlamaForCausalLM.from_pretrained(base).eval(), _rows()
+    config = EagleTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, version="eagle3",
+                              ttt_steps=3, draft_vocab_size=64)
+    objective = make_objective(config, target, rows).eval()
+    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    head, width = objective.head, 12 - 3
+    with torch.no_grad():
+        out = target(rows.input_ids, output_hidden_states=True)
+        # a draft vocabulary holding some of the target's top tokens here, not all: both kinds of position occur
+        d2t, t2d = build_draft_vocab(out.logits.argmax(-1)[:, ::3].flatten(), 4096, 64)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        _, metrics = objective(batch, target)
+        embeds = target.get_input_embeddings()(rows.input_ids)
+        hidden = head(embeds[:, 1 : 1 + width], batch.features[:, :width], torch.arange(1, 1 + width).expand(3, -1),
+                      ttt_attention_mask(width, 0, head.dtype).expand(3, -1, -1, -1), cache=DynamicCache())
+        terms = []
+        for row in range(3):
+            for t in range(1, 1 + width):  # the head's output at index t - 1 guesses the token after x_t
+                if rows.starts[row] <= t + 1 < rows.lengths[row] and head.t2d[out.logits[row, t].argmax()]:
+                    target_probs = torch.softmax(out.logits[row, t][head.t2d].float(), -1)
+                    logits = head.lm_head(head.norm(hidden[row, t - 1])).float()
+                    terms.append(-(target_probs * torch.log_softmax(logits, -1)).sum())
+    assert 5 < len(terms) < 18  # of the 18 positions with a trained token after them
+    assert metrics["ce_steps"][0] == pytest.approx(float(torch.stack(terms).mean()), rel=1e-4)
 
 
 def test_ttt_mask_sees_step_zero_causally_and_its_own_index_in_later_steps():

@@ -19,6 +19,9 @@ from hf_specdec.cli.main import main
 from hf_specdec.heads import MedusaHeads
 from hf_specdec.testbed import loading
 from hf_specdec.training.config import GENERATED_FILE
+from hf_specdec.training.generated import TrainingRows
+from hf_specdec.training.medusa import MedusaTrainConfig, make_objective
+from hf_specdec.training.target_features import target_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,6 +53,39 @@ def test_training_lowers_the_loss_and_saves_loadable_heads(base, tmp_path):
     assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 - 0.5  # per-step noise is about 0.1
     heads = MedusaHeads.from_pretrained(tmp_path)
     assert heads.config.num_heads == 2 and heads.config.vocab_size == 4096
+
+
+@pytest.mark.parametrize("shared_lm_head", [True, False])
+def test_the_loss_is_each_heads_cross_entropy_on_its_trained_labels(base, shared_lm_head):
+    """The objective against the heads' own logits, position by position: head i's label at t is x_{t+2+i}, and only
+    trained labels count (rows 1 and 2 are trained from tokens 5 and 7 on and end early; heads see no padding)."""
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    config = MedusaTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, num_heads=3,
+                               shared_lm_head=shared_lm_head)
+    torch.manual_seed(0)
+    ids = torch.randint(2, 4096, (3, 12))
+    rows = TrainingRows(ids, torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
+    objective = make_objective(config, target, rows)
+    with torch.no_grad():  # heads that differ from one another and from the target's own guess
+        for parameter in objective.heads.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    with torch.no_grad():
+        loss, metrics = objective(batch, target)
+        hidden = target.model(ids).last_hidden_state
+        lm_head = target.get_output_embeddings()
+        expected = []
+        for head in range(3):
+            terms = []
+            for row in range(3):
+                for t in range(12 - 2 - head):
+                    label = t + 2 + head
+                    if rows.starts[row] <= label < rows.lengths[row]:
+                        logits = objective.heads(hidden[row, t], lm_head)[head]
+                        terms.append(torch.nn.functional.cross_entropy(logits[None].float(), ids[row, label][None]))
+            expected.append(float(torch.stack(terms).mean()))
+    assert metrics["head_loss"] == pytest.approx(expected, rel=1e-5)
+    assert float(loss) == pytest.approx(sum(config.decay**i * term for i, term in enumerate(expected)), rel=1e-5)
 
 
 def test_training_resumes_from_its_checkpoint(base, tmp_path):
