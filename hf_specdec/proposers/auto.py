@@ -26,7 +26,7 @@ from hf_specdec.compile import CompileSettings
 from hf_specdec.config import SUFFIX_FIELDS, SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer, register_proposer
 from hf_specdec.proposers.row_mix import commit_own_rows
-from hf_specdec.step import DecodeState, Proposal, VerificationResult
+from hf_specdec.step import DecodeState, Proposal, RowSet, VerificationResult
 from hf_specdec.tree.merge import merge_trees
 
 # name -> the config of that candidate built from an auto config, or None when the config does not make it available
@@ -128,10 +128,10 @@ class AutoProposer(Proposer):
         choice = state.stage_rows(host_choice)  # [B] long
         self.drafting, proposals = {}, []
         for i, method in enumerate(used):
-            own, own_rows = [c == i for c in host_choice], choice == i
-            with state.limited_to(own_rows, own):
+            own = RowSet(tuple(c == i for c in host_choice), choice == i)
+            with state.limited_to(own):
                 proposal = self.candidates[method].propose(state)
-            self.drafting[method] = (proposal, own, own_rows)
+            self.drafting[method] = (proposal, own)
             proposals.append(proposal)
         depths = [_depth(proposals[i], row, budgets[row]) for row, i in enumerate(host_choice)]
         return Proposal(merge_trees([p.tree for p in proposals], choice), host_depths=tuple(depths))

@@ -27,7 +27,7 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.proposers.row_mix import commit_own_rows
 from hf_specdec.proposers.suffix import SuffixProposer
-from hf_specdec.step import DecodeState, Proposal, VerificationResult
+from hf_specdec.step import DecodeState, Proposal, RowSet, VerificationResult
 from hf_specdec.suffix import EMPTY_DRAFT
 from hf_specdec.tree.merge import merge_trees
 
@@ -47,8 +47,7 @@ class HybridProposer(Proposer):
         self.min_score = config.min_suffix_score
         self.target_feature_layers = fallback.target_feature_layers
         self.needs_prompt_features = fallback.needs_prompt_features
-        self._use_fallback: list[bool] = []  # per row, this step
-        self._use_fallback_rows: torch.Tensor | None = None  # [B] bool: the same on the device, when any is True
+        self._fallback_rows: RowSet | None = None  # the rows that take the fallback's draft this step, if any
         self._fallback: Proposal | None = None  # the fallback's proposal this step
         # rows and steps that drafted from each source (host counts, for inspection and the tests)
         self.suffix_drafts = 0
@@ -65,21 +64,21 @@ class HybridProposer(Proposer):
         drafts = self.suffix.drafts(state)
         budgets = state.host_draft_budget()
         use = [budget > 0 and draft.score < self.min_score for draft, budget in zip(drafts, budgets)]
-        self._use_fallback = use
         self.fallback_drafts += sum(use)
         self.suffix_drafts += sum(d.num_tokens > 0 and not u for d, u in zip(drafts, use))
+        self._fallback_rows = None
         if not any(use):
             self.fallback.skip(state)
             return self.suffix.proposal(state, drafts)
         fallback = self._fallback = self.fallback.propose(state)
-        self._use_fallback_rows = state.stage_rows([int(u) for u in use]).bool()
+        self._fallback_rows = RowSet(tuple(use), state.stage_rows([int(u) for u in use]).bool())
         # each row's draft depth (the fallback drafts at most its own depth, which the schedule's k may exceed)
         depths = [min(budget, fallback.tree.max_depth) if u else d.max_depth
                   for d, u, budget in zip(drafts, use, budgets)]
         if all(u or budget == 0 for u, budget in zip(use, budgets)):  # no row takes a suffix draft
             return fallback.with_host_depths(depths)  # (rows with no budget have no valid fallback node)
         suffix = self.suffix.proposal(state, [EMPTY_DRAFT if u else d for d, u in zip(drafts, use)])
-        return Proposal(merge_trees((suffix.tree, fallback.tree), self._use_fallback_rows.long()),
+        return Proposal(merge_trees((suffix.tree, fallback.tree), self._fallback_rows.mask.long()),
                         host_depths=tuple(depths))
 
     def skip(self, state: DecodeState) -> None:
@@ -88,8 +87,8 @@ class HybridProposer(Proposer):
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         self.suffix.commit(state, result)
-        if any(self._use_fallback):
-            commit_own_rows(self.fallback, state, result, self._fallback, self._use_fallback, self._use_fallback_rows)
+        if self._fallback_rows is not None:
+            commit_own_rows(self.fallback, state, result, self._fallback, self._fallback_rows)
 
     def finish(self, state: DecodeState | None) -> None:
         self.suffix.finish(state)

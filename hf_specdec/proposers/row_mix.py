@@ -11,12 +11,11 @@ skipped).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 
 from hf_specdec.proposers.base import Proposer
-from hf_specdec.step import DecodeState, Proposal, VerificationResult
+from hf_specdec.step import DecodeState, Proposal, RowSet, VerificationResult
 
 
 def commit_own_rows(
@@ -25,20 +24,19 @@ def commit_own_rows(
     result: VerificationResult,
     # the proposer's own proposal this step
     proposal: Proposal,
-    # per row: whether it drafted with this proposer (host), and the same as [B] bool on the device
-    own: Sequence[bool],
-    own_rows: torch.Tensor,
+    # the rows that drafted with this proposer
+    own: RowSet,
 ) -> None:
     """`proposer.commit` with the result over its own rows and tree (see the module docstring)."""
     nodes, columns = proposal.tree.num_nodes, proposal.tree.max_depth + 1
     kept = VerificationResult(
         output_token_ids=result.output_token_ids[:, :columns],
-        num_accepted=torch.where(own_rows, result.num_accepted, 0),
-        path_nodes=torch.where(own_rows[:, None], result.path_nodes[:, :columns], 0).clamp(max=nodes - 1),
+        num_accepted=torch.where(own.mask, result.num_accepted, 0),
+        path_nodes=torch.where(own.mask[:, None], result.path_nodes[:, :columns], 0).clamp(max=nodes - 1),
         num_nodes=nodes,
     )
     host = state.host
-    state.host = dataclasses.replace(host, num_accepted=[n if mine else 0 for n, mine in zip(host.num_accepted, own)])
+    state.host = dataclasses.replace(host, num_accepted=[n if mine else 0 for n, mine in zip(host.num_accepted, own.host)])
     try:
         proposer.commit(state, kept)
     finally:

@@ -3,6 +3,6 @@ proposer offers (`Proposal`) and what the target kept of it (`VerificationResult
 
 from hf_specdec.step.proposal import Proposal
 from hf_specdec.step.result import PLACEHOLDER_TOKEN_ID, VerificationResult
-from hf_specdec.step.state import DecodeState, PromptInputs
+from hf_specdec.step.state import DecodeState, PromptInputs, RowSet
 
-__all__ = ["PLACEHOLDER_TOKEN_ID", "DecodeState", "PromptInputs", "Proposal", "VerificationResult"]
+__all__ = ["PLACEHOLDER_TOKEN_ID", "DecodeState", "PromptInputs", "Proposal", "RowSet", "VerificationResult"]

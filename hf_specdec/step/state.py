@@ -10,7 +10,7 @@ stop) reads `DecodeState.host`, never the device.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,16 @@ class HostView:
     @classmethod
     def start(cls, batch_size: int, prompt_length: int) -> HostView:
         return cls([prompt_length] * batch_size, [False] * batch_size, [0] * batch_size, [0] * batch_size)
+
+
+@dataclass(frozen=True)
+class RowSet:
+    """Some of a step's rows (those one proposer drafts for): whether each row is one of them, on the host and the
+    same on the device."""
+
+    host: tuple[bool, ...]
+    # [B] bool on the device
+    mask: torch.Tensor
 
 
 @dataclass
@@ -169,18 +179,14 @@ class DecodeState:
         return buffer.to(self.lengths.device, non_blocking=True)
 
     @contextlib.contextmanager
-    def limited_to(
-        self,
-        # [B] bool on the device, and the same on the host: the rows that keep their limits (the others get 0)
-        rows: torch.Tensor,
-        host_rows: Sequence[bool],
-    ) -> Iterator[None]:
-        """Within the block, only `rows` may draft (a proposer drafting for some rows only), within their limits."""
+    def limited_to(self, rows: RowSet) -> Iterator[None]:
+        """Within the block, only `rows` may draft (a proposer drafting for some rows only), within their limits;
+        the others get 0."""
         saved = self.draft_limits, self.draft_limit_tensor
         limits = self.draft_limits or [self.max_length] * self.batch_size
-        self.draft_limits = [limit if mine else 0 for limit, mine in zip(limits, host_rows)]
+        self.draft_limits = [limit if mine else 0 for limit, mine in zip(limits, rows.host)]
         limit_tensor = self.max_length if self.draft_limit_tensor is None else self.draft_limit_tensor
-        self.draft_limit_tensor = torch.where(rows, limit_tensor, 0)
+        self.draft_limit_tensor = torch.where(rows.mask, limit_tensor, 0)
         try:
             yield
         finally:
