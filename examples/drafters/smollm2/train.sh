@@ -16,7 +16,7 @@ HERE=examples/drafters/smollm2
 WORK=${WORK:-$HOME/.cache/hf_specdec/smollm2-drafters}
 THREADS=${THREADS:-2}
 BASE=$(python -c "from hf_specdec.testbed.real_model import ensure_smollm2; print(ensure_smollm2())")
-declare -A SAMPLES=([eagle3]=1920 [eagle]=1920 [medusa]=640 [draft]=1920 [mlp_speculator]=640)
+declare -A SAMPLES=([eagle3]=1920 [eagle]=1920 [medusa]=1920 [draft]=1920 [mlp_speculator]=640)
 
 # The EAGLE-1/2 head starts from scratch: a copy of the target's last layer (the trainer's default) writes values far
 # larger than the final normed hidden state the head regresses, and from it training diverged (cross-entropy 273 at
@@ -44,8 +44,8 @@ for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
                         --learning-rate 1e-3 --warmup-steps 60 ;;
             eagle) train eagle eagle "${COMMON[@]}" "${FINAL[@]}" --version eagle --no-init-from-target --steps 900 \
                        --batch-size 8 --learning-rate 1e-3 --warmup-steps 90 ;;
-            medusa) train medusa medusa "${COMMON[@]}" "${FINAL[@]}" --num-heads 4 --shared-lm-head --steps 200 \
-                        --batch-size 4 --learning-rate 1e-3 --warmup-steps 20 --tree-nodes 32 ;;
+            medusa) train medusa medusa "${COMMON[@]}" "${FINAL[@]}" --num-heads 4 --shared-lm-head --steps 1000 \
+                        --batch-size 8 --learning-rate 1e-3 --warmup-steps 50 --tree-nodes 32 ;;
             draft) train draft draft "${COMMON[@]}" "${FINAL[@]}" --target-layers 0 1 -1 --steps 1000 \
                        --batch-size 4 --learning-rate 3e-4 --warmup-steps 50 ;;
             mlp_speculator) train mlp_speculator mlp_speculator "${COMMON[@]}" "${FINAL[@]}" --n-predict 3 \
