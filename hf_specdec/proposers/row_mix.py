@@ -36,7 +36,8 @@ def commit_own_rows(
         num_nodes=nodes,
     )
     host = state.host
-    state.host = dataclasses.replace(host, num_accepted=[n if mine else 0 for n, mine in zip(host.num_accepted, own.host)])
+    mine = [n if own_row else 0 for n, own_row in zip(host.num_accepted, own.host)]
+    state.host = dataclasses.replace(host, num_accepted=mine)
     try:
         proposer.commit(state, kept)
     finally:
