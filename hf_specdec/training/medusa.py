@@ -72,10 +72,14 @@ class MedusaTrainConfig(TrainConfig):
             raise ValueError("MedusaTrainConfig.self_distillation: only stage 2 trains the backbone; use stage=2")
 
 
-def medusa_labels(batch: TargetBatch, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, L, K] head i's label at each position, token t + 2 + i; [B, L, K] bool: that label is trained on)."""
-    labels = [batch.ahead(2 + i) for i in range(num_heads)]
-    return torch.stack([ids for ids, _ in labels], dim=-1), torch.stack([trained for _, trained in labels], dim=-1)
+def medusa_labels(batch: TargetBatch, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The positions some head learns from ([B, L] bool) and there, in order, head i's label (token t + 2 + i) and
+    whether it is trained on ([N, K] each)."""
+    ahead = [batch.ahead(2 + i) for i in range(num_heads)]
+    labels = torch.stack([ids for ids, _ in ahead], dim=-1)  # [B, L, K]
+    trained = torch.stack([trained for _, trained in ahead], dim=-1)  # [B, L, K]
+    keep = trained.any(-1)
+    return keep, labels[keep], trained[keep]
 
 
 def medusa_loss(
@@ -154,19 +158,18 @@ class MedusaObjective(Objective):
 
     def forward(self, batch: TargetBatch, target: nn.Module) -> tuple[torch.Tensor, dict]:
         lm_head = target.get_output_embeddings()
-        labels, trained = medusa_labels(batch, self.heads.config.num_heads)  # [B, L, K] each
-        keep = trained.any(-1)  # [B, L]: the positions some head learns from
+        keep, labels, trained = medusa_labels(batch, self.heads.config.num_heads)
         if self.model is None:
             hidden = batch.features[keep].to(self.heads.dtype)  # [N, H]
-            loss, per_head = medusa_loss(self.heads(hidden, lm_head), labels[keep], trained[keep], self.config.decay)
+            loss, per_head = medusa_loss(self.heads(hidden, lm_head), labels, trained, self.config.decay)
             return loss, {"head_loss": per_head}
         out = self.model(batch.input_ids, output_hidden_states=True)
         teacher = None
         if self.config.self_distillation:
             with torch.no_grad(), self.model.disable_adapter():
                 teacher = self.model(batch.input_ids).logits
-        heads_loss, per_head = medusa_loss(self.heads(out.hidden_states[-1][keep], lm_head), labels[keep],
-                                           trained[keep], self.config.decay)
+        heads_loss, per_head = medusa_loss(self.heads(out.hidden_states[-1][keep], lm_head), labels, trained,
+                                           self.config.decay)
         backbone = backbone_loss(out.logits, batch.input_ids, batch.trained, teacher)
         return backbone + self.config.heads_coef * heads_loss, {"backbone_loss": float(backbone.detach()),
                                                                "head_loss": per_head}
@@ -202,10 +205,9 @@ class MedusaObjective(Objective):
                 hidden = run_target(model, FINAL_LAYER, batch.input_ids)[1]
             else:
                 hidden = model(batch.input_ids, output_hidden_states=True).hidden_states[-1]
-            labels, trained = medusa_labels(batch, self.heads.config.num_heads)
-            keep = trained.any(-1)
-            total = total + rank_accuracy(self.heads(hidden[keep].to(self.heads.dtype), lm_head), labels[keep],
-                                          trained[keep], TREE_MAX_RANK)
+            keep, labels, trained = medusa_labels(batch, self.heads.config.num_heads)
+            total = total + rank_accuracy(self.heads(hidden[keep].to(self.heads.dtype), lm_head), labels, trained,
+                                          TREE_MAX_RANK)
         return total / TREE_FIT_BATCHES
 
 

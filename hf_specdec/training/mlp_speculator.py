@@ -29,6 +29,7 @@ The result is saved as our adapter folder, in float32 (`MlpSpeculator.from_pretr
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,13 +156,13 @@ class MlpSpeculatorObjective(Objective):
         self.min_batch_length = head.config.n_predict + 2  # every stage has a token to learn
 
     def forward(self, batch: TargetBatch, target: nn.Module) -> tuple[torch.Tensor, dict]:
-        stages = self.head.config.n_predict
-        reads = [batch.ahead(1 + stage)[0] for stage in range(stages)]  # [B, L] each: the token stage j reads
-        labels = [batch.ahead(2 + stage) for stage in range(stages)]  # ([B, L], [B, L] bool) each: x_{t+2+j}
-        keep = torch.stack([trained for _, trained in labels]).any(0)  # [B, L]: positions some stage learns from
+        # ([B, L], [B, L] bool) per distance d = 1 .. n_predict + 1: x_{t+d}, and whether it is trained on; stage j
+        # reads x_{t+1+j} and learns x_{t+2+j}
+        ahead = [batch.ahead(distance) for distance in range(1, self.head.config.n_predict + 2)]
+        keep = torch.stack([trained for _, trained in ahead[1:]]).any(0)  # [B, L]: positions some stage learns from
         state = self.head.input_state(batch.features[keep])  # [N, H]: h_t
         total, losses, accuracies = state.new_zeros((), dtype=torch.float32), [], []
-        for stage, (read, (label, trained)) in enumerate(zip(reads, labels)):
+        for stage, ((read, _), (label, trained)) in enumerate(itertools.pairwise(ahead)):
             state = self.head.advance(stage, state, read[keep])  # [N, inner]
             logits = self.head.stage_logits(stage, state)  # [N, V]
             label, weight = label[keep], trained[keep].float()  # [N] each
