@@ -42,7 +42,7 @@ class EagleDrafter(nn.Module):
         super().__init__()
         self.head = head
         self.embed_tokens = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        self.lm_head = head.draft_lm_head(target.get_output_embeddings())
         self.config = head.llama_config
 
     @property
@@ -101,7 +101,9 @@ class EagleProposer(DraftModelProposer):
         per_target = _DRAFTERS.setdefault(config.heads, weakref.WeakKeyDictionary())
         if target not in per_target:
             per_target[target] = EagleDrafter(config.heads, target)
-        return per_target[target]
+        drafter = per_target[target]
+        drafter.lm_head = config.heads.draft_lm_head(target.get_output_embeddings())  # the head's map as it is now
+        return drafter
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         """Prompt token p is to be fed with the target's feature at p - 1 (p >= 1; a row's first real token has no

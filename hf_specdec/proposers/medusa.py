@@ -1,7 +1,8 @@
 """Medusa proposer: the heads read the target's hidden state at the position that produced the last committed
 token (kept from the verify forward: no extra target pass) and guess the tokens after it.
 
-Heads that share the target's lm_head ("version 2") are given it at every proposal.
+Heads that share the target's lm_head ("version 2") are given it at every proposal: its rows at the heads' token map
+when they have one (`hf_specdec.heads.token_map`), so a proposal projects onto the draft vocabulary only.
 
 Chain: each head's top-1. Tree: a static path list (`tree_paths`, Medusa's `choices`): path (r0, r1, ...) is head
 0's rank-r0 candidate, then head 1's rank-r1 candidate, and so on. Candidates are deterministic (point masses), so
@@ -29,7 +30,7 @@ class MedusaProposer(Proposer):
         self.heads = config.heads
         self.heads_call = self.heads  # compiled under static shapes with a compile config
         self.heads.check_target(target)
-        self.lm_head = target.get_output_embeddings()
+        self.lm_head = self.heads.draft_lm_head(target.get_output_embeddings())
         num_heads = self.heads.config.num_heads
         self.k = min(config.num_speculative_tokens, num_heads)
         self.template = None if config.tree_paths is None else TreeTemplate.from_paths(config.tree_paths)

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from hf_specdec.heads.eagle import EagleConfig, EagleHead, EagleVersion
+from hf_specdec.heads.token_map import most_frequent_tokens
 from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.skeleton import Objective, train
@@ -44,6 +45,9 @@ class EagleTrainConfig(TrainConfig):
     decay: float = field(default=0.8, metadata={"help": "eagle3: loss weight decay per unrolled step"})
     draft_vocab_size: int | None = field(
         default=None, metadata={"help": "eagle3: keep the N most frequent trained tokens (default: all)"})
+    token_map_size: int | None = field(
+        default=None, metadata={"help": "eagle: draft over the N most frequent trained tokens only (the head's token "
+                                        "map; default: the whole vocabulary)"})
     feature_layers: tuple[int, ...] | None = field(
         default=None, metadata={"help": "eagle3: fused target layers (default 2, L//2, L-3)"})
     intermediate_size: int | None = field(default=None, metadata={"help": "head MLP width (default: the target's)"})
@@ -58,7 +62,7 @@ class EagleTrainConfig(TrainConfig):
             )
         if self.ttt_steps < 1:
             raise ValueError(f"EagleTrainConfig.ttt_steps: expected >= 1, got {self.ttt_steps}")
-        for name in ("draft_vocab_size", "intermediate_size"):
+        for name in ("draft_vocab_size", "intermediate_size", "token_map_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EagleTrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
         if self.version == "eagle3" and self.ttt_steps + 1 >= self.seq_len:
@@ -70,6 +74,8 @@ class EagleTrainConfig(TrainConfig):
             raise ValueError(f"EagleTrainConfig.decay: expected a value in (0, 1], got {self.decay}")
         if self.version == "eagle" and (self.draft_vocab_size is not None or self.feature_layers is not None):
             raise ValueError("EagleTrainConfig.draft_vocab_size / feature_layers: only for version 'eagle3'")
+        if self.version == "eagle3" and self.token_map_size is not None:
+            raise ValueError("EagleTrainConfig.token_map_size: only for version 'eagle' (EAGLE-3: draft_vocab_size)")
 
 
 def build_draft_vocab(
@@ -80,10 +86,7 @@ def build_draft_vocab(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EAGLE-3's maps for the `draft_vocab_size` most frequent ids: d2t [D] (target id = draft id + d2t[draft id],
     draft ids in ascending target-id order) and t2d [V] (bool: the target id is in the draft vocabulary)."""
-    counts = torch.bincount(token_ids.flatten(), minlength=vocab_size)
-    # ties broken by id so the choice is deterministic
-    order = torch.argsort(counts * vocab_size + (vocab_size - 1 - torch.arange(vocab_size)), descending=True)
-    kept = torch.sort(order[:draft_vocab_size]).values  # [D]
+    kept = most_frequent_tokens(token_ids, vocab_size, draft_vocab_size)  # [D]
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[kept] = True
     return kept - torch.arange(draft_vocab_size), t2d
@@ -228,6 +231,8 @@ def make_objective(config: EagleTrainConfig, target: nn.Module, rows: TrainingRo
         d2t, t2d = build_draft_vocab(rows.tokens(), head_config.vocab_size, head_config.draft_vocab_size)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
+    if config.token_map_size is not None:
+        head.set_token_map(most_frequent_tokens(rows.tokens(), head_config.vocab_size, config.token_map_size))
     if config.init_from_target:
         init_head_from_target(head, target)
     layers = head_config.target_feature_layers(target.config.get_text_config(decoder=True).num_hidden_layers)

@@ -21,6 +21,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from hf_specdec.heads.medusa import LORA_FOLDER, MedusaConfig, MedusaHeads, fit_tree
+from hf_specdec.heads.token_map import most_frequent_tokens
 from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.skeleton import Objective, train
@@ -39,6 +40,9 @@ class MedusaTrainConfig(TrainConfig):
     num_layers: int = field(default=1, metadata={"help": "residual blocks per head"})
     shared_lm_head: bool = field(
         default=False, metadata={"help": "heads project with the target's lm_head (small files) instead of their own"})
+    token_map_size: int | None = field(
+        default=None, metadata={"help": "with shared_lm_head: draft over the N most frequent trained tokens only "
+                                        "(the heads' token map; default: the whole vocabulary)"})
     decay: float = field(default=0.8, metadata={"help": "loss weight decay per head"})
     tree_nodes: int = field(default=32, metadata={"help": "nodes of the tree fitted to the trained heads (0: none)"})
     lora_r: int = field(default=8, metadata={"help": "stage 2: LoRA rank"})
@@ -57,6 +61,9 @@ class MedusaTrainConfig(TrainConfig):
         for name in ("num_heads", "num_layers", "lora_r", "lora_alpha"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MedusaTrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.token_map_size is not None and (self.token_map_size < 1 or not self.shared_lm_head):
+            raise ValueError(f"MedusaTrainConfig.token_map_size: expected >= 1 with shared_lm_head, got "
+                             f"{self.token_map_size} (shared_lm_head={self.shared_lm_head})")
         if self.tree_nodes < 0:
             raise ValueError(f"MedusaTrainConfig.tree_nodes: expected >= 0, got {self.tree_nodes}")
         if not 0 < self.decay <= 1:
@@ -217,6 +224,8 @@ def make_objective(config: MedusaTrainConfig, target: nn.Module, rows: TrainingR
     heads = MedusaHeads(MedusaConfig(hidden_size=text.hidden_size, vocab_size=text.vocab_size,
                                      num_heads=config.num_heads, num_layers=config.num_layers,
                                      shared_lm_head=config.shared_lm_head, base_model_name_or_path=str(config.base)))
+    if config.token_map_size is not None:
+        heads.set_token_map(most_frequent_tokens(rows.tokens(), text.vocab_size, config.token_map_size))
     if not config.shared_lm_head:
         with torch.no_grad():
             for head in heads.heads:

@@ -16,7 +16,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.compile import compiled_forward
 from hf_specdec.schedule.decision import width_ladder
-from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
+from tests.conftest import ARCHITECTURES, VOCAB, make_draft, make_model, padded_batch
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
@@ -171,6 +171,9 @@ def _every_proposer(target: torch.nn.Module, arch: str) -> dict[str, Speculative
                                                    tree_paths=[(0,), (1,), (0, 0)])
         configs["eagle_dynamic_tree"] = SpeculativeConfig(method="eagle", heads=eagle_head(target), top_k=2, depth=3,
                                                           total_tokens=5)
+        mapped = eagle_head(target, seed=1)  # drafting over half the vocabulary (a token map)
+        mapped.set_token_map(torch.arange(0, VOCAB, 2))
+        configs["eagle_token_map"] = SpeculativeConfig(method="eagle", heads=mapped, num_speculative_tokens=3)
     return configs
 
 

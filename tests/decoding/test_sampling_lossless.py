@@ -23,7 +23,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 import hf_specdec
 import hf_specdec.verify.verifier as verifier
 from hf_specdec import SpeculativeConfig
-from hf_specdec.heads import EagleConfig, EagleHead
+from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
 from hf_specdec.suffix import SuffixCache, SuffixConfig
 from hf_specdec.verify.chain import rejection_sample
 from tests.conftest import DECODER
@@ -156,6 +156,19 @@ def _eagle_head(target, version: str) -> EagleHead:
     return head
 
 
+def _with_token_map(heads, token_map=(0, 2, 3, 5, 6)):
+    """`heads` drafting over five of the eight ids only (the target samples the other three too)."""
+    heads.set_token_map(torch.tensor(token_map), vocab_size=VOCAB)
+    return heads
+
+
+def _shared_medusa(target):
+    """Medusa heads on the target's lm_head, their blocks at zero: like `heads_for`'s, each guesses that the last
+    token repeats."""
+    return MedusaHeads(MedusaConfig(hidden_size=DECODER["hidden_size"], vocab_size=VOCAB, num_heads=2,
+                                    shared_lm_head=True)).eval()
+
+
 def _speculator(target):
     """An MLP speculator fitted to the target's own sampled continuations: its sampled drafts are accepted often,
     at depth 2 too, and rejected often."""
@@ -186,6 +199,12 @@ PROPOSERS = {
                                                num_speculative_tokens=2, seed=15),
     "eagle_dynamic_tree": lambda target: SpeculativeConfig(method="eagle", heads=_eagle_head(target, "eagle"),
                                                            top_k=3, depth=2, total_tokens=4, seed=14),
+    "eagle_token_map": lambda target: SpeculativeConfig(
+        method="eagle", heads=_with_token_map(_eagle_head(target, "eagle")), num_speculative_tokens=2, seed=22),
+    "eagle_token_map_dynamic_tree": lambda target: SpeculativeConfig(
+        method="eagle", heads=_with_token_map(_eagle_head(target, "eagle")), top_k=3, depth=2, total_tokens=4, seed=23),
+    "medusa_token_map": lambda target: SpeculativeConfig(
+        method="medusa", heads=_with_token_map(_shared_medusa(target)), num_speculative_tokens=2, seed=24),
     "mlp_speculator": lambda target: SpeculativeConfig(method="mlp_speculator", heads=_speculator(target),
                                                        num_speculative_tokens=2, seed=17),
     "mlp_speculator_dynamic_tree": lambda target: SpeculativeConfig(method="mlp_speculator", heads=_speculator(target),
@@ -210,7 +229,7 @@ PROPOSERS = {
 
 # n-gram and suffix drafts rarely survive two sampled tokens; an EAGLE tree of an untrained head rarely holds the target's
 # second token: their depth-2 paths are covered by the greedy tests
-SHALLOW = {"ngram", "ngram_tree", "eagle_dynamic_tree", "suffix"}
+SHALLOW = {"ngram", "ngram_tree", "eagle_dynamic_tree", "eagle_token_map_dynamic_tree", "suffix"}
 
 
 @pytest.mark.parametrize("name", sorted(PROPOSERS))

@@ -55,7 +55,8 @@ def _history(out: Path) -> list[float]:
 
 @pytest.mark.parametrize("version, drop", [("eagle", 0.1), ("eagle3", 0.3)])
 def test_training_lowers_the_loss(base, tmp_path, version, drop):
-    extra = ["--data-source", "text"] + (["--draft-vocab-size", "1024"] if version == "eagle3" else [])
+    extra = ["--data-source", "text", *(["--draft-vocab-size", "1024"] if version == "eagle3" else
+                                       ["--token-map-size", "300"])]
     assert main(_args(base, tmp_path, version, steps=20, extra=extra)) == 0
     history = _history(tmp_path)
     assert len(history) == 20
@@ -64,6 +65,8 @@ def test_training_lowers_the_loss(base, tmp_path, version, drop):
     assert head.config.version == version and head.config.vocab_size == 4096
     if version == "eagle3":
         assert head.config.draft_vocab_size == 1024 and int(head.t2d.sum()) == 1024
+    else:  # EAGLE-1/2 drafts over the target's lm_head rows of the 300 most frequent trained tokens
+        assert head.config.token_map_size == 300 and len(head.token_map) == 300
 
 
 def test_generated_data_is_cached_and_training_resumes(base, tmp_path):
@@ -168,6 +171,8 @@ def test_bad_training_input(base, tmp_path):
         main(_args(base, tmp_path, "eagle3", steps=1, extra=["--data-source", "text", "--ttt-steps", "40"]))
     with pytest.raises(SystemExit, match="EagleTrainConfig.draft_vocab_size"):
         main(_args(base, tmp_path, "eagle", steps=1, extra=["--data-source", "text", "--draft-vocab-size", "100"]))
+    with pytest.raises(SystemExit, match="EagleTrainConfig.token_map_size: only for version 'eagle'"):
+        main(_args(base, tmp_path, "eagle3", steps=1, extra=["--data-source", "text", "--token-map-size", "100"]))
 
 
 def test_two_cpu_processes_under_accelerate(base, tmp_path):

@@ -55,6 +55,13 @@ def test_training_lowers_the_loss_and_saves_loadable_heads(base, tmp_path):
     assert heads.config.num_heads == 2 and heads.config.vocab_size == 4096
 
 
+def test_shared_heads_keep_the_most_frequent_trained_tokens_as_their_token_map(base, tmp_path):
+    extra = ["--data-source", "text", "--shared-lm-head", "--token-map-size", "256", "--tree-nodes", "0"]
+    assert main(_args(base, tmp_path, steps=2, extra=extra)) == 0
+    heads = MedusaHeads.from_pretrained(tmp_path)
+    assert heads.config.token_map_size == 256 and heads.token_map.tolist() == sorted(heads.token_map.tolist())
+
+
 @pytest.mark.parametrize("shared_lm_head", [True, False])
 def test_the_loss_is_each_heads_cross_entropy_on_its_trained_labels(base, shared_lm_head):
     """The objective against the heads' own logits, position by position: head i's label at t is x_{t+2+i}, and only
@@ -103,6 +110,8 @@ def test_training_resumes_from_its_checkpoint(base, tmp_path):
 
 
 def test_bad_training_input(base, tmp_path):
+    with pytest.raises(SystemExit, match="MedusaTrainConfig.token_map_size: expected >= 1 with shared_lm_head"):
+        main(_args(base, tmp_path, steps=1, extra=["--data-source", "text", "--token-map-size", "256"]))
     with pytest.raises(SystemExit, match="MedusaTrainConfig.data: expected existing files"):
         main(["train", "medusa", "--base", str(base), "--data", str(tmp_path / "none.txt"), "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="MedusaTrainConfig.base: no model at"):

@@ -21,9 +21,11 @@ DESCRIPTIONS = {
              "the target's answers. Stored without the embeddings and lm_head it shares with the target: "
              "`hf_specdec.pruned_draft.load_pruned_draft(folder, target)` puts them back.",
     "medusa": "Four Medusa heads (one residual block each) over the target's final hidden state, sharing the "
-              "target's lm_head; the tree fitted to them in training is saved with them (`MedusaHeads.tree()`).",
+              "target's lm_head (its rows at the 8192 tokens most frequent in the training answers: the heads' "
+              "token map); the tree fitted to them in training is saved with them (`MedusaHeads.tree()`).",
     "eagle": "An EAGLE-1/2 head (fc over the token embedding and the target's final hidden state, one decoder "
-             "layer; the target's embeddings and lm_head reused). With a dynamic tree it is EAGLE-2.",
+             "layer; the target's embeddings and lm_head reused, the lm_head's rows at the 8192 tokens most "
+             "frequent in the training answers only: the head's token map). With a dynamic tree it is EAGLE-2.",
     "eagle3": "An EAGLE-3 head (the residual stream entering three target layers fused by fc, one decoder layer, "
               "its own norm and lm_head over an 8192-token draft vocabulary), trained with 4 steps of "
               "training-time test.",

@@ -42,10 +42,11 @@ for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
             eagle3) train eagle3 eagle "${COMMON[@]}" --feature-cache "$WORK/features_eagle3_$samples" \
                         --version eagle3 --draft-vocab-size 8192 --ttt-steps 4 --steps 1200 --batch-size 8 \
                         --learning-rate 1e-3 --warmup-steps 60 ;;
-            eagle) train eagle eagle "${COMMON[@]}" "${FINAL[@]}" --version eagle --no-init-from-target --steps 1500 \
-                       --batch-size 8 --learning-rate 1e-3 --warmup-steps 90 ;;
-            medusa) train medusa medusa "${COMMON[@]}" "${FINAL[@]}" --num-heads 4 --shared-lm-head --steps 1000 \
-                        --batch-size 8 --learning-rate 1e-3 --warmup-steps 50 --tree-nodes 32 ;;
+            eagle) train eagle eagle "${COMMON[@]}" "${FINAL[@]}" --version eagle --no-init-from-target \
+                       --token-map-size 8192 --steps 1500 --batch-size 8 --learning-rate 1e-3 --warmup-steps 90 ;;
+            medusa) train medusa medusa "${COMMON[@]}" "${FINAL[@]}" --num-heads 4 --shared-lm-head \
+                        --token-map-size 8192 --steps 1000 --batch-size 8 --learning-rate 1e-3 --warmup-steps 50 \
+                        --tree-nodes 32 ;;
             draft) train draft draft "${COMMON[@]}" "${FINAL[@]}" --target-layers 0 1 -1 --steps 1000 \
                        --batch-size 4 --learning-rate 3e-4 --warmup-steps 50 ;;
             mlp_speculator) train mlp_speculator mlp_speculator "${COMMON[@]}" "${FINAL[@]}" --n-predict 3 \

@@ -38,6 +38,8 @@ class EagleConfig:
     hidden_act: str = "silu"
     # eagle: fc has a bias unless the checkpoint says otherwise (LLaMA-3 heads have none); eagle3: never
     fc_bias: bool = True
+    # eagle only: draft over this many rows of the target's lm_head (the head's `token_map`; None: all of them)
+    token_map_size: int | None = None
     # eagle3 only: the head's own output vocabulary (None: the target's) and the fused target layers
     draft_vocab_size: int | None = None
     feature_layers: tuple[int, ...] | None = None
@@ -54,7 +56,7 @@ class EagleConfig:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
                      "max_position_embeddings"):
             _check_positive(name, getattr(self, name))
-        for name in ("head_dim", "draft_vocab_size", "target_hidden_size"):
+        for name in ("head_dim", "draft_vocab_size", "target_hidden_size", "token_map_size"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
@@ -71,6 +73,12 @@ class EagleConfig:
             raise ValueError(
                 f"EagleConfig.rope_parameters: expected a dict with 'rope_type', got {self.rope_parameters!r}"
             )
+        if self.token_map_size is not None and self.token_map_size > self.vocab_size:
+            raise ValueError(f"EagleConfig.token_map_size: expected at most vocab_size {self.vocab_size}, "
+                             f"got {self.token_map_size}")
+        if self.version == "eagle3" and self.token_map_size is not None:
+            raise ValueError("EagleConfig.token_map_size: only for version 'eagle' (an EAGLE-3 head has its own "
+                             "draft vocabulary: draft_vocab_size)")
         if self.version == "eagle":
             for name in ("draft_vocab_size", "feature_layers", "target_hidden_size"):
                 if getattr(self, name) is not None:

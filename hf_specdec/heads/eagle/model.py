@@ -39,6 +39,7 @@ from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.heads.adapter import AdapterMixin, resolve_folder, write_json, write_safetensors
 from hf_specdec.heads.eagle.config import EagleConfig, resolve_feature_layers
 from hf_specdec.heads.eagle.convert import SPECULATORS_WEIGHTS_NAME, read_published, to_speculators
+from hf_specdec.heads.token_map import TokenMapMixin
 
 
 class Eagle3Layer(nn.Module):
@@ -83,7 +84,7 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class EagleHead(AdapterMixin, nn.Module):
+class EagleHead(AdapterMixin, TokenMapMixin, nn.Module):
     config_class = EagleConfig
     adapter_types = ("eagle", "eagle3")
     adapter_type_field = "version"
@@ -113,6 +114,13 @@ class EagleHead(AdapterMixin, nn.Module):
             t2d[:draft_vocab] = True
             self.register_buffer("t2d", t2d)
         self.rotary_emb = LlamaRotaryEmbedding(self.llama_config)
+        self._init_token_map(config.vocab_size)
+
+    def token_map_refusal(self) -> str | None:
+        if self.config.version == "eagle3":
+            return ("an EAGLE-3 head has its own draft vocabulary (draft_vocab_size, set in training); a token map "
+                    "is for EAGLE-1/2 heads, which project with the target's lm_head")
+        return None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -258,7 +266,9 @@ def export_speculators(
             "export_speculators: the head does not record which target layers it fuses (the target's default); load "
             "it with num_target_layers=<the target's num_hidden_layers> or feature_layers=(...) before exporting"
         )
-    values, tensors = to_speculators(config, head.state_dict(), verifier, speculative_tokens, verifier_architectures)
+    # speculators has no token map: the exported head drafts over the whole vocabulary
+    weights = {name: tensor for name, tensor in head.state_dict().items() if name != "token_map"}
+    values, tensors = to_speculators(config, weights, verifier, speculative_tokens, verifier_architectures)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / "config.json", values)

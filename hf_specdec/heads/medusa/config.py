@@ -21,6 +21,11 @@ class MedusaConfig:
     tree_paths: list[list[int]] | None = field(
         default=None, metadata={"help": "a static tree fitted to these heads (rank paths), or None"}
     )
+    token_map_size: int | None = field(
+        default=None,
+        metadata={"help": "with shared_lm_head: draft over this many target ids (the heads' `token_map`) instead of "
+                          "the whole vocabulary; None: the whole vocabulary"},
+    )
     base_model_name_or_path: str | None = field(default=None, metadata={"help": "the target the heads were trained on"})
     revision: str | None = field(default=None, metadata={"help": "the target's revision"})
 
@@ -31,6 +36,14 @@ class MedusaConfig:
             raise ValueError(f"MedusaConfig.shared_lm_head: expected a bool, got {self.shared_lm_head!r}")
         if self.vocab_size is not None or not self.shared_lm_head:
             _check_positive_int("vocab_size", self.vocab_size)
+        if self.token_map_size is not None:
+            _check_positive_int("token_map_size", self.token_map_size)
+            if not self.shared_lm_head:
+                raise ValueError("MedusaConfig.token_map_size: only for heads that share the target's lm_head "
+                                 "(shared_lm_head=True)")
+            if self.vocab_size is not None and self.token_map_size > self.vocab_size:
+                raise ValueError(f"MedusaConfig.token_map_size: expected at most vocab_size {self.vocab_size}, "
+                                 f"got {self.token_map_size}")
         if self.tree_paths is not None:
             self.tree_paths = [list(path) for path in self.tree_paths]
             try:

@@ -19,6 +19,7 @@ from hf_specdec.heads.adapter import AdapterMixin
 from hf_specdec.heads.medusa.config import MedusaConfig
 from hf_specdec.heads.medusa.convert import read_published
 from hf_specdec.heads.medusa.tree import default_tree
+from hf_specdec.heads.token_map import TokenMapMixin
 
 
 class ResidualBlock(nn.Module):
@@ -32,7 +33,7 @@ class ResidualBlock(nn.Module):
         return hidden + nn.functional.silu(self.linear(hidden))
 
 
-class MedusaHeads(AdapterMixin, nn.Module):
+class MedusaHeads(AdapterMixin, TokenMapMixin, nn.Module):
     config_class = MedusaConfig
     adapter_types = ("medusa",)
     card_template = files(__package__).joinpath("card.md")
@@ -49,6 +50,13 @@ class MedusaHeads(AdapterMixin, nn.Module):
             )
             for _ in range(config.num_heads)
         )
+        self._init_token_map(config.vocab_size)
+
+    def token_map_refusal(self) -> str | None:
+        if not self.config.shared_lm_head:
+            return ("these heads project with their own lm_heads; a token map is for heads that share the target's "
+                    "(shared_lm_head=True)")
+        return None
 
     @property
     def dtype(self) -> torch.dtype:

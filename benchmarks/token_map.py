@@ -1,0 +1,137 @@
+"""What a token map (a draft vocabulary of the target's lm_head rows) buys the committed SmolLM2 heads that project
+with the target's lm_head (EAGLE-1/2, Medusa): speed and acceptance with the whole vocabulary against maps of the
+most frequent tokens of the heads' training answers, on Spec-Bench, in one run, interleaved.
+
+    python benchmarks/token_map.py --kinds eagle medusa --sizes 0 4096 8192 16384 --num-prompts 1 \\
+        --max-new-tokens 128 --repeats 2 --json benchmarks/results/token_map_smollm2_bf16_cpu.json
+
+Size 0 is the whole vocabulary. Each head's map is built from `--answers` (the target's answers the heads trained on,
+as train.sh caches them; a map of the size the head ships with is used as shipped when that file is absent). Every
+case runs every prompt once per repeat, cases interleaved prompt by prompt; speedups are ratios of tokens per second
+against plain `generate` over the same prompts and repeats; every output is compared with plain `generate`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.heads.token_map import most_frequent_tokens
+from hf_specdec.testbed import drafters
+from hf_specdec.testbed.real_model import load_real_model
+from hf_specdec.testbed.spec_bench import spec_bench_prompts
+from hf_specdec.training.generated import TrainingRows
+
+ANSWERS = Path.home() / ".cache" / "hf_specdec" / "smollm2-drafters" / "generated_data_1920.safetensors"
+
+
+def answer_tokens(path: Path) -> torch.Tensor:
+    """[M] every trained token of the cached answers (what the heads learned from)."""
+    tensors = load_file(path)
+    rows = TrainingRows(tensors["input_ids"], tensors["lengths"], tensors["starts"])
+    return rows.tokens()
+
+
+def coverage(token_map: torch.Tensor | None, tokens: torch.Tensor) -> float:
+    if token_map is None:
+        return 1.0
+    return float(torch.isin(tokens, token_map).float().mean())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", nargs="+", default=["eagle", "medusa"], choices=["eagle", "medusa"])
+    parser.add_argument("--sizes", nargs="+", type=int, default=[0, 8192], help="0: the whole vocabulary")
+    parser.add_argument("--tree-width", type=int, default=1, help="EAGLE: > 1 drafts an EAGLE-2 dynamic tree")
+    parser.add_argument("--tree-nodes", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=1, help="Spec-Bench questions per category")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("-k", type=int, default=5)
+    parser.add_argument("--schedule", default="adaptive", choices=["adaptive", "fixed"])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--answers", type=Path, default=ANSWERS)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_real_model(dtype=getattr(torch, args.dtype), progress=False)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    tokens = answer_tokens(args.answers)
+    maps = {size: None if size == 0 else most_frequent_tokens(tokens, vocab, size) for size in args.sizes}
+    heads = {kind: drafters.load_drafter("smollm2", kind, target) for kind in args.kinds}
+    prompts = spec_bench_prompts(tokenizer, args.num_prompts)
+
+    def config(kind: str) -> SpeculativeConfig:
+        tree = {}
+        if kind == "eagle" and args.tree_width > 1:
+            tree = {"tree_width": args.tree_width, "tree_total_tokens": args.tree_nodes}
+        if kind == "medusa" and args.tree_width > 1:
+            tree = {"tree_paths": heads[kind].tree()}
+        return SpeculativeConfig(method=kind, heads=heads[kind], num_speculative_tokens=args.k,
+                                 schedule=args.schedule, **tree)
+
+    cases = ["plain"] + [f"{kind}/{size}" for kind in args.kinds for size in args.sizes]
+    totals = {case: {"seconds": 0.0, "tokens": 0, "forwards": 0, "accepted": 0, "drafting_steps": 0,
+                     "identical": True} for case in cases}
+    expected: dict[int, torch.Tensor] = {}
+    for repeat in range(args.repeats):
+        for index, (category, prompt) in enumerate(prompts):
+            ids = torch.tensor([prompt])
+            for case in cases:
+                kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": False,
+                          "attention_mask": torch.ones_like(ids), "pad_token_id": tokenizer.pad_token_id}
+                if case != "plain":
+                    kind, size = case.split("/")
+                    heads[kind].set_token_map(maps[int(size)])
+                    kwargs |= {"speculative": config(kind), "return_dict_in_generate": True}
+                start = time.perf_counter()
+                with torch.no_grad():
+                    out = (target.generate(ids, **kwargs) if case == "plain"
+                           else hf_specdec.generate(target, ids, **kwargs))
+                seconds = time.perf_counter() - start
+                sequences = out if case == "plain" else out.sequences
+                new = sequences[0, ids.shape[1]:]
+                row = totals[case]
+                row["seconds"] += seconds
+                row["tokens"] += int(new.numel())
+                if case == "plain":
+                    expected.setdefault(index, new)
+                    row["forwards"] += int(new.numel())
+                    continue
+                row["identical"] &= torch.equal(new, expected[index])
+                stats = out.spec_stats
+                row["forwards"] += int(stats.target_forward_passes)
+                row["accepted"] += int(stats.num_accepted_tokens)
+                row["drafting_steps"] += int(stats.num_drafts)
+            print(f"repeat {repeat} prompt {index} ({category}) done", flush=True)
+    plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    results = []
+    for case in cases:
+        row = totals[case]
+        rate = row["tokens"] / row["seconds"]
+        kind, size = ("plain", 0) if case == "plain" else (case.split("/")[0], int(case.split("/")[1]))
+        token_map = None if size == 0 else maps[size]
+        result = {"case": case, "kind": kind, "token_map_size": size, "tokens_per_second": round(rate, 3),
+                  "speedup_vs_plain": round(rate / plain_rate, 3),
+                  "tokens_per_target_forward": round(row["tokens"] / max(row["forwards"], 1), 3),
+                  "tau": round(1 + row["accepted"] / max(row["drafting_steps"], 1), 3) if kind != "plain" else None,
+                  "answer_coverage": round(coverage(token_map, tokens), 4),
+                  "identical_to_plain": row["identical"]}
+        results.append(result)
+        print(json.dumps(result, sort_keys=True))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
