@@ -1,12 +1,13 @@
-"""What a token map (a draft vocabulary of the target's lm_head rows) buys the committed SmolLM2 heads that project
-with the target's lm_head (EAGLE-1/2, Medusa): speed and acceptance with the whole vocabulary against maps of the
-most frequent tokens of the heads' training answers, on Spec-Bench, in one run, interleaved.
+"""What a token map (drafting over the lm_head's rows at the most frequent tokens only) buys the committed SmolLM2
+drafters whose lm_head is the target's: the EAGLE-1/2 head and the Medusa heads (`set_token_map`) and the draft model
+(`SpeculativeConfig.draft_token_map`). Speed and acceptance with the whole vocabulary against maps of the most
+frequent tokens of the drafters' training answers, on Spec-Bench, in one run, interleaved.
 
-    python benchmarks/token_map.py --kinds eagle medusa --sizes 0 4096 8192 16384 --num-prompts 1 \\
-        --max-new-tokens 128 --repeats 2 --json benchmarks/results/token_map_smollm2_bf16_cpu.json
+    python benchmarks/token_map.py --kinds eagle medusa draft --sizes 0 8192 --num-prompts 1 \\
+        --max-new-tokens 128 --repeats 2 --json benchmarks/results/token_map_smollm2_chain_bf16_cpu.json
 
-Size 0 is the whole vocabulary. Each head's map is built from `--answers` (the target's answers the heads trained on,
-as train.sh caches them; a map of the size the head ships with is used as shipped when that file is absent). Every
+Size 0 is the whole vocabulary. The maps are built from `--answers` (the target's answers the drafters trained on,
+as train.sh caches them). Every
 case runs every prompt once per repeat, cases interleaved prompt by prompt; speedups are ratios of tokens per second
 against plain `generate` over the same prompts and repeats; every output is compared with plain `generate`'s.
 """
@@ -47,9 +48,11 @@ def coverage(token_map: torch.Tensor | None, tokens: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", nargs="+", default=["eagle", "medusa"], choices=["eagle", "medusa"])
+    parser.add_argument("--kinds", nargs="+", default=["eagle", "medusa", "draft"],
+                        choices=["eagle", "medusa", "draft"])
     parser.add_argument("--sizes", nargs="+", type=int, default=[0, 8192], help="0: the whole vocabulary")
-    parser.add_argument("--tree-width", type=int, default=1, help="EAGLE: > 1 drafts an EAGLE-2 dynamic tree")
+    parser.add_argument("--tree-width", type=int, default=1,
+                        help="> 1: EAGLE and the draft model draft an EAGLE-2 dynamic tree, Medusa its fitted tree")
     parser.add_argument("--tree-nodes", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=1, help="Spec-Bench questions per category")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -69,14 +72,19 @@ def main() -> None:
     heads = {kind: drafters.load_drafter("smollm2", kind, target) for kind in args.kinds}
     prompts = spec_bench_prompts(tokenizer, args.num_prompts)
 
-    def config(kind: str) -> SpeculativeConfig:
+    def config(kind: str, size: int) -> SpeculativeConfig:
         tree = {}
-        if kind == "eagle" and args.tree_width > 1:
+        if kind in ("eagle", "draft") and args.tree_width > 1:
             tree = {"tree_width": args.tree_width, "tree_total_tokens": args.tree_nodes}
         if kind == "medusa" and args.tree_width > 1:
             tree = {"tree_paths": heads[kind].tree()}
-        return SpeculativeConfig(method=kind, heads=heads[kind], num_speculative_tokens=args.k,
-                                 schedule=args.schedule, **tree)
+        if kind == "draft":
+            drafter = {"draft_model": heads[kind], "draft_token_map": maps[size]}
+        else:
+            heads[kind].set_token_map(maps[size])
+            drafter = {"heads": heads[kind]}
+        return SpeculativeConfig(method=kind, num_speculative_tokens=args.k, schedule=args.schedule, **drafter,
+                                 **tree)
 
     cases = ["plain"] + [f"{kind}/{size}" for kind in args.kinds for size in args.sizes]
     totals = {case: {"seconds": 0.0, "tokens": 0, "forwards": 0, "accepted": 0, "drafting_steps": 0,
@@ -90,8 +98,7 @@ def main() -> None:
                           "attention_mask": torch.ones_like(ids), "pad_token_id": tokenizer.pad_token_id}
                 if case != "plain":
                     kind, size = case.split("/")
-                    heads[kind].set_token_map(maps[int(size)])
-                    kwargs |= {"speculative": config(kind), "return_dict_in_generate": True}
+                    kwargs |= {"speculative": config(kind, int(size)), "return_dict_in_generate": True}
                 start = time.perf_counter()
                 with torch.no_grad():
                     out = (target.generate(ids, **kwargs) if case == "plain"

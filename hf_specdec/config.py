@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from hf_specdec.heads.token_map import check_token_map
 from hf_specdec.suffix.cache import SuffixCache
 from hf_specdec.suffix.config import SuffixConfig
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
@@ -40,6 +41,13 @@ class SpeculativeConfig:
                   "tokenizer (with `tokenizer`, the target's); drafts are re-tokenised across the two"},
     )
     tokenizer: Any = field(default=None, metadata={"help": "the target's tokenizer, with draft_tokenizer"})
+    draft_token_map: Any = field(
+        default=None,
+        metadata={"help": "a draft model with the target's tokenizer: a 1-D tensor of the token ids it drafts "
+                          "(e.g. hf_specdec.heads.token_map.most_frequent_tokens of text like the target's): its "
+                          "lm_head projects onto those rows only, which is cheaper; None: the whole vocabulary "
+                          "(heads carry their own map: set_token_map)"},
+    )
     heads: Any = field(
         default=None,
         metadata={"help": "draft heads: hf_specdec.heads.MedusaHeads for method='medusa', EagleHead for 'eagle', "
@@ -220,6 +228,7 @@ class SpeculativeConfig:
                 f"SpeculativeConfig.draft_model: method={self.method!r} does not use a draft model; "
                 "drop draft_model or use method='draft'"
             )
+        self._check_draft_token_map()
         if self.method in HEADS_CLASS:
             if not isinstance(self.heads, heads_class(self.method)):
                 raise ValueError(
@@ -307,6 +316,20 @@ class SpeculativeConfig:
 
             self.num_speculative_tokens_per_batch_size = check_batch_size_schedule(
                 self.num_speculative_tokens_per_batch_size, self.num_speculative_tokens)
+
+    def _check_draft_token_map(self) -> None:
+        if self.draft_token_map is None:
+            return
+        if self.draft_model is None or self.method not in ("draft", "auto"):
+            raise ValueError(
+                f"SpeculativeConfig.draft_token_map: the token ids a draft model drafts, for method='draft' (or "
+                f"'auto' with a draft_model); got method={self.method!r} without a draft model. Heads that project "
+                "with the target's lm_head carry their own map (set_token_map)"
+            )
+        if self.draft_tokenizer is not None:
+            raise ValueError("SpeculativeConfig.draft_token_map: needs a draft that shares the target's tokenizer; "
+                             "this draft has its own (draft_tokenizer)")
+        self.draft_token_map = check_token_map(self.draft_token_map, None, "SpeculativeConfig.draft_token_map")
 
     def _check_suffix(self) -> None:
         """The suffix settings: only for method='suffix' (and for 'auto', whose candidates include suffix decoding,

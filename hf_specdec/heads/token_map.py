@@ -37,20 +37,20 @@ def most_frequent_tokens(
 def check_token_map(
     # [D] target ids
     token_map: torch.Tensor,
-    vocab_size: int,
+    vocab_size: int | None,
     where: str,
 ) -> torch.Tensor:
     """The map as a long tensor on the CPU, ascending; ValueError naming `where` unless it is 1-D, non-empty, of
-    distinct integer ids in [0, vocab_size)."""
+    distinct integer ids in [0, vocab_size) (ids >= 0 only, when the vocabulary is not known yet)."""
     if not isinstance(token_map, torch.Tensor) or token_map.dim() != 1 or token_map.numel() == 0:
         raise ValueError(f"{where}: expected a non-empty 1-D tensor of target token ids, got "
                          f"{type(token_map).__name__}{tuple(token_map.shape) if hasattr(token_map, 'shape') else ''}")
     if token_map.dtype.is_floating_point or token_map.dtype.is_complex or token_map.dtype == torch.bool:
         raise ValueError(f"{where}: expected integer token ids, got dtype {token_map.dtype}")
     ids = torch.sort(token_map.long().cpu()).values
-    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
-        raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}) (the target's vocabulary), got "
-                         f"{int(ids[0])} to {int(ids[-1])}")
+    if int(ids[0]) < 0 or (vocab_size is not None and int(ids[-1]) >= vocab_size):
+        bound = "" if vocab_size is None else f", {vocab_size}) (the target's vocabulary"
+        raise ValueError(f"{where}: token ids must lie in [0{bound}), got {int(ids[0])} to {int(ids[-1])}")
     if bool((ids[1:] == ids[:-1]).any()):
         raise ValueError(f"{where}: token ids must be distinct")
     return ids

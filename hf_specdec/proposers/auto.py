@@ -45,8 +45,8 @@ def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
     candidate only), its drafter among `fields`."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    values.update(draft_model=None, heads=None, tree_paths=None, tree_total_tokens=None, schedule="fixed",
-                  disable_by_batch_size=None, num_speculative_tokens_per_batch_size=None)
+    values.update(draft_model=None, draft_token_map=None, heads=None, tree_paths=None, tree_total_tokens=None,
+                  schedule="fixed", disable_by_batch_size=None, num_speculative_tokens_per_batch_size=None)
     if method != "suffix":
         values.update({name: defaults[name] for name in (*SUFFIX_FIELDS, "suffix_cache")})
     values.update(method=method, **fields)
@@ -55,7 +55,8 @@ def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
 
 register_auto_candidate("ngram", lambda config: _as("ngram", config))
 register_auto_candidate("draft", lambda config: None if config.draft_model is None else _as(
-    "draft", config, draft_model=config.draft_model, tree_total_tokens=config.tree_total_tokens))
+    "draft", config, draft_model=config.draft_model, draft_token_map=config.draft_token_map,
+    tree_total_tokens=config.tree_total_tokens))
 register_auto_candidate("medusa", lambda config: None if config.heads_method != "medusa" else _as(
     "medusa", config, heads=config.heads, tree_width=1))
 register_auto_candidate("eagle", lambda config: None if config.heads_method != "eagle" else _as(

@@ -69,7 +69,9 @@ class Proposer(ABC):
         for the life of the process): the method, its drafter and the shape settings."""
         drafter = config.draft_model if config.draft_model is not None else config.heads
         shapes = "static" if static_shapes else "dynamic"
-        token_map = getattr(drafter, "token_map", None)  # heads drafting over part of the vocabulary draft cheaper
+        # drafting over part of the vocabulary is cheaper
+        token_map = config.draft_token_map if config.draft_token_map is not None else getattr(drafter, "token_map",
+                                                                                               None)
         vocabulary = "" if token_map is None else f"/map{token_map.numel()}-{id(token_map)}"
         return (f"{config.method}/{type(self).__name__}/{id(drafter)}/w{config.tree_width}/t{config.tree_total_tokens}"
                 f"/{shapes}{vocabulary}")

@@ -21,13 +21,16 @@ id the target lacks, and ids the draft lacks get draft probability 0.
 
 from __future__ import annotations
 
+import copy
 import functools
+import weakref
 
 import torch
 
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
+from hf_specdec.heads.token_map import token_map_lm_head
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
@@ -76,6 +79,39 @@ def _special_ids(model: torch.nn.Module, name: str) -> set[int]:
     return {int(v) for v in (value if isinstance(value, (list, tuple)) else [value])}
 
 
+# per draft model: (the sliced lm_head, the draft projecting with it), so later calls reuse it (and its compiled forward)
+_MAPPED_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def mapped_draft(
+    draft: torch.nn.Module,
+    # [D] token ids, ascending
+    token_map: torch.Tensor,
+    target_vocab: int,
+) -> torch.nn.Module:
+    """The draft projecting onto its lm_head's rows at `token_map` only (logits -inf elsewhere): a shallow copy that
+    shares every module with `draft` but its output embeddings; the user's draft model is not changed."""
+    lm_head = draft.get_output_embeddings()
+    rows = None if lm_head is None else lm_head.weight.shape[0]
+    if rows is None or int(token_map[-1]) >= min(rows, target_vocab):
+        raise ValueError(
+            f"SpeculativeConfig.draft_token_map: ids up to {int(token_map[-1])}, but the draft's lm_head has "
+            f"{rows} rows and the target's vocabulary {target_vocab} ids; give ids both have"
+        )
+    sliced = token_map_lm_head(lm_head, token_map)
+    kept = _MAPPED_DRAFTS.get(draft)
+    if kept is not None and kept[0] is sliced:
+        return kept[1]
+    view = copy.copy(draft)
+    view._modules = dict(draft._modules)  # its own module table: every module but the lm_head stays shared
+    view.set_output_embeddings(sliced)
+    if view.get_output_embeddings() is not sliced or draft.get_output_embeddings() is not lm_head:
+        raise ValueError(f"SpeculativeConfig.draft_token_map: {type(draft).__name__} keeps its lm_head where a "
+                         "token map cannot replace it; leave draft_token_map None for this draft")
+    _MAPPED_DRAFTS[draft] = (sliced, view)
+    return view
+
+
 class DraftModelProposer(Proposer):
     """Drafts with a causal LM on its own ragged KV cache. Subclasses drafting with another model (EAGLE heads)
     override `_drafter` and give each forward extra inputs through `_feed_inputs` / `_draft_inputs`.
@@ -102,7 +138,9 @@ class DraftModelProposer(Proposer):
 
     def _drafter(self, config: SpeculativeConfig, target: torch.nn.Module) -> torch.nn.Module:
         check_draft_compatible(target, config.draft_model)
-        return config.draft_model
+        if config.draft_token_map is None:
+            return config.draft_model
+        return mapped_draft(config.draft_model, config.draft_token_map, vocab_size(target))
 
     # how the drafter is named in errors
     role = "the draft model"

@@ -174,6 +174,8 @@ def _every_proposer(target: torch.nn.Module, arch: str) -> dict[str, Speculative
         mapped = eagle_head(target, seed=1)  # drafting over half the vocabulary (a token map)
         mapped.set_token_map(torch.arange(0, VOCAB, 2))
         configs["eagle_token_map"] = SpeculativeConfig(method="eagle", heads=mapped, num_speculative_tokens=3)
+    configs["draft_token_map"] = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
+                                                   draft_token_map=torch.arange(1, VOCAB, 2), num_speculative_tokens=3)
     return configs
 
 

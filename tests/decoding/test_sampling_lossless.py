@@ -199,6 +199,9 @@ PROPOSERS = {
                                                num_speculative_tokens=2, seed=15),
     "eagle_dynamic_tree": lambda target: SpeculativeConfig(method="eagle", heads=_eagle_head(target, "eagle"),
                                                            top_k=3, depth=2, total_tokens=4, seed=14),
+    "noisy_draft_token_map": lambda target: SpeculativeConfig(
+        method="draft", draft_model=_noisy_draft(target), draft_token_map=torch.tensor([0, 2, 3, 5, 6]),
+        num_speculative_tokens=3, seed=25),
     "eagle_token_map": lambda target: SpeculativeConfig(
         method="eagle", heads=_with_token_map(_eagle_head(target, "eagle")), num_speculative_tokens=2, seed=22),
     "eagle_token_map_dynamic_tree": lambda target: SpeculativeConfig(

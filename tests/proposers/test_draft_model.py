@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import itertools
 
+import pytest
 import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.ragged import RaggedKVCache
-from tests.conftest import make_model
+from hf_specdec.proposers.draft_model import DraftModelProposer
+from tests.conftest import VOCAB, make_draft, make_model, padded_batch
 
 
 def test_dynamic_tree_nodes_see_exactly_their_ancestors(monkeypatch):
@@ -45,3 +47,67 @@ def test_dynamic_tree_nodes_see_exactly_their_ancestors(monkeypatch):
                 candidates = target(torch.cat([prefix.expand(len(paths), -1), torch.tensor(paths)], dim=1)).logits[:, -1]
             distance = (candidates - node_logits).abs().amax(dim=-1).min()
             assert distance < 1e-4, f"depth {depth} token {token}: no root-to-node path gives its logits ({distance})"
+
+
+def _noisy_copy(target: torch.nn.Module, scale: float = 0.5) -> torch.nn.Module:
+    """The target with noise on its lm_head: drafts often accepted, sometimes rejected."""
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        lm_head = draft.get_output_embeddings()
+        noise = torch.randn(lm_head.weight.shape, generator=torch.Generator().manual_seed(3))
+        lm_head.weight = torch.nn.Parameter(lm_head.weight + scale * float(lm_head.weight.std()) * noise)
+    return draft
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "gemma2"])
+@pytest.mark.parametrize("shape", [dict(num_speculative_tokens=3), dict(top_k=2, depth=3, total_tokens=5)])
+def test_draft_token_map_matches_plain_generate_and_drafts_only_mapped_ids(arch, shape, monkeypatch):
+    """A draft model with a token map (half the vocabulary, scattered) drafts those ids only, through a copy of
+    it: the user's draft keeps its own lm_head, and output is plain generate's."""
+    target = make_model(arch)
+    ids, mask = padded_batch([11, 5, 9], seed=4, repeat_period=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    draft = _noisy_copy(target)
+    lm_head = draft.get_output_embeddings()
+    token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[: VOCAB // 2]
+    token_map = torch.unique(torch.cat([token_map, expected.flatten()[::3]]))  # some of the answer's tokens too
+    proposals = []
+    propose = DraftModelProposer.propose
+
+    def recording(self, state):
+        proposal = propose(self, state)
+        proposals.append(proposal.tree.token_ids[:, 1:][proposal.tree.valid[:, 1:]])
+        return proposal
+
+    monkeypatch.setattr(DraftModelProposer, "propose", recording)
+    config = SpeculativeConfig(method="draft", draft_model=draft, draft_token_map=token_map, schedule="fixed",
+                               **shape)
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.num_accepted_tokens > 0
+    assert bool(torch.isin(torch.cat(proposals), token_map).all())
+    assert draft.get_output_embeddings() is lm_head
+
+
+def test_auto_passes_the_token_map_to_its_draft_candidate_only():
+    target = make_model("llama")
+    ids, mask = padded_batch([11, 5, 9], seed=4, repeat_period=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    config = SpeculativeConfig(method="auto", draft_model=_noisy_copy(target), draft_token_map=torch.arange(64))
+    assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), expected)
+
+
+def test_bad_draft_token_maps_are_refused_before_any_forward():
+    target = make_model("llama")
+    draft = make_draft()
+    with pytest.raises(ValueError, match="SpeculativeConfig.draft_token_map: the token ids a draft model drafts"):
+        SpeculativeConfig(method="ngram", draft_token_map=torch.arange(8))
+    with pytest.raises(ValueError, match="SpeculativeConfig.draft_token_map: expected integer token ids"):
+        SpeculativeConfig(method="draft", draft_model=draft, draft_token_map=torch.rand(8))
+    with pytest.raises(ValueError, match="SpeculativeConfig.draft_token_map: token ids must be distinct"):
+        SpeculativeConfig(method="draft", draft_model=draft, draft_token_map=torch.tensor([3, 3]))
+    config = SpeculativeConfig(method="draft", draft_model=draft, draft_token_map=torch.tensor([3, VOCAB]))
+    with pytest.raises(ValueError, match=rf"ids up to {VOCAB}, but the draft's lm_head has {VOCAB} rows"):
+        hf_specdec.generate(target, torch.tensor([[5, 6, 7]]), speculative=config, max_new_tokens=4)
