@@ -8,7 +8,7 @@ question of each category. One warm-up pass, then one timed pass with wall-clock
 drafts k tokens.
 
 Run: python benchmarks/head_step_profile.py [--model testbed|smollm2] [--method eagle|eagle3|medusa] [-k 5]
-    [--top-k 1] [--prompts 4]
+    [--top-k 1] [--prompts 4] [--whole-vocabulary]
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="completion prompts, or with --model smollm2 Spec-Bench questions (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--whole-vocabulary", action="store_true",
+                        help="EAGLE-1/2 and Medusa: draft over the whole vocabulary, not the heads' token map")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.model == "smollm2":
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         kind = MedusaHeads if args.method == "medusa" else EagleHead
         heads = kind.from_pretrained(heads_dir(args.method)).eval()
         prompts = [tokenizer(p, return_tensors="pt").input_ids for p in load_workload("completion")[: args.prompts]]
+    if args.whole_vocabulary and args.method != "eagle3":
+        heads.set_token_map(None)
     if args.method == "medusa":
         config = SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=args.k, schedule="fixed")
     else:
