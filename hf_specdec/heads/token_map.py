@@ -86,8 +86,10 @@ class TokenMapLMHead(nn.Module):
         return full.index_copy_(-1, self.ids, logits)
 
 
-# per lm_head: (its weight's version, the map, the sliced head), so later calls reuse the slice
+# per lm_head, per map (by identity; the map is kept, so its id stays its own): (the weight's and map's versions, the
+# map, the sliced head), so later calls reuse the slice; at most `SLICES_PER_LM_HEAD` maps per lm_head
 _SLICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+SLICES_PER_LM_HEAD = 4
 
 
 def token_map_lm_head(
@@ -98,11 +100,15 @@ def token_map_lm_head(
     """The lm_head's rows at `token_map`, sliced once per lm_head and map (again after either changes)."""
     weight = lm_head.weight
     version = (weight._version, weight.data_ptr(), weight.dtype, weight.device, token_map._version)
-    kept = _SLICES.get(lm_head)
-    if kept is not None and kept[0] == version and kept[1] is token_map:
+    slices = _SLICES.setdefault(lm_head, {})
+    kept = slices.get(id(token_map))
+    if kept is not None and kept[0] == version:
         return kept[2]
     sliced = TokenMapLMHead(lm_head, token_map, weight.shape[0])
-    _SLICES[lm_head] = (version, token_map, sliced)
+    slices.pop(id(token_map), None)
+    while len(slices) >= SLICES_PER_LM_HEAD:
+        del slices[next(iter(slices))]  # the oldest
+    slices[id(token_map)] = (version, token_map, sliced)
     return sliced
 
 
@@ -149,8 +155,8 @@ class TokenMapMixin:
         """The projection drafts use: the target's lm_head at the token map, or all of it without one."""
         if self.token_map is None:
             return target_lm_head
-        vocab = target_lm_head.weight.shape[0]
-        if int(self.token_map.max()) >= vocab:
-            raise ValueError(f"{type(self).__name__}: its token map holds ids up to {int(self.token_map.max())}, past "
-                             f"the target's vocabulary ({vocab}); these heads were made for another model")
+        vocab, last = target_lm_head.weight.shape[0], int(self.token_map[-1])  # ascending: the largest id
+        if last >= vocab:
+            raise ValueError(f"{type(self).__name__}: its token map holds ids up to {last}, past the target's "
+                             f"vocabulary ({vocab}); these heads were made for another model")
         return token_map_lm_head(target_lm_head, self.token_map)

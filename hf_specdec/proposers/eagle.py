@@ -35,8 +35,9 @@ from hf_specdec.step import DecodeState, VerificationResult
 
 
 class EagleDrafter(nn.Module):
-    """An EAGLE head with the target's embeddings and lm_head, called like a causal LM so a `RaggedKVCache` can
-    drive it; `features` (and whether they are the target's) come as extra model inputs."""
+    """An EAGLE head with the target's embeddings and lm_head (its rows at the head's token map, when it has one),
+    called like a causal LM so a `RaggedKVCache` can drive it; `features` (and whether they are the target's) come as
+    extra model inputs."""
 
     def __init__(self, head: EagleHead, target: nn.Module) -> None:
         super().__init__()
@@ -99,10 +100,11 @@ class EagleProposer(DraftModelProposer):
         config.heads.check_target(target)
         # one drafter per (head, target), so a compiled forward of it is reused by later calls
         per_target = _DRAFTERS.setdefault(config.heads, weakref.WeakKeyDictionary())
-        if target not in per_target:
-            per_target[target] = EagleDrafter(config.heads, target)
-        drafter = per_target[target]
-        drafter.lm_head = config.heads.draft_lm_head(target.get_output_embeddings())  # the head's map as it is now
+        drafter = per_target.get(target)
+        if drafter is None:
+            drafter = per_target[target] = EagleDrafter(config.heads, target)
+        else:  # the head's token map as it is now
+            drafter.lm_head = config.heads.draft_lm_head(target.get_output_embeddings())
         return drafter
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:

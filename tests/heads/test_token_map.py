@@ -74,7 +74,13 @@ def test_the_slice_is_reused_and_rebuilt_when_the_weight_or_map_changes():
         lm_head.weight.mul_(2.0)
     second = token_map_lm_head(lm_head, ids)
     assert second is not first and torch.equal(second.weight, lm_head.weight[ids])
-    assert token_map_lm_head(lm_head, ids.clone()) is not second
+    other = ids[:10].clone()  # two maps on one lm_head (two heads of one target) are kept side by side
+    third = token_map_lm_head(lm_head, other)
+    assert third is not second and token_map_lm_head(lm_head, ids) is second
+    assert token_map_lm_head(lm_head, other) is third
+    with torch.no_grad():
+        ids[0] = 1 if int(ids[0]) != 1 else 0  # a map changed in place is sliced again
+    assert token_map_lm_head(lm_head, ids) is not second
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
