@@ -154,6 +154,15 @@ def test_token_maps_round_trip_through_adapter_folders(tmp_path):
         assert loaded.token_map is None and loaded.config.token_map_size is None
 
 
+def test_model_cards_name_the_token_map():
+    target = make_model("llama")
+    eagle, medusa = EagleHead(EagleConfig.for_target(target, "eagle")), shared_medusa(target)
+    for head in (eagle, medusa):
+        assert "token map" not in str(head.model_card("org/heads"))
+        head.set_token_map(HALF)
+        assert f"{len(HALF)} token ids: a token map" in str(head.model_card("org/heads"))
+
+
 def test_speculators_export_drafts_over_the_whole_vocabulary(tmp_path):
     target = make_model("llama")
     head = EagleHead(EagleConfig.for_target(target, "eagle", base_model_name_or_path="org/target"))

@@ -230,6 +230,8 @@ class EagleHead(AdapterMixin, TokenMapMixin, nn.Module):
             title = "EAGLE-1/2"
             reads = "the target's final hidden state"
             vocabulary = "the target's lm_head and vocabulary"
+            if config.token_map_size is not None:
+                vocabulary += f" (drafting over its rows at {config.token_map_size} token ids: a token map)"
         else:
             title = "EAGLE-3"
             layers = (list(config.feature_layers) if config.feature_layers

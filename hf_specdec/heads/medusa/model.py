@@ -4,8 +4,10 @@ positions after that state (the target's own lm_head gives the next one).
 Each head is `num_layers` residual blocks, x + SiLU(W x + b), each with its own weights (the original code's
 `[ResBlock] * n` shares them by accident), then a vocabulary projection: its own (Medusa v0.1/1.0), or, with
 `shared_lm_head`, the target's lm_head (the "version 2" layout: the heads hold only their residual blocks). Block
-weights start at zero, so an untrained head is the identity followed by the projection. Stored as our adapter folder
-(method "medusa"); FasterDecoding and vLLM checkpoints are converted on load (`convert.py`).
+weights start at zero, so an untrained head is the identity followed by the projection. Heads on the target's
+lm_head may carry a token map (`hf_specdec.heads.token_map`): proposals then project onto its rows at those ids only.
+Stored as our adapter folder (method "medusa"); FasterDecoding and vLLM checkpoints are converted on load
+(`convert.py`).
 """
 
 from __future__ import annotations
@@ -107,7 +109,9 @@ class MedusaHeads(AdapterMixin, TokenMapMixin, nn.Module):
 
     def card_fields(self) -> dict:
         config = self.config
-        projection = ("the target's own lm_head" if config.shared_lm_head
+        shared = "the target's own lm_head" + ("" if config.token_map_size is None else
+                                               f" (its rows at {config.token_map_size} token ids: a token map)")
+        projection = (shared if config.shared_lm_head
                       else f"its own lm_head over {config.vocab_size} tokens")
         return dict(num_heads=config.num_heads, num_layers=config.num_layers, hidden_size=config.hidden_size,
                     projection=projection)
