@@ -13,6 +13,7 @@ A head stores its map as a `token_map` buffer [D] (target ids, ascending) with `
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -89,6 +90,7 @@ class TokenMapLMHead(nn.Module):
 # per lm_head, per map (by identity; the map is kept, so its id stays its own): (the weight's and map's versions, the
 # map, the sliced head), so later calls reuse the slice; at most `SLICES_PER_LM_HEAD` maps per lm_head
 _SLICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SLICES_LOCK = threading.Lock()  # generate calls in threads share the slices
 SLICES_PER_LM_HEAD = 4
 
 
@@ -100,16 +102,17 @@ def token_map_lm_head(
     """The lm_head's rows at `token_map`, sliced once per lm_head and map (again after either changes)."""
     weight = lm_head.weight
     version = (weight._version, weight.data_ptr(), weight.dtype, weight.device, token_map._version)
-    slices = _SLICES.setdefault(lm_head, {})
-    kept = slices.get(id(token_map))
-    if kept is not None and kept[0] == version:
-        return kept[2]
-    sliced = TokenMapLMHead(lm_head, token_map, weight.shape[0])
-    slices.pop(id(token_map), None)
-    while len(slices) >= SLICES_PER_LM_HEAD:
-        del slices[next(iter(slices))]  # the oldest
-    slices[id(token_map)] = (version, token_map, sliced)
-    return sliced
+    with _SLICES_LOCK:
+        slices = _SLICES.setdefault(lm_head, {})
+        kept = slices.get(id(token_map))
+        if kept is not None and kept[0] == version:
+            return kept[2]
+        sliced = TokenMapLMHead(lm_head, token_map, weight.shape[0])
+        slices.pop(id(token_map), None)
+        while len(slices) >= SLICES_PER_LM_HEAD:
+            del slices[next(iter(slices))]  # the oldest
+        slices[id(token_map)] = (version, token_map, sliced)
+        return sliced
 
 
 class TokenMapMixin:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 import weakref
 
 import torch
@@ -81,6 +82,7 @@ def _special_ids(model: torch.nn.Module, name: str) -> set[int]:
 
 # per draft model: (the sliced lm_head, the draft projecting with it), so later calls reuse it (and its compiled forward)
 _MAPPED_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAPPED_DRAFTS_LOCK = threading.Lock()
 
 
 def mapped_draft(
@@ -99,17 +101,18 @@ def mapped_draft(
             f"{rows} rows and the target's vocabulary {target_vocab} ids; give ids both have"
         )
     sliced = token_map_lm_head(lm_head, token_map)
-    kept = _MAPPED_DRAFTS.get(draft)
-    if kept is not None and kept[0] is sliced:
-        return kept[1]
-    view = copy.copy(draft)
-    view._modules = dict(draft._modules)  # its own module table: every module but the lm_head stays shared
-    view.set_output_embeddings(sliced)
-    if view.get_output_embeddings() is not sliced or draft.get_output_embeddings() is not lm_head:
-        raise ValueError(f"SpeculativeConfig.draft_token_map: {type(draft).__name__} keeps its lm_head where a "
-                         "token map cannot replace it; leave draft_token_map None for this draft")
-    _MAPPED_DRAFTS[draft] = (sliced, view)
-    return view
+    with _MAPPED_DRAFTS_LOCK:
+        kept = _MAPPED_DRAFTS.get(draft)
+        if kept is not None and kept[0] is sliced:
+            return kept[1]
+        view = copy.copy(draft)
+        view._modules = dict(draft._modules)  # its own module table: every module but the lm_head stays shared
+        view.set_output_embeddings(sliced)
+        if view.get_output_embeddings() is not sliced or draft.get_output_embeddings() is not lm_head:
+            raise ValueError(f"SpeculativeConfig.draft_token_map: {type(draft).__name__} keeps its lm_head where a "
+                             "token map cannot replace it; leave draft_token_map None for this draft")
+        _MAPPED_DRAFTS[draft] = (sliced, view)
+        return view
 
 
 class DraftModelProposer(Proposer):

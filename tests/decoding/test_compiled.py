@@ -19,6 +19,7 @@ from hf_specdec.schedule.decision import width_ladder
 from tests.conftest import ARCHITECTURES, VOCAB, make_draft, make_model, padded_batch
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
+from tests.heads.test_token_map import shared_medusa
 from tests.proposers.test_eagle import eagle_head
 from tests.proposers.test_mlp_speculator import random_speculator
 
@@ -174,6 +175,9 @@ def _every_proposer(target: torch.nn.Module, arch: str) -> dict[str, Speculative
         mapped = eagle_head(target, seed=1)  # drafting over half the vocabulary (a token map)
         mapped.set_token_map(torch.arange(0, VOCAB, 2))
         configs["eagle_token_map"] = SpeculativeConfig(method="eagle", heads=mapped, num_speculative_tokens=3)
+        shared = shared_medusa(target)
+        shared.set_token_map(torch.arange(0, VOCAB, 3))
+        configs["medusa_token_map"] = SpeculativeConfig(method="medusa", heads=shared, tree_paths=[(0,), (1,), (0, 0)])
     configs["draft_token_map"] = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
                                                    draft_token_map=torch.arange(1, VOCAB, 2), num_speculative_tokens=3)
     return configs
