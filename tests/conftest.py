@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -63,6 +65,38 @@ def make_model(arch: str, seed: int = 0) -> torch.nn.Module:
     model.generation_config.eos_token_id = EOS
     model.generation_config.bos_token_id = BOS
     return model
+
+
+def record_proposed_tokens(monkeypatch, proposer_class: type) -> list[torch.Tensor]:
+    """Patch `proposer_class.propose` to keep each proposal's drafted tokens (its tree's valid nodes after the root);
+    the returned list fills as generate runs."""
+    proposals: list[torch.Tensor] = []
+    propose = proposer_class.propose
+
+    def recording(self, state):
+        proposal = propose(self, state)
+        proposals.append(proposal.tree.token_ids[:, 1:][proposal.tree.valid[:, 1:]])
+        return proposal
+
+    monkeypatch.setattr(proposer_class, "propose", recording)
+    return proposals
+
+
+def record_eagle_guesses(monkeypatch) -> list[torch.Tensor]:
+    """Patch `EagleDrafter.forward` to keep the argmax of every logits row it returns (its top guesses)."""
+    from hf_specdec.proposers.eagle import EagleDrafter
+
+    guesses: list[torch.Tensor] = []
+    original = EagleDrafter.forward
+
+    @functools.wraps(original)  # the cache keyword is read from the forward's signature
+    def recording(self, input_ids, *args, **kwargs):
+        out = original(self, input_ids, *args, **kwargs)
+        guesses.append(out.logits.argmax(dim=-1).flatten())
+        return out
+
+    monkeypatch.setattr(EagleDrafter, "forward", recording)
+    return guesses
 
 
 def make_draft(seed: int = 1, vocab: int = VOCAB) -> torch.nn.Module:

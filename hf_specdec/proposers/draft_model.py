@@ -80,7 +80,8 @@ def _special_ids(model: torch.nn.Module, name: str) -> set[int]:
     return {int(v) for v in (value if isinstance(value, (list, tuple)) else [value])}
 
 
-# per draft model: (the sliced lm_head, the draft projecting with it), so later calls reuse it (and its compiled forward)
+# per draft model: (the sliced lm_head, the draft projecting with it), so later calls reuse it and its compiled
+# forward
 _MAPPED_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAPPED_DRAFTS_LOCK = threading.Lock()
 

@@ -4,8 +4,6 @@ checked, sliced, saved and refused as documented."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -14,9 +12,8 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
 from hf_specdec.heads.eagle import export_speculators
 from hf_specdec.heads.token_map import TokenMapLMHead, check_token_map, most_frequent_tokens, token_map_lm_head
-from hf_specdec.proposers.eagle import EagleDrafter
 from hf_specdec.proposers.medusa import MedusaProposer
-from tests.conftest import VOCAB, make_model, padded_batch
+from tests.conftest import VOCAB, make_model, padded_batch, record_eagle_guesses, record_proposed_tokens
 from tests.proposers.test_eagle import trained_head
 
 # half the vocabulary, scattered, so the target often wants a token the heads cannot draft
@@ -91,20 +88,10 @@ def test_eagle_with_a_token_map_matches_plain_generate_and_drafts_only_mapped_id
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
     expected = target.generate(ids, **kwargs)
     head = trained_head(target, "eagle", expected)
-    drafted: list[torch.Tensor] = []
-    original = EagleDrafter.forward
-
-    @functools.wraps(original)  # the cache keyword is read from the forward's signature
-    def recording(self, input_ids, *args, **kwargs):
-        out = original(self, input_ids, *args, **kwargs)
-        drafted.append(out.logits.argmax(dim=-1).flatten())
-        return out
-
     for token_map in (most_frequent_tokens(expected, VOCAB, 48), HALF):
         head.set_token_map(token_map)
-        drafted.clear()
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(EagleDrafter, "forward", recording)
+            drafted = record_eagle_guesses(patch)
             out = hf_specdec.generate(target, ids, speculative=SpeculativeConfig(method="eagle", heads=head, **shape),
                                       return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, expected)
@@ -122,15 +109,7 @@ def test_medusa_with_a_token_map_matches_plain_generate_and_drafts_only_mapped_i
     expected = target.generate(ids, **kwargs)
     heads = shared_medusa(target)
     heads.set_token_map(HALF)
-    proposals = []
-    propose = MedusaProposer.propose
-
-    def recording(self, state):
-        proposal = propose(self, state)
-        proposals.append(proposal.tree.token_ids[:, 1:][proposal.tree.valid[:, 1:]])
-        return proposal
-
-    monkeypatch.setattr(MedusaProposer, "propose", recording)
+    proposals = record_proposed_tokens(monkeypatch, MedusaProposer)
     config = SpeculativeConfig(method="medusa", heads=heads, num_speculative_tokens=3, tree_paths=tree,
                                schedule="fixed")
     out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)

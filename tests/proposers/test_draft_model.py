@@ -12,7 +12,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.proposers.draft_model import DraftModelProposer
-from tests.conftest import VOCAB, make_draft, make_model, padded_batch
+from tests.conftest import VOCAB, make_draft, make_model, padded_batch, record_proposed_tokens
 
 
 def test_dynamic_tree_nodes_see_exactly_their_ancestors(monkeypatch):
@@ -72,15 +72,7 @@ def test_draft_token_map_matches_plain_generate_and_drafts_only_mapped_ids(arch,
     lm_head = draft.get_output_embeddings()
     token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[: VOCAB // 2]
     token_map = torch.unique(torch.cat([token_map, expected.flatten()[::3]]))  # some of the answer's tokens too
-    proposals = []
-    propose = DraftModelProposer.propose
-
-    def recording(self, state):
-        proposal = propose(self, state)
-        proposals.append(proposal.tree.token_ids[:, 1:][proposal.tree.valid[:, 1:]])
-        return proposal
-
-    monkeypatch.setattr(DraftModelProposer, "propose", recording)
+    proposals = record_proposed_tokens(monkeypatch, DraftModelProposer)
     config = SpeculativeConfig(method="draft", draft_model=draft, draft_token_map=token_map, schedule="fixed",
                                **shape)
     out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)

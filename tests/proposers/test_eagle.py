@@ -16,7 +16,7 @@ from hf_specdec.heads import EagleConfig, EagleHead
 from hf_specdec.heads.eagle import export_speculators
 from hf_specdec.proposers.eagle import EagleDrafter, EagleProposer
 from hf_specdec.schedule import controller
-from tests.conftest import make_model, padded_batch
+from tests.conftest import make_model, padded_batch, record_eagle_guesses
 
 SHAPES = {
     "chain": dict(num_speculative_tokens=3),
@@ -98,19 +98,10 @@ def test_eagle3_draft_vocabulary_maps_to_target_ids():
         head.d2t.copy_(target_ids - torch.arange(40))
         head.t2d.zero_()
         head.t2d[target_ids] = True
-    drafted: list[torch.Tensor] = []
-    original = EagleDrafter.forward
-
-    @functools.wraps(original)  # the cache keyword is read from the forward's signature
-    def recording(self, input_ids, *args, **kwargs):
-        out = original(self, input_ids, *args, **kwargs)
-        drafted.append(out.logits.argmax(dim=-1).flatten())
-        return out
-
     ids, mask = padded_batch([9, 6], seed=1)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(EagleDrafter, "forward", recording)
+        drafted = record_eagle_guesses(patch)
         out = _generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=head, **SHAPES["dynamic"]))
     assert torch.equal(out.sequences, expected)
     assert bool(head.t2d[torch.cat(drafted)].all())
