@@ -61,7 +61,8 @@ def check_token_map(
 
 class TokenMapLMHead(nn.Module):
     """The rows of an lm_head at a token map: logits [..., V] (float) over the whole vocabulary, -inf outside the
-    map, computed with a [D, H] projection."""
+    map, computed with a [D, H] projection; or, `compact`, the [..., D] logits of the map's ids (as training
+    learns over them, the labels renumbered by `map_index`)."""
 
     def __init__(
         self,
@@ -69,11 +70,12 @@ class TokenMapLMHead(nn.Module):
         # [D] target ids
         token_map: torch.Tensor,
         vocab_size: int,
+        compact: bool = False,
     ) -> None:
         super().__init__()
         weight = lm_head.weight
         ids = token_map.to(weight.device)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.compact = vocab_size, compact
         self.register_buffer("ids", ids)
         self.register_buffer("weight", weight.detach().index_select(0, ids))
         bias = getattr(lm_head, "bias", None)
@@ -85,8 +87,20 @@ class TokenMapLMHead(nn.Module):
         hidden: torch.Tensor,
     ) -> torch.Tensor:
         logits = nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias).float()  # [..., D]
+        if self.compact:
+            return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, logits)
+
+
+def map_index(
+    # [D] target ids
+    token_map: torch.Tensor,
+    vocab_size: int,
+) -> torch.Tensor:
+    """[V] long: each target id's index in the map, -1 outside it."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=token_map.device)
+    return index.index_copy_(0, token_map, torch.arange(len(token_map), device=token_map.device))
 
 
 # per lm_head, per map (by identity; the map is kept, so its id stays its own): (the weight's and map's versions, the
@@ -119,8 +133,8 @@ def token_map_lm_head(
 
 class TokenMapMixin:
     """For a head that projects with the target's lm_head: an optional draft vocabulary (`token_map` buffer [D],
-    `config.token_map_size`). The head's own forward takes whichever lm_head it is given (training passes the
-    target's whole one); proposers draft with `draft_lm_head`."""
+    `config.token_map_size`). The head's own forward takes whichever lm_head it is given (training passes the map's
+    rows of the target's, `compact`); proposers draft with `draft_lm_head`."""
 
     config: object
 

@@ -4,7 +4,9 @@ objective of the shared training loop (`skeleton.py`: target-written rows, cache
 * `version="eagle"`: index i of a row feeds `cat(embed(x_{i+1}), f_i + noise)` (f = the target's final normed
   hidden state, noise uniform of width `noise` in training), and the head's output there regresses f_{i+1} (smooth
   L1) and, through the target's lm_head, matches the target's next-token distribution at i + 1 (soft
-  cross-entropy, weight `ce_weight`), as EAGLE-1's recipe.
+  cross-entropy, weight `ce_weight`), as EAGLE-1's recipe. A head with a token map (`token_map_size`) drafts over
+  the map's ids only, and so learns over them: the cross-entropy is against the target's distribution restricted to
+  the map, on positions whose target argmax lies in it (the lm_head's map rows only, a sixth of SmolLM2's at 8192).
 * `version="eagle3"`: the training-time test unrolls `ttt_steps` steps. Step 0 reads the fused target features f_i
   with token x_{i+1}; step s reads the head's own step s - 1 output at index i with token x_{i+1+s} (the drafting
   chain the head runs at inference) at position i + 1 + s. Attention at step s sees the step-0 keys causally and,
@@ -146,14 +148,28 @@ class EagleObjective(Objective):
         count = keep.sum().clamp(min=1)
         regression = nn.functional.smooth_l1_loss(hidden.float(), features[:, 1:][keep].float(), reduction="none")
         regression = regression.mean(-1).sum() / count
-        logits = self.head.logits(hidden, lm_head)  # [N, V]
+        top, target_hidden = batch.argmax[:, 1:][keep], batch.hidden[:, 1:][keep]  # [N], [N, H]
+        vocab = self._draft_vocabulary(lm_head)  # [V] bool, or None: the whole vocabulary
+        if vocab is not None:  # the head drafts over its token map: its loss is over the map, as it drafts
+            draftable = vocab[top]  # [N]: the target's top token can be drafted
+            hidden, top, target_hidden = hidden[draftable], top[draftable], target_hidden[draftable]
+        logits = target_logits(hidden, lm_head, vocab)  # [M, D]: D = V without a map, M = N then
         with torch.no_grad():
-            target_probs = torch.softmax(target_logits(batch.hidden[:, 1:][keep], lm_head), dim=-1)
-        ce = soft_cross_entropy(logits, target_probs).sum() / count
-        accuracy = (logits.argmax(-1) == batch.argmax[:, 1:][keep]).float().sum() / count
+            target_probs = torch.softmax(target_logits(target_hidden, lm_head, vocab), dim=-1)  # [M, D]
+        ce = soft_cross_entropy(logits, target_probs).sum() / max(len(top), 1)
+        guess = logits.argmax(-1) if vocab is None else self.head.token_map[logits.argmax(-1)]  # [M] target ids
+        accuracy = (guess == top).float().sum() / count  # a target token outside the map counts as missed
         loss = regression + self.ce_weight * ce
         return loss, {"regression": float(regression.detach()), "ce": float(ce.detach()),
                       "accuracy": float(accuracy)}
+
+    def _draft_vocabulary(self, lm_head: nn.Module) -> torch.Tensor | None:
+        """[V] bool: the ids of the head's token map, or None without one."""
+        token_map = self.head.token_map
+        if token_map is None:
+            return None
+        vocab = torch.zeros(lm_head.weight.shape[0], dtype=torch.bool, device=token_map.device)
+        return vocab.index_fill_(0, token_map, True)
 
     def _eagle3_loss(self, batch: TargetBatch, embeds: torch.Tensor, lm_head: nn.Linear):
         head, size, length = self.head, embeds.shape[0], embeds.shape[1]

@@ -7,8 +7,10 @@ text). Stage 1: loss = sum_i decay^i * CE_i. Stage 2: loss = loss_0 + heads_coef
 is the LoRA model's next-token cross-entropy, or with `self_distillation` its KL divergence from the same model with
 the adapters disabled (the original target); the heads learn at learning_rate * medusa_lr_multiplier. Each head's
 own projection starts as a copy of the target's lm_head and its residual blocks at zero, so training starts from
-"the target's own next-token guess". Only predictions of trained tokens count. At the end a static tree is fitted to
-the heads' rank accuracies measured on training rows and saved in their config.
+"the target's own next-token guess". Only predictions of trained tokens count. Heads with a token map (shared
+lm_head) draft over the map's ids only and learn so: the cross-entropy is over the lm_head's rows at the map, on
+labels inside it. At the end a static tree is fitted to the heads' rank accuracies (as they draft: over the map)
+measured on training rows and saved in their config.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from hf_specdec.heads.medusa import LORA_FOLDER, MedusaConfig, MedusaHeads, fit_tree
-from hf_specdec.heads.token_map import most_frequent_tokens
+from hf_specdec.heads.token_map import TokenMapLMHead, map_index, most_frequent_tokens
 from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.skeleton import Objective, train
@@ -166,6 +168,13 @@ class MedusaObjective(Objective):
     def forward(self, batch: TargetBatch, target: nn.Module) -> tuple[torch.Tensor, dict]:
         lm_head = target.get_output_embeddings()
         keep, labels, trained = medusa_labels(batch, self.heads.config.num_heads)
+        token_map = self.heads.token_map  # [D] or None
+        if token_map is not None:  # the heads draft over the map's ids only, and learn over them
+            vocab_size = lm_head.weight.shape[0]
+            lm_head = TokenMapLMHead(lm_head, token_map, vocab_size, compact=True)
+            labels = map_index(token_map, vocab_size)[labels]  # [N, K]: indices in the map, -1 outside it
+            trained = trained & (labels >= 0)
+            labels = labels.clamp(min=0)
         if self.model is None:
             hidden = batch.features[keep].to(self.heads.dtype)  # [N, H]
             loss, per_head = medusa_loss(self.heads(hidden, lm_head), labels, trained, self.config.decay)
@@ -213,8 +222,8 @@ class MedusaObjective(Objective):
             else:
                 hidden = model(batch.input_ids, output_hidden_states=True).hidden_states[-1]
             keep, labels, trained = medusa_labels(batch, self.heads.config.num_heads)
-            total = total + rank_accuracy(self.heads(hidden[keep].to(self.heads.dtype), lm_head), labels, trained,
-                                          TREE_MAX_RANK)
+            logits = self.heads(hidden[keep].to(self.heads.dtype), self.heads.draft_lm_head(lm_head))  # as drafted
+            total = total + rank_accuracy(logits, labels, trained, TREE_MAX_RANK)
         return total / TREE_FIT_BATCHES
 
 

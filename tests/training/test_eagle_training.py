@@ -115,6 +115,45 @@ def test_eagle_loss_is_the_heads_soft_cross_entropy_and_regression_on_trained_to
     assert metrics["regression"] == pytest.approx(float(torch.stack(regression).mean()), rel=1e-5)
 
 
+def test_eagle_loss_with_a_token_map_is_over_the_map_where_the_target_top_token_is_in_it(base):
+    """With a token map the head drafts over the map's ids only, and learns so: the soft cross-entropy is against the
+    target's distribution restricted to the map, at positions whose target top token is in it; accuracy counts the
+    other positions as missed; the regression still covers every trained position."""
+    target, rows = LlamaForCausalLM.from_pretrained(base).eval(), _rows()
+    config = EagleTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, version="eagle")
+    objective = make_objective(config, target, rows).eval()
+    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    head, lm_head = objective.head, target.get_output_embeddings()
+    top = batch.argmax  # [3, 12]: the target's top token after each position
+    # a map holding the top tokens of half the trained positions, and 200 other ids
+    trained_tops = sorted({int(top[row, t + 1]) for row in range(3) for t in range(11)
+                           if rows.starts[row] <= t + 1 < rows.lengths[row]})
+    kept = set(trained_tops[::2]) | set(range(2000, 2200))
+    head.set_token_map(torch.tensor(sorted(kept)))
+    with torch.no_grad():
+        _, metrics = objective(batch, target)
+        features = target.model(rows.input_ids).last_hidden_state
+        embeds = target.get_input_embeddings()(rows.input_ids)
+        hidden = head(embeds[:, 1:], features[:, :-1], torch.arange(1, 12).expand(3, -1), attention_mask=None)
+        ids = head.token_map
+        ce, hits, positions, outside = [], 0, 0, 0
+        for row in range(3):
+            for t in range(11):
+                if not rows.starts[row] <= t + 1 < rows.lengths[row]:
+                    continue
+                positions += 1
+                if int(top[row, t + 1]) not in kept:
+                    outside += 1
+                    continue
+                target_probs = torch.softmax(lm_head(features[row, t + 1]).float()[ids], -1)
+                draft_logits = lm_head(hidden[row, t]).float()[ids]
+                ce.append(-(target_probs * torch.log_softmax(draft_logits, -1)).sum())
+                hits += int(ids[draft_logits.argmax()] == top[row, t + 1])
+    assert outside > 0 and len(ce) > 0, "the map should leave some trained positions' top tokens out"
+    assert metrics["ce"] == pytest.approx(float(torch.stack(ce).mean()), rel=1e-5)
+    assert metrics["accuracy"] == pytest.approx(hits / positions)
+
+
 def test_eagle3_first_step_loss_is_the_soft_cross_entropy_over_the_draft_vocabulary(base):
     """EAGLE-3's first unrolled step against the head's own outputs, position by position: the target's distribution
     over the draft vocabulary after x_{t+1}, where x_{t+1} is trained and the target's top token is draftable."""

@@ -62,10 +62,11 @@ def test_shared_heads_keep_the_most_frequent_trained_tokens_as_their_token_map(b
     assert heads.config.token_map_size == 256 and heads.token_map.tolist() == sorted(heads.token_map.tolist())
 
 
-@pytest.mark.parametrize("shared_lm_head", [True, False])
-def test_the_loss_is_each_heads_cross_entropy_on_its_trained_labels(base, shared_lm_head):
+@pytest.mark.parametrize("shared_lm_head, token_map", [(True, False), (False, False), (True, True)])
+def test_the_loss_is_each_heads_cross_entropy_on_its_trained_labels(base, shared_lm_head, token_map):
     """The objective against the heads' own logits, position by position: head i's label at t is x_{t+2+i}, and only
-    trained labels count (rows 1 and 2 are trained from tokens 5 and 7 on and end early; heads see no padding)."""
+    trained labels count (rows 1 and 2 are trained from tokens 5 and 7 on and end early; heads see no padding). With a
+    token map the heads learn over the map's ids: the cross-entropy over its rows, on labels inside it."""
     target = LlamaForCausalLM.from_pretrained(base).eval()
     config = MedusaTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, num_heads=3,
                                shared_lm_head=shared_lm_head)
@@ -73,6 +74,9 @@ def test_the_loss_is_each_heads_cross_entropy_on_its_trained_labels(base, shared
     ids = torch.randint(2, 4096, (3, 12))
     rows = TrainingRows(ids, torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
     objective = make_objective(config, target, rows)
+    kept = sorted(set(ids.flatten().tolist()[::2]) | set(range(3000, 3100)))  # half the rows' ids, and others
+    if token_map:
+        objective.heads.set_token_map(torch.tensor(kept))
     with torch.no_grad():  # heads that differ from one another and from the target's own guess
         for parameter in objective.heads.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.1)
@@ -87,12 +91,35 @@ def test_the_loss_is_each_heads_cross_entropy_on_its_trained_labels(base, shared
             for row in range(3):
                 for t in range(12 - 2 - head):
                     label = t + 2 + head
-                    if rows.starts[row] <= label < rows.lengths[row]:
-                        logits = objective.heads(hidden[row, t], lm_head)[head]
+                    if not rows.starts[row] <= label < rows.lengths[row]:
+                        continue
+                    logits = objective.heads(hidden[row, t], lm_head)[head]
+                    if not token_map:
                         terms.append(torch.nn.functional.cross_entropy(logits[None].float(), ids[row, label][None]))
+                    elif int(ids[row, label]) in kept:
+                        index = torch.tensor([kept.index(int(ids[row, label]))])
+                        terms.append(torch.nn.functional.cross_entropy(logits[None, kept].float(), index))
+            assert terms, "every label of this head lies outside the map"
             expected.append(float(torch.stack(terms).mean()))
     assert metrics["head_loss"] == pytest.approx(expected, rel=1e-5)
     assert float(loss) == pytest.approx(sum(config.decay**i * term for i, term in enumerate(expected)), rel=1e-5)
+
+
+def test_the_tree_is_fitted_to_the_ranks_the_heads_draft_with_over_their_token_map(base):
+    """Rank accuracies for the fitted tree come from the logits the heads draft with: over a map that holds the rows'
+    own ids, their labels rank near the top; over the whole vocabulary of a random target they do not."""
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    config = MedusaTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, num_heads=2,
+                               shared_lm_head=True, batch_size=3)
+    torch.manual_seed(0)
+    ids = torch.randint(2, 4096, (3, 12))
+    rows = TrainingRows(ids, torch.tensor([12, 12, 12]), torch.tensor([0, 0, 0]))
+    objective = make_objective(config, target, rows)
+    lm_head = target.get_output_embeddings()
+    whole = objective._rank_accuracy(target, lm_head, rows)  # [K, R]
+    objective.heads.set_token_map(torch.unique(ids))
+    mapped = objective._rank_accuracy(target, lm_head, rows)
+    assert float(mapped.sum()) > 0.3 and float(whole.sum()) < float(mapped.sum()) / 4, (whole, mapped)
 
 
 def test_training_resumes_from_its_checkpoint(base, tmp_path):
