@@ -8,7 +8,12 @@ small even where the vocabulary makes the embeddings the model's largest tensor:
 * `config.json`: the draft's transformers config (the target's, with `num_hidden_layers` = the layers kept), plus
   `pruned_draft`: the target layers the draft's layers came from, the tensors shared with the target, and the
   target's hidden size and vocabulary size (checked on load);
-* `model.safetensors`: every other tensor (decoder layers, final norm).
+* `model.safetensors`: every other tensor (decoder layers, final norm), and, for a draft with a token map, the map
+  (`token_map`: target ids, ascending; `pruned_draft.token_map_size` in the config).
+
+A draft with a token map (`hf-specdec train draft --token-map-size N`) drafts over those ids only: on load its lm_head
+is the target's rows at the map (`TokenMapLMHead`: full-vocabulary logits, -inf elsewhere), which costs D / V of the
+whole projection; the target still verifies over its whole vocabulary, so output is unchanged.
 
 `load_pruned_draft(folder, target)` rebuilds the draft as an ordinary transformers causal LM in the target's dtype
 and on its device, with the target's embedding and lm_head modules (shared, not copied), ready for
@@ -26,9 +31,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from hf_specdec.heads.token_map import TokenMapLMHead, check_token_map
+
 CONFIG_KEY = "pruned_draft"
 WEIGHTS_FILE = "model.safetensors"
 SHARED = ("model.embed_tokens.weight", "lm_head.weight")
+TOKEN_MAP_KEY = "token_map"
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -57,9 +65,17 @@ def _draft_config(target: PreTrainedModel, target_layers: tuple[int, ...]):
     return config
 
 
-def _share(draft: PreTrainedModel, target: PreTrainedModel) -> None:
+def _share(
+    draft: PreTrainedModel,
+    target: PreTrainedModel,
+    # [D] target ids, ascending, or None: the whole vocabulary
+    token_map: torch.Tensor | None = None,
+) -> None:
     draft.set_input_embeddings(target.get_input_embeddings())
-    draft.lm_head = target.get_output_embeddings()
+    lm_head = target.get_output_embeddings()
+    if token_map is not None:
+        lm_head = TokenMapLMHead(lm_head, token_map, lm_head.weight.shape[0])
+    draft.lm_head = lm_head
 
 
 def pruned_copy(target: PreTrainedModel, target_layers) -> PreTrainedModel:
@@ -77,15 +93,27 @@ def pruned_copy(target: PreTrainedModel, target_layers) -> PreTrainedModel:
     return draft.to(target.device)
 
 
-def save_pruned_draft(draft: PreTrainedModel, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write the draft's own tensors (in `dtype`) and its config; the shared ones are left to the target."""
+def save_pruned_draft(
+    draft: PreTrainedModel,
+    folder: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    # [D] target ids the draft drafts over (default: the map of a draft loaded with one, else none)
+    token_map: torch.Tensor | None = None,
+) -> None:
+    """Write the draft's own tensors (in `dtype`), its token map if any, and its config; the shared ones are left to
+    the target."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    own = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in draft.state_dict().items()
-           if name not in SHARED}
     text = draft.config.get_text_config(decoder=True)
+    if token_map is None and isinstance(draft.lm_head, TokenMapLMHead):
+        token_map = draft.lm_head.ids
+    own = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in draft.state_dict().items()
+           if name not in SHARED and not name.startswith("lm_head.")}
     record = {"hidden_size": text.hidden_size, "shared": list(SHARED),
               "target_layers": list(draft.config.pruned_draft["target_layers"]), "vocab_size": text.vocab_size}
+    if token_map is not None:
+        own[TOKEN_MAP_KEY] = check_token_map(token_map, text.vocab_size, "save_pruned_draft: token_map")
+        record["token_map_size"] = len(own[TOKEN_MAP_KEY])
     save_file(own, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     config = draft.config.to_dict()
     config[CONFIG_KEY] = record
@@ -94,7 +122,8 @@ def save_pruned_draft(draft: PreTrainedModel, folder: str | Path, dtype: torch.d
 
 
 def load_pruned_draft(folder: str | Path, target: PreTrainedModel) -> PreTrainedModel:
-    """The draft in `folder`, in the target's dtype and on its device, sharing the target's embeddings and lm_head."""
+    """The draft in `folder`, in the target's dtype and on its device, sharing the target's embeddings and lm_head (its
+    rows at the draft's token map, for a draft saved with one)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"load_pruned_draft: no such folder {str(folder)!r}")
@@ -114,9 +143,13 @@ def load_pruned_draft(folder: str | Path, target: PreTrainedModel) -> PreTrained
         weights = load_file(str(folder / WEIGHTS_FILE))
     except Exception as error:  # safetensors raises its own error types for damaged files
         raise ValueError(f"load_pruned_draft: {folder / WEIGHTS_FILE} is missing or damaged: {error}") from error
+    token_map = weights.pop(TOKEN_MAP_KEY, None)
+    if token_map is not None:
+        token_map = check_token_map(token_map, text.vocab_size, f"load_pruned_draft: {folder / WEIGHTS_FILE}: "
+                                                                 f"{TOKEN_MAP_KEY}")
     missing, unexpected = draft.load_state_dict(weights, strict=False)
     if unexpected or set(missing) - set(SHARED):
         raise ValueError(f"load_pruned_draft: {folder / WEIGHTS_FILE} does not fit its config: missing "
                          f"{sorted(set(missing) - set(SHARED))}, unexpected {sorted(unexpected)}")
-    _share(draft, target)
+    _share(draft, target, token_map)
     return draft.to(device=target.device, dtype=target.dtype).eval()

@@ -31,7 +31,7 @@ import torch
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.heads.token_map import token_map_lm_head
+from hf_specdec.heads.token_map import TokenMapLMHead, token_map_lm_head
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
@@ -95,6 +95,9 @@ def mapped_draft(
     """The draft projecting onto its lm_head's rows at `token_map` only (logits -inf elsewhere): a shallow copy that
     shares every module with `draft` but its output embeddings; the user's draft model is not changed."""
     lm_head = draft.get_output_embeddings()
+    if isinstance(lm_head, TokenMapLMHead):
+        raise ValueError(f"SpeculativeConfig.draft_token_map: this draft already drafts over a token map of its own "
+                         f"({len(lm_head.ids)} ids, saved with it); leave draft_token_map None")
     rows = None if lm_head is None else lm_head.weight.shape[0]
     if rows is None or int(token_map[-1]) >= min(rows, target_vocab):
         raise ValueError(

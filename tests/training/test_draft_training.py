@@ -1,5 +1,6 @@
 """Draft-model training: a draft cut from the target learns to imitate it (the KL goes down), its folder holds only
-its own tensors, it loads sharing the target's embeddings and lm_head, and speculation with it is lossless."""
+its own tensors (and its token map), it loads sharing the target's embeddings and lm_head (its rows at the map), and
+speculation with it is lossless."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from transformers import LlamaForCausalLM
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.main import main
-from hf_specdec.pruned_draft import load_pruned_draft
+from hf_specdec.heads.token_map import TokenMapLMHead
+from hf_specdec.proposers.draft_model import DraftModelProposer
+from hf_specdec.pruned_draft import load_pruned_draft, save_pruned_draft
 from hf_specdec.testbed import loading
 from hf_specdec.training.draft_model import DraftTrainConfig, make_objective
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.target_features import target_batch
+from tests.conftest import record_proposed_tokens
 from tests.training.test_target_features import DATA, base  # noqa: F401  (base is a fixture)
 
 
@@ -47,6 +51,74 @@ def test_the_loss_is_the_kl_from_the_target_after_each_trained_token(base):  # n
         terms = [(log_target[row, t].exp() * (log_target[row, t] - log_draft[row, t])).sum()
                  for row in range(3) for t in range(11) if rows.starts[row] <= t + 1 < rows.lengths[row]]
     assert float(loss) > 0.01 and float(loss) == pytest.approx(float(torch.stack(terms).mean()), rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def trained_with_map(base, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("draft_map")
+    assert main(["train", "draft", "--base", str(base), "--tokenizer", str(loading.testbed_dir() / "tokenizer"),
+                 "--data", *map(str, DATA), "--out", str(out), "--steps", "3", "--batch-size", "4", "--seq-len",
+                 "32", "--num-samples", "8", "--prompt-len", "16", "--learning-rate", "3e-3", "--warmup-steps", "0",
+                 "--target-layers", "0", "-1", "--token-map-size", "64"]) == 0
+    return out
+
+
+def test_with_a_token_map_the_kl_is_over_the_map_where_the_target_top_token_is_in_it(base):  # noqa: F811
+    """KL(target || draft) of both next-token distributions restricted to the map (each renormalised over it), at
+    positions whose next token is trained and whose target top token is in the map; accuracy counts the others as
+    missed."""
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    config = DraftTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, target_layers=[0, -1])
+    torch.manual_seed(0)
+    rows = TrainingRows(torch.randint(2, 4096, (3, 12)), torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
+    with torch.no_grad():
+        top = target(rows.input_ids).logits.argmax(-1)  # [3, 12]
+    trained = [(row, t) for row in range(3) for t in range(11) if rows.starts[row] <= t + 1 < rows.lengths[row]]
+    tops = sorted({int(top[row, t]) for row, t in trained})
+    kept = sorted(set(tops[::2]) | set(range(2000, 2100)))  # half the trained positions' top tokens, and others
+    objective = make_objective(config, target, rows)
+    objective.token_map = torch.tensor(kept)
+    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    with torch.no_grad():
+        loss, metrics = objective(batch, target)
+        log_target = torch.log_softmax(target(rows.input_ids).logits.float()[..., kept], -1)
+        log_draft = torch.log_softmax(objective.draft(rows.input_ids).logits.float()[..., kept], -1)
+        inside = [(row, t) for row, t in trained if int(top[row, t]) in kept]
+        terms = [(log_target[row, t].exp() * (log_target[row, t] - log_draft[row, t])).sum() for row, t in inside]
+        hits = sum(kept[int(log_draft[row, t].argmax())] == int(top[row, t]) for row, t in inside)
+    assert 0 < len(inside) < len(trained)
+    assert float(loss) > 0.01 and float(loss) == pytest.approx(float(torch.stack(terms).mean()), rel=1e-4)
+    assert metrics["accuracy"] == pytest.approx(hits / len(trained))
+
+
+def test_a_draft_trained_with_a_token_map_saves_it_drafts_over_it_and_is_lossless(
+        base, trained_with_map, tmp_path, monkeypatch):  # noqa: F811
+    saved = load_file(trained_with_map / "model.safetensors")
+    token_map = saved["token_map"]
+    assert token_map.shape == (64,) and torch.equal(token_map, token_map.sort().values)
+    assert json.loads((trained_with_map / "config.json").read_text())["pruned_draft"]["token_map_size"] == 64
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    draft = load_pruned_draft(trained_with_map, target)
+    lm_head = draft.get_output_embeddings()
+    assert isinstance(lm_head, TokenMapLMHead) and torch.equal(lm_head.ids, token_map)
+    torch.testing.assert_close(lm_head.weight, target.get_output_embeddings().weight[token_map])
+    ids = torch.tensor([[1, 1, 5, 9, 17, 5, 9], [3, 3, 8, 3, 3, 8, 3]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=1)
+    reference = target.generate(ids, **kwargs)
+    proposals = record_proposed_tokens(monkeypatch, DraftModelProposer)
+    for width in (1, 2):
+        config = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3, tree_width=width,
+                                   schedule="fixed")
+        assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), reference)
+    drafted = torch.cat(proposals)
+    assert len(drafted) > 0 and bool(torch.isin(drafted, token_map).all()), "a token outside the map was drafted"
+    with pytest.raises(ValueError, match="already drafts over a token map of its own"):
+        hf_specdec.generate(target, ids, speculative=SpeculativeConfig(
+            method="draft", draft_model=draft, draft_token_map=token_map[:8]), **kwargs)
+    save_pruned_draft(draft, tmp_path)  # a loaded draft saves with its map
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["token_map"], token_map)
+    assert isinstance(load_pruned_draft(tmp_path, target).get_output_embeddings(), TokenMapLMHead)
 
 
 def test_the_kl_goes_down_and_the_folder_holds_only_the_drafts_own_tensors(trained):
@@ -95,6 +167,17 @@ def test_a_draft_for_another_model_or_a_damaged_folder_is_refused(base, trained,
     (broken / "model.safetensors").write_bytes((trained / "model.safetensors").read_bytes()[:64])
     with pytest.raises(ValueError, match="model.safetensors is missing or damaged"):
         load_pruned_draft(broken, target)
+    bad_map = tmp_path / "bad_map"
+    bad_map.mkdir()
+    (bad_map / "config.json").write_text((trained / "config.json").read_text())
+    weights = load_file(trained / "model.safetensors")
+    from safetensors.torch import save_file
+    save_file({**weights, "token_map": torch.tensor([3, 3, 9000])}, str(bad_map / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.safetensors: token_map: token ids must lie in \[0, 4096\)"):
+        load_pruned_draft(bad_map, target)
+    with pytest.raises(SystemExit, match="DraftTrainConfig.token_map_size: expected >= 1, got 0"):
+        main(["train", "draft", "--base", str(base), "--data", *map(str, DATA), "--out", str(tmp_path / "x"),
+              "--token-map-size", "0", "--steps", "1"])
     with pytest.raises(SystemExit, match="target_layers: expected distinct increasing layer indices"):
         main(["train", "draft", "--base", str(base), "--data", *map(str, DATA), "--out", str(tmp_path / "x"),
               "--target-layers", "2", "1", "--steps", "1"])
