@@ -58,15 +58,15 @@ def trained_counts() -> dict[str, int]:
     return {kind: int(count) for kind, count in re.findall(r"\[(\w+)\]=(\d+)", line.group(1))}
 
 
-def request_sets(tokenizer, count: int) -> dict[str, list[tuple[str | None, list[int]]]]:
-    """(set name: (Spec-Bench category or None, prompt token ids)): trained, held-out and Spec-Bench requests,
-    `count` of each."""
+def request_sets(tokenizer, count: int, names=SETS) -> dict[str, list[tuple[str | None, list[int]]]]:
+    """(set name: (Spec-Bench category or None, prompt token ids)): of the sets `names` (trained, held-out,
+    Spec-Bench requests), `count` requests each."""
     records = [json.loads(line) for line in (HERE / "prompts.jsonl").read_text().splitlines() if line.strip()]
     order = torch.randperm(len(records), generator=torch.Generator().manual_seed(0)).tolist()
     counts = trained_counts().values()
     # the trained requests: within every drafter's sample; the held-out ones: beyond the largest sample
     most = min(min(counts), len(records) - max(counts))
-    if count > most:
+    if count > most and {"trained", "held-out"} & set(names):
         raise SystemExit(f"error: --num-prompts {count}: at most {most} (requests every drafter trained on, and "
                          f"requests none of them saw)")
 
@@ -74,9 +74,10 @@ def request_sets(tokenizer, count: int) -> dict[str, list[tuple[str | None, list
         return tokenizer(records[index]["text"], add_special_tokens=False)["input_ids"]
 
     per_category = max(1, count // len(SPEC_BENCH_CATEGORIES))
-    return {"trained": [(None, ids(i)) for i in order[:count]], "held-out": [(None, ids(i)) for i in order[-count:]],
+    sets = {"trained": [(None, ids(i)) for i in order[:count]], "held-out": [(None, ids(i)) for i in order[-count:]],
             "spec-bench": [(category, list(p)) for category, p in spec_bench_prompts(tokenizer,
                                                                                     num_per_category=per_category)]}
+    return {name: sets[name] for name in names}
 
 
 def parse_folders(values: list[str], kinds: list[str]) -> dict[str, Path]:
@@ -191,8 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: --training-forward checks the trained requests: add 'trained' to --sets {args.sets}")
     torch.set_num_threads(args.threads)
     target, tokenizer = load_real_model(dtype=torch.bfloat16, progress=False)
-    sets = {name: prompts for name, prompts in request_sets(tokenizer, args.num_prompts).items()
-            if name in args.sets}
+    sets = request_sets(tokenizer, args.num_prompts, args.sets)
     counts = trained_counts()
     results = []
     print(f"{'drafter':<15} {'requests':<15} {'steps':>6} {'tau':>5}  accepted at position 1..k (share of steps)")
