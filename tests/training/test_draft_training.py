@@ -5,6 +5,7 @@ speculation with it is lossless."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,14 +26,17 @@ from tests.conftest import record_proposed_tokens
 from tests.training.test_target_features import DATA, base  # noqa: F401  (base is a fixture)
 
 
+def _train(base: Path, out: Path, steps: int, extra: list[str] = ()) -> Path:  # noqa: F811
+    assert main(["train", "draft", "--base", str(base), "--tokenizer", str(loading.testbed_dir() / "tokenizer"),
+                 "--data", *map(str, DATA), "--out", str(out), "--steps", str(steps), "--batch-size", "4", "--seq-len",
+                 "32", "--num-samples", "8", "--prompt-len", "16", "--learning-rate", "3e-3", "--warmup-steps", "0",
+                 "--target-layers", "0", "-1", *extra]) == 0
+    return out
+
+
 @pytest.fixture(scope="module")
 def trained(base, tmp_path_factory):  # noqa: F811
-    out = tmp_path_factory.mktemp("draft")
-    assert main(["train", "draft", "--base", str(base), "--tokenizer", str(loading.testbed_dir() / "tokenizer"),
-                 "--data", *map(str, DATA), "--out", str(out), "--steps", "25", "--batch-size", "4", "--seq-len",
-                 "32", "--num-samples", "8", "--prompt-len", "16", "--learning-rate", "3e-3", "--warmup-steps", "0",
-                 "--target-layers", "0", "-1"]) == 0
-    return out
+    return _train(base, tmp_path_factory.mktemp("draft"), steps=25)
 
 
 def test_the_loss_is_the_kl_from_the_target_after_each_trained_token(base):  # noqa: F811
@@ -55,12 +59,7 @@ def test_the_loss_is_the_kl_from_the_target_after_each_trained_token(base):  # n
 
 @pytest.fixture(scope="module")
 def trained_with_map(base, tmp_path_factory):  # noqa: F811
-    out = tmp_path_factory.mktemp("draft_map")
-    assert main(["train", "draft", "--base", str(base), "--tokenizer", str(loading.testbed_dir() / "tokenizer"),
-                 "--data", *map(str, DATA), "--out", str(out), "--steps", "3", "--batch-size", "4", "--seq-len",
-                 "32", "--num-samples", "8", "--prompt-len", "16", "--learning-rate", "3e-3", "--warmup-steps", "0",
-                 "--target-layers", "0", "-1", "--token-map-size", "64"]) == 0
-    return out
+    return _train(base, tmp_path_factory.mktemp("draft_map"), steps=3, extra=["--token-map-size", "64"])
 
 
 def test_with_a_token_map_the_kl_is_over_the_map_where_the_target_top_token_is_in_it(base):  # noqa: F811
