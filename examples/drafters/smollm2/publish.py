@@ -115,10 +115,19 @@ from the target's cached features, with bf16 autocast:
 {config['warmup_steps']} warm-up steps then cosine decay; the full trainer options are in `train.sh`.)
 
 Training curve (mean over {WINDOW} steps at five points; accuracy = top-1 agreement with the target on the
-training rows; lists are per head or per unrolled step):
+training rows; lists are per head or per unrolled step{_over_the_map(config)}):
 
 {curve(metrics)}
 {held_out(metrics)}"""
+
+
+def _over_the_map(config: dict) -> str:
+    """How the curve reads for a drafter trained with a token map (its losses are over the map's ids)."""
+    if config.get("token_map_size") in (None, "None"):
+        return ""
+    return (f"; the drafter learned over its {config['token_map_size']}-token map, so its vocabulary losses are "
+            "over the map's ids at positions whose target token lies in it (a regression is not), and accuracy counts "
+            "a target token outside the map as missed")
 
 
 def main(argv: list[str]) -> None:
