@@ -19,7 +19,8 @@ WINDOW = 10  # steps averaged per point of the curve
 DESCRIPTIONS = {
     "draft": "A draft model cut from the target (its layers 0, 1 and 29, `hf_specdec.pruned_draft`), distilled on "
              "the target's answers. Stored without the embeddings and lm_head it shares with the target: "
-             "`hf_specdec.pruned_draft.load_pruned_draft(folder, target)` puts them back.",
+             "`hf_specdec.pruned_draft.load_pruned_draft(folder, target)` puts them back, the lm_head as its rows at "
+             "the 8192 tokens most frequent in the training answers (the draft's token map, saved with it).",
     "medusa": "Four Medusa heads (one residual block each) over the target's final hidden state, sharing the "
               "target's lm_head (its rows at the 8192 tokens most frequent in the training answers: the heads' "
               "token map); the tree fitted to them in training is saved with them (`MedusaHeads.tree()`).",
