@@ -93,6 +93,16 @@ class TokenMapLMHead(nn.Module):
         return full.index_copy_(-1, self.ids, logits)
 
 
+def map_mask(
+    # [D] target ids
+    token_map: torch.Tensor,
+    vocab_size: int,
+) -> torch.Tensor:
+    """[V] bool: the target ids in the map."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=token_map.device)
+    return mask.index_fill_(0, token_map, True)
+
+
 def map_index(
     # [D] target ids
     token_map: torch.Tensor,

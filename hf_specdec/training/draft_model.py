@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from hf_specdec.heads.token_map import most_frequent_tokens
+from hf_specdec.heads.token_map import map_mask, most_frequent_tokens
 from hf_specdec.pruned_draft import check_target_layers, pruned_copy, save_pruned_draft
 from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import TrainingRows
@@ -70,8 +70,7 @@ class DraftObjective(Objective):
         count = keep.sum().clamp(min=1)
         lm_head, vocab = target.get_output_embeddings(), None
         if self.token_map is not None:  # a draft with a token map learns over the map, as it drafts
-            vocab = torch.zeros(lm_head.weight.shape[0], dtype=torch.bool, device=keep.device)
-            vocab.index_fill_(0, self.token_map, True)  # [V]
+            vocab = map_mask(self.token_map, lm_head.weight.shape[0])  # [V]
             keep = keep & vocab[batch.argmax]
         hidden = decoder(inputs_embeds=embeds).last_hidden_state[keep]  # [M, H]
         log_draft = torch.log_softmax(target_logits(hidden, lm_head, vocab), dim=-1)  # [M, D]: D = V without a map

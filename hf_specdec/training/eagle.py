@@ -30,7 +30,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from hf_specdec.heads.eagle import EagleConfig, EagleHead, EagleVersion
-from hf_specdec.heads.token_map import most_frequent_tokens
+from hf_specdec.heads.token_map import map_mask, most_frequent_tokens
 from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.skeleton import Objective, train
@@ -149,7 +149,8 @@ class EagleObjective(Objective):
         regression = nn.functional.smooth_l1_loss(hidden.float(), features[:, 1:][keep].float(), reduction="none")
         regression = regression.mean(-1).sum() / count
         top, target_hidden = batch.argmax[:, 1:][keep], batch.hidden[:, 1:][keep]  # [N], [N, H]
-        vocab = self._draft_vocabulary(lm_head)  # [V] bool, or None: the whole vocabulary
+        token_map = self.head.token_map  # [D] or None: the whole vocabulary
+        vocab = None if token_map is None else map_mask(token_map, lm_head.weight.shape[0])  # [V] bool
         if vocab is not None:  # the head drafts over its token map: its loss is over the map, as it drafts
             draftable = vocab[top]  # [N]: the target's top token can be drafted
             hidden, top, target_hidden = hidden[draftable], top[draftable], target_hidden[draftable]
@@ -157,19 +158,11 @@ class EagleObjective(Objective):
         with torch.no_grad():
             target_probs = torch.softmax(target_logits(target_hidden, lm_head, vocab), dim=-1)  # [M, D]
         ce = soft_cross_entropy(logits, target_probs).sum() / max(len(top), 1)
-        guess = logits.argmax(-1) if vocab is None else self.head.token_map[logits.argmax(-1)]  # [M] target ids
+        guess = logits.argmax(-1) if token_map is None else token_map[logits.argmax(-1)]  # [M] target ids
         accuracy = (guess == top).float().sum() / count  # a target token outside the map counts as missed
         loss = regression + self.ce_weight * ce
         return loss, {"regression": float(regression.detach()), "ce": float(ce.detach()),
                       "accuracy": float(accuracy)}
-
-    def _draft_vocabulary(self, lm_head: nn.Module) -> torch.Tensor | None:
-        """[V] bool: the ids of the head's token map, or None without one."""
-        token_map = self.head.token_map
-        if token_map is None:
-            return None
-        vocab = torch.zeros(lm_head.weight.shape[0], dtype=torch.bool, device=token_map.device)
-        return vocab.index_fill_(0, token_map, True)
 
     def _eagle3_loss(self, batch: TargetBatch, embeds: torch.Tensor, lm_head: nn.Linear):
         head, size, length = self.head, embeds.shape[0], embeds.shape[1]
