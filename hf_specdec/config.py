@@ -87,7 +87,8 @@ class SpeculativeConfig:
         metadata={
             "help": "draft model, early exit, EAGLE head or MLP speculator: build a dynamic (EAGLE-2) tree instead of "
             "fixed branches: at each of k depths expand the tree_width best nodes by cumulative log-probability, "
-            "then keep the best tree_total_tokens draft nodes"
+            "then keep the best tree_total_tokens draft nodes (method='auto': its draft model, EAGLE head or MLP "
+            "speculator drafts such trees, n-gram lookup and suffix decoding chains)"
         },
     )
     lossy_typical_acceptance: bool = field(
@@ -295,6 +296,14 @@ class SpeculativeConfig:
                     f"SpeculativeConfig.tree_total_tokens: dynamic trees need a method of {list(DYNAMIC_TREE_METHODS)},"
                     f" got {self.method!r}"
                 )
+            if self.method == "auto" and self.draft_model is None and self.heads_method not in ("eagle",
+                                                                                                 "mlp_speculator"):
+                raise ValueError(
+                    "SpeculativeConfig.tree_total_tokens: method='auto' builds the dynamic tree with its model "
+                    "drafter (a draft_model, an EagleHead or an MlpSpeculator as heads), and this config has "
+                    f"{'Medusa heads' if self.heads_method == 'medusa' else 'none'}; drop tree_total_tokens (the "
+                    "lookups draft chains) or pass such a drafter"
+                )
             candidates = self.tree_width + (self.num_speculative_tokens - 1) * self.tree_width**2
             _check_int("tree_total_tokens", self.tree_total_tokens, 1, min(candidates, MAX_TREE_NODES - 1))
         for name in ("posterior_threshold", "posterior_alpha"):
@@ -427,7 +436,7 @@ class SpeculativeConfig:
 HEADS_CLASS = {"medusa": "hf_specdec.heads.MedusaHeads", "eagle": "hf_specdec.heads.EagleHead",
                "mlp_speculator": "hf_specdec.heads.MlpSpeculator"}
 # methods that draft EAGLE-2 dynamic trees (`tree_total_tokens`)
-DYNAMIC_TREE_METHODS = ("draft", "eagle", "mtp", "mlp_speculator", "early_exit")
+DYNAMIC_TREE_METHODS = ("draft", "eagle", "mtp", "mlp_speculator", "early_exit", "auto")
 
 
 def heads_class(method: str) -> type:

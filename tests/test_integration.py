@@ -146,7 +146,8 @@ def test_transformers_version_range():
         (dict(method="ngram", tree_width=0), r"tree_width: expected an int in \[1, 512\]"),
         (dict(method="ngram", tree_width=200, num_speculative_tokens=5), "over the budget of 512"),
         (dict(method="ngram", tree_width=2, tree_total_tokens=4),
-         r"dynamic trees need a method of \['draft', 'eagle', 'mtp', 'mlp_speculator', 'early_exit'\], got 'ngram'"),
+         r"dynamic trees need a method of \['draft', 'eagle', 'mtp', 'mlp_speculator', 'early_exit', 'auto'\], "
+         r"got 'ngram'"),
         (dict(method="draft", draft_model=make_draft(), tree_width=2, num_speculative_tokens=2, tree_total_tokens=7),
          r"tree_total_tokens: expected an int in \[1, 6\]"),
     ],

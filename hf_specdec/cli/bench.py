@@ -9,8 +9,9 @@ decoding, k its most draft tokens a step), the hybrids `suffix+eagle` / `suffix+
 drafts where they score at least the fallback's k, the EAGLE head's or the draft model's chain of k otherwise),
 `auto` (method="auto" over n-gram lookup and suffix decoding) and `auto+<case>` for `draft`, `medusa`, `eagle`,
 `eagle3` and `mlp_speculator` (the same with that case's drafter as a third candidate; the steps each candidate
-drafted are reported); each suffix and auto case has a suffix cache of its own, emptied before every pass over the
-prompts, so a pass measures requests drafting from the outputs of the requests before them in that pass;
+drafted are reported; with --tree-width w > 1 the drafter's EAGLE-2 dynamic tree, as alone, while the lookups
+draft chains; `auto+medusa` takes none); each suffix and auto case has a suffix cache of its own, emptied before
+every pass over the prompts, so a pass measures requests drafting from the outputs of the requests before them in that pass;
 `draft-xtok` drafts (chains) with the draft model
 under another tokenizer: the target's with its ordinary tokens' ids shuffled and the draft's rows moved to match, its
 vocabulary padded (`hf_specdec.testbed.other_tokenizer.permuted`, built once per run). And transformers' native
@@ -101,6 +102,9 @@ GREEDY_ONLY_CASES = ("hf-uag",)
 HYBRID_CASES = {"suffix+eagle": "eagle", "suffix+eagle3": "eagle3", "suffix+draft": "draft"}
 # method="auto" cases with a drafter beside n-gram lookup and suffix decoding (`auto` alone has none), and its case
 AUTO_CASES = {f"auto+{case}": case for case in ("draft", "medusa", "eagle", "eagle3", "mlp_speculator")}
+# cases that take --tree-width: w > 1 drafts a token tree (for auto cases, the drafter's EAGLE-2 dynamic tree)
+TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+eagle", "auto+eagle3",
+              "auto+mlp_speculator")
 # every composite case and the case whose drafter it loads
 DRAFTER_OF = {**HYBRID_CASES, **AUTO_CASES}
 TESTBED_WORKLOADS = ("completion", "edit", "long")
@@ -161,7 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", "-k", nargs="+", type=int, default=[5], dest="ks",
                         help="draft lengths k to try (default: 5)")
     parser.add_argument("--tree-width", nargs="+", type=int, default=[1], dest="tree_widths",
-                        help="branches per step for draft, ngram and the head cases (1 = chain; w > 1 = token tree); "
+                        help="branches per step for draft, ngram, the head cases and the auto cases with a draft, "
+                             "EAGLE head or MLP speculator (1 = chain; w > 1 = token tree); "
                              "several values compare trees with chains (default: 1)")
     parser.add_argument("--tree-nodes", type=int, default=None,
                         help="draft and EAGLE trees (--tree-width > 1): draft tokens of the EAGLE-2 dynamic tree "
@@ -288,8 +293,10 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
     if case == "auto" or case in AUTO_CASES:  # n-gram lookup and suffix decoding (a cache of its own), and a drafter
         base = AUTO_CASES.get(case)
         drafter = dict(draft_model=draft) if base == "draft" else dict(heads=heads[base]) if base else {}
+        # tree_width > 1: the drafter's EAGLE-2 dynamic tree (the lookups draft chains)
+        tree = dict(tree_width=tree_width, tree_total_tokens=tree_nodes or k * tree_width) if tree_width > 1 else {}
         return SpeculativeConfig(method="auto", prompt_lookup_max=PROMPT_LOOKUP_MAX, suffix_cache=SuffixCache(),
-                                 **drafter, **common)
+                                 **drafter, **tree, **common)
     if case == "suffix" or case in HYBRID_CASES:  # a cache of its own, emptied before each pass (`_measure`)
         fallback = _speculative_config(HYBRID_CASES[case], draft, k, 1, heads) if case in HYBRID_CASES else None
         return SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback, **common)
@@ -775,7 +782,7 @@ def run(args: argparse.Namespace) -> int:
     plan = [(category, b, case, k, w, schedule) for category in categories for b in args.batch_sizes
             for case in cases
             for k in ([None] if case == "plain" else args.ks)
-            for w in (args.tree_widths if case in ("draft", "ngram", "early_exit", *HEAD_CASES) else [1])
+            for w in (args.tree_widths if case in TREE_CASES else [1])
             for schedule in (args.schedules if case in SCHEDULED_CASES else [""])
             if not (case in NATIVE_CASES and b > 1)]
     # the plan in groups of one category and batch size (plain first): each group's cases are timed in rounds,

@@ -53,7 +53,8 @@ def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
     return SpeculativeConfig(**values)
 
 
-register_auto_candidate("ngram", lambda config: _as("ngram", config))
+register_auto_candidate("ngram", lambda config: _as(
+    "ngram", config, tree_width=config.tree_width if config.tree_total_tokens is None else 1))
 register_auto_candidate("draft", lambda config: None if config.draft_model is None else _as(
     "draft", config, draft_model=config.draft_model, draft_token_map=config.draft_token_map,
     tree_total_tokens=config.tree_total_tokens))

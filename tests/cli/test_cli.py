@@ -72,11 +72,13 @@ def test_bench_medusa_uses_the_committed_heads_on_the_test_bed(tmp_path):
 
 def test_bench_eagle_uses_the_committed_heads_on_the_test_bed(tmp_path):
     out = tmp_path / "results.json"
-    assert main(["bench", "--method", "plain", "eagle", "eagle3", "--batch-size", "1", "-k", "3", "--tree-width",
-                 "1", "2", "--num-prompts", "1", "--max-new-tokens", "8", "--workload", "completion",
-                 "--json", str(out)]) == 0
+    assert main(["bench", "--method", "plain", "eagle", "eagle3", "auto+eagle", "auto+medusa", "--batch-size", "1",
+                 "-k", "3", "--tree-width", "1", "2", "--num-prompts", "1", "--max-new-tokens", "8", "--workload",
+                 "completion", "--json", str(out)]) == 0
     rows = {(r["case"], r["tree_width"]): r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {("plain", 1), ("eagle", 1), ("eagle", 2), ("eagle3", 1), ("eagle3", 2)}
+    # auto with an EAGLE head drafts the head's dynamic tree too; Medusa heads under auto draft chains
+    assert set(rows) == {("plain", 1), ("eagle", 1), ("eagle", 2), ("eagle3", 1), ("eagle3", 2), ("auto+eagle", 1),
+                         ("auto+eagle", 2), ("auto+medusa", 1)}
     assert all(r["identical_to_plain"] for r in rows.values())
 
 

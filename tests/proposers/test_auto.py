@@ -102,6 +102,14 @@ def test_candidates_follow_what_the_config_gives():
     proposer = AutoProposer(SpeculativeConfig(method="auto", heads=head, suffix_cache=cache), target, SAMPLING)
     assert proposer.configs["suffix"].suffix_cache is cache and proposer.candidates["suffix"].cache is cache
     assert proposer.configs["eagle"].suffix_cache is None and proposer.configs["eagle"].heads is head
+    # a dynamic tree is the model drafter's; the lookups draft chains
+    config = SpeculativeConfig(method="auto", heads=head, tree_width=2, tree_total_tokens=4)
+    proposer = AutoProposer(config, target, SAMPLING)
+    assert (proposer.configs["eagle"].tree_width, proposer.configs["eagle"].tree_total_tokens) == (2, 4)
+    assert all((proposer.configs[m].tree_width, proposer.configs[m].tree_total_tokens) == (1, None)
+               for m in ("ngram", "suffix"))
+    proposer = AutoProposer(SpeculativeConfig(method="auto", heads=head, tree_width=2), target, SAMPLING)
+    assert proposer.configs["ngram"].tree_width == 2  # without one, n-gram lookup offers a trie
 
 
 def test_auto_refuses_what_is_not_a_drafter():
@@ -109,6 +117,10 @@ def test_auto_refuses_what_is_not_a_drafter():
     with pytest.raises(ValueError, match=r"SpeculativeConfig.heads: method='auto' takes optional heads \(MedusaHeads, "
                                          r"an EagleHead or an MlpSpeculator\).*got .*Llama"):
         SpeculativeConfig(method="auto", heads=target)
+    for heads, named in ((None, "none"), (heads_for(target), "Medusa heads")):
+        with pytest.raises(ValueError, match=r"SpeculativeConfig.tree_total_tokens: method='auto' builds the dynamic "
+                                             rf"tree with its model drafter .* this config has {named}; drop"):
+            SpeculativeConfig(method="auto", heads=heads, tree_width=2, tree_total_tokens=4)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
@@ -148,7 +160,9 @@ def _drafter_configs(target, expected):
     return {
         "eagle_chain": dict(heads=head),
         "eagle_tree": dict(heads=head, tree_width=2),
+        "eagle_dynamic_tree": dict(heads=head, tree_width=2, tree_total_tokens=4),
         "draft": dict(draft_model=copy.deepcopy(target)),
+        "draft_dynamic_tree": dict(draft_model=copy.deepcopy(target), tree_width=2, tree_total_tokens=4),
         "medusa": dict(heads=heads_for(target)),
         "mlp_speculator": dict(heads=fitted_speculator(target, expected, n_predict=3, steps=30)),
     }
@@ -158,8 +172,9 @@ def _drafter_configs(target, expected):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_rows_drafting_with_different_candidates_in_one_step_match_plain_generate(arch, static, rows_in_turn,
                                                                                     cycled_widths):  # noqa: F811
-    """Every model drafter auto takes (an EAGLE head's chain and its top-2 tree (n-gram lookup's a trie), a draft model, Medusa heads, an
-    MLP speculator), with n-gram lookup and suffix decoding, on a left-padded batch: in each step the rows draft with
+    """Every model drafter auto takes (an EAGLE head's chain, its top-2 tree (n-gram lookup's a trie) and its dynamic
+    tree (n-gram lookup's a chain), a draft model's chain and dynamic tree, Medusa heads, an MLP speculator), with
+    n-gram lookup and suffix decoding, on a left-padded batch: in each step the rows draft with
     different candidates (their trees merged into one proposal; chains with trees), each row 0, some or all of k,
     with plain steps between. The output is plain generate's, the steps did mix candidates, and each candidate
     drafted."""
@@ -169,7 +184,7 @@ def test_rows_drafting_with_different_candidates_in_one_step_match_plain_generat
     expected = target.generate(ids, **kwargs)
     extra = {"cache_implementation": "static"} if static else {}
     for name, drafter in _drafter_configs(target, expected).items():
-        if static and name == "draft":
+        if static and name.startswith("draft"):
             continue  # auto with a draft model needs dynamic shapes
         rows_in_turn.merged = 0
         config = SpeculativeConfig(method="auto", num_speculative_tokens=3, suffix_cache=SuffixCache(), **drafter)
@@ -220,16 +235,18 @@ def test_rows_drafting_with_different_candidates_sample_the_exact_target_law(row
     assert lossless.accepted(pvalues), f"p = {pvalues}"
 
 
-def test_auto_with_an_eagle_head_samples_the_exact_target_law(candidates_in_turn, mixed_priors):
+@pytest.mark.parametrize("tree", [{}, dict(tree_width=2, tree_total_tokens=3)], ids=["chain", "dynamic_tree"])
+def test_auto_with_an_eagle_head_samples_the_exact_target_law(tree, candidates_in_turn, mixed_priors):
     """The chi-square test of tests/decoding/test_sampling_lossless.py (its power is checked there) over the draws
-    of three calls, one per candidate (n-gram lookup, the EAGLE head, suffix decoding: the call's few steps are
-    weighed with that candidate alone), each step's rows drafting 0, some or all of k; each candidate's drafts are
-    checked to happen and to be both accepted and rejected. An exact law per call makes the pooled draws exact."""
+    of three calls, one per candidate (n-gram lookup, the EAGLE head (its sampled chain, or its dynamic tree of
+    deterministic candidates), suffix decoding: the call's few steps are weighed with that candidate alone), each
+    step's rows drafting 0, some or all of k; each candidate's drafts are checked to happen and to be both accepted
+    and rejected. An exact law per call makes the pooled draws exact."""
     target = lossless.make_target()
     law = lossless.exact_law(target, lossless.TEMPERATURE)
     config = SpeculativeConfig(method="auto", heads=lossless._eagle_head(target, "eagle"), num_speculative_tokens=2,
                                seed=23, suffix_cache=SuffixCache(SuffixConfig(max_spec_offset=2.0,
-                                                                              min_token_prob=0.02)))
+                                                                              min_token_prob=0.02)), **tree)
     prompts = lossless.PROMPT.expand(lossless.N // 3, -1)
     samples = []
     for method in ("ngram", "eagle", "suffix"):
