@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     counts: dict[str, int] = defaultdict(int)
     restore: list = []
     timed(SpeculativeDecoder, "verify", totals, counts, restore)
-    proposer = type(hf_specdec.proposers.base._REGISTRY[config.method](config, target, None))
+    greedy = hf_specdec.proposers.base.DraftSampling(do_sample=False, warpers=None, generator=None)
+    proposer = type(hf_specdec.proposers.base._REGISTRY[config.method](config, target, greedy))
     timed(proposer, "propose", totals, counts, restore)
     if args.method != "medusa":
         timed(EagleHead, "forward", totals, counts, restore)

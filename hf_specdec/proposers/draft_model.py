@@ -133,6 +133,10 @@ class DraftModelProposer(Proposer):
         self.total_tokens = config.tree_total_tokens
         self.sampling = sampling
         self.target_vocab = vocab_size(target)
+        # [D] long: the ids a greedy dynamic tree scores, when the drafter projects onto a token map (its logits
+        # elsewhere are -inf; ranking the map's alone is the same and costs D / V); None: the whole vocabulary
+        lm_head = getattr(self.draft, "get_output_embeddings", lambda: None)()
+        self._tree_ids = lm_head.ids if isinstance(lm_head, TokenMapLMHead) and not sampling.do_sample else None
         self.cache = RaggedKVCache(self.draft)
         self.cached_lengths: torch.Tensor | None = None  # [B]: tokens of each row the draft has seen
         self.cached_host: list[int] = []  # the same on the host
@@ -330,7 +334,7 @@ class DraftModelProposer(Proposer):
         depth feeds the frontier, each node seeing the feed and its fed ancestors."""
         width, depth, batch = self.tree_width, self._num_drafted, state.batch_size
         device = self.draft.device
-        candidates = Candidates(self._log_probs(logits), width)
+        candidates = Candidates(self._log_probs(logits), width, self._tree_ids)
         sees = torch.zeros(batch, 1 + width, 0, dtype=torch.bool, device=device)  # [B, nodes, slots after the feed]
         node_slots = torch.full((batch, 1 + width), -1, dtype=torch.long, device=device)
         feed = _all_true(width, self._feed_width, device).expand(batch, -1, -1)  # fed tokens: ancestors
@@ -367,7 +371,10 @@ class DraftModelProposer(Proposer):
         # [B, V_draft]
         logits: torch.Tensor,
     ) -> torch.Tensor:
-        """Log-probabilities over the target vocabulary, after the sampling warpers when sampling."""
+        """Log-probabilities over the target vocabulary, after the sampling warpers when sampling; over the ids
+        `_tree_ids` when given."""
+        if self._tree_ids is not None:
+            return torch.log_softmax(logits.index_select(-1, self._tree_ids.to(logits.device)).float(), dim=-1)
         return torch.log_softmax(self._scores(logits), dim=-1)
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:

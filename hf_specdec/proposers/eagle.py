@@ -50,6 +50,9 @@ class EagleDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.head.dtype
 
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
     @property
     def device(self) -> torch.device:
         return self.head.device

@@ -232,7 +232,8 @@ class NgramProposer(Proposer):
                           dtype=np.int64)
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:
-        num_nodes = 1 + self.tree_width * state.step_width(self.k)
+        depth = state.step_width(self.k)
+        num_nodes = 1 + self.tree_width * depth
         rows, depths = [], []
         for row in range(state.batch_size):
             tokens = self.text.row(row)
@@ -243,8 +244,8 @@ class NgramProposer(Proposer):
         if not any(depths):
             return Proposal.no_draft(state)
         tokens, parents, valid = (torch.from_numpy(np.stack(column)).to(device) for column in zip(*rows))
-        # a trie of w continuations of k tokens: at most k deep, at most w children per node
-        return Proposal(TokenTree(token_ids=tokens, parents=parents, valid=valid, max_depth=self.k,
+        # a trie of w continuations of at most the step's width: no deeper, at most w children per node
+        return Proposal(TokenTree(token_ids=tokens, parents=parents, valid=valid, max_depth=depth,
                                   max_children=self.tree_width), host_depths=tuple(depths))
 
 

@@ -49,7 +49,7 @@ def select_best_nodes(
         token_ids=tree_tokens.to(device),
         parents=tree_parents.to(device),
         valid=tree_depths.to(device) <= budget.to(device)[:, None],
-        max_depth=depth_bound,
+        max_depth=min(depth_bound, total),  # `total` nodes reach no deeper
         max_children=max_children,
     )
     return tree, chosen
@@ -65,8 +65,13 @@ class Candidates:
         # [B, V]: log-probabilities of the token after the root
         log_probs: torch.Tensor,
         width: int,
+        # [V] long: the token id of each column of the log-probabilities (a drafter over a token map scores its
+        # ids only); None: column j is token j
+        token_ids: torch.Tensor | None = None,
     ) -> None:
+        self.token_ids = token_ids
         cum, tokens = log_probs.topk(width, dim=-1)  # [B, w]
+        tokens = self._ids(tokens)
         batch = tokens.shape[0]
         self.width = width
         self.tokens = [torch.zeros_like(tokens[:, :1]), tokens]
@@ -86,6 +91,7 @@ class Candidates:
         [B, w] which of the w * w children each new frontier node is (child i of frontier node i // w)."""
         batch, width = self.frontier.shape[0], self.width
         child_cum, child_tokens = (log_probs + self.frontier_cum[:, :, None]).topk(width, dim=-1)  # [B, w, w]
+        child_tokens = self._ids(child_tokens)
         first_id = 1 + width + (self.levels - 1) * width * width  # candidates so far
         child_tokens, child_cum = child_tokens.reshape(batch, -1), child_cum.reshape(batch, -1)
         self.tokens.append(child_tokens)
@@ -96,6 +102,14 @@ class Candidates:
         self.frontier = first_id + best
         self.frontier_tokens, self.frontier_cum = child_tokens.gather(1, best), child_cum.gather(1, best)
         return best
+
+    def _ids(
+        self,
+        # [...] long: columns of the log-probabilities
+        columns: torch.Tensor,
+    ) -> torch.Tensor:
+        """[...] their token ids."""
+        return columns if self.token_ids is None else self.token_ids[columns]
 
     def select(
         self,

@@ -100,6 +100,42 @@ def test_eagle_with_a_token_map_matches_plain_generate_and_drafts_only_mapped_id
     assert out.spec_stats.num_accepted_tokens > 0
 
 
+def test_a_greedy_dynamic_tree_over_a_map_is_the_one_the_whole_vocabulary_gives(monkeypatch):
+    """A greedy EAGLE-2 tree of a head with a token map ranks the map's ids alone (its logits elsewhere are -inf):
+    step by step, the trees it proposes are the ones scoring the whole vocabulary gives, and hold only mapped ids."""
+    from hf_specdec.proposers import draft_model
+    from hf_specdec.proposers.eagle import EagleProposer
+
+    target = make_model("llama")
+    ids, mask = padded_batch([11, 5, 9], seed=4, repeat_period=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    head = trained_head(target, "eagle", expected)
+    head.set_token_map(HALF)
+    config = SpeculativeConfig(method="eagle", heads=head, top_k=3, depth=3, total_tokens=6, schedule="fixed")
+    trees, columns = [], []
+
+    class Recorded(draft_model.Candidates):
+        def __init__(self, log_probs, width, token_ids=None):
+            columns.append(log_probs.shape[-1])
+            super().__init__(log_probs, width, token_ids)
+
+    for whole_vocabulary in (False, True):
+        with pytest.MonkeyPatch.context() as patch:
+            if whole_vocabulary:  # the proposer no longer sees the map: it ranks every id, -inf outside the map
+                patch.setattr(draft_model, "TokenMapLMHead", type("NotAMap", (), {}))
+            patch.setattr(draft_model, "Candidates", Recorded)
+            proposals = record_proposed_tokens(patch, EagleProposer)
+            out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+        assert torch.equal(out, expected)
+        assert set(columns) == {VOCAB if whole_vocabulary else len(HALF)}
+        trees.append(proposals)
+        columns.clear()
+    assert len(trees[0]) == len(trees[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*trees))
+    assert bool(torch.isin(torch.cat(trees[0]), HALF).all())
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
 @pytest.mark.parametrize("tree", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]])
 def test_medusa_with_a_token_map_matches_plain_generate_and_drafts_only_mapped_ids(arch, tree, monkeypatch):

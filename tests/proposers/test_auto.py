@@ -24,7 +24,7 @@ from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head, trained_head
 from tests.proposers.test_mlp_speculator import fitted_speculator
-from tests.schedule.test_lossless import cycled_widths  # noqa: F401 (a fixture)
+from tests.schedule.test_lossless import cycled_widths, region_moves_checked  # noqa: F401 (fixtures)
 
 SAMPLING = DraftSampling(do_sample=False, warpers=None, generator=None)
 
@@ -170,8 +170,8 @@ def _drafter_configs(target, expected):
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_rows_drafting_with_different_candidates_in_one_step_match_plain_generate(arch, static, rows_in_turn,
-                                                                                    cycled_widths):  # noqa: F811
+def test_rows_drafting_with_different_candidates_in_one_step_match_plain_generate(
+        arch, static, rows_in_turn, cycled_widths, region_moves_checked):  # noqa: F811
     """Every model drafter auto takes (an EAGLE head's chain, its top-2 tree (n-gram lookup's a trie) and its dynamic
     tree (n-gram lookup's a chain), a draft model's chain and dynamic tree, Medusa heads, an MLP speculator), with
     n-gram lookup and suffix decoding, on a left-padded batch: in each step the rows draft with

@@ -123,7 +123,9 @@ def region_moves_checked(monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
 def test_dynamic_trees_on_varying_widths_match_plain_generate(arch, static, cycled_widths, region_moves_checked):
     """The draft model's and early exit's EAGLE-2 dynamic trees drafted at every width below k and skipped on plain
-    steps: their draft caches stay in step with the text (a copy of the target drafts, so deep paths are kept)."""
+    steps: their draft caches stay in step with the text (a copy of the target drafts, so deep paths are kept). A
+    tree of fewer nodes than its depth (`small_tree`) and n-gram lookup's trie, whose nodes shrink with the step's
+    width, verify no path longer than their nodes (`region_moves_checked`)."""
     target = make_model(arch)
     ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
@@ -134,6 +136,9 @@ def test_dynamic_trees_on_varying_widths_match_plain_generate(arch, static, cycl
         "same_draft": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), **tree),
         "random_draft": SpeculativeConfig(method="draft", draft_model=make_draft(), **tree),
         "early_exit": SpeculativeConfig(method="early_exit", early_exit_layer=1, **tree),
+        "small_tree": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), top_k=2, depth=3,
+                                        total_tokens=2),
+        "ngram_trie": SpeculativeConfig(method="ngram", tree_width=2, num_speculative_tokens=3),
     }
     for name, config in configs.items():
         out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs, **extra)
