@@ -12,7 +12,8 @@ continued as a chain, one forward per depth for all branches at once; a branch's
 (the cache's tree region). With `tree_total_tokens` it builds a dynamic tree instead (EAGLE-2, Li et al. 2024):
 at each depth the w frontier nodes with the best cumulative log-probability are fed and each offers its top-w
 children; at the end the best `tree_total_tokens` nodes by cumulative log-probability form the tree (closed under
-ancestry, since a child never scores above its parent). Either way, after verification the draft keeps the KV
+ancestry, since a child never scores above its parent); a step the adaptive schedule narrows to d < k levels keeps
+ceil(tree_total_tokens * d / k) of them. Either way, after verification the draft keeps the KV
 of the accepted path's nodes that it fed, and nothing else.
 
 Vocabularies that differ only by padded rows (32000 vs 32064) work on the shared ids: the draft never proposes an
@@ -362,7 +363,10 @@ class DraftModelProposer(Proposer):
             node_slots = torch.cat([node_slots, torch.full_like(parents, -1)], dim=1)
             if self.cache.hidden_states is not None:  # a child's parent is the frontier node it came from
                 frontier_parent_hidden = _rows(self.cache.hidden_states, best // width)
-        tree, chosen = candidates.select(state.last_tokens(), self.total_tokens, budget, state.sequences.device)
+        # a step the schedule narrows to d < k levels keeps ceil(total * d / k) nodes: its verify forward shrinks
+        # with it, so the schedule's width buys a cheaper step, as it does for chains
+        total = -(-self.total_tokens * depth // self.k)
+        tree, chosen = candidates.select(state.last_tokens(), total, budget, state.sequences.device)
         self._node_slots = torch.cat([torch.full_like(chosen[:, :1], -1), node_slots.gather(1, chosen)], dim=1)
         return Proposal(tree)
 

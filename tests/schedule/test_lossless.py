@@ -14,6 +14,7 @@ import torch
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.ragged import RaggedKVCache
+from hf_specdec.proposers.draft_model import DraftModelProposer
 from hf_specdec.schedule import controller, estimates
 from hf_specdec.schedule.decision import Decision
 from tests.conftest import make_draft, make_model, padded_batch
@@ -140,11 +141,30 @@ def test_dynamic_trees_on_varying_widths_match_plain_generate(arch, static, cycl
                                         total_tokens=2),
         "ngram_trie": SpeculativeConfig(method="ngram", tree_width=2, num_speculative_tokens=3),
     }
+    nodes_by_depth = set()
+    propose = DraftModelProposer.propose
+
+    def recording(self, state):  # (levels drafted, draft nodes) of each dynamic tree
+        proposal = propose(self, state)
+        if self.total_tokens is not None:
+            nodes_by_depth.add((self._num_drafted, proposal.tree.num_nodes - 1))
+        return proposal
+
     for name, config in configs.items():
-        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs, **extra)
+        nodes_by_depth.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(DraftModelProposer, "propose", recording)
+            out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs,
+                                      **extra)
         assert torch.equal(out.sequences, expected), f"{arch}/{name}"
         histogram = out.spec_stats.schedule.k_histogram
         assert all(histogram), (name, histogram)  # row-steps of every width, 0 included
+        if name == "ngram_trie":
+            continue
+        # a step narrowed to d of k = 3 levels keeps ceil(n * d / 3) of n nodes (at most the d levels' candidates)
+        total = config.tree_total_tokens
+        expected_nodes = {(d, min(-(-total * d // 3), 2 + (d - 1) * 4)) for d in (1, 2, 3)}
+        assert nodes_by_depth == expected_nodes, (name, nodes_by_depth)
         if name == "same_draft":  # paths through fed nodes accepted (the draft cache keeps them)
             assert out.spec_stats.accepted_per_position[1] > 0, name
 
