@@ -87,9 +87,9 @@ class SpeculativeConfig:
         metadata={
             "help": "draft model, early exit, EAGLE head or MLP speculator: build a dynamic (EAGLE-2) tree instead of "
             "fixed branches: at each of k depths expand the tree_width best nodes by cumulative log-probability, "
-            "then keep the best tree_total_tokens draft nodes (a step the adaptive schedule narrows to d < k "
-            "depths keeps ceil(tree_total_tokens * d / k); method='auto': its draft model, EAGLE head or MLP "
-            "speculator drafts such trees, n-gram lookup and suffix decoding chains)"
+            "then keep the best tree_total_tokens draft nodes (for all but the MLP speculator, a step the "
+            "adaptive schedule narrows to d < k depths keeps ceil(tree_total_tokens * d / k); method='auto': its "
+            "draft model, EAGLE head or MLP speculator drafts such trees, n-gram lookup and suffix decoding chains)"
         },
     )
     lossy_typical_acceptance: bool = field(
