@@ -23,6 +23,8 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.decoding.loop import SpeculativeDecoder
 from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.proposers.eagle import EagleProposer
+from hf_specdec.proposers.medusa import MedusaProposer
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.loading import heads_dir, load_testbed
 from hf_specdec.testbed.real_model import load_real_model
@@ -97,8 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     counts: dict[str, int] = defaultdict(int)
     restore: list = []
     timed(SpeculativeDecoder, "verify", totals, counts, restore)
-    greedy = hf_specdec.proposers.base.DraftSampling(do_sample=False, warpers=None, generator=None)
-    proposer = type(hf_specdec.proposers.base._REGISTRY[config.method](config, target, greedy))
+    proposer = MedusaProposer if args.method == "medusa" else EagleProposer
     timed(proposer, "propose", totals, counts, restore)
     if args.method != "medusa":
         timed(EagleHead, "forward", totals, counts, restore)

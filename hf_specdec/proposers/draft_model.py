@@ -136,7 +136,7 @@ class DraftModelProposer(Proposer):
         self.target_vocab = vocab_size(target)
         # [D] long: the ids a greedy dynamic tree scores, when the drafter projects onto a token map (its logits
         # elsewhere are -inf; ranking the map's alone is the same and costs D / V); None: the whole vocabulary
-        lm_head = getattr(self.draft, "get_output_embeddings", lambda: None)()
+        lm_head = self.draft.get_output_embeddings()
         self._tree_ids = lm_head.ids if isinstance(lm_head, TokenMapLMHead) and not sampling.do_sample else None
         self.cache = RaggedKVCache(self.draft)
         self.cached_lengths: torch.Tensor | None = None  # [B]: tokens of each row the draft has seen

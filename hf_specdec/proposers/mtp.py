@@ -92,6 +92,9 @@ class MtpDrafter(nn.Module):
     def device(self) -> torch.device:
         return next(self.mtp.layers.parameters()).device
 
+    def get_output_embeddings(self) -> None:
+        """None: the MTP model projects with its own `_project_to_logits`, no lm_head module of this drafter's."""
+
     def forward(
         self,
         # [B, W]
