@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_specdec.cache.attention import PACKED_SDPA, packed_attention
 from hf_specdec.cache.exchange import filled_layers
 from hf_specdec.cache.features import FeatureTap
 from hf_specdec.cache.naming import cache_keyword
@@ -58,7 +59,7 @@ from hf_specdec.kernels.tree_mask import ancestry_attention_mask
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+SUPPORTED_ATTENTION = ("sdpa", "eager", PACKED_SDPA)  # the last: a call in another thread's forward
 
 
 @dataclass(frozen=True)
@@ -411,8 +412,9 @@ class RaggedKVCache:
             del inputs["input_ids"]
         region_orders = self.region_orders[:, : self.region if self.static is None else None]
         call = self.model if self.static is None else self.model_call
-        return self._call_model(inputs, keep_hidden=width, call=call,
-                                orders=lambda: torch.cat([self._slot_orders(self.width), region_orders], dim=1))
+        with packed_attention(self.model):
+            return self._call_model(inputs, keep_hidden=width, call=call,
+                                    orders=lambda: torch.cat([self._slot_orders(self.width), region_orders], dim=1))
 
     def commit(
         self,
