@@ -1,6 +1,7 @@
 """`hf-specdec bench`: every method and transformers' own paths, on the same prompts, in one run.
 
-Cases: `plain` (model.generate), hf_specdec `draft`, `ngram`, `medusa`, `eagle` (EAGLE-1/2), `eagle3`,
+Cases: `plain` (model.generate), `no-drafts` (hf_specdec's engine with speculation switched off, every step a plain
+one: its own forwards and bookkeeping against plain generate's), hf_specdec `draft`, `ngram`, `medusa`, `eagle` (EAGLE-1/2), `eagle3`,
 `mlp_speculator` and `early_exit` (the target's first --early-exit-layer layers drafting; the draft and head cases use
 the drafters committed for the test bed or, with `--model smollm2`, for SmolLM2-135M-Instruct unless a folder is
 given; with --tree-width w > 1 Medusa uses the tree fitted to its heads, and EAGLE and the draft
@@ -78,11 +79,13 @@ from hf_specdec.testbed.other_tokenizer import permuted
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "draft", "draft-xtok", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator", "early_exit", "suffix",
-         "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto", "auto+draft", "auto+medusa", "auto+eagle",
-         "auto+eagle3", "auto+mlp_speculator", "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
+CASES = ("plain", "no-drafts", "draft", "draft-xtok", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator",
+         "early_exit", "suffix", "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto", "auto+draft", "auto+medusa",
+         "auto+eagle", "auto+eagle3", "auto+mlp_speculator", "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
+# cases that never draft, so take no k: plain generate, and hf_specdec's engine with speculation switched off
+UNDRAFTED_CASES = ("plain", "no-drafts")
 # hf_specdec's cases, which run under each --schedule
-SCHEDULED_CASES = tuple(case for case in CASES if case != "plain" and not case.startswith("hf-"))
+SCHEDULED_CASES = tuple(case for case in CASES if case not in UNDRAFTED_CASES and not case.startswith("hf-"))
 # an unpredictable workload: random token ids (nothing to look up, nothing a draft can guess)
 RANDOM_WORKLOAD, RANDOM_PROMPT_TOKENS = "random", 48
 # cases drafting with heads, and the option naming their folder
@@ -289,6 +292,8 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
                         other_tokenizer: OtherTokenizer | None = None) -> SpeculativeConfig:
     """hf_specdec's config for `case` (a hybrid's fallback keeps the default schedule: the hybrid's decides);
     draft-xtok drafts with `draft` under `other_tokenizer`."""
+    if case == "no-drafts":  # every step plain, whatever the batch size
+        return SpeculativeConfig(method="ngram", disable_by_batch_size=1)
     common = dict(num_speculative_tokens=k, schedule=schedule)
     if case == "auto" or case in AUTO_CASES:  # n-gram lookup and suffix decoding (a cache of its own), and a drafter
         base = AUTO_CASES.get(case)
@@ -781,7 +786,7 @@ def run(args: argparse.Namespace) -> int:
     cases = ["plain", *[c for c in args.methods if c != "plain"]]
     plan = [(category, b, case, k, w, schedule) for category in categories for b in args.batch_sizes
             for case in cases
-            for k in ([None] if case == "plain" else args.ks)
+            for k in ([None] if case in UNDRAFTED_CASES else args.ks)
             for w in (args.tree_widths if case in TREE_CASES else [1])
             for schedule in (args.schedules if case in SCHEDULED_CASES else [""])
             if not (case in NATIVE_CASES and b > 1)]

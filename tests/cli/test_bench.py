@@ -259,3 +259,13 @@ def test_the_other_tokenizer_is_built_only_for_its_cases(monkeypatch):
 
     monkeypatch.setattr(bench, "permuted", lambda *a: pytest.fail("built without a case that drafts with it"))
     assert main(["bench", "--method", "plain", "draft", *TINY]) == 0
+
+
+def test_no_drafts_runs_the_engine_with_every_step_plain(tmp_path):
+    """The engine's own speed beside plain generate's: no k of its own, no drafts, the same output."""
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "no-drafts", *TINY, "-k", "2", "3", "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["results"] if r["case"] == "no-drafts"]
+    assert len(rows) == 1 and rows[0]["k"] is None
+    assert rows[0]["identical_to_plain"] and rows[0]["new_tokens"] > 0
+    assert rows[0]["tokens_per_target_forward"] <= 1.0
