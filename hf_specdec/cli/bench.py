@@ -32,7 +32,9 @@ near-ties can make greedy ones, a ratio of wall times would credit the shorter o
 drafting step), acceptance per draft position, and efficiency: the measured speedup divided by the ideal speedup,
 the one predicted from the measured number of target and draft forwards (set by the acceptance) at their measured
 mean cost, with nothing spent outside model forwards. It is measured on one instrumented run as (time inside target and draft
-forwards) / (wall time); 1.0 means the engine's own bookkeeping costs nothing.
+forwards) / (wall time); 1.0 means the engine's own bookkeeping costs nothing. Only the target's forwards and a
+draft model's (or early exit's layers) are timed: a head's forwards (Medusa, EAGLE, the MLP speculator) and a
+lookup's host work count as time outside them.
 
 With --json the results are written there (sorted keys): the settings, the environment (hf_specdec, torch,
 transformers and triton versions, the git commit, Python, platform, CPU and GPU, torch threads, dtype) and per case
