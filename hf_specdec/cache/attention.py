@@ -12,10 +12,11 @@ Packed, each key/value head attends once, for its G query heads' W queries at on
 viewed as [B, K, G * W, D] and the mask's rows repeated G times. It is the same attention, computed by the same
 kernel on fewer, taller matrices; outputs agree with the "sdpa" function's to rounding.
 
-`packed_attention(model)` makes a model run it for the forwards inside the block, where the model's attention is
-"sdpa" and its tensors are on a CPU (on a GPU, SDPA's fused kernels take the grouped heads as they are, and the
-model is left alone). The prompt's prefill stays on the model's own attention, as in plain `generate`. The swap is
-counted per config under a lock, so calls in several threads on one model restore it only when the last leaves.
+`packed_attention(model)` makes a model whose attention is "sdpa" run it for the forwards inside the block. Tensors
+off the CPU go on to transformers' "sdpa" function unchanged: the layout has not been measured on a GPU, whose
+fused kernels take grouped heads differently. The prompt's prefill stays on the model's own attention, as in plain
+`generate`. The swap is counted per config under a lock, so calls in several threads on one model restore it only
+when the last one leaves.
 """
 
 from __future__ import annotations
