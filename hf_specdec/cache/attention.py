@@ -56,7 +56,7 @@ def packed_sdpa_attention(
     groups = heads // kv_heads
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
     implicit_causal = attention_mask is None and width > 1
-    if (groups == 1 or query.device.type != "cpu" or per_head_mask or implicit_causal
+    if (groups <= 1 or heads % kv_heads or query.device.type != "cpu" or per_head_mask or implicit_causal
             or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
