@@ -65,8 +65,9 @@ def packed_sdpa_attention(
     mask = attention_mask
     if mask is not None:
         mask = mask[..., :slots]
-        rows = mask.shape[0]
-        mask = mask[:, :, None].expand(rows, 1, groups, width, slots).reshape(rows, 1, groups * width, slots)
+        if width > 1:  # one query's mask row broadcasts over its G packed rows as it is
+            rows = mask.shape[0]
+            mask = mask[:, :, None].expand(rows, 1, groups, width, slots).reshape(rows, 1, groups * width, slots)
     out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)
     return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous(), None
