@@ -607,9 +607,13 @@ def build_figure(rows: list[dict[str, Any]]):
     k = min(r["k"] for r in rows if r["k"] is not None)
     batch = min(r["batch_size"] for r in rows)
     cases = sorted({r["case"] for r in rows} - {"plain"})
-    for case, width in sorted({(r["case"], r["tree_width"]) for r in rows if r["case"] != "plain"}):
+    for case in sorted({r["case"] for r in rows if r["k"] is None} - {"plain"}):  # no k: a line at its speedup
+        mine = [r for r in rows if r["case"] == case and r["batch_size"] == batch]
+        for axis in (by_batch, by_k):
+            axis.axhline(mine[0]["speedup_vs_plain"], color=_case_color(cases, case), linestyle=":", label=case)
+    for case, width in sorted({(r["case"], r["tree_width"]) for r in rows if r["k"] is not None}):
         mine = [r for r in rows if r["case"] == case and r["tree_width"] == width]
-        style = dict(color=f"C{cases.index(case) % 10}", marker="o" if width == 1 else "s",
+        style = dict(color=_case_color(cases, case), marker="o" if width == 1 else "s",
                      linestyle="-" if width == 1 else "--", label=case if width == 1 else f"{case} (tree w={width})")
         at_k = sorted((r["batch_size"], r["speedup_vs_plain"]) for r in mine if r["k"] == k)
         if at_k:
@@ -632,6 +636,14 @@ def build_figure(rows: list[dict[str, Any]]):
     return fig
 
 
+def _case_color(cases: list[str], case: str) -> tuple[float, ...]:
+    """A case's colour in every panel: matplotlib's ten default colours, or twenty where more cases ran (the default
+    cycle would repeat a colour)."""
+    from matplotlib import colormaps
+
+    return colormaps["tab10" if len(cases) <= 10 else "tab20"](cases.index(case) % 20)
+
+
 def _category_panels(fig, rows: list[dict[str, Any]], categories: list[str], all_rows: list[dict[str, Any]]) -> None:
     """Spec-Bench style, at the smallest batch size: speedup and mean acceptance length per category (and overall),
     one bar per case at its best (k, w) by overall speedup."""
@@ -652,9 +664,9 @@ def _category_panels(fig, rows: list[dict[str, Any]], categories: list[str], all
         xs = [g + i * bar for g in range(len(groups))]
         label = case + (f" k={k}" if k else "") + (f" tree w={width}" if width > 1 else "")
         speed.bar(xs, [mine[g]["speedup_vs_plain"] if g in mine else 0 for g in groups], bar, label=label,
-                  color=f"C{i % 10}")
+                  color=_case_color(cases, case))
         length.bar(xs, [(mine[g]["mean_acceptance_length"] or 0) if g in mine else 0 for g in groups], bar,
-                   color=f"C{i % 10}")
+                   color=_case_color(cases, case))
     ticks = [g + 0.4 - bar / 2 for g in range(len(groups))]
     speed.axhline(1.0, color="grey", linewidth=0.8)
     speed.set(ylabel="speedup vs plain generate", xticks=ticks, title=f"speedup, batch size {batch}")

@@ -115,6 +115,27 @@ def test_plot_per_category_shows_each_case_at_its_best_setting():
     assert fig.subfigs[1].axes[0].get_title() == "k = 3"  # the sweep panels below read the overall rows
 
 
+def test_plot_gives_every_case_its_own_colour_and_undrafted_cases_a_line():
+    """Eleven cases and more: no two share a colour (matplotlib's default cycle has ten); a case without k (the
+    engine drafting nothing) is a dotted line at its speedup, in the same colour as its bar above."""
+    cases = [f"case{i:02d}" for i in range(11)]
+    categories = ("qa", "math_reasoning", "overall")
+    rows = [row("plain", 1, None, 1.0, category=c) for c in categories]
+    rows += [row(case, 1, 5, 1.0 + 0.05 * i, category=c, length=2.0) for i, case in enumerate(cases)
+             for c in categories]
+    rows += [row("no-drafts", 1, None, 1.1, category=c) for c in categories]
+    fig = build_figure(rows)
+    fig.draw_without_rendering()
+    speed = fig.subfigs[0].axes[0]
+    colours = {tuple(patch.get_facecolor()) for patch in speed.patches}
+    assert len(colours) == len(cases) + 1
+    by_batch = fig.subfigs[1].axes[0]
+    (line,) = [line for line in by_batch.get_lines() if line.get_label() == "no-drafts"]
+    assert line.get_linestyle() == ":" and set(line.get_ydata()) == {1.1}
+    (bars,) = [bars for bars in speed.containers if bars.get_label() == "no-drafts"]
+    assert tuple(line.get_color()) == pytest.approx(tuple(bars.patches[0].get_facecolor()))
+
+
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
