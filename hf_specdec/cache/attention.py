@@ -17,7 +17,8 @@ off the CPU go on to transformers' "sdpa" function unchanged: the layout has not
 fused kernels take grouped heads differently (`benchmarks/gpu.sh` measures it there, `packed_sdpa` against that
 function). The prompt's prefill stays on the model's own attention, as in plain
 `generate`. The swap is counted per config under a lock, so calls in several threads on one model restore it only
-when the last one leaves.
+when the last one leaves; meanwhile another thread's forwards on that model (a plain `generate`, say) run the packed
+function too, which computes the same attention.
 """
 
 from __future__ import annotations
