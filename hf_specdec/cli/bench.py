@@ -294,8 +294,8 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
                         other_tokenizer: OtherTokenizer | None = None) -> SpeculativeConfig:
     """hf_specdec's config for `case` (a hybrid's fallback keeps the default schedule: the hybrid's decides);
     draft-xtok drafts with `draft` under `other_tokenizer`."""
-    if case == "no-drafts":  # every step plain, whatever the batch size
-        return SpeculativeConfig(method="ngram", disable_by_batch_size=1)
+    if case == "no-drafts":  # every step plain, whatever the batch size; a fixed schedule: no lookups on the side
+        return SpeculativeConfig(method="ngram", disable_by_batch_size=1, schedule="fixed")
     common = dict(num_speculative_tokens=k, schedule=schedule)
     if case == "auto" or case in AUTO_CASES:  # n-gram lookup and suffix decoding (a cache of its own), and a drafter
         base = AUTO_CASES.get(case)
