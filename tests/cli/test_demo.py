@@ -16,6 +16,7 @@ from hf_specdec.cli.demo import (
     _methods,
     explain,
     generate_once,
+    precision_hint,
     summarize,
 )
 from hf_specdec.cli.main import build_parser, main
@@ -93,6 +94,17 @@ def test_explain_calls_a_speedup_within_the_noise_break_even():
     text = one_line(explain([PLAIN, method("ngram", 1.02, 1.19, 1.0)]))
     assert text.startswith("why: speculation about breaks even here: the fastest method, ngram (1.02x)")
     assert "acceptance is too low: 1.19 tokens per target forward" in text
+
+
+def test_float32_runs_with_modest_speedups_get_the_bfloat16_note():
+    rows = [PLAIN, method("ngram", 1.13, 1.4, 1.25), method("eagle3", 0.95, 1.2, 1.20), PLAIN,
+            method("ngram", 0.9, 1.1, 1.3)]
+    text = one_line(precision_hint("float32", rows))
+    assert text.startswith("note: in float32 the fastest method here reached 1.13x (ngram).")
+    assert "`hf-specdec demo --dtype bfloat16`" in text and "can differ from plain generate's" in text
+    assert all(len(line) <= 116 for line in precision_hint("float32", rows).splitlines())
+    assert precision_hint("bfloat16", rows) is None  # already there
+    assert precision_hint("float32", [*rows, method("eagle3", 1.4, 1.8, 1.1)]) is None  # one method paid well
 
 
 def test_explain_lines_are_wrapped():
