@@ -12,9 +12,9 @@ Packed, each key/value head attends once, for its G query heads' W queries at on
 viewed as [B, K, G * W, D] and the mask's rows repeated G times. It is the same attention, computed by the same
 kernel on fewer, taller matrices; outputs agree with the "sdpa" function's to rounding.
 
-`packed_attention(model)` makes a model whose attention is "sdpa" run it for the forwards inside the block. Tensors
-off the CPU go on to transformers' "sdpa" function unchanged: the layout has not been measured on a GPU, whose
-fused kernels take grouped heads differently (`benchmarks/gpu.sh` measures it there, `packed_sdpa` against that
+`packed_attention(model)` makes a model on a CPU whose attention is "sdpa" run it for the forwards inside the block.
+A model on a GPU is left alone (and tensors off the CPU go on to transformers' "sdpa" function unchanged): the
+layout has not been measured on a GPU, whose fused kernels take grouped heads differently (`benchmarks/gpu.sh` measures it there, `packed_sdpa` against that
 function). The prompt's prefill stays on the model's own attention, as in plain
 `generate`. The swap is counted per config under a lock, so calls in several threads on one model restore it only
 when the last one leaves; meanwhile another thread's forwards on that model (a plain `generate`, say) run the packed
@@ -43,7 +43,7 @@ def packed_sdpa_attention(
     key: torch.Tensor,
     # [B, K, S, Dv]
     value: torch.Tensor,
-    # [B or 1, 1, W, S] additive or bool, or None (every query sees every key slot)
+    # [B or 1, 1, W, S' >= S] additive or bool, or None (every query sees every key slot)
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
@@ -65,19 +65,11 @@ def packed_sdpa_attention(
     return packed_sdpa(query, key, value, attention_mask, dropout=dropout, scaling=scaling), None
 
 
-def packed_sdpa(
-    # [B, H, W, D], H a multiple of K
-    query: torch.Tensor,
-    # [B, K, S, D]
-    key: torch.Tensor,
-    # [B, K, S, Dv]
-    value: torch.Tensor,
-    # [B or 1, 1, W, S'] (S' >= S: the first S columns are read), or None
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-) -> torch.Tensor:
-    """The layout itself, on any device: [B, W, H, Dv], each key/value head attending once for its G query heads."""
+def packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
+    """The layout itself, on any device, for the tensors `packed_sdpa_attention` takes (H a multiple of K; the mask
+    may be wider than the keys: its first S columns are read): [B, W, H, Dv], each key/value head attending once for
+    its G query heads."""
     batch, heads, width, dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -97,26 +89,27 @@ AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
 
 _LOCK = threading.Lock()
-_ACTIVE: dict[int, int] = {}  # id(config) -> forwards inside `packed_attention` on it
+_ACTIVE: dict[int, int] = {}  # id(config) -> forwards inside `packed_attention` that swapped it to PACKED_SDPA
 
 
 @contextlib.contextmanager
 def packed_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, `model` runs `packed_sdpa_attention` if its decoder's attention is "sdpa" (the config its
-    attention layers read; only that one changes, not a composite model's other parts)."""
+    """Within the block, `model` runs `packed_sdpa_attention` if it sits on a CPU and its decoder's attention is
+    "sdpa" (the config its attention layers read; only that one changes, not a composite model's other parts). A
+    model set to anything else, PACKED_SDPA included, is left as it is."""
     config = model.config.get_text_config(decoder=True)
-    if config._attn_implementation not in ("sdpa", PACKED_SDPA):
-        yield
-        return
     with _LOCK:
-        if _ACTIVE.get(id(config), 0) == 0:
-            config._attn_implementation = {"": PACKED_SDPA}
-        _ACTIVE[id(config)] = _ACTIVE.get(id(config), 0) + 1
+        swapped = id(config) in _ACTIVE or (model.device.type == "cpu" and config._attn_implementation == "sdpa")
+        if swapped:
+            if id(config) not in _ACTIVE:
+                config._attn_implementation = {"": PACKED_SDPA}
+            _ACTIVE[id(config)] = _ACTIVE.get(id(config), 0) + 1
     try:
         yield
     finally:
-        with _LOCK:
-            _ACTIVE[id(config)] -= 1
-            if _ACTIVE[id(config)] == 0:
-                del _ACTIVE[id(config)]
-                config._attn_implementation = {"": "sdpa"}
+        if swapped:
+            with _LOCK:
+                _ACTIVE[id(config)] -= 1
+                if _ACTIVE[id(config)] == 0:
+                    del _ACTIVE[id(config)]
+                    config._attn_implementation = {"": "sdpa"}

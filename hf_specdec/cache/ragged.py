@@ -59,7 +59,7 @@ from hf_specdec.kernels.tree_mask import ancestry_attention_mask
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-SUPPORTED_ATTENTION = ("sdpa", "eager", PACKED_SDPA)  # the last: a call in another thread's forward
+SUPPORTED_ATTENTION = ("sdpa", "eager", PACKED_SDPA)  # the last: inside another call's forward, or set so
 
 
 @dataclass(frozen=True)

@@ -419,10 +419,8 @@ def run(args: argparse.Namespace) -> int:
         f"{threads}, {args.repeats} timed round{'s' if args.repeats > 1 else ''}", width=LINE_WIDTH) + "\n")
     print(LEGEND)
     warm_up(models, configs, workloads)
-    all_identical, rows = True, []
-    for workload in workloads:
-        rows += run_workload(models, configs, workload, args)
-        all_identical &= all(row.identical for row in rows)
+    rows = [row for workload in workloads for row in run_workload(models, configs, workload, args)]
+    all_identical = all(row.identical for row in rows)
     print("All outputs identical to plain generate." if all_identical
           else "MISMATCH: some output differs from plain generate.")
     hint = None if args.testbed else precision_hint(args.dtype, rows)

@@ -99,6 +99,20 @@ def test_other_attention_left_alone():
         assert model.config._attn_implementation == "eager"
 
 
+def test_a_model_set_to_the_packed_function_keeps_it():
+    model = make_model("llama")
+    model.config._attn_implementation = PACKED_SDPA
+    with packed_attention(model):
+        assert model.config._attn_implementation == PACKED_SDPA
+    assert model.config._attn_implementation == PACKED_SDPA
+
+
+def test_a_model_off_the_cpu_is_left_alone():
+    model = make_model("llama").to("meta")
+    with packed_attention(model):
+        assert model.config._attn_implementation == "sdpa"
+
+
 def test_threads_restore_when_the_last_leaves():
     model = make_model("llama")
     inside, release = threading.Barrier(3), threading.Event()
