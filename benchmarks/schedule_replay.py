@@ -20,6 +20,18 @@ each position (the prompt, rebuilt with the model's tokenizer, and the recorded 
 plain steps look ahead with, and its class (the matched n-gram's length); `--step-slope s` replaces the recorded
 step times by `plain * (1 + s * width)` (float32 on a CPU is about 0.135: a step of width 5 cost 1.67 plain steps).
 
+`replay` prints, for adaptive k <= 5, its slowest call and each category's mean speedup beside the best fixed k's.
+`--interleave` replays one call of each category in turn (as a bench over the categories runs them: a call starts
+from what the previous, other category's call ended with) instead of category by category. Besides
+`estimates.ACCEPTANCE_RATE` (`--rates`) it compares `estimates.CALL_PRIOR_WEIGHT` (`--call-weights`: how far one
+call's ending acceptance moves the next calls' start) and a prior count for a call's rows (`--prior-counts`: their
+starting estimates worth that many observations, so that a call's own first observations weigh more):
+
+    python benchmarks/schedule_replay.py record --workload spec-bench --num-prompts 24 --max-new-tokens 64 \
+        --out replay_specbench.json
+    python benchmarks/schedule_replay.py replay replay_specbench.json --interleave --sampled-times 8 \
+        --call-weights 0.5 0.1 --prior-counts none 1 2
+
 Every step takes its width's median time unless `--sampled-times SEEDS`: then each step's time is drawn from the
 recorded steps of its width (`record` keeps them all; `retime FILE [--timing-prompts N]` measures a recording's step
 times again with them), stalls included, and the speedups are averaged over that many seeded replays:
@@ -31,6 +43,8 @@ times again with them), stalls included, and the speedups are averaged over that
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import statistics
 import time
@@ -56,13 +70,14 @@ SHORT_CATEGORIES = ["mt_bench", "qa", "math_reasoning", "translation"]
 TIMING_PROMPTS = 4
 
 
-def _prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
+def _prompts(tokenizer, workload: str, count: int) -> list[tuple[str, list[int]]]:
+    """(category, prompt token ids) of the workload's first `count` prompts."""
     if workload == "random":  # as `hf-specdec bench --workload random`
-        return random_prompts(tokenizer, count)
+        return [("random", ids) for ids in random_prompts(tokenizer, count)]
     if workload == "code":
-        return [ids for _, ids in spec_bench_prompts(tokenizer, count, ["code"])]
+        return spec_bench_prompts(tokenizer, count, ["code"])
     per_category = -(-count // len(SHORT_CATEGORIES))
-    return [ids for _, ids in spec_bench_prompts(tokenizer, per_category, SHORT_CATEGORIES)][:count]
+    return spec_bench_prompts(tokenizer, per_category, SHORT_CATEGORIES)[:count]
 
 
 class StepLog:
@@ -100,7 +115,7 @@ def record(args: argparse.Namespace) -> None:
     log = StepLog()
     try:
         records = []
-        for index, prompt in enumerate(prompts):
+        for index, (category, prompt) in enumerate(prompts):
             output = model.generate(torch.tensor([prompt]), max_new_tokens=args.max_new_tokens, **greedy)
             tokens = output[0, len(prompt):].tolist()
             # position n (tokens generated so far): a draft of the next K tokens
@@ -117,10 +132,11 @@ def record(args: argparse.Namespace) -> None:
                 while accepted < len(draft) and n + accepted < len(tokens) and draft[accepted] == tokens[n + accepted]:
                     accepted += 1
                 ngram.append([len(draft), accepted])
-            records.append({"prompt_tokens": len(prompt), "tokens": tokens, "eagle3": eagle, "ngram": ngram})
+            records.append({"category": category, "prompt_tokens": len(prompt), "tokens": tokens, "eagle3": eagle,
+                            "ngram": ngram})
             print(f"prompt {index}: EAGLE-3 accepted {eagle}", flush=True)
-        step_seconds, step_samples = measure_steps(model, prompts[:TIMING_PROMPTS], args.max_new_tokens, config, log,
-                                                    greedy)
+        step_seconds, step_samples = measure_steps(model, [ids for _, ids in prompts[:TIMING_PROMPTS]],
+                                                    args.max_new_tokens, config, log, greedy)
     finally:
         log.close()
     with open(args.out, "w") as f:
@@ -155,7 +171,7 @@ def retime(args: argparse.Namespace) -> None:
         data = json.load(f)
     model, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
     head = load_drafter("smollm2", "eagle3", model)
-    prompts = _prompts(tokenizer, data["workload"], max(args.timing_prompts, len(data["records"])))
+    prompts = [ids for _, ids in _prompts(tokenizer, data["workload"], max(args.timing_prompts, len(data["records"])))]
 
     def config(method: str, k: int, **extra) -> SpeculativeConfig:
         drafter = dict(method="eagle", heads=head) if method == "eagle3" else dict(method="ngram")
@@ -217,7 +233,7 @@ class Lookups:
         config = SpeculativeConfig(method="ngram", num_speculative_tokens=data["k"])
         low, high = config.prompt_lookup_min, config.prompt_lookup_max
         self.chains, self.classes = [], []
-        for prompt, call in zip(prompts, data["records"]):
+        for (_, prompt), call in zip(prompts, data["records"]):
             if len(prompt) != call["prompt_tokens"]:
                 raise SystemExit("error: the recording's prompts are not this tokenizer's")
             texts = [np.array(prompt + call["tokens"][:n]) for n in range(1, len(call["tokens"]) + 1)]
@@ -226,9 +242,10 @@ class Lookups:
 
 
 def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: StepClock,
-           lookups: Lookups | None = None) -> float:
-    """Speedup over plain steps of `schedule` with at most `max_k` drafts per step, over every recorded call. With
-    `lookups`, n-gram lookup runs as the engine runs it: plain steps look ahead, and drafts have classes."""
+           lookups: Lookups | None = None, order: list[int] | None = None) -> tuple[float, np.ndarray]:
+    """Speedup over plain steps of `schedule` with at most `max_k` drafts per step, over every recorded call (in
+    `order`, default as recorded), and [calls] each call's own, in recorded order. With `lookups`, n-gram lookup
+    runs as the engine runs it: plain steps look ahead, and drafts have classes."""
     clock = [0.0]
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=max_k, schedule=schedule,
                                disable_by_batch_size=100 if schedule == "fixed" else None)
@@ -239,11 +256,13 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: Ste
                   ) if lookups is not None else {}
     plan = controller.Schedule(config, max_k, {None: CostTable()}, static_shapes=False, clock=lambda: clock[0],
                                **engine)
-    plain = spent = 0.0
-    for index, call in enumerate(data["records"]):
+    calls = data["records"]
+    plain, spent = np.zeros(len(calls)), np.zeros(len(calls))
+    for index in range(len(calls)) if order is None else order:
+        call = calls[index]
         outcomes, tokens = call[method], call["tokens"]
         total = len(tokens)
-        plain += (total - 1) * step_seconds.plain()
+        plain[index] = (total - 1) * step_seconds.plain()
         plan.start(1)
         generated = 1  # the prefill chose the first token
         while generated < total:
@@ -264,7 +283,7 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: Ste
                 plan.look_ahead(state)
             seconds = step_seconds(depth)
             clock[0] += seconds
-            spent += seconds
+            spent[index] += seconds
             emitted = tokens[generated : generated + accepted + 1]
             generated += accepted + 1
             state.host = HostView([generated], [generated >= total], [len(emitted)], [accepted],
@@ -272,7 +291,7 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: Ste
             plan.observe(state, SimpleNamespace(host_depths=(depth,) if method == "ngram" else None,
                                                 tree=SimpleNamespace(max_depth=depth)))
         plan.finish()
-    return plain / spent
+    return float(plain.sum() / spent.sum()), plain / spent
 
 
 def replay_all(args: argparse.Namespace) -> None:
@@ -280,12 +299,18 @@ def replay_all(args: argparse.Namespace) -> None:
         data = json.load(f)
     if args.sampled_times and "step_samples" not in data:
         raise SystemExit(f"error: {args.file} has no step samples; run `retime {args.file}` first")
-    default = estimates.ACCEPTANCE_RATE
+    defaults = estimates.ACCEPTANCE_RATE, estimates.CALL_PRIOR_WEIGHT, controller.AcceptanceEstimate
     _, tokenizer = load_real_model("smollm2", dtype=torch.bfloat16)
     lookups = Lookups(data, tokenizer)
+    categories = [call.get("category", data["workload"]) for call in data["records"]]
+    order = None
+    if args.interleave:  # one call of each category in turn, as a bench over the categories runs them
+        by_category = {c: [i for i, x in enumerate(categories) if x == c] for c in dict.fromkeys(categories)}
+        order = [i for turn in itertools.zip_longest(*by_category.values()) for i in turn if i is not None]
     timing = (f"step times drawn from the recorded steps, mean of {args.sampled_times} seeds" if args.sampled_times
               else "median step times")
-    print(f"workload {data['workload']}, {len(data['records'])} calls; speedup over plain steps ({timing})")
+    print(f"workload {data['workload']}, {len(data['records'])} calls{', categories interleaved' * args.interleave}; "
+          f"speedup over plain steps ({timing})")
     try:
         for method in METHODS:
             seconds = data["step_seconds"][method]
@@ -293,24 +318,37 @@ def replay_all(args: argparse.Namespace) -> None:
                 seconds = [seconds[0] * (1 + args.step_slope * width) for width in range(len(seconds))]
             engine = lookups if method == "ngram" else None
 
-            def speedup(max_k: int, schedule: str) -> float:
+            def speedup(max_k: int, schedule: str) -> tuple[float, np.ndarray]:
                 if not args.sampled_times:
-                    return replay(data, method, max_k, schedule, StepClock(seconds), engine)
+                    return replay(data, method, max_k, schedule, StepClock(seconds), engine, order)
                 samples = data["step_samples"][method]
-                return float(np.mean([replay(data, method, max_k, schedule,
-                                             StepClock(seconds, samples, np.random.default_rng(seed)), engine)
-                                      for seed in range(args.sampled_times)]))
+                runs = [replay(data, method, max_k, schedule, StepClock(seconds, samples, np.random.default_rng(seed)),
+                               engine, order) for seed in range(args.sampled_times)]
+                return float(np.mean([total for total, _ in runs])), np.mean([calls for _, calls in runs], axis=0)
 
             fixed = {k: speedup(k, "fixed") for k in range(1, data["k"] + 1)}
-            best = max(fixed.values())
-            print(f"{method}: fixed " + ", ".join(f"k={k} {v:.3f}x" for k, v in fixed.items()))
-            for rate in args.rates:
-                estimates.ACCEPTANCE_RATE = rate
+            best = max(total for total, _ in fixed.values())
+            print(f"{method}: fixed " + ", ".join(f"k={k} {v:.3f}x" for k, (v, _) in fixed.items()))
+            for rate, weight, count in itertools.product(args.rates, args.call_weights, args.prior_counts):
+                estimates.ACCEPTANCE_RATE, estimates.CALL_PRIOR_WEIGHT = rate, weight
+                # a call's rows' estimates: their prior (what earlier calls ended with) worth `count` observations
+                controller.AcceptanceEstimate = functools.partial(estimates.AcceptanceEstimate, prior_count=count)
                 adaptive = {k: speedup(k, "adaptive") for k in (1, data["k"])}
-                print(f"  acceptance weight {rate}: " + ", ".join(
-                    f"adaptive k<={k} {v:.3f}x ({v / best:.3f} of the best fixed)" for k, v in adaptive.items()))
+                print(f"  acceptance weight {rate}, call prior weight {weight}, row prior count {count}: " + ", ".join(
+                    f"adaptive k<={k} {v:.3f}x ({v / best:.3f} of the best fixed)" for k, (v, _) in adaptive.items()))
+                calls = adaptive[data["k"]][1]
+                worst = int(np.argmin(calls))
+                print(f"    adaptive k<={data['k']}: slowest call {calls[worst]:.3f}x ({categories[worst]}); by "
+                      "category (mean over its calls; best fixed k's): " + ", ".join(
+                          f"{c} {np.mean(calls[mine]):.3f}x ({max(np.mean(v[mine]) for _, v in fixed.values()):.3f}x)"
+                          for c in dict.fromkeys(categories)
+                          for mine in [np.array([x == c for x in categories])]))
     finally:
-        estimates.ACCEPTANCE_RATE = default
+        estimates.ACCEPTANCE_RATE, estimates.CALL_PRIOR_WEIGHT, controller.AcceptanceEstimate = defaults
+
+
+def _prior_count(text: str) -> float | None:
+    return None if text == "none" else float(text)
 
 
 def main() -> None:
@@ -325,6 +363,14 @@ def main() -> None:
     rep.add_argument("file")
     rep.add_argument("--rates", type=float, nargs="+", default=[estimates.ACCEPTANCE_RATE],
                      help="values of the acceptance moving average's weight to compare")
+    rep.add_argument("--call-weights", type=float, nargs="+", default=[estimates.CALL_PRIOR_WEIGHT],
+                     help="values of the weight of a call's ending acceptance in the next calls' prior")
+    rep.add_argument("--prior-counts", type=_prior_count, nargs="+", default=[None],
+                     help="observations a call's rows' starting estimates are worth, their own first observations "
+                          "averaging with them as a running mean does ('none', the schedule's: every observation "
+                          "weighs the moving average's weight)")
+    rep.add_argument("--interleave", action="store_true",
+                     help="replay the calls one category at a time in turn instead of in recorded order")
     rep.add_argument("--step-slope", type=float, default=None,
                      help="step time of width w = plain * (1 + slope * w) instead of the recorded times")
     rep.add_argument("--sampled-times", type=int, default=0, metavar="SEEDS",

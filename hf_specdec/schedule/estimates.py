@@ -28,6 +28,13 @@ CLASS_PRIOR_COUNT = 2
 DRAFT_RATE_WEIGHT = 0.3
 # acceptance assumed before a row's first observation at a position (optimistic: a new row drafts, and measures)
 ACCEPTANCE_PRIOR = 0.7
+# weight of a call's rows' ending acceptance in the prior of later calls (`CostTable.record_acceptance`). Replayed
+# on recorded acceptance (`benchmarks/schedule_replay.py --call-weights`; SmolLM2 with its EAGLE-3 head, batch 1,
+# k <= 5): with 0.1, Spec-Bench's categories in turn read 1.000 of the best fixed k against 0.988 and its slowest call
+# (a translation) 0.951x plain against 0.932x, but random-token prompts' slowest call 0.856x against 0.905x and
+# their whole 1.014 against 1.018 of the best fixed k; a running mean over calls did no better. Within the replay's
+# resolution, so the weight stays
+CALL_PRIOR_WEIGHT = 0.5
 # a width's step time at a batch size is the lower quartile (TIME_QUANTILE) of its last TIME_WINDOW measurements.
 # The noise of a step's time is one-sided (a stall, two to three times a step's usual length, only adds), and on a
 # busy machine stalls come in runs of several steps, which land on whatever width the schedule chose then: the
@@ -70,12 +77,14 @@ class AcceptanceEstimate:
     draft are not observed; instead `draft_rate` (per row, a moving average of whether it drafted when allowed)
     says how often asking brings a draft at all."""
 
-    def __init__(self, batch_size: int, max_k: int, prior: np.ndarray | None = None, rate: float = ACCEPTANCE_RATE,
+    def __init__(self, batch_size: int, max_k: int, prior: np.ndarray | None = None, rate: float | None = None,
                  prior_count: float | None = None) -> None:
         # [K] prior (default ACCEPTANCE_PRIOR everywhere): what earlier calls measured, `CostTable.acceptance_prior`
         start = np.full(max_k, ACCEPTANCE_PRIOR) if prior is None else prior
-        # a new observation's weight: `rate`, or with `prior_count` at least 1 / (observations + prior_count)
-        self.rate, self.prior_count = rate, prior_count
+        # a new observation's weight: `rate` (default ACCEPTANCE_RATE, read here so that a benchmark can vary it), or
+        # with `prior_count` at least 1 / (observations + prior_count)
+        self.rate = ACCEPTANCE_RATE if rate is None else rate
+        self.prior_count = prior_count
         self.raw = np.tile(start, (batch_size, 1))  # the averages, at observed positions
         self.seen = np.zeros((batch_size, max_k), dtype=bool)
         self.observations = np.zeros((batch_size, max_k))
@@ -271,10 +280,12 @@ class CostTable:
         return self.class_acceptance
 
     def record_acceptance(self, estimate: AcceptanceEstimate) -> None:
-        """A call ended: its rows' estimates, averaged, move the prior of later calls halfway towards them."""
+        """A call ended: its rows' estimates, averaged, move the prior of later calls towards them (by
+        `CALL_PRIOR_WEIGHT`)."""
         ended = estimate.values.mean(axis=0)
         kept = self.acceptance
-        self.acceptance = ended if kept is None or kept.shape != ended.shape else 0.5 * kept + 0.5 * ended
+        self.acceptance = (ended if kept is None or kept.shape != ended.shape
+                           else kept + CALL_PRIOR_WEIGHT * (ended - kept))
 
     def predict(self, batch_size: int, max_k: int) -> np.ndarray:
         """[max_k + 1] predicted step time at widths 0..max_k for `batch_size` rows (relative units before any

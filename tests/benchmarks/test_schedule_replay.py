@@ -19,14 +19,17 @@ def test_replay_runs_fixed_and_adaptive_with_lookahead(benchmark_script):
     data = {"k": k, "records": [{"tokens": tokens, "ngram": ngram, "eagle3": [1] * (len(tokens) - 1)}] * 2}
     medians = [1.0 + 0.05 * width for width in range(k + 1)]
     seconds = replay.StepClock(medians)
-    fixed = replay.replay(data, "ngram", k, "fixed", seconds)
-    adaptive = replay.replay(data, "ngram", k, "adaptive", seconds, lookups)
+    fixed, per_call = replay.replay(data, "ngram", k, "fixed", seconds)
+    adaptive, _ = replay.replay(data, "ngram", k, "adaptive", seconds, lookups)
     assert fixed > 1.5 and adaptive > 1.2  # the repeated stretch is drafted either way
-    assert replay.replay(data, "eagle3", 1, "fixed", seconds) > 1.5
+    np.testing.assert_allclose(per_call, [fixed, fixed])  # two identical calls under a fixed k
+    assert replay.replay(data, "eagle3", 1, "fixed", seconds)[0] > 1.5
+    # calls replayed in another order come back in recorded order
+    np.testing.assert_array_equal(replay.replay(data, "ngram", k, "fixed", seconds, order=[1, 0])[1], per_call)
     # step times drawn from recorded steps: a single sample per width replays as the medians do; stalls in the
     # drafting widths' samples cost the fixed schedule its speedup
     single = replay.StepClock(medians, [[t] for t in medians], np.random.default_rng(0))
-    assert replay.replay(data, "ngram", k, "fixed", single) == fixed
+    assert replay.replay(data, "ngram", k, "fixed", single)[0] == fixed
     stalled = [[medians[0]]] + [[t, 3 * t] for t in medians[1:]]
-    noisy = replay.replay(data, "ngram", k, "fixed", replay.StepClock(medians, stalled, np.random.default_rng(0)))
+    noisy, _ = replay.replay(data, "ngram", k, "fixed", replay.StepClock(medians, stalled, np.random.default_rng(0)))
     assert noisy < fixed

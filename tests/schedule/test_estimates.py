@@ -9,6 +9,7 @@ import torch
 from hf_specdec.schedule.estimates import (
     ACCEPTANCE_PRIOR,
     ACCEPTANCE_RATE,
+    CALL_PRIOR_WEIGHT,
     CLASS_ACCEPTANCE_RATE,
     CLASS_PRIOR_COUNT,
     PLAIN_REFRESH,
@@ -34,6 +35,27 @@ def test_acceptance_updates_only_observed_positions():
     # a first observation at a carried position starts from the carried estimate, not the prior
     estimate.update([0, 0, 3], [0, 0, 3])
     assert estimate.values[2, 2] == (1 - r) * up + r and estimate.values[2, 3] == estimate.values[2, 2]
+
+
+def test_the_moving_average_weight_is_read_when_an_estimate_is_made(monkeypatch):
+    """A benchmark varies `ACCEPTANCE_RATE` (`benchmarks/schedule_replay.py --rates`): estimates made after take it."""
+    from hf_specdec.schedule import estimates
+
+    monkeypatch.setattr(estimates, "ACCEPTANCE_RATE", 0.5)
+    estimate = AcceptanceEstimate(1, 1)
+    estimate.update([1], [0])
+    assert estimate.values[0, 0] == ACCEPTANCE_PRIOR * 0.5
+
+
+def test_a_calls_acceptance_moves_the_next_calls_prior_by_the_call_weight():
+    costs = CostTable()
+    for ended in (0.8, 0.2):
+        estimate = AcceptanceEstimate(2, 2)
+        estimate.values[:] = ended
+        costs.record_acceptance(estimate)
+    # the first call's ending is the prior; the second moves it by CALL_PRIOR_WEIGHT
+    np.testing.assert_allclose(costs.acceptance_prior(2), [0.8 + CALL_PRIOR_WEIGHT * (0.2 - 0.8)] * 2)
+    assert costs.acceptance_prior(3) is None  # another k starts from the optimistic prior
 
 
 def test_allowed_and_drafted_but_rejected_counts_as_rejected():
