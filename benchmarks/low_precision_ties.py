@@ -3,9 +3,10 @@
 A verify forward scores several positions at once; in bf16/fp16 its matrix kernels round differently from the
 one-token forwards of plain decoding, so where plain decoding's two best scores are (nearly) tied the argmax can
 flip and the two continuations part. This script counts, per method and with or without logits processors, the
-prompts whose output differs from plain `generate` in the given dtype, and for each difference reports plain's gap
-between its top two scores at the first differing token (in units of the dtype's spacing at that score). The same
-runs in float32 must all be identical.
+prompts whose output differs from plain `generate` in the given dtype, and for each difference how far below its
+best score plain `generate` scored the token the method took at the first differing token (in units of the dtype's
+spacing at the best score; `hf_specdec.cli.ties`, which `hf-specdec demo` reports the same way), and how many of
+the differences are near-ties (at most `TIE_SPACINGS` spacings). The same runs in float32 must all be identical.
 
 Run: python benchmarks/low_precision_ties.py [--model testbed|smollm2|PATH] [--dtype bfloat16] [--prompts 32]
      [--max-new-tokens 64] [--json OUT.json]
@@ -21,6 +22,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.ties import divergences
 from hf_specdec.testbed import drafters
 
 PROCESSORS = {
@@ -70,18 +72,12 @@ def methods(model: str, target) -> dict[str, SpeculativeConfig]:
     return found
 
 
-def spacing(value: float, dtype: torch.dtype) -> float:
-    """The distance between adjacent representable numbers of `dtype` around `value`."""
-    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]
-    return 2.0 ** (math.floor(math.log2(max(abs(value), 1e-30))) - mantissa_bits)
-
-
 def run(target, methods: dict[str, SpeculativeConfig], prompts, dtype, max_new_tokens: int) -> dict:
     results = {}
     pad = target.generation_config.pad_token_id or target.generation_config.eos_token_id
     for processors, extra in PROCESSORS.items():
         for name, config in methods.items():
-            differing, gaps = 0, []
+            differing, gaps, ties = 0, [], 0
             for ids in prompts:
                 prompt = torch.tensor([ids])
                 kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **extra)
@@ -90,19 +86,19 @@ def run(target, methods: dict[str, SpeculativeConfig], prompts, dtype, max_new_t
                 if torch.equal(plain.sequences, ours):
                     continue
                 differing += 1
-                new_plain, new_ours = plain.sequences[0, prompt.shape[1]:], ours[0, prompt.shape[1]:]
-                length = min(len(new_plain), len(new_ours))
-                first = int((new_plain[:length] != new_ours[:length]).nonzero()[0]) if length else 0
-                top2 = plain.scores[first][0].float().topk(2).values.tolist()
-                gaps.append((top2[0] - top2[1]) / spacing(top2[0], dtype))
+                found, = divergences(plain.sequences, ours, prompt.shape[1], plain.scores, dtype)
+                ties += found.near_tie
+                gaps.append(math.inf if found.gap_in_spacings is None else found.gap_in_spacings)
             results[f"{name}/{processors}"] = {
                 "prompts": len(prompts),
                 "differing": differing,
+                "near_ties": ties,
                 "rate": differing / len(prompts),
-                "top2_gap_in_spacings": sorted(round(g, 2) for g in gaps),
+                "gap_in_spacings": sorted(round(g, 2) for g in gaps),
             }
-            print(f"{name:>10} {processors:>10}: {differing}/{len(prompts)} differ; plain's top-2 gap at the first "
-                  f"difference, in {dtype} spacings: {sorted(round(g, 2) for g in gaps)}", flush=True)
+            print(f"{name:>10} {processors:>10}: {differing}/{len(prompts)} differ, {ties} at near-ties; plain's "
+                  f"score of the token taken below its best at the first difference, in {dtype} spacings: "
+                  f"{sorted(round(g, 2) for g in gaps)}", flush=True)
     return results
 
 

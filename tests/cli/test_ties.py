@@ -1,0 +1,94 @@
+"""Where an output parts from plain generate's, and whether rounding explains it (`hf_specdec.cli.ties`), and how
+the demo reports it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_specdec.cli.demo import MethodRow, summarize, verdict
+from hf_specdec.cli.ties import TIE_SPACINGS, Divergence, divergences, first_difference, spacing
+from hf_specdec.cli.timing import Repeats
+from tests.cli.test_demo import PLAIN, generation
+
+
+def test_spacing_of_each_dtype():
+    assert spacing(20.0, torch.bfloat16) == 0.125  # 2^4 * 2^-7
+    assert spacing(-20.0, torch.bfloat16) == 0.125
+    assert spacing(1.0, torch.float16) == 2.0**-10
+    assert spacing(3.0, torch.float32) == 2.0**-22
+    # it is the step between neighbours: the next bfloat16 above 20 is 20.125
+    assert float(torch.tensor(20.0 + 0.125 * 0.6, dtype=torch.bfloat16)) == 20.125
+    with pytest.raises(ValueError, match="spacing: dtype torch.int8"):
+        spacing(1.0, torch.int8)
+
+
+def test_first_difference():
+    a = torch.tensor([1, 2, 3, 4])
+    assert first_difference(a, a.clone()) is None
+    assert first_difference(a, torch.tensor([1, 2, 9, 4])) == 2
+    assert first_difference(a, torch.tensor([1, 2])) == 2  # the shorter ends where the longer goes on
+
+
+def _scores(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:
+    """[B, V] scores: -10 everywhere but the given (token: score) per row."""
+    scores = torch.full((len(rows), vocab), -10.0)
+    for row, values in enumerate(rows):
+        for token, value in values.items():
+            scores[row, token] = value
+    return scores
+
+
+def test_divergences_measure_the_taken_tokens_score_below_plains_best():
+    prompt = [[7, 7], [7, 7], [7, 7]]
+    plain = torch.tensor([p + [1, 2, 3] for p in prompt])
+    other = torch.tensor([[7, 7, 1, 2, 3],  # identical: not listed
+                          [7, 7, 1, 5, 6],  # parts at new token 1, taking 5: 1 bf16 spacing (0.0625 at 10) below
+                          [7, 7, 4, 4, 4]])  # parts at new token 0, taking 4: 40 spacings below
+    step0 = _scores([{1: 3.0}, {1: 3.0}, {1: 3.0, 4: 0.5}])
+    step1 = _scores([{2: 10.0}, {2: 10.0, 5: 9.9375, 6: 9.9375}, {2: 10.0}])
+    step2 = _scores([{3: 1.0}] * 3)
+    found = divergences(plain, other, 2, [step0, step1, step2], torch.bfloat16)
+    assert [(d.row, d.position) for d in found] == [(1, 1), (2, 0)]
+    assert found[0].gap_in_spacings == pytest.approx(1.0) and found[0].near_tie
+    assert found[1].gap_in_spacings == pytest.approx(2.5 / spacing(3.0, torch.bfloat16)) and not found[1].near_tie
+    # in float32 the same scores are 2^16 times as many spacings apart: no near-tie
+    assert not divergences(plain, other, 2, [step0, step1, step2], torch.float32)[0].near_tie
+    with pytest.raises(ValueError, match="3 plain rows against 2 other rows"):
+        divergences(plain, other[:2], 2, [step0, step1, step2], torch.bfloat16)
+
+
+def test_a_parting_at_an_exact_tie_of_three_tokens_is_a_near_tie():
+    """bfloat16 logits tie exactly often enough that the token taken need not be plain's runner-up."""
+    plain, other = torch.tensor([[1, 2]]), torch.tensor([[1, 6]])
+    found, = divergences(plain, other, 1, [_scores([{2: 16.0, 3: 16.0, 6: 16.0}])], torch.bfloat16)
+    assert found.gap_in_spacings == 0.0 and found.near_tie
+
+
+def test_a_parting_past_plains_scores_is_a_fault():
+    found, = divergences(torch.tensor([[1, 2]]), torch.tensor([[1, 2, 3]]), 1, [_scores([{2: 1.0}])], torch.bfloat16)
+    assert found.position == 1 and found.gap_in_spacings is None and not found.near_tie
+
+
+def test_the_demo_marks_near_ties_and_faults_and_exits_on_faults_only():
+    tokens = torch.arange(40).reshape(2, 20)
+    plain = Repeats(seconds=[0.4], values=[generation(32, 0.32, tokens, False)])
+    method = Repeats(seconds=[0.2], values=[generation(8, 0.12, tokens + 1, True)])
+    tie = Divergence(row=0, position=3, gap_in_spacings=TIE_SPACINGS)
+    fault = Divergence(row=1, position=0, gap_in_spacings=TIE_SPACINGS + 0.5)
+    tied = summarize("ngram", method, plain, lambda sequences: [tie])
+    assert tied.matches == "tie" and not tied.identical and tied.divergences == (tie,)
+    faulty = summarize("ngram", method, plain, lambda sequences: [tie, fault])
+    assert faulty.matches == "NO"
+    assert summarize("ngram", method, plain).matches == "NO"  # nothing known of where: a fault
+    same = summarize("ngram", Repeats(seconds=[0.2], values=[generation(8, 0.12, tokens, True)]), plain,
+                     lambda sequences: pytest.fail("an identical output is not looked into"))
+    assert same.matches == "yes"
+    assert verdict([PLAIN, same]) == "All outputs identical to plain generate."
+    assert " ".join(verdict([PLAIN, same, tied]).split()).startswith(
+        "All outputs identical to plain generate but for 1 near-tie: answers that part from plain's at a token")
+    assert verdict([PLAIN, tied, faulty]).startswith("MISMATCH")
+
+
+def test_rows_default_to_identical():
+    assert isinstance(PLAIN, MethodRow) and PLAIN.matches == "yes"
