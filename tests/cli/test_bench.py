@@ -290,3 +290,32 @@ def test_no_drafts_runs_the_engine_with_every_step_plain(tmp_path):
     assert len(rows) == 1 and rows[0]["k"] is None
     assert rows[0]["identical_to_plain"] and rows[0]["new_tokens"] > 0
     assert rows[0]["tokens_per_target_forward"] <= 1.0
+
+
+def test_outputs_that_part_from_plain_are_near_ties_or_faults(tmp_path, monkeypatch, capsys):
+    """An output that differs from plain generate's is looked into with plain's scores: where the token it took
+    scored within `TIE_SPACINGS` of plain's best it is a near-tie ('tie', exit 0), else a fault ('NO', exit 1)."""
+    import math
+
+    import hf_specdec
+    from hf_specdec.cli import ties
+
+    generate = hf_specdec.generate
+
+    def last_token_changed(*args, **kwargs):  # the method's last token replaced by another
+        out = generate(*args, **kwargs)
+        out.sequences[:, -1] = (out.sequences[:, -1] + 1) % 100
+        return out
+
+    monkeypatch.setattr(hf_specdec, "generate", last_token_changed)
+    out = tmp_path / "results.json"
+    argv = ["bench", "--method", "plain", "ngram", *TINY, "--json", str(out)]
+    assert main(argv) == 1
+    row = {r["case"]: r for r in json.loads(out.read_text())["results"]}["ngram"]
+    assert row["identical_to_plain"] is False and (row["faults"], row["near_ties"]) == (1, 0)
+    assert " NO " in capsys.readouterr().out
+    monkeypatch.setattr(ties, "TIE_SPACINGS", math.inf)  # any gap is a near-tie now
+    assert main(argv) == 0
+    row = {r["case"]: r for r in json.loads(out.read_text())["results"]}["ngram"]
+    assert row["identical_to_plain"] is False and (row["faults"], row["near_ties"]) == (0, 1)
+    assert " tie " in capsys.readouterr().out
