@@ -20,7 +20,9 @@ vocabulary padded (`hf_specdec.testbed.other_tokenizer.permuted`, built once per
 the same with the draft of `draft-xtok` and `tokenizer=`, `assistant_tokenizer=`), `hf-lookup`
 (`prompt_lookup_num_tokens=k`) and `hf-early-exit` (`assistant_early_exit=`, the same layer and k as `early_exit`);
 the native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is
-checked against plain generate's. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
+checked against plain generate's, and one that parts from it is looked into with plain's scores there
+(`hf_specdec.cli.ties`): a near-tie in low precision (rounding's call) is reported, any other parting is a fault and
+makes the run exit with status 1. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
 
 Timing: after one instrumented pass of every case of a category and batch size (the counts below), their
 uninstrumented passes are timed in --repeats rounds, each round running every case once in turn, so a slow stretch
