@@ -70,7 +70,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, empty_suffix_cache
-from hf_specdec.cli.ties import divergences
+from hf_specdec.cli.ties import TIE_SPACINGS, divergences
 from hf_specdec.cli.timing import paired_speedup, time_interleaved
 from hf_specdec.config import SCHEDULES
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
@@ -614,6 +614,25 @@ def _same_column(row: dict[str, Any]) -> str:
     return "NO" if row["faults"] else "tie"
 
 
+def partings_note(rows: list[dict[str, Any]]) -> str | None:
+    """A line on the output rows that parted from plain generate's (None if none did): faults by case, or the
+    near-ties' count."""
+    own = [r for r in rows if r["category"] != OVERALL]  # an overall row sums its categories'
+    faults = {}
+    for r in own:
+        if r["faults"]:
+            faults[r["case"]] = faults.get(r["case"], 0) + r["faults"]
+    if faults:
+        return ("MISMATCH: output rows that part from plain generate's where rounding does not explain it: "
+                + ", ".join(f"{case} {count}" for case, count in faults.items()))
+    ties = sum(r["near_ties"] for r in own)
+    if not ties:
+        return None
+    return (f"note: {ties} output row{'s' if ties > 1 else ''} parted from plain generate's, each at a near-tie (a "
+            f"token plain scored within {TIE_SPACINGS:g} spacings of its best: rounding's call, see "
+            "hf_specdec.cli.ties)")
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per case; with several categories (Spec-Bench) grouped by category, 'overall' last. `vs hf` is the
     speedup over transformers' matching path; `same`: identical to plain generate (yes), parting from it only at
@@ -920,6 +939,9 @@ def run(args: argparse.Namespace) -> int:
         matching = merged.get((native, m.category, m.batch_size, m.k, 1, "")) if m.tree_width == 1 else None
         rows.append(summarize(m, merged[("plain", m.category, m.batch_size, None, 1, "")], matching))
     print_table(rows)
+    note = partings_note(rows)
+    if note is not None:
+        print(note)
     for r in rows:
         if r["efficiency"] is not None and r["efficiency"] < LOW_EFFICIENCY:
             print(f"note: {r['case']} ({r['category']}) at batch {r['batch_size']}, k={r['k']}, w={r['tree_width']}: "

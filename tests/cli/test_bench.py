@@ -313,12 +313,15 @@ def test_outputs_that_part_from_plain_are_near_ties_or_faults(tmp_path, monkeypa
     assert main(argv) == 1
     row = {r["case"]: r for r in json.loads(out.read_text())["results"]}["ngram"]
     assert row["identical_to_plain"] is False and (row["faults"], row["near_ties"]) == (1, 0)
-    assert " NO " in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert " NO " in printed and "MISMATCH: output rows that part from plain generate's where rounding does not " \
+        "explain it: ngram 1" in printed
     monkeypatch.setattr(ties, "TIE_SPACINGS", math.inf)  # any gap is a near-tie now
     assert main(argv) == 0
     row = {r["case"]: r for r in json.loads(out.read_text())["results"]}["ngram"]
     assert row["identical_to_plain"] is False and (row["faults"], row["near_ties"]) == (0, 1)
-    assert " tie " in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert " tie " in printed and "note: 1 output row parted from plain generate's, each at a near-tie" in printed
 
 
 def test_reference_scores_are_computed_once_and_refuse_a_plain_generate_that_changed():
