@@ -12,3 +12,7 @@ def test_low_precision_ties_script_reports_every_method(tmp_path, benchmark_scri
     expected = {f"{name}/{processors}" for name in names for processors in ("none", "processors")}
     assert set(report["results"]["bfloat16"]) == expected
     assert all(cell["prompts"] == 2 and cell["differing"] == 0 for cell in report["results"]["float32"].values())
+    # every parting is classified, and a near-tie is one within the threshold
+    for cell in report["results"]["bfloat16"].values():
+        assert cell["near_ties"] <= cell["differing"] == len(cell["gap_in_spacings"])
+        assert cell["near_ties"] == sum(gap <= 4.0 for gap in cell["gap_in_spacings"])

@@ -92,3 +92,18 @@ def test_the_demo_marks_near_ties_and_faults_and_exits_on_faults_only():
 
 def test_rows_default_to_identical():
     assert isinstance(PLAIN, MethodRow) and PLAIN.matches == "yes"
+
+
+def test_the_demo_table_lists_each_parting_once(capsys):
+    import dataclasses
+
+    from hf_specdec.cli.demo import print_table
+
+    tie = Divergence(row=1, position=35, gap_in_spacings=1.0)
+    row = dataclasses.replace(PLAIN, name="ngram", divergences=(tie, tie))  # two rounds parting alike
+    print_table([PLAIN, row])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[-1] == "tie"
+    listed = [line for line in lines if line.startswith("  tie: ngram")]
+    assert len(listed) == 1 and "answer 2 parts from plain generate's at new token 36" in listed[0]
+    assert all(len(line) <= 116 for line in lines)
