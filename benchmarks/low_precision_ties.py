@@ -5,7 +5,7 @@ one-token forwards of plain decoding, so where plain decoding's two best scores 
 flip and the two continuations part. This script counts, per method and with or without logits processors, the
 prompts whose output differs from plain `generate` in the given dtype, and for each difference how far below its
 best score plain `generate` scored the token the method took at the first differing token (in units of the dtype's
-spacing at the best score; `hf_specdec.cli.ties`, which `hf-specdec demo` reports the same way), and how many of
+spacing at the best score; `hf_specdec.lossless`, which `hf-specdec demo` reports the same way), and how many of
 the differences are near-ties (at most `TIE_SPACINGS` spacings). The same runs in float32 must all be identical.
 
 Run: python benchmarks/low_precision_ties.py [--model testbed|smollm2|PATH] [--dtype bfloat16] [--prompts 32]
@@ -22,7 +22,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.cli.ties import divergences
+from hf_specdec.lossless import divergences
 from hf_specdec.testbed import drafters
 
 PROCESSORS = {

@@ -21,7 +21,7 @@ the same with the draft of `draft-xtok` and `tokenizer=`, `assistant_tokenizer=`
 (`prompt_lookup_num_tokens=k`) and `hf-early-exit` (`assistant_early_exit=`, the same layer and k as `early_exit`);
 the native paths only run at batch size 1, which is all transformers supports. Greedy decoding; every output is
 checked against plain generate's, and one that parts from it is looked into with plain's scores there
-(`hf_specdec.cli.ties`): a near-tie in low precision (rounding's call) is reported, any other parting is a fault and
+(`hf_specdec.lossless`): a near-tie in low precision (rounding's call) is reported, any other parting is a fault and
 makes the run exit with status 1. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
 
 Timing: after one instrumented pass of every case of a category and batch size (the counts below), their
@@ -70,7 +70,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, empty_suffix_cache
-from hf_specdec.cli.ties import TIE_SPACINGS, divergences
+from hf_specdec.lossless import TIE_SPACINGS, divergences
 from hf_specdec.cli.timing import paired_speedup, time_interleaved
 from hf_specdec.config import SCHEDULES
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
@@ -228,7 +228,7 @@ class Measurement:
     method_steps: dict[str, int] = field(default_factory=dict)
     # None: not compared (sampling)
     identical: bool | None = True
-    # rows whose output parts from plain generate's: at a near-tie (rounding's call, `hf_specdec.cli.ties`) or not
+    # rows whose output parts from plain generate's: at a near-tie (rounding's call, `hf_specdec.lossless`) or not
     near_ties: int = 0
     faults: int = 0
 
@@ -593,7 +593,7 @@ def summarize(m: Measurement, plain: Measurement, native: Measurement | None = N
         "ideal_speedup": speedup / efficiency,
         "efficiency": efficiency,
         "identical_to_plain": m.identical,
-        # rows whose output parts from plain generate's where rounding explains it (`hf_specdec.cli.ties`), and
+        # rows whose output parts from plain generate's where rounding explains it (`hf_specdec.lossless`), and
         # where it does not
         "near_ties": m.near_ties, "faults": m.faults,
         "seconds_median": m.seconds, "seconds_min": min(m.repeat_seconds), "seconds_repeats": m.repeat_seconds,
@@ -630,7 +630,7 @@ def partings_note(rows: list[dict[str, Any]]) -> str | None:
         return None
     return (f"note: {ties} output row{'s' if ties > 1 else ''} parted from plain generate's, each at a near-tie (a "
             f"token plain scored within {TIE_SPACINGS:g} spacings of its best: rounding's call, see "
-            "hf_specdec.cli.ties)")
+            "hf_specdec.lossless)")
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

@@ -13,7 +13,7 @@ draft model's tree, the Medusa heads as a chain and with the tree fitted to them
 and an EAGLE-2 dynamic tree), shows the answer text, the acceptance statistics, the speedup over plain `generate`,
 why speculation is or is not faster for this model, and checks that every output is token-for-token plain
 generate's. In bfloat16 an output may part from plain generate's where plain decoding's best tokens tie within
-rounding (`hf_specdec.cli.ties`): each such parting is listed with plain's scores there, and only a parting that
+rounding (`hf_specdec.lossless`): each such parting is listed with plain's scores there, and only a parting that
 rounding does not explain makes the demo fail (exit status 1).
 
 Timing: torch runs on --threads threads (1 by default, so runs do not fight over cores), every method is warmed
@@ -38,7 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.runs import Generation, empty_suffix_cache, run_generate
-from hf_specdec.cli.ties import TIE_SPACINGS, Divergence, divergences
+from hf_specdec.lossless import TIE_SPACINGS, Divergence, divergences
 from hf_specdec.cli.timing import MIN_NOISE, Repeats, noise_note, paired_speedup, time_interleaved
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.suffix import SuffixCache

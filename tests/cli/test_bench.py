@@ -298,7 +298,7 @@ def test_outputs_that_part_from_plain_are_near_ties_or_faults(tmp_path, monkeypa
     import math
 
     import hf_specdec
-    from hf_specdec.cli import ties
+    from hf_specdec import lossless as ties
 
     generate = hf_specdec.generate
 

@@ -1,4 +1,5 @@
-"""Where a greedy output parts from plain `generate`'s, and whether rounding can explain it.
+"""Is a speculative output plain `generate`'s? Where a greedy output parts from it, and whether rounding can explain
+it; `check_greedy` runs both on a user's own model and inputs and says.
 
 In bfloat16 or float16 a verify forward computes a position's logits in a wider batch of tokens than plain
 decoding's one-token forward, and low-precision matrix products round differently with the shape: where plain
@@ -10,7 +11,13 @@ Any other difference is a fault. In float32 the spacing is 2^16 times finer than
 a true tie.
 
 `first_difference` finds the parting of each row, `divergences` classifies them from plain generate's scores
-(`output_scores=True`).
+(`output_scores=True`); `check_greedy` runs plain `generate` and hf_specdec's on the same inputs and returns a
+`LosslessReport`. `hf-specdec demo` and `hf-specdec bench` report their outputs the same way.
+
+    report = hf_specdec.check_greedy(model, input_ids, SpeculativeConfig(method="ngram"), attention_mask=mask,
+                                     max_new_tokens=64)
+    print(report)            # identical, or each parting with its gap
+    assert report.lossless   # identical, or parting only at near-ties
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from hf_specdec.config import SpeculativeConfig
+from hf_specdec.integration import generate
 
 # how far below plain's best score, in spacings of the model's dtype, the token an output took may have scored for
 # its parting to count as a near-tie. Measured on SmolLM2-135M-Instruct in bfloat16 (the README's Low precision),
@@ -94,3 +104,76 @@ def divergences(
             gap = (best - float(scores[other[row, prompt_length + position]])) / spacing(best, dtype)
         found.append(Divergence(row, position, gap))
     return found
+
+
+@dataclass(frozen=True)
+class LosslessReport:
+    """What `check_greedy` found."""
+
+    # [B, P + N] plain generate's output and hf_specdec's (trailing padding cut to the shorter)
+    plain: torch.Tensor
+    speculative: torch.Tensor
+    # each row whose output parts from plain's
+    divergences: tuple[Divergence, ...]
+    dtype: torch.dtype
+
+    @property
+    def identical(self) -> bool:
+        return not self.divergences
+
+    @property
+    def faults(self) -> tuple[Divergence, ...]:
+        """The partings rounding does not explain."""
+        return tuple(d for d in self.divergences if not d.near_tie)
+
+    @property
+    def lossless(self) -> bool:
+        """Identical to plain generate's output, or parting from it only at near-ties."""
+        return not self.faults
+
+    def __str__(self) -> str:
+        rows = self.plain.shape[0]
+        if self.identical:
+            return f"identical to plain generate on all {rows} rows"
+        lines = [(f"{len(self.divergences)} of {rows} rows part from plain generate's output, "
+                  f"{len(self.faults)} where rounding does not explain it ({self.dtype}, near-tie: at most "
+                  f"{TIE_SPACINGS:g} spacings)")]
+        for d in self.divergences:
+            gap = "past the end of an output" if d.gap_in_spacings is None else (
+                f"the token taken scored {d.gap_in_spacings:.2f} spacings below plain's best")
+            lines.append(f"  row {d.row}, new token {d.position}: {gap}: {'near-tie' if d.near_tie else 'FAULT'}")
+        return "\n".join(lines)
+
+
+def check_greedy(
+    model,
+    # [B, P]
+    input_ids: torch.Tensor,
+    speculative: SpeculativeConfig,
+    # [B, P] or None
+    attention_mask: torch.Tensor | None = None,
+    **generate_kwargs,
+) -> LosslessReport:
+    """Greedy plain `model.generate` and hf_specdec's speculative `generate` with `speculative` on the same inputs
+    and `generate_kwargs` (max_new_tokens, logits processors, stopping, ...), compared row by row: where an output
+    parts from plain's, plain's scores there say whether it is a near-tie (in low precision, rounding's call) or a
+    fault. Sampled outputs differ by design, so sampling is refused (the library's chi-square tests check that
+    its sampling follows the target's distribution)."""
+    if not isinstance(speculative, SpeculativeConfig):
+        raise TypeError(f"check_greedy: speculative: expected a SpeculativeConfig, got {type(speculative).__name__}")
+    if generate_kwargs.get("do_sample"):
+        raise ValueError("check_greedy: do_sample=True: sampled outputs differ from plain generate's by design; "
+                         "compare greedy outputs (drop do_sample)")
+    taken = {"return_dict_in_generate", "output_scores"} & set(generate_kwargs)
+    if taken:
+        raise ValueError(f"check_greedy: {', '.join(sorted(taken))}: set by check_greedy itself; drop them")
+    kwargs = {**generate_kwargs, "do_sample": False}
+    plain = model.generate(input_ids, attention_mask=attention_mask, return_dict_in_generate=True,
+                           output_scores=True, **kwargs)
+    ours = generate(model, input_ids, attention_mask=attention_mask, speculative=speculative, **kwargs)
+    ours = ours.sequences if hasattr(ours, "sequences") else ours
+    width = min(plain.sequences.shape[1], ours.shape[1])  # rows that all stopped early may be cut on one side
+    reference, speculated = plain.sequences[:, :width], ours[:, :width]
+    dtype = model.dtype
+    return LosslessReport(reference, speculated,
+                          tuple(divergences(reference, speculated, input_ids.shape[1], plain.scores, dtype)), dtype)

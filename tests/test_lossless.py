@@ -1,4 +1,4 @@
-"""Where an output parts from plain generate's, and whether rounding explains it (`hf_specdec.cli.ties`), and how
+"""Where an output parts from plain generate's, and whether rounding explains it (`hf_specdec.lossless`), and how
 the demo reports it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_specdec.cli.demo import MethodRow, summarize, verdict
-from hf_specdec.cli.ties import TIE_SPACINGS, Divergence, divergences, first_difference, spacing
 from hf_specdec.cli.timing import Repeats
+from hf_specdec.lossless import TIE_SPACINGS, Divergence, divergences, first_difference, spacing
 from tests.cli.test_demo import PLAIN, generation
 
 
@@ -107,3 +107,48 @@ def test_the_demo_table_lists_each_parting_once(capsys):
     listed = [line for line in lines if line.startswith("  tie: ngram")]
     assert len(listed) == 1 and "answer 2 parts from plain generate's at new token 36" in listed[0]
     assert all(len(line) <= 116 for line in lines)
+
+
+def test_check_greedy_on_a_padded_batch(monkeypatch):
+    """n-gram lookup on a left-padded batch of a tiny Llama in float32: identical; a method whose output is changed
+    at one token: a fault, named; the same parting under an unbounded threshold: a near-tie."""
+    import math
+
+    import hf_specdec
+    from hf_specdec import SpeculativeConfig, check_greedy, lossless
+    from tests.conftest import make_model, padded_batch
+
+    model = make_model("llama")
+    ids, mask = padded_batch([9, 5], repeat_period=3)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    report = check_greedy(model, ids, config, attention_mask=mask, max_new_tokens=12)
+    assert report.identical and report.lossless and str(report) == "identical to plain generate on all 2 rows"
+    assert report.plain.shape == report.speculative.shape == (2, ids.shape[1] + 12)
+    generate = hf_specdec.generate
+
+    def changed(*args, **kwargs):  # row 1's 4th new token replaced
+        sequences = generate(*args, **kwargs).clone()
+        sequences[1, ids.shape[1] + 3] = (sequences[1, ids.shape[1] + 3] + 1) % 50
+        return sequences
+
+    monkeypatch.setattr(lossless, "generate", changed)
+    report = check_greedy(model, ids, config, attention_mask=mask, max_new_tokens=12)
+    assert not report.lossless and [(d.row, d.position) for d in report.faults] == [(1, 3)]
+    assert "1 of 2 rows part from plain generate's output, 1 where rounding does not explain it" in str(report)
+    assert "row 1, new token 3: the token taken scored" in str(report) and "FAULT" in str(report)
+    monkeypatch.setattr(lossless, "TIE_SPACINGS", math.inf)
+    report = check_greedy(model, ids, config, attention_mask=mask, max_new_tokens=12)
+    assert report.lossless and not report.identical and "near-tie" in str(report)
+
+
+def test_check_greedy_refuses_what_it_cannot_compare():
+    from hf_specdec import SpeculativeConfig, check_greedy
+    from tests.conftest import make_model
+
+    model, ids = make_model("llama"), torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="do_sample=True: sampled outputs differ from plain generate's by design"):
+        check_greedy(model, ids, SpeculativeConfig(method="ngram"), do_sample=True)
+    with pytest.raises(ValueError, match="output_scores: set by check_greedy itself"):
+        check_greedy(model, ids, SpeculativeConfig(method="ngram"), output_scores=True)
+    with pytest.raises(TypeError, match="speculative: expected a SpeculativeConfig, got dict"):
+        check_greedy(model, ids, {"method": "ngram"})
