@@ -79,6 +79,32 @@ class Divergence:
         return self.gap_in_spacings is not None and self.gap_in_spacings <= TIE_SPACINGS
 
 
+def _trimmed(
+    # [B, P + N] and [B, P + M]: two outputs for the same prompts
+    a: torch.Tensor,
+    b: torch.Tensor,
+    pad_token_id: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two over the columns both have where the wider one's extra columns hold only `pad_token_id` (a call
+    whose rows all stopped early may end there); otherwise as they are."""
+    width = min(a.shape[1], b.shape[1])
+    wider = a if a.shape[1] > width else b
+    if pad_token_id is not None and bool((wider[:, width:] == pad_token_id).all()):
+        return a[:, :width], b[:, :width]
+    return a, b
+
+
+def same_output(
+    # [B, P + N] and [B, P + M]: two outputs for the same prompts
+    a: torch.Tensor,
+    b: torch.Tensor,
+    pad_token_id: int | None = None,
+) -> bool:
+    """Equal outputs, but for trailing columns of padding on one side (see `_trimmed`)."""
+    a, b = _trimmed(a, b, pad_token_id)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
 def divergences(
     # [B, P + N] plain generate's output
     plain: torch.Tensor,
@@ -88,10 +114,13 @@ def divergences(
     # N tensors [B, V]: plain generate's scores at each new token (`output_scores=True`)
     plain_scores: Sequence[torch.Tensor],
     dtype: torch.dtype,
+    pad_token_id: int | None = None,
 ) -> list[Divergence]:
-    """Each row whose new tokens differ from plain's: where, and whether it is a near-tie."""
+    """Each row whose new tokens differ from plain's (trailing padding on one side aside, as `same_output`
+    compares): where, and whether it is a near-tie."""
     if plain.shape[0] != other.shape[0]:
         raise ValueError(f"divergences: {plain.shape[0]} plain rows against {other.shape[0]} other rows")
+    plain, other = _trimmed(plain, other, pad_token_id)
     found = []
     for row in range(plain.shape[0]):
         position = first_difference(plain[row, prompt_length:], other[row, prompt_length:])
@@ -106,11 +135,39 @@ def divergences(
     return found
 
 
+class PlainScores:
+    """Plain generate's scores on each of a list of batches, computed once, when first asked for (an output that
+    differs from plain's there), and checked to give plain's output again (`outputs`, set once plain has run)."""
+
+    def __init__(self, model, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None]], kwargs: dict) -> None:
+        # batches: ([B, P] token ids, [B, P] attention mask or None); kwargs: plain generate's, greedy
+        self.model, self.batches, self.kwargs = model, batches, kwargs
+        self.outputs: Sequence[torch.Tensor] | None = None  # per batch: [B, P + N] plain generate's output
+        self.scores: dict[int, Sequence[torch.Tensor]] = {}
+
+    def __call__(self, index: int) -> Sequence[torch.Tensor]:
+        """N tensors [B, V]: plain generate's scores at each new token of batch `index`."""
+        if index not in self.scores:
+            ids, mask = self.batches[index]
+            out = self.model.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True,
+                                      **self.kwargs)
+            if not same_output(out.sequences, self.outputs[index], self.kwargs.get("pad_token_id")):
+                raise RuntimeError("plain generate gave another output when run again: it is not deterministic "
+                                   "here, so outputs cannot be compared with it")
+            self.scores[index] = out.scores
+        return self.scores[index]
+
+    def divergences(self, index: int, other: torch.Tensor) -> list[Divergence]:
+        """Where `other` [B, P + M], an output on batch `index`, parts from plain's."""
+        return divergences(self.outputs[index], other, self.batches[index][0].shape[1], self(index),
+                           self.model.dtype, self.kwargs.get("pad_token_id"))
+
+
 @dataclass(frozen=True)
 class LosslessReport:
     """What `check_greedy` found."""
 
-    # [B, P + N] plain generate's output and hf_specdec's (trailing padding cut to the shorter)
+    # [B, P + N] plain generate's output and hf_specdec's (trailing padding on one side cut)
     plain: torch.Tensor
     speculative: torch.Tensor
     # each row whose output parts from plain's
@@ -172,8 +229,6 @@ def check_greedy(
                            output_scores=True, **kwargs)
     ours = generate(model, input_ids, attention_mask=attention_mask, speculative=speculative, **kwargs)
     ours = ours.sequences if hasattr(ours, "sequences") else ours
-    width = min(plain.sequences.shape[1], ours.shape[1])  # rows that all stopped early may be cut on one side
-    reference, speculated = plain.sequences[:, :width], ours[:, :width]
-    dtype = model.dtype
-    return LosslessReport(reference, speculated,
-                          tuple(divergences(reference, speculated, input_ids.shape[1], plain.scores, dtype)), dtype)
+    pad = kwargs.get("pad_token_id", model.generation_config.pad_token_id)
+    found = divergences(plain.sequences, ours, input_ids.shape[1], plain.scores, model.dtype, pad)
+    return LosslessReport(*_trimmed(plain.sequences, ours, pad), tuple(found), model.dtype)

@@ -152,3 +152,35 @@ def test_check_greedy_refuses_what_it_cannot_compare():
         check_greedy(model, ids, SpeculativeConfig(method="ngram"), output_scores=True)
     with pytest.raises(TypeError, match="speculative: expected a SpeculativeConfig, got dict"):
         check_greedy(model, ids, {"method": "ngram"})
+
+
+def test_plain_scores_are_computed_once_and_refuse_a_plain_generate_that_changed():
+    from types import SimpleNamespace
+
+    from hf_specdec.lossless import PlainScores
+
+    calls = []
+
+    class Target:
+        def generate(self, ids, **kwargs):
+            calls.append(kwargs)
+            return SimpleNamespace(sequences=ids + len(calls) - 1, scores=(torch.zeros(1, 4),))
+
+    ids = torch.tensor([[1, 2]])
+    scores = PlainScores(Target(), [(ids, torch.ones_like(ids))], {"max_new_tokens": 1})
+    scores.outputs = [ids]
+    assert scores(0)[0].shape == (1, 4) and scores(0) is scores(0) and len(calls) == 1
+    assert calls[0]["output_scores"] and calls[0]["return_dict_in_generate"] and calls[0]["max_new_tokens"] == 1
+    scores.scores.clear()  # the next call's plain output differs from the reference
+    with pytest.raises(RuntimeError, match="plain generate gave another output when run again"):
+        scores(0)
+
+
+def test_trailing_padding_on_one_side_is_no_difference():
+    from hf_specdec.lossless import same_output
+
+    plain, cut = torch.tensor([[4, 5, 0, 0]]), torch.tensor([[4, 5]])
+    assert same_output(plain, cut, pad_token_id=0) and same_output(cut, plain, pad_token_id=0)
+    assert not same_output(plain, cut)  # padding unknown: the widths differ
+    assert not same_output(torch.tensor([[4, 5, 7, 0]]), cut, pad_token_id=0)  # a real token past the end
+    assert divergences(plain, cut, 1, [_scores([{5: 1.0}])] * 3, torch.bfloat16, pad_token_id=0) == []

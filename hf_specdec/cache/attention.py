@@ -14,9 +14,9 @@ kernel on fewer, taller matrices; outputs agree with the "sdpa" function's to ro
 
 `packed_attention(model)` makes a model on a CPU whose attention is "sdpa" run it for the forwards inside the block.
 A model on a GPU is left alone (and tensors off the CPU go on to transformers' "sdpa" function unchanged): the
-layout has not been measured on a GPU, whose fused kernels take grouped heads differently (`benchmarks/gpu.sh` measures it there, `packed_sdpa` against that
-function). The prompt's prefill stays on the model's own attention, as in plain
-`generate`. The swap is counted per config under a lock, so calls in several threads on one model restore it only
+layout has not been measured on a GPU, whose fused kernels take grouped heads differently (`benchmarks/gpu.sh`
+measures it there, `packed_sdpa` against that function). The prompt's prefill stays on the model's own attention,
+as in plain `generate`. The swap is counted per config under a lock, so calls in several threads on one model restore it only
 when the last one leaves; meanwhile another thread's forwards on that model (a plain `generate`, say) run the packed
 function too, which computes the same attention.
 """
@@ -65,8 +65,18 @@ def packed_sdpa_attention(
     return packed_sdpa(query, key, value, attention_mask, dropout=dropout, scaling=scaling), None
 
 
-def packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
+def packed_sdpa(
+    # [B, H, W, D]
+    query: torch.Tensor,
+    # [B, K, S, D]
+    key: torch.Tensor,
+    # [B, K, S, Dv]
+    value: torch.Tensor,
+    # [B or 1, 1, W, S' >= S] additive or bool, or None
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> torch.Tensor:
     """The layout itself, on any device, for the tensors `packed_sdpa_attention` takes (H a multiple of K; the mask
     may be wider than the keys: its first S columns are read): [B, W, H, Dv], each key/value head attending once for
     its G query heads."""

@@ -55,7 +55,7 @@ import importlib.util
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,10 +70,10 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, empty_suffix_cache
-from hf_specdec.lossless import TIE_SPACINGS, divergences
 from hf_specdec.cli.timing import paired_speedup, time_interleaved
 from hf_specdec.config import SCHEDULES
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
+from hf_specdec.lossless import TIE_SPACINGS, PlainScores, same_output
 from hf_specdec.proposers.early_exit import early_exit_draft, num_layers
 from hf_specdec.pruned_draft import CONFIG_KEY as PRUNED_KEY
 from hf_specdec.pruned_draft import load_pruned_draft
@@ -371,11 +371,12 @@ def _add_counts(total: list[int], counts: list[int]) -> list[int]:
 def _measure(case: str, category: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft,
              kwargs, references, heads=None, early_exit_layer: int | None = None,
              tree_nodes: int | None = None, schedule: str = "", other_tokenizer: OtherTokenizer | None = None,
-             reference_scores: Callable[[int], Sequence[torch.Tensor]] | None = None):
+             plain_scores: PlainScores | None = None):
     """One case's instrumented pass over `batches` (counts, forward costs, statistics, the output check): the
     measurement, the outputs, and an uninstrumented pass to time (`time_interleaved`). `draft` is the draft model,
     or for the other-tokenizer cases `other_tokenizer.draft`. An output that differs from `references[i]` is looked
-    into after the pass with plain generate's scores on batch i (`reference_scores(i)`): near-tie or fault."""
+    into after the pass with plain generate's scores on batch i (`plain_scores`, given with `references`): near-tie
+    or fault."""
     generate, config = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer, tree_nodes,
                                     schedule or "adaptive", other_tokenizer)
     if kwargs.get("do_sample"):
@@ -396,7 +397,8 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
             sequences = out.sequences if hasattr(out, "sequences") else out
             outputs.append(sequences)
             m.calls += 1
-            if references is not None and not _same(sequences, references[index]):
+            if references is not None and not same_output(sequences, references[index],
+                                                          kwargs["pad_token_id"]):
                 m.identical = False
                 differing.append(index)
             m.new_tokens += count_new_tokens(sequences, ids.shape[1], kwargs["pad_token_id"])
@@ -420,13 +422,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     m.target_forwards, m.target_forward_seconds = target_timer.calls, target_timer.seconds
     m.draft_forwards, m.draft_forward_seconds = draft_timer.calls, draft_timer.seconds
     for index in differing:  # after the pass: its timers and counts leave this out
-        reference, sequences = references[index], outputs[index]
-        width = min(reference.shape[1], sequences.shape[1])  # trailing padding may be cut on one side
-        if reference_scores is None:
-            m.faults += 1
-            continue
-        for found in divergences(reference[:, :width], sequences[:, :width], batches[index][0].shape[1],
-                                 reference_scores(index), target.dtype):
+        for found in plain_scores.divergences(index, outputs[index]):
             m.near_ties += found.near_tie
             m.faults += not found.near_tie
 
@@ -436,33 +432,6 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
             generate(ids, attention_mask=mask, **kwargs)
 
     return m, outputs, timed_pass
-
-
-class ReferenceScores:
-    """Plain generate's scores on each batch, computed once, when an output first differs from plain's there (its
-    outputs, `references`, set after plain's pass)."""
-
-    def __init__(self, target, batches: list[tuple[torch.Tensor, torch.Tensor]], kwargs: dict) -> None:
-        self.target, self.batches, self.kwargs = target, batches, kwargs
-        self.references: list[torch.Tensor] | None = None
-        self.scores: dict[int, Sequence[torch.Tensor]] = {}
-
-    def __call__(self, index: int) -> Sequence[torch.Tensor]:
-        if index not in self.scores:
-            ids, mask = self.batches[index]
-            out = self.target.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True,
-                                       **self.kwargs)
-            if not _same(out.sequences, self.references[index]):
-                raise RuntimeError("plain generate gave another output when run again: it is not deterministic "
-                                   "here, so outputs cannot be compared with it")
-            self.scores[index] = out.scores
-        return self.scores[index]
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal outputs; when every row stopped early, one side may be cut shorter (trailing padding)."""
-    width = min(a.shape[1], b.shape[1])
-    return a.shape[0] == b.shape[0] and torch.equal(a[:, :width], b[:, :width])
 
 
 def _seeded(generate: Callable[..., Any]) -> Callable[..., Any]:
@@ -899,16 +868,16 @@ def run(args: argparse.Namespace) -> int:
             generate, _ = _generate_fn("plain", target, draft, None)
             generate(batches[0][0][:1], attention_mask=batches[0][1][:1], **{**kwargs, "max_new_tokens": 2})  # warm-up
             references = None
-            reference_scores = ReferenceScores(target, batches, kwargs)
+            plain_scores = PlainScores(target, batches, kwargs)
             passes: dict[int, tuple[Measurement, Callable[[], None]]] = {}
             for index, (case, k, tree_width, schedule) in enumerate(group):
                 m, outputs, timed_pass = _measure(case, category, batch_size, k, tree_width, batches, target,
                                                   models.draft_for(case), kwargs,
                                                   None if kwargs["do_sample"] else references, heads,
                                                   args.early_exit_layer, args.tree_nodes, schedule,
-                                                  models.other_tokenizer, reference_scores)
+                                                  models.other_tokenizer, plain_scores)
                 if case == "plain":
-                    references = reference_scores.references = outputs
+                    references = plain_scores.outputs = outputs
                 passes[index] = (m, counted(timed_pass))
                 progress.update(1)
             rounds = time_interleaved({index: timed for index, (_, timed) in passes.items()}, args.repeats)

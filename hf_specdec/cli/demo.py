@@ -38,9 +38,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.runs import Generation, empty_suffix_cache, run_generate
-from hf_specdec.lossless import TIE_SPACINGS, Divergence, divergences
 from hf_specdec.cli.timing import MIN_NOISE, Repeats, noise_note, paired_speedup, time_interleaved
 from hf_specdec.heads import EagleHead, MedusaHeads
+from hf_specdec.lossless import TIE_SPACINGS, Divergence, PlainScores, same_output
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.loading import load_testbed
@@ -260,10 +260,12 @@ class MethodRow:
 
 
 def summarize(name: str, runs: Repeats, plain: Repeats,
-              parting: Callable[[torch.Tensor], list[Divergence]] | None = None) -> MethodRow:
+              parting: Callable[[torch.Tensor], list[Divergence]] | None = None,
+              pad_token_id: int | None = None) -> MethodRow:
     """The table row of one method from its repeats and plain generate's, paired round by round (costs are medians
-    over rounds of that round's cost, so the verify forward's share never exceeds its step). `parting` says where
-    an output [B, P + N] that differs from plain's parts from it (default: at an unexplained difference)."""
+    over rounds of that round's cost, so the verify forward's share never exceeds its step). An output differs
+    from plain's but for trailing padding on one side (`pad_token_id`); `parting` says where an output [B, P + N]
+    that differs parts from it (default: at an unexplained difference)."""
     first: Generation = runs.values[0]
     reference: Generation = plain.values[0]
     plain_steps = [seconds / reference.target_forward_passes for seconds in plain.seconds]  # per round
@@ -281,7 +283,7 @@ def summarize(name: str, runs: Repeats, plain: Repeats,
         verify_cost=statistics.median(verify_costs),
         mean_acceptance_length=None if first.stats is None else first.stats.mean_acceptance_length,
         acceptance_rate=None if first.stats is None else first.stats.acceptance_rate,
-        divergences=tuple(found for g in runs.values if not torch.equal(g.sequences, reference.sequences)
+        divergences=tuple(found for g in runs.values if not same_output(g.sequences, reference.sequences, pad_token_id)
                           for found in (parting or _unexplained)(g.sequences)),
     )
 
@@ -429,19 +431,10 @@ def run_workload(models: DemoModels, configs: dict[str, SpeculativeConfig | None
           flush=True)
     runs = {name: partial(generate_once, models, ids, mask, kwargs, config) for name, config in configs.items()}
     timed = time_interleaved(runs, args.repeats)
-    plain = timed["plain"].values[0].sequences
-    scores = []  # plain generate's scores, computed once, untimed, if an output differs
-
-    def parting(sequences: torch.Tensor) -> list[Divergence]:
-        if not scores:
-            out = models.target.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True,
-                                         **kwargs)
-            if not torch.equal(out.sequences, plain):
-                raise RuntimeError("plain generate gave another output when run again: it is not deterministic here")
-            scores.append(out.scores)
-        return divergences(plain, sequences, ids.shape[1], scores[0], models.target.dtype)
-
-    rows = [summarize(name, timed[name], timed["plain"], parting) for name in runs]
+    plain_scores = PlainScores(models.target, [(ids, mask)], kwargs)  # computed once, untimed, if an output differs
+    plain_scores.outputs = [timed["plain"].values[0].sequences]
+    rows = [summarize(name, timed[name], timed["plain"], partial(plain_scores.divergences, 0),
+                      kwargs["pad_token_id"]) for name in runs]
 
     continuation = models.tokenizer.decode(timed["plain"].values[0].sequences[0, ids.shape[1] :],
                                            skip_special_tokens=True)

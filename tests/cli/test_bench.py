@@ -323,24 +323,3 @@ def test_outputs_that_part_from_plain_are_near_ties_or_faults(tmp_path, monkeypa
     printed = capsys.readouterr().out
     assert " tie " in printed and "note: 1 output row parted from plain generate's, each at a near-tie" in printed
 
-
-def test_reference_scores_are_computed_once_and_refuse_a_plain_generate_that_changed():
-    from types import SimpleNamespace
-
-    from hf_specdec.cli.bench import ReferenceScores
-
-    calls = []
-
-    class Target:
-        def generate(self, ids, **kwargs):
-            calls.append(kwargs)
-            return SimpleNamespace(sequences=ids + len(calls) - 1, scores=(torch.zeros(1, 4),))
-
-    ids = torch.tensor([[1, 2]])
-    scores = ReferenceScores(Target(), [(ids, torch.ones_like(ids))], {"max_new_tokens": 1})
-    scores.references = [ids]
-    assert scores(0)[0].shape == (1, 4) and scores(0) is scores(0) and len(calls) == 1
-    assert calls[0]["output_scores"] and calls[0]["return_dict_in_generate"] and calls[0]["max_new_tokens"] == 1
-    scores.scores.clear()  # the next call's plain output differs from the reference
-    with pytest.raises(RuntimeError, match="plain generate gave another output when run again"):
-        scores(0)
