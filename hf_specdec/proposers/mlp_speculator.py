@@ -40,6 +40,7 @@ class MlpSpeculatorProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
         self.speculator = config.heads
         self.speculator.check_target(target)
+        self.vocab = self.speculator.target_vocab(target)  # None, or the target's embedding and lm_head it shares
         n_predict = self.speculator.config.n_predict
         self.k = min(config.num_speculative_tokens, n_predict)
         if config.num_speculative_tokens > n_predict:
@@ -67,7 +68,8 @@ class MlpSpeculatorProposer(Proposer):
         budget = state.draft_budget().clamp(max=self.k)
         root = state.last_tokens()
         speculator_state = self.speculator.input_state(state.target_hidden)  # [B, emb_dim]
-        first = self.speculator.advance(0, speculator_state, root)  # [B, inner]: the state stage 0's guess is read from
+        # [B, inner]: the state stage 0's guess is read from
+        first = self.speculator.advance(0, speculator_state, root, self.vocab)
         if self.total is not None:
             return self._dynamic_tree(state, budget, first)
         if self.width > 1:
@@ -84,7 +86,7 @@ class MlpSpeculatorProposer(Proposer):
     ) -> torch.Tensor:
         """[..., V_target] scores of the stage's guess (unwarped: what an argmax reads)."""
         # a target whose lm_head has padded rows: never proposed
-        return fit_vocab(self.speculator.stage_logits(stage, speculator_state), self.target_vocab)
+        return fit_vocab(self.speculator.stage_logits(stage, speculator_state, self.vocab), self.target_vocab)
 
     def _scores(
         self,
@@ -101,7 +103,7 @@ class MlpSpeculatorProposer(Proposer):
         tokens, probs = [], []
         for stage in range(depth):
             if stage > 0:
-                current = self.speculator.advance(stage, current, tokens[-1])
+                current = self.speculator.advance(stage, current, tokens[-1], self.vocab)
             token, stage_probs = draw_draft(self._logits(stage, current), self.sampling.do_sample,
                                             self.sampling.warpers, self.sampling.generator)
             tokens.append(token)
@@ -116,7 +118,7 @@ class MlpSpeculatorProposer(Proposer):
         levels = [self._scores(0, current).topk(self.width, dim=-1).indices]  # [B, w]
         current = current[:, None].expand(-1, self.width, -1)  # [B, w, inner]
         for stage in range(1, self.k):
-            current = self.speculator.advance(stage, current, levels[-1])
+            current = self.speculator.advance(stage, current, levels[-1], self.vocab)
             levels.append(self._logits(stage, current).argmax(dim=-1))  # unwarped: the warpers keep the best token
         device = state.sequences.device
         tokens = torch.cat([state.last_tokens()[:, None], *(level.to(device) for level in levels)], dim=1)
@@ -128,7 +130,7 @@ class MlpSpeculatorProposer(Proposer):
         candidates = Candidates(torch.log_softmax(self._scores(0, current), dim=-1), width)
         current = current[:, None].expand(-1, width, -1)  # [B, w, inner]: the state each frontier token came from
         for stage in range(1, self.k):
-            current = self.speculator.advance(stage, current, candidates.frontier_tokens)  # [B, w, inner]
+            current = self.speculator.advance(stage, current, candidates.frontier_tokens, self.vocab)  # [B, w, inner]
             best = candidates.expand(torch.log_softmax(self._scores(stage, current), dim=-1))  # [B, w]
             current = current.gather(1, (best // width)[:, :, None].expand(-1, -1, current.shape[-1]))
         tree, _ = candidates.select(state.last_tokens(), self.total, budget, state.sequences.device)

@@ -18,10 +18,16 @@ fms-fsdp trains in two stages, which here are the same objective on different ro
         --temperature 1 --prompt-len 64 --seq-len 320 --steps 6000
 
 A run started from a folder (ours, or fms-extras' published layout) keeps its architecture: its n_predict,
-inner_dim, tie_weights, scale_input, top_k_tokens_per_head and n_candidates must be this run's options. A new
-speculator starts from fms-extras' random initialisation, or with `--init-from-target` from the target's embedding
-matrix (every stage's `emb`) and lm_head (every stage's `head`): copies when `--inner-dim` is 0 or the target's
-hidden size, else both projected onto the top inner_dim right singular vectors of the target's lm_head.
+inner_dim, tie_weights, scale_input, shared_vocab, top_k_tokens_per_head and n_candidates must be this run's
+options. A new speculator starts from fms-extras' random initialisation, or with `--init-from-target` from the
+target's embedding matrix (every stage's `emb`) and lm_head (every stage's `head`): copies when `--inner-dim` is 0 or
+the target's hidden size, else both projected onto the top inner_dim right singular vectors of the target's lm_head.
+
+With `--shared-vocab` the speculator embeds and scores with the target's own matrices through learned maps (see
+`hf_specdec.heads.mlp_speculator.model`): only the maps, projections and norms train, and the files stay small
+whatever the state's width. The maps start as the identity (inner_dim 0), or with `--init-from-target` as those
+singular vectors. `--token-map-size D` then drafts over the D most frequent tokens of the training rows, and the
+stages learn over them (positions whose token lies outside the map add no loss; accuracy counts them as missed).
 The result is saved as our adapter folder, in float32 (`MlpSpeculator.from_pretrained(OUT)`);
 `hf_specdec.heads.mlp_speculator.export_fms_extras` writes it in the layout vLLM loads. Defaults follow fms-fsdp:
 3 stages, tied weights, scaled input, learning rate 1e-3.
@@ -38,13 +44,15 @@ from torch import nn
 from transformers import AutoConfig
 
 from hf_specdec.heads.mlp_speculator import MlpSpeculator, MlpSpeculatorConfig
+from hf_specdec.heads.token_map import map_index, most_frequent_tokens
 from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.skeleton import Objective, train
 from hf_specdec.training.target_features import FINAL_LAYER, TargetBatch
 
 # the fields of MlpSpeculatorConfig the options set (the target gives emb_dim and vocab_size)
-HEAD_OPTIONS = ("n_predict", "inner_dim", "tie_weights", "scale_input", "top_k_tokens_per_head", "n_candidates")
+HEAD_OPTIONS = ("n_predict", "inner_dim", "tie_weights", "scale_input", "shared_vocab", "top_k_tokens_per_head",
+                "n_candidates")
 
 
 @dataclass
@@ -55,6 +63,13 @@ class MlpSpeculatorTrainConfig(TrainConfig):
     tie_weights: bool = field(default=True, metadata={"help": "every stage shares one embedding, norm and lm_head "
                                                               "(files n_predict times smaller)"})
     scale_input: bool = field(default=True, metadata={"help": "normalise the target's hidden state before stage 0"})
+    shared_vocab: bool = field(
+        default=False, metadata={"help": "embed and score with the target's own embedding and lm_head through "
+                                         "learned maps instead of vocabulary-sized matrices (small files at any "
+                                         "inner_dim)"})
+    token_map_size: int | None = field(
+        default=None, metadata={"help": "with shared_vocab: draft over this many most frequent tokens of the "
+                                        "training rows, and learn over them"})
     top_k_tokens_per_head: list[int] | None = field(
         default=None, metadata={"help": "candidates per stage for tree drafting, saved with the speculator (default 5 "
                                         "4 3 ...)"})
@@ -78,6 +93,13 @@ class MlpSpeculatorTrainConfig(TrainConfig):
             raise ValueError(f"{owner}.seq_len: stage {self.n_predict - 1} learns the token {self.n_predict + 1} "
                              f"after a position; expected at least n_predict + 2 = {self.n_predict + 2} tokens per "
                              f"row, got {self.seq_len}")
+        if self.token_map_size is not None and (isinstance(self.token_map_size, bool) or self.token_map_size < 1
+                                                or not self.shared_vocab):
+            raise ValueError(f"{owner}.token_map_size: expected an int >= 1 with shared_vocab, got "
+                             f"{self.token_map_size!r} (shared_vocab={self.shared_vocab})")
+        if self.token_map_size is not None and self.token_map_size > text.vocab_size:
+            raise ValueError(f"{owner}.token_map_size: expected at most the target's vocabulary, {text.vocab_size}, "
+                             f"got {self.token_map_size}")
         if self.init_from_target and self.init_from is not None:
             raise ValueError(f"{owner}.init_from_target: starts a new speculator from the target's embeddings, and "
                              f"init_from {self.init_from} from a saved one; pass one of them")
@@ -118,12 +140,20 @@ def init_from_target(head: MlpSpeculator, target: nn.Module) -> None:
     """Every stage's embedding and lm_head start from the target's embedding matrix and lm_head: copies when the
     speculator is as wide as the target, else both projected onto the top inner_dim right singular vectors of the
     target's lm_head (the directions of the hidden state that move its logits most), so that every token of the
-    vocabulary, not only those the training rows hold, starts where the target puts it."""
+    vocabulary, not only those the training rows hold, starts where the target puts it. A `shared_vocab`
+    speculator uses the target's own matrices: its maps start as the identity, or as that projection."""
     embeddings, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     inner = head.config.inner_size
+    if head.config.shared_vocab:
+        if inner < lm_head.shape[1]:
+            basis = _top_directions(lm_head, inner)
+            with torch.no_grad():
+                for emb_map, head_map in zip(head.emb_map, head.head_map, strict=True):
+                    emb_map.weight.copy_(basis.T)
+                    head_map.weight.copy_(basis)
+        return
     if inner < lm_head.shape[1]:
-        _, _, right = torch.linalg.svd(lm_head.detach().float(), full_matrices=False)  # right: [H, H]
-        basis = right[:inner].T  # [H, inner]
+        basis = _top_directions(lm_head, inner)
         # at the random initialisation's scale (entries of variance 1 / inner): the stages' states are normed, GELU'd
         # vectors, not the target's hidden states, and the target's own scale makes logits far too confident
         embeddings, lm_head = (_rescaled(matrix.detach().float() @ basis) for matrix in (embeddings, lm_head))
@@ -135,6 +165,16 @@ def init_from_target(head: MlpSpeculator, target: nn.Module) -> None:
                                      f"{tuple(source.shape)}, the speculator's is {tuple(module.weight.shape)}; drop "
                                      f"init_from_target")
                 module.weight.copy_(source)
+
+
+def _top_directions(
+    # [V, H]
+    lm_head: torch.Tensor,
+    inner: int,
+) -> torch.Tensor:
+    """[H, inner]: the top `inner` right singular vectors of the lm_head's weight."""
+    _, _, right = torch.linalg.svd(lm_head.detach().float(), full_matrices=False)  # right: [H, H]
+    return right[:inner].T
 
 
 def _rescaled(
@@ -161,13 +201,20 @@ class MlpSpeculatorObjective(Objective):
         ahead = [batch.ahead(distance) for distance in range(1, self.head.config.n_predict + 2)]
         keep = torch.stack([trained for _, trained in ahead[1:]]).any(0)  # [B, L]: positions some stage learns from
         state = self.head.input_state(batch.features[keep])  # [N, H]: h_t
+        vocab = self.head.target_vocab(target, compact=True)  # None: the speculator's own matrices
+        token_map = self.head.token_map  # [D] or None: learn over the map's ids, as it drafts
         total, losses, accuracies = state.new_zeros((), dtype=torch.float32), [], []
         for stage, ((read, _), (label, trained)) in enumerate(itertools.pairwise(ahead)):
-            state = self.head.advance(stage, state, read[keep])  # [N, inner]
-            logits = self.head.stage_logits(stage, state)  # [N, V]
+            state = self.head.advance(stage, state, read[keep], vocab)  # [N, inner]
+            logits = self.head.stage_logits(stage, state, vocab)  # [N, V], or [N, D] over a token map
             label, weight = label[keep], trained[keep].float()  # [N] each
+            learned = weight
+            if token_map is not None:  # renumbered to the map; a token outside it adds no loss, and is missed
+                label = map_index(token_map, self.head.config.vocab_size)[label]
+                learned = weight * (label >= 0)
             count = weight.sum().clamp(min=1)
-            loss = (nn.functional.cross_entropy(logits, label, reduction="none") * weight).sum() / count
+            entropy = nn.functional.cross_entropy(logits, label.clamp(min=0), reduction="none")
+            loss = (entropy * learned).sum() / learned.sum().clamp(min=1)
             total = total + loss
             losses.append(float(loss.detach()))
             accuracies.append(float(((logits.argmax(-1) == label).float() * weight).sum() / count))
@@ -194,6 +241,9 @@ def make_objective(config: MlpSpeculatorTrainConfig, target: nn.Module, rows: Tr
         head = MlpSpeculator(config.head_config(text.hidden_size, text.vocab_size))
         if config.init_from_target:
             init_from_target(head, target)
+    if config.token_map_size is not None:
+        head.set_token_map(most_frequent_tokens(rows.tokens(), text.vocab_size, config.token_map_size))
+    head.check_target(target, type(config).__name__)
     return MlpSpeculatorObjective(head.train().to(target.device))
 
 

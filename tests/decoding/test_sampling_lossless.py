@@ -169,14 +169,14 @@ def _shared_medusa(target):
                                     shared_lm_head=True)).eval()
 
 
-def _speculator(target):
+def _speculator(target, **options):
     """An MLP speculator fitted to the target's own sampled continuations: its sampled drafts are accepted often,
-    at depth 2 too, and rejected often."""
+    at depth 2 too, and rejected often. `options`: `fitted_speculator`'s (e.g. the target's vocabulary)."""
     torch.manual_seed(0)
     prompts = PROMPT.expand(64, -1)
     sequences = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=8, do_sample=True,
                                 temperature=TEMPERATURE, top_k=TOP_K)
-    return fitted_speculator(target, sequences, n_predict=2, steps=30)
+    return fitted_speculator(target, sequences, n_predict=2, steps=30, **options)
 
 
 PROPOSERS = {
@@ -212,6 +212,10 @@ PROPOSERS = {
                                                        num_speculative_tokens=2, seed=17),
     "mlp_speculator_dynamic_tree": lambda target: SpeculativeConfig(method="mlp_speculator", heads=_speculator(target),
                                                                     top_k=2, depth=2, total_tokens=4, seed=18),
+    # embedding and scoring with the target's own matrices, drafting over five of the eight ids
+    "mlp_speculator_shared_vocab": lambda target: SpeculativeConfig(
+        method="mlp_speculator", num_speculative_tokens=2, seed=26,
+        heads=_speculator(target, shared_vocab=True, token_map=torch.tensor([0, 2, 3, 5, 6]))),
     "early_exit": lambda target: SpeculativeConfig(method="early_exit", early_exit_layer=1, num_speculative_tokens=2,
                                                    seed=19),
     "early_exit_dynamic_tree": lambda target: SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2,

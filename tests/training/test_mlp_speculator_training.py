@@ -1,6 +1,7 @@
 """MLP speculator training: the loss is the sum over stages of cross-entropy against the row's token i + 2 after each
 position (teacher-forced), it goes down, the saved folder loads, stage 2 starts from stage 1's folder, the target's
-embeddings and lm_head can seed a new speculator, bad options are clear errors, and 2 processes run."""
+embeddings and lm_head can seed a new speculator or be shared by it (over a token map), bad options are clear errors,
+and 2 processes run."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from transformers import LlamaForCausalLM
 
 from hf_specdec.cli.main import main as cli_main
 from hf_specdec.heads import MlpSpeculator
+from hf_specdec.heads.token_map import most_frequent_tokens
 from hf_specdec.testbed import loading
 from hf_specdec.training.config import GENERATED_FILE
 from hf_specdec.training.generated import TrainingRows
@@ -88,6 +90,67 @@ def test_the_loss_is_each_stages_cross_entropy_on_the_rows_own_tokens(base):  # 
     assert float(loss) == pytest.approx(sum(expected), rel=1e-5)
 
 
+def test_on_the_targets_vocabulary_the_loss_is_over_the_token_map(base):  # noqa: F811
+    """shared_vocab with a token map of the rows' 16 most frequent tokens: each stage's cross-entropy over the map's
+    ids, at the labels inside it; accuracy counts a label outside the map as missed."""
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    config = MlpSpeculatorTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, inner_dim=16,
+                                      shared_vocab=True, token_map_size=16)
+    torch.manual_seed(0)
+    ids = torch.randint(2, 200, (3, 12))  # about 30 distinct ids: some labels fall outside the map
+    rows = TrainingRows.full(ids)
+    objective = make_objective(config, target, rows)
+    token_map = objective.head.token_map
+    assert torch.equal(token_map, most_frequent_tokens(ids, 4096, 16))
+    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    with torch.no_grad():
+        loss, metrics = objective(batch, target)
+        hidden = target.model(ids).last_hidden_state
+        vocab = objective.head.target_vocab(target)
+        expected, hits, count = [], 0, 0
+        for stage in range(3):
+            terms = []
+            for row in range(3):
+                for t in range(12 - 2 - stage):
+                    label = ids[row, 2 + stage + t]
+                    logits = objective.head(hidden[row, t], ids[row, t + 1 : t + 4], vocab)[stage]  # [V]
+                    if stage == 0:
+                        hits, count = hits + int(logits.argmax() == label), count + 1
+                    if label in token_map:
+                        terms.append(torch.nn.functional.cross_entropy(logits[token_map][None],
+                                                                       (token_map == label).nonzero()[0]))
+            expected.append(float(torch.stack(terms).mean()))
+    assert 0 < len(terms) < 3 * 8
+    assert metrics["stage_loss"] == pytest.approx(expected, rel=1e-5)
+    assert float(loss) == pytest.approx(sum(expected), rel=1e-5)
+    assert metrics["accuracy"] == pytest.approx(hits / count)
+
+
+def test_on_the_targets_vocabulary_training_lowers_the_loss_and_saves_small_files(base, tmp_path):  # noqa: F811
+    # on the target's own continuations, which its lm_head scores well (the random target's embeddings know no text)
+    extra = ["--num-samples", "8", "--prompt-len", "16", "--shared-vocab", "--token-map-size", "512", "--inner-dim",
+             "0"]
+    assert cli_main(_args(base, tmp_path, steps=20, extra=extra)) == 0
+    history = _metrics(tmp_path)["loss_history"]
+    assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 - 2.0  # 18.1 -> 14.3 when written
+    stored = load_file(tmp_path / "adapter_model.safetensors")
+    assert max(t.numel() for t in stored.values()) == 32 * 32 and stored["token_map"].shape == (512,)
+    head = MlpSpeculator.from_pretrained(tmp_path)
+    assert head.config.shared_vocab and head.config.token_map_size == 512 and head.config.inner_size == 32
+
+
+def test_on_the_targets_vocabulary_a_narrower_speculator_starts_from_top_directions(base, tmp_path):  # noqa: F811
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    common = {"base": base, "data": DATA, "out": tmp_path, "seq_len": 12, "prompt_len": 4, "shared_vocab": True}
+    rows = TrainingRows.full(torch.randint(2, 4096, (2, 12)))
+    head = make_objective(MlpSpeculatorTrainConfig(**common, inner_dim=8, init_from_target=True), target, rows).head
+    basis = torch.linalg.svd(target.get_output_embeddings().weight.detach().float(), full_matrices=False)[2][:8].T
+    torch.testing.assert_close(head.emb_map[0].weight, basis.T)
+    torch.testing.assert_close(head.head_map[0].weight, basis)
+    wide = make_objective(MlpSpeculatorTrainConfig(**common), target, rows).head
+    assert torch.equal(wide.emb_map[0].weight, torch.eye(32)) and torch.equal(wide.head_map[0].weight, torch.eye(32))
+
+
 def test_stage_two_starts_from_stage_ones_folder_on_generated_rows(base, stage1, tmp_path):  # noqa: F811
     # a learning rate too small to move the weights: what is saved is what was loaded
     extra = ["--init-from", str(stage1), "--num-samples", "3", "--prompt-len", "16", "--temperature", "1",
@@ -150,6 +213,10 @@ def test_bad_options_are_clear_errors(base, stage1, tmp_path):  # noqa: F811
     refused(["--inner-dim", "40", "--init-from-target"],
             "MlpSpeculatorTrainConfig.init_from_target: .*\\(32 wide\\), which cannot fill inner_dim 40")
     refused(["--init-from", str(tmp_path / "nowhere")], "MlpSpeculatorTrainConfig.init_from: no such folder")
+    refused(["--token-map-size", "64"], r"MlpSpeculatorTrainConfig.token_map_size: expected an int >= 1 with "
+                                        r"shared_vocab, got 64 \(shared_vocab=False\)")
+    refused(["--shared-vocab", "--token-map-size", "5000"], "MlpSpeculatorTrainConfig.token_map_size: expected at "
+                                                           "most the target's vocabulary, 4096, got 5000")
     refused(["--init-from", str(stage1), "--no-tie-weights"],
             "init_from: .* holds a speculator with tie_weights True, this run asks for False; pass the options it "
             "was trained with")

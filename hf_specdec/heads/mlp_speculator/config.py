@@ -28,6 +28,14 @@ class MlpSpeculatorConfig:
     top_k_tokens_per_head: list[int] | None = field(
         default=None, metadata={"help": "candidates per stage when drafting a tree (default 5, 4, 3, ...)"})
     n_candidates: int = field(default=5, metadata={"help": "the tree's best paths kept (by summed log-probability)"})
+    shared_vocab: bool = field(
+        default=False, metadata={"help": "embed tokens with the target's input embeddings and score them with its "
+                                         "lm_head, each through a learned map (emb_map, head_map), instead of "
+                                         "vocabulary-sized matrices of the speculator's own: files vocab_size / "
+                                         "emb_dim times smaller; the speculator then needs its target to run"})
+    token_map_size: int | None = field(
+        default=None, metadata={"help": "with shared_vocab: draft over this many target ids (the speculator's "
+                                        "token_map) instead of the whole vocabulary"})
     base_model_name_or_path: str | None = field(default=None, metadata={"help": "the target it was trained on"})
     revision: str | None = field(default=None, metadata={"help": "the target's revision"})
 
@@ -35,7 +43,7 @@ class MlpSpeculatorConfig:
         for name in ("emb_dim", "vocab_size", "n_predict", "n_candidates"):
             _check_int(name, getattr(self, name), 1)
         _check_int("inner_dim", self.inner_dim, 0)
-        for name in ("tie_weights", "scale_input"):
+        for name in ("tie_weights", "scale_input", "shared_vocab"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MlpSpeculatorConfig.{name}: expected a bool, got {getattr(self, name)!r}")
         if self.tie_weights and self.n_predict < 2:
@@ -49,6 +57,14 @@ class MlpSpeculatorConfig:
             raise ValueError(f"MlpSpeculatorConfig.top_k_tokens_per_head: expected {self.n_predict} ints >= 1 (one "
                              f"per stage, n_predict {self.n_predict}), got {top_k!r}")
         self.top_k_tokens_per_head = list(top_k)
+        if self.token_map_size is not None:
+            _check_int("token_map_size", self.token_map_size, 1)
+            if not self.shared_vocab:
+                raise ValueError("MlpSpeculatorConfig.token_map_size: only for a speculator that scores with the "
+                                 "target's lm_head (shared_vocab=True)")
+            if self.token_map_size > self.vocab_size:
+                raise ValueError(f"MlpSpeculatorConfig.token_map_size: expected at most vocab_size "
+                                 f"{self.vocab_size}, got {self.token_map_size}")
         if self.n_candidates > math.prod(top_k):
             raise ValueError(f"MlpSpeculatorConfig.n_candidates: expected at most the tree's {math.prod(top_k)} "
                              f"paths (the product of top_k_tokens_per_head {top_k}), got {self.n_candidates}")

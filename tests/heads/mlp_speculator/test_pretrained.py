@@ -47,7 +47,8 @@ def test_push_to_hub_uploads_adapter_and_card(monkeypatch, tmp_path):
     text = " ".join(card.text.split())
     assert "# MLP speculator for local/target" in text
     assert "of 3 stages that reads the target model's final hidden state (width 12)" in text
-    assert "State width 8, vocabulary 23, tied: one embedding, norm and lm_head for every stage" in text
+    assert ("State width 8; its own embeddings and lm_heads over 23 tokens; tied: one embedding, norm and lm_head for "
+            "every stage") in text
     assert f"input scaling: False; {head.num_parameters() / 1e6:.1f} M parameters" in text
     assert 'MlpSpeculator.from_pretrained("user/mlp")' in card.text
     assert "| mean_acceptance_length | 2.61 |" in card.text
