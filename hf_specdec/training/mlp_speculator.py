@@ -25,9 +25,10 @@ the target's hidden size, else both projected onto the top inner_dim right singu
 
 With `--shared-vocab` the speculator embeds and scores with the target's own matrices through learned maps (see
 `hf_specdec.heads.mlp_speculator.model`): only the maps, projections and norms train, and the files stay small
-whatever the state's width. The maps start as the identity (inner_dim 0), or with `--init-from-target` as those
-singular vectors. `--token-map-size D` then drafts over the D most frequent tokens of the training rows, and the
-stages learn over them (positions whose token lies outside the map add no loss; accuracy counts them as missed).
+whatever the state's width. The maps start as the identity (on the first coordinates when inner_dim differs from
+the hidden size), or with `--init-from-target` and a narrower state as those singular vectors. `--token-map-size D`
+then drafts over the D most frequent tokens of the training rows, and the stages learn over them (positions whose
+token lies outside the map add no loss; accuracy counts them as missed).
 The result is saved as our adapter folder, in float32 (`MlpSpeculator.from_pretrained(OUT)`);
 `hf_specdec.heads.mlp_speculator.export_fms_extras` writes it in the layout vLLM loads. Defaults follow fms-fsdp:
 3 stages, tied weights, scaled input, learning rate 1e-3.

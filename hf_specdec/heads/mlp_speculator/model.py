@@ -115,7 +115,7 @@ class MlpSpeculator(AdapterMixin, TokenMapMixin, nn.Module):
             self.head = nn.ModuleList(nn.Linear(inner, config.vocab_size, bias=False) for _ in range(distinct))
         self._init_token_map(config.vocab_size)
         # fms-extras' initialisation: N(0, 1 / inner) for embeddings and projections (norms start as 1 and 0); the
-        # maps of a shared vocabulary start as the identity (on the first inner coordinates when narrower)
+        # maps of a shared vocabulary start as the identity (on the first coordinates when inner differs from emb_dim)
         with torch.no_grad():
             for module in (*self.proj, *(() if config.shared_vocab else (*self.emb, *self.head))):
                 module.weight.normal_(0, 1 / math.sqrt(inner))
