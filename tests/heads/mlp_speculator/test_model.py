@@ -145,11 +145,12 @@ def test_a_target_of_another_shape_is_refused():
         random_speculator(emb_dim=32).check_target(target)
 
 
-@pytest.mark.parametrize("tie_weights, inner_dim, millions", [(True, 576, 57.3), (True, 256, 25.4), (False, 576, 170.9),
-                                                              (False, 256, 75.8)])
-def test_what_a_speculator_for_smollm2_costs(tie_weights, inner_dim, millions):
+@pytest.mark.parametrize("tie_weights, inner_dim, shared_vocab, millions", [
+    (True, 576, False, 57.3), (True, 256, False, 25.4), (False, 576, False, 170.9), (False, 256, False, 75.8),
+    (True, 576, True, 1.3), (False, 1024, True, 6.2), (False, 1024, False, 304.7)])
+def test_what_a_speculator_for_smollm2_costs(tie_weights, inner_dim, shared_vocab, millions):
     """The sizes the module docstring quotes (SmolLM2-135M: vocabulary 49152, hidden size 576; 3 stages)."""
     with torch.device("meta"):
         head = MlpSpeculator(MlpSpeculatorConfig(emb_dim=576, vocab_size=49152, inner_dim=inner_dim,
-                                                 tie_weights=tie_weights))
+                                                 tie_weights=tie_weights, shared_vocab=shared_vocab))
     assert round(head.num_parameters() / 1e6, 1) == millions
