@@ -35,9 +35,11 @@ files small, at the price of a narrow state.
 which is the published speculator with emb_i = E @ emb_map_i^T and head_i = W @ head_map_i: `materialize` (and
 `export_fms_extras`, which needs the target for it) writes those products, so vLLM serves it unchanged. The maps hold
 2 * emb_dim * inner parameters per distinct stage: for SmolLM2 the whole speculator is 1.3 M parameters at inner 576
-with 3 tied stages (2.7 MB in bf16), and 6.2 M at inner 1024 untied (12 MB; 304.7 M with matrices of its own). Such a speculator runs only beside its target (`target_vocab(target)` hands the two matrices
-to the calls below), and may draft over a token map (`hf_specdec.heads.token_map`): the lm_head's rows at the D
-most frequent tokens of its training data, so that each stage's scoring reads D rows rather than V.
+with 3 tied stages (2.7 MB in bf16), and 6.2 M at inner 1024 untied (12 MB; 304.7 M with matrices of its own).
+Such a speculator runs only beside its target (`target_vocab(target)` hands the two matrices to the calls below;
+E is the embedding's weight, whatever scaling the target applies to it in its own forward), and may draft over a
+token map (`hf_specdec.heads.token_map`): the lm_head's rows at the D most frequent tokens of its training data, so
+that each stage's scoring reads D rows rather than V.
 
 Stored as our adapter folder (method "mlp_speculator"); fms-extras' published layout is converted on load and
 written by `export_fms_extras` (`convert.py`), which vLLM loads.
@@ -84,11 +86,11 @@ class StageNorm(nn.Module):
 
 @dataclass(frozen=True)
 class TargetVocab:
-    """What a `shared_vocab` speculator borrows from its target: the token embedding (ids [...] -> [..., emb_dim])
-    and the lm_head it scores with ([..., emb_dim] -> [..., V] logits; at a token map, -inf outside it, or the map's
-    [..., D] in training)."""
+    """What a `shared_vocab` speculator borrows from its target: the input embedding's weight [V', emb_dim] (V' >= V
+    rows) and the lm_head it scores with ([..., emb_dim] -> [..., V'] logits; at a token map, -inf outside it, or
+    the map's [..., D] in training)."""
 
-    embedding: nn.Module
+    embeddings: torch.Tensor
     lm_head: nn.Module
 
 
@@ -139,7 +141,7 @@ class MlpSpeculator(AdapterMixin, TokenMapMixin, nn.Module):
             lm_head = TokenMapLMHead(lm_head, self.token_map, self.config.vocab_size, compact=True)
         else:
             lm_head = self.draft_lm_head(lm_head)
-        return TargetVocab(target.get_input_embeddings(), lm_head)
+        return TargetVocab(target.get_input_embeddings().weight, lm_head)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -190,7 +192,8 @@ class MlpSpeculator(AdapterMixin, TokenMapMixin, nn.Module):
         if vocab is None:
             embedded = emb(tokens.to(self.device))
         else:
-            embedded = emb(vocab.embedding(tokens.to(vocab.embedding.weight.device)).to(self.device, self.dtype))
+            rows = nn.functional.embedding(tokens.to(vocab.embeddings.device), vocab.embeddings)  # [..., emb_dim]
+            embedded = emb(rows.to(self.device, self.dtype))
         mixed = proj(state) + embedded * (self.config.emb_weight / self.config.state_weight)
         return nn.functional.gelu(norm(mixed))
 
