@@ -3,8 +3,8 @@
 
 from hf_specdec.heads.adapter import register_head
 from hf_specdec.heads.mlp_speculator.config import MlpSpeculatorConfig, default_top_k_tokens_per_head
-from hf_specdec.heads.mlp_speculator.model import MlpSpeculator, export_fms_extras
+from hf_specdec.heads.mlp_speculator.model import MlpSpeculator, TargetVocab, export_fms_extras
 
 register_head(MlpSpeculator)
 
-__all__ = ["MlpSpeculator", "MlpSpeculatorConfig", "default_top_k_tokens_per_head", "export_fms_extras"]
+__all__ = ["MlpSpeculator", "MlpSpeculatorConfig", "TargetVocab", "default_top_k_tokens_per_head", "export_fms_extras"]
