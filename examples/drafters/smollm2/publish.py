@@ -31,9 +31,13 @@ DESCRIPTIONS = {
               "its own norm and lm_head over an 8192-token draft vocabulary), trained with 4 steps of "
               "training-time test.",
     "mlp_speculator": "An MLP speculator (IBM's design: one small MLP stage per drafted position over the target's "
-                      "final hidden state and the previous token; here 3 stages with tied weights and a 128-wide "
-                      "state, whose embedding and lm_head started from the target's, projected onto the 128 "
-                      "directions that move its logits most), trained on the target's cached features.",
+                      "final hidden state and the previous token; here 3 untied stages with a 1024-wide state) on "
+                      "the target's own vocabulary (`shared_vocab`): each stage embeds with the target's input "
+                      "embedding and scores with its lm_head, through learned maps, and drafts over the lm_head's "
+                      "rows at the 8192 tokens most frequent in the training answers (its token map); trained on "
+                      "the target's cached features. `export_fms_extras(head, folder, target)` writes it in the "
+                      "layout vLLM serves, with the vocabulary matrices written out (about 2 x 49152 x 1024 "
+                      "parameters per stage).",
 }
 
 
@@ -116,18 +120,19 @@ from the target's cached features, with bf16 autocast:
 {config['warmup_steps']} warm-up steps then cosine decay; the full trainer options are in `train.sh`.)
 
 Training curve (mean over {WINDOW} steps at five points; accuracy = top-1 agreement with the target on the
-training rows; lists are per head or per unrolled step{_over_the_map(config)}):
+training rows; lists are per head or per unrolled step{_over_the_map(config, metrics)}):
 
 {curve(metrics)}
 {held_out(metrics)}"""
 
 
-def _over_the_map(config: dict) -> str:
+def _over_the_map(config: dict, metrics: dict) -> str:
     """How the curve reads for a drafter trained with a token map (its losses are over the map's ids)."""
     if config.get("token_map_size") in (None, "None"):
         return ""
+    regression = " (a regression is not)" if "regression" in metrics["metrics_history"][0] else ""
     return (f"; the drafter learned over its {config['token_map_size']}-token map, so its vocabulary losses are "
-            "over the map's ids at positions whose target token lies in it (a regression is not), and accuracy counts "
+            f"over the map's ids at positions whose target token lies in it{regression}, and accuracy counts "
             "a target token outside the map as missed")
 
 

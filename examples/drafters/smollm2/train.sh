@@ -16,7 +16,7 @@ HERE=examples/drafters/smollm2
 WORK=${WORK:-$HOME/.cache/hf_specdec/smollm2-drafters}
 THREADS=${THREADS:-2}
 BASE=$(python -c "from hf_specdec.testbed.real_model import ensure_smollm2; print(ensure_smollm2())")
-declare -A SAMPLES=([eagle3]=1920 [eagle]=3139 [medusa]=1920 [draft]=3139 [mlp_speculator]=640)
+declare -A SAMPLES=([eagle3]=1920 [eagle]=3139 [medusa]=1920 [draft]=3139 [mlp_speculator]=3139)
 
 # The EAGLE-1/2 head starts from scratch: a copy of the target's last layer (the trainer's default) writes values far
 # larger than the final normed hidden state the head regresses, and from it training diverged (cross-entropy 273 at
@@ -52,8 +52,9 @@ for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
                        --steps 1500 --batch-size 8 --learning-rate 3e-4 --warmup-steps 75 --eval-rows 64 \
                        --eval-every 500 ;;
             mlp_speculator) train mlp_speculator mlp_speculator "${COMMON[@]}" "${FINAL[@]}" --n-predict 3 \
-                                --inner-dim 128 --init-from-target --steps 1000 --batch-size 4 --learning-rate 1e-3 \
-                                --warmup-steps 50 ;;
+                                --inner-dim 1024 --no-tie-weights --shared-vocab --token-map-size 8192 --steps 3000 \
+                                --batch-size 8 --learning-rate 1e-3 --warmup-steps 100 --eval-rows 64 \
+                                --eval-every 250 ;;
             *) echo "unknown drafter $one (expected draft, medusa, eagle, eagle3, mlp_speculator)" >&2; exit 2 ;;
         esac
         python "$HERE/publish.py" "$WORK/$one" "$HERE/$one" "$one" "$(( (SECONDS - begin) / 60 ))"
