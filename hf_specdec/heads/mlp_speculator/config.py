@@ -31,8 +31,9 @@ class MlpSpeculatorConfig:
     shared_vocab: bool = field(
         default=False, metadata={"help": "embed tokens with the target's input embeddings and score them with its "
                                          "lm_head, each through a learned map (emb_map, head_map), instead of "
-                                         "vocabulary-sized matrices of the speculator's own: files vocab_size / "
-                                         "emb_dim times smaller; the speculator then needs its target to run"})
+                                         "vocabulary-sized matrices of the speculator's own (those parameters "
+                                         "shrink by vocab_size / emb_dim); the speculator then needs its target to "
+                                         "run"})
     token_map_size: int | None = field(
         default=None, metadata={"help": "with shared_vocab: draft over this many target ids (the speculator's "
                                         "token_map) instead of the whole vocabulary"})

@@ -294,8 +294,7 @@ class MlpSpeculator(AdapterMixin, TokenMapMixin, nn.Module):
         vocab = self.config.vocab_size
         embeddings = target.get_input_embeddings().weight[:vocab].to(self.device, torch.float32)  # [V, emb_dim]
         scores = lm_head.weight[:vocab].to(self.device, torch.float32)  # [V, emb_dim]
-        config = replace(self.config, shared_vocab=False, token_map_size=None,
-                         top_k_tokens_per_head=list(self.config.top_k_tokens_per_head))
+        config = replace(self.config, shared_vocab=False, token_map_size=None)
         own = MlpSpeculator(config).to(self.device, self.dtype)
         for stage in range(len(self.emb_map)):
             own.emb[stage].weight.copy_(embeddings @ self.emb_map[stage].weight.float().T)
