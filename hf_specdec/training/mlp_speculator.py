@@ -204,14 +204,16 @@ class MlpSpeculatorObjective(Objective):
         state = self.head.input_state(batch.features[keep])  # [N, H]: h_t
         vocab = self.head.target_vocab(target, compact=True)  # None: the speculator's own matrices
         token_map = self.head.token_map  # [D] or None: learn over the map's ids, as it drafts
+        # [V]: each target id's index in the map, -1 outside it
+        index = None if token_map is None else map_index(token_map, self.head.config.vocab_size)
         total, losses, accuracies = state.new_zeros((), dtype=torch.float32), [], []
         for stage, ((read, _), (label, trained)) in enumerate(itertools.pairwise(ahead)):
             state = self.head.advance(stage, state, read[keep], vocab)  # [N, inner]
             logits = self.head.stage_logits(stage, state, vocab)  # [N, V], or [N, D] over a token map
             label, weight = label[keep], trained[keep].float()  # [N] each
             learned = weight
-            if token_map is not None:  # renumbered to the map; a token outside it adds no loss, and is missed
-                label = map_index(token_map, self.head.config.vocab_size)[label]
+            if index is not None:  # renumbered to the map; a token outside it adds no loss, and is missed
+                label = index[label]
                 learned = weight * (label >= 0)
             count = weight.sum().clamp(min=1)
             entropy = nn.functional.cross_entropy(logits, label.clamp(min=0), reduction="none")
