@@ -105,7 +105,11 @@ def check_compilable(model: torch.nn.Module, role: str) -> None:
 
 
 class CompiledForward:
-    """`module.forward` compiled with `settings`; counts the calls that compiled (`compiles`, per input shapes)."""
+    """`module.forward` compiled with `settings`; counts the calls that compiled (`compiles`, per input shapes).
+
+    Under CUDA graphs (`mode="reduce-overhead"`) a graph's outputs live in memory that its next replay writes again,
+    while the engine keeps a step's logits and features past the next forward of the same shape (a draft model's
+    chain runs one graph k times a step): such outputs are cloned as they come out (`outputs_copied`)."""
 
     def __init__(self, module: torch.nn.Module, settings: CompileSettings) -> None:
         options = dict(settings.options) if settings.options else None
@@ -113,6 +117,7 @@ class CompiledForward:
         torch._dynamo.config.recompile_limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
         self.function = torch.compile(module.forward, backend=settings.backend, mode=settings.mode,
                                       fullgraph=settings.fullgraph, dynamic=settings.dynamic, options=options)
+        self.outputs_copied = settings.mode == "reduce-overhead"
         self.compiles: collections.Counter = collections.Counter()
 
     def __call__(self, **inputs: Any) -> Any:
@@ -120,7 +125,21 @@ class CompiledForward:
         out = self.function(**inputs)
         if graphs_compiled() != before:
             self.compiles[input_shapes(inputs)] += 1
-        return out
+        return copy_tensors(out) if self.outputs_copied else out
+
+
+def copy_tensors(value: Any) -> Any:
+    """`value` with every tensor in it cloned (through tuples, lists and dicts, a transformers `ModelOutput`
+    included); any other object (a cache the forward wrote into) is passed through as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):  # ModelOutput too: its fields set again, in place, keep its class
+        for key, item in list(value.items()):
+            value[key] = copy_tensors(item)
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(copy_tensors(item) for item in value)
+    return value
 
 
 def graphs_compiled() -> int:

@@ -10,11 +10,12 @@ import copy
 import pytest
 import torch
 from transformers import CompileConfig, StaticCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.naming import CACHE_KWARG
-from hf_specdec.compile import compiled_forward
+from hf_specdec.compile import CompiledForward, CompileSettings, compiled_forward
 from hf_specdec.schedule.decision import width_ladder
 from tests.conftest import ARCHITECTURES, VOCAB, make_draft, make_model, padded_batch
 from tests.decoding import test_sampling_lossless as lossless
@@ -293,3 +294,26 @@ def test_cuda_graphs_match_plain_generate():
             out = hf_specdec.generate(target, ids, speculative=config, compile_config=CompileConfig(), **_kwargs(mask))
             assert torch.equal(out, expected), name
     assert set(compiled.compiles.values()) == {1}, compiled.compiles
+
+
+def test_outputs_of_cuda_graphs_are_copied_before_the_next_replay(monkeypatch):
+    """A CUDA graph's replay writes its outputs into the same memory every time: emulated here (a forward whose
+    outputs are one buffer overwritten per call), a compiled forward under mode="reduce-overhead" hands out copies,
+    so a step's logits survive the next forward of the same shape; without CUDA graphs nothing is copied."""
+    buffer = torch.zeros(2, 3)
+
+    def replayed_graph(**inputs):
+        buffer.copy_(inputs["input_ids"].float())
+        return CausalLMOutputWithPast(logits=buffer, hidden_states=(buffer, buffer))
+
+    monkeypatch.setattr(torch, "compile", lambda function, **options: replayed_graph)
+    module = torch.nn.Linear(1, 1)
+    graphs = CompiledForward(module, CompileSettings(mode="reduce-overhead"))
+    first = graphs(input_ids=torch.ones(2, 3))
+    second = graphs(input_ids=torch.full((2, 3), 2.0))
+    assert torch.equal(first.logits, torch.ones(2, 3)) and torch.equal(first.hidden_states[1], torch.ones(2, 3))
+    assert torch.equal(second.logits, torch.full((2, 3), 2.0)) and type(first) is CausalLMOutputWithPast
+    plain = CompiledForward(module, CompileSettings(mode=None))
+    first = plain(input_ids=torch.ones(2, 3))
+    plain(input_ids=torch.full((2, 3), 2.0))
+    assert first.logits is buffer  # the emulation overwrites what is not copied
