@@ -39,6 +39,7 @@ from hf_specdec.training.target_features import (
     TargetBatch,
     build_feature_cache,
     feature_key,
+    noisy_features,
     target_batch,
 )
 
@@ -169,7 +170,8 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
         cache = build_feature_cache(target, rows, layers, config.feature_cache_dir, key, config.generate_batch_size,
                                     accelerator)
 
-    optimizer = torch.optim.AdamW(objective.param_groups(config.learning_rate), betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(objective.param_groups(config.learning_rate), betas=(0.9, 0.95),
+                                  weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, config.steps, config.warmup_steps))
     objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
@@ -186,6 +188,7 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
         generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
         index = trained_rows[torch.randint(0, len(trained_rows), (config.batch_size,), generator=generator)]
         batch = target_batch(target, rows, index, accelerator.device, cache, layers, min_length)
+        batch = noisy_features(batch, config.feature_noise, generator)
         with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss, metrics = objective(batch, target)
         accelerator.backward(loss)

@@ -147,6 +147,14 @@ def test_bad_held_out_options_are_refused_before_training(base, tmp_path):
     assert not (tmp_path / "train_metrics.json").exists()
 
 
+@pytest.mark.parametrize("option", ["--feature-noise", "--weight-decay"])
+def test_negative_regularisers_are_refused_before_training(base, tmp_path, option):
+    name = option.removeprefix("--").replace("-", "_")
+    with pytest.raises(SystemExit, match=f"{name}: expected >= 0, got -0.1"):
+        cli_main(_argv(base, tmp_path, 1, option, "-0.1"))
+    assert not (tmp_path / "train_metrics.json").exists()
+
+
 def test_two_cpu_processes_measure_once_and_keep_in_step(base, tmp_path):
     """Under accelerate with 2 processes the main one measures the held-out rows while the other waits at the next
     step's gradient exchange; the run ends with every measurement."""
