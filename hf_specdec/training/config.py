@@ -66,10 +66,6 @@ class TrainConfig:
     warmup_steps: int = field(default=20, metadata={"help": "linear warm-up steps, then cosine decay to 10%"})
     grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (decoupled)"})
-    feature_noise: float = field(
-        default=0.0, metadata={"help": "uniform noise on the target features the drafter reads, of half-width this "
-                                       "times each position's root mean square (a regulariser; EAGLE trains with "
-                                       "such noise); the labels stay clean (0: none)"})
     save_every: int = field(default=100, metadata={"help": "checkpoint every N steps"})
     eval_rows: int = field(
         default=0, metadata={"help": "rows held out of training (a seeded choice), on which the loss and metrics are "
@@ -113,7 +109,7 @@ class TrainConfig:
                              f"measure on (eval_rows), or drop eval_every")
         if self.threads is not None and (isinstance(self.threads, bool) or self.threads < 1):
             raise ValueError(f"{owner}.threads: expected an int >= 1 or None, got {self.threads!r}")
-        for name in ("temperature", "warmup_steps", "weight_decay", "feature_noise"):
+        for name in ("temperature", "warmup_steps", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{owner}.{name}: expected >= 0, got {getattr(self, name)}")
         for name in ("learning_rate", "grad_clip"):

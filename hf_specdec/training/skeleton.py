@@ -39,7 +39,6 @@ from hf_specdec.training.target_features import (
     TargetBatch,
     build_feature_cache,
     feature_key,
-    noisy_features,
     target_batch,
 )
 
@@ -188,7 +187,6 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
         generator.manual_seed(config.seed * 1_000_003 + step * 101 + accelerator.process_index)
         index = trained_rows[torch.randint(0, len(trained_rows), (config.batch_size,), generator=generator)]
         batch = target_batch(target, rows, index, accelerator.device, cache, layers, min_length)
-        batch = noisy_features(batch, config.feature_noise, generator)
         with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss, metrics = objective(batch, target)
         accelerator.backward(loss)

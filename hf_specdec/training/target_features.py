@@ -258,18 +258,3 @@ def target_batch(
         features, hidden, argmax = (tensor.to(device) for tensor in cache.read(index, width))
     return replace(batch, features=features, hidden=hidden, argmax=argmax)
 
-
-def noisy_features(
-    batch: TargetBatch,
-    noise: float,
-    generator: torch.Generator,
-) -> TargetBatch:
-    """The batch with uniform noise on its `features`, of half-width `noise` times each position's root mean square
-    (drawn on the CPU from `generator`, so a seeded step draws the same noise on any device); `hidden` and `argmax`,
-    which the labels come from, stay clean. `noise` 0 or no features: the batch as it is."""
-    if noise == 0 or batch.features is None:
-        return batch
-    features = batch.features.float()  # [B, L, F]
-    scale = noise * features.pow(2).mean(dim=-1, keepdim=True).sqrt()  # [B, L, 1]
-    uniform = torch.rand(features.shape, generator=generator).to(features.device)  # [B, L, F] in [0, 1)
-    return replace(batch, features=(features + (2 * uniform - 1) * scale).to(batch.features.dtype))

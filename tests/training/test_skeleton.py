@@ -147,12 +147,18 @@ def test_bad_held_out_options_are_refused_before_training(base, tmp_path):
     assert not (tmp_path / "train_metrics.json").exists()
 
 
-@pytest.mark.parametrize("option", ["--feature-noise", "--weight-decay"])
-def test_negative_regularisers_are_refused_before_training(base, tmp_path, option):
-    name = option.removeprefix("--").replace("-", "_")
-    with pytest.raises(SystemExit, match=f"{name}: expected >= 0, got -0.1"):
-        cli_main(_argv(base, tmp_path, 1, option, "-0.1"))
-    assert not (tmp_path / "train_metrics.json").exists()
+def test_weight_decay_is_applied_and_a_negative_one_refused_before_training(base, tmp_path):
+    with pytest.raises(SystemExit, match="weight_decay: expected >= 0, got -0.1"):
+        cli_main(_argv(base, tmp_path / "refused", 1, "--weight-decay", "-0.1"))
+    assert not (tmp_path / "refused" / "train_metrics.json").exists()
+    losses = {}
+    for decay in ("0.01", "0.5"):
+        assert cli_main(_argv(base, tmp_path / decay, 4, "--weight-decay", decay)) == 0
+        metrics = json.loads((tmp_path / decay / "train_metrics.json").read_text())
+        assert metrics["config"]["weight_decay"] == decay
+        losses[decay] = metrics["loss_history"]
+    assert losses["0.01"][0] == losses["0.5"][0]  # the same first batch, before any update
+    assert losses["0.01"][-1] != pytest.approx(losses["0.5"][-1], rel=1e-6)  # the decay moved the weights
 
 
 def test_two_cpu_processes_measure_once_and_keep_in_step(base, tmp_path):

@@ -20,9 +20,7 @@ from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.target_features import (
     FINAL_LAYER,
     build_feature_cache,
-    TargetBatch,
     feature_key,
-    noisy_features,
     run_target,
     target_batch,
     target_logits,
@@ -117,33 +115,6 @@ def _args(base: Path, out: Path, data: list[Path], extra: list[str]) -> list[str
     return ["train", "eagle", "--base", str(base), "--tokenizer", str(loading.testbed_dir() / "tokenizer"),
             "--data", *map(str, data), "--out", str(out), "--steps", "6", "--batch-size", "3", "--seq-len", "24",
             "--learning-rate", "3e-3", "--warmup-steps", "0", "--save-every", "100", *extra]
-
-
-def test_feature_noise_is_bounded_seeded_and_leaves_the_labels_clean():
-    features = (torch.randn(2, 5, 16) * torch.tensor([1.0, 10.0])[:, None, None]).to(torch.bfloat16)
-    batch = TargetBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.bool),
-                        torch.ones(2, 5, dtype=torch.bool), features=features, hidden=torch.randn(2, 5, 16),
-                        argmax=torch.zeros(2, 5, dtype=torch.long))
-    assert noisy_features(batch, 0.0, torch.Generator().manual_seed(0)) is batch
-    noisy = noisy_features(batch, 0.3, torch.Generator().manual_seed(0))
-    assert noisy.hidden is batch.hidden and noisy.argmax is batch.argmax and noisy.features.dtype == torch.bfloat16
-    change = (noisy.features.float() - features.float()).abs()
-    rms = features.float().pow(2).mean(-1, keepdim=True).sqrt()
-    assert bool((change <= 0.3 * rms * 1.01 + 0.05 * rms).all())  # the bound, with bfloat16's rounding
-    assert float(change.mean()) > 0.05 * float(rms.mean())  # noise there is, at each row's own scale
-    again = noisy_features(batch, 0.3, torch.Generator().manual_seed(0))
-    other = noisy_features(batch, 0.3, torch.Generator().manual_seed(1))
-    assert torch.equal(again.features, noisy.features) and not torch.equal(other.features, noisy.features)
-
-
-def test_training_with_feature_noise_and_weight_decay_records_them_and_trains_otherwise(base, tmp_path):
-    extra = ["--version", "eagle", "--num-samples", "4", "--prompt-len", "12"]
-    assert cli_main(_args(base, tmp_path / "plain", DATA, extra)) == 0
-    assert cli_main(_args(base, tmp_path / "noisy", DATA, extra + ["--feature-noise", "0.5",
-                                                                   "--weight-decay", "0.1"])) == 0
-    plain, noisy = (json.loads((tmp_path / name / "train_metrics.json").read_text()) for name in ("plain", "noisy"))
-    assert noisy["config"]["feature_noise"] == "0.5" and noisy["config"]["weight_decay"] == "0.1"
-    assert plain["loss_history"][0] != pytest.approx(noisy["loss_history"][0], rel=1e-4)  # the first step reads noise
 
 
 @pytest.mark.parametrize("version", ["eagle", "eagle3"])
