@@ -69,6 +69,8 @@ def device_name(smoke: bool) -> str:
     return "cpu-smoke" if smoke else "cpu"
 
 
+# every file holding GPU-marked tests, quickest first (tests/benchmarks/test_gpu_suite.py checks the list)
+GPU_TEST_FILES = ("tests/kernels/test_tree_mask.py", "tests/decoding/test_dtypes.py", "tests/decoding/test_compiled.py")
 PARTS = ("tests", "tree_mask", "step_overhead", "attention_layout", "bench", "token_map", "static")
 
 
@@ -97,9 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        # each test's outcome and each failure's reason in the short summary (-rA), the slowest ones timed
+        # each test's outcome and each failure's reason in the short summary (-rA), the slowest ones timed; the
+        # quick files first, so a time bound stops the CUDA-graph test (it compiles every proposer), not them
         tests = ["-m", "gpu", "-rA", "--tb=short", "--durations=10"]
-        tests += ["tests/decoding/test_dtypes.py"] if args.smoke else []
+        tests += ["tests/decoding/test_dtypes.py"] if args.smoke else list(GPU_TEST_FILES)
         part("tests", "GPU-marked tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests])
         if "tests" in report["parts"]:
             report["parts"]["tests"]["summary"] = next(

@@ -1,6 +1,7 @@
 """The GPU command's pieces run where there is no GPU (smoke sizes; no speed is asserted)."""
 
 import math
+import re
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -27,3 +28,11 @@ def test_parts_run_alone_and_name_the_json(tmp_path, benchmark_script):
     assert set(report["parts"]) == {"attention_layout"} and report["parts"]["attention_layout"]["returncode"] == 0
     assert report["parts"]["attention_layout"]["results"] is not None
     assert [path.name for path in tmp_path.iterdir()] == ["gpu_cpu-smoke_attention_layout.json"]
+
+
+def test_the_suite_runs_every_file_of_gpu_marked_tests(benchmark_script):
+    root = BENCHMARKS.parent
+    marked = {str(path.relative_to(root)) for path in (root / "tests").rglob("test_*.py")
+              if re.search(r"^@pytest\.mark\.gpu$", path.read_text(), re.MULTILINE)}
+    listed = benchmark_script("gpu_suite").GPU_TEST_FILES
+    assert marked == set(listed) and len(listed) == len(set(listed))
