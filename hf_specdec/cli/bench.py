@@ -40,7 +40,9 @@ lookup's host work count as time outside them.
 
 With --json the results are written there (sorted keys): the settings, the environment (hf_specdec, torch,
 transformers and triton versions, the git commit, Python, platform, CPU and GPU, torch threads, dtype) and per case
-the median, min and every repeat's wall time next to the rates above. Nothing is written without --json or --plot.
+the median, min and every repeat's wall time next to the rates above, and `complete`: one process rewrites the file
+after each category and batch size, false until every case is measured, so a run stopped early keeps what it
+measured. Nothing is written without --json or --plot.
 
 Under `accelerate launch --num_processes N --multi_gpu -m hf_specdec.cli bench ...` the prompts are split across
 processes, each running on its own device, and the results are gathered on the main process (tokens summed, wall
@@ -53,6 +55,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -820,6 +823,65 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     return BenchModels(tokenizer, target, draft, heads, other)
 
 
+
+def result_rows(
+    measurements: list[dict],
+    categories: list[str],
+) -> list[dict]:
+    """The table's rows from every process's measurements (as dicts): each (case, category, batch size, k, width,
+    schedule) combined over the processes, and with several categories an overall row per case over those measured."""
+    groups: dict[tuple, list[Measurement]] = {}
+    for item in measurements:
+        m = Measurement(**item)
+        groups.setdefault(m.key, []).append(m)
+    merged = {key: _combine(parts, parts[0].category, concurrent=True) for key, parts in groups.items()}
+    if len(categories) > 1:
+        by_case: dict[tuple, list[Measurement]] = {}
+        for m in merged.values():
+            by_case.setdefault((m.case, m.batch_size, m.k, m.tree_width, m.schedule), []).append(m)
+        for parts in by_case.values():
+            total = _combine(parts, OVERALL, concurrent=False)
+            merged[total.key] = total
+    rows = []
+    for m in merged.values():
+        native = MATCHING_NATIVE.get(m.case)
+        matching = merged.get((native, m.category, m.batch_size, m.k, 1, "")) if m.tree_width == 1 else None
+        rows.append(summarize(m, merged[("plain", m.category, m.batch_size, None, 1, "")], matching))
+    return rows
+
+
+def write_report(
+    args: argparse.Namespace,
+    state: PartialState,
+    dtype: torch.dtype,
+    num_prompts: int,
+    categories: list[str],
+    rows: list[dict],
+    complete: bool,
+) -> None:
+    """The JSON at --json (sorted keys): environment, settings, rows, and whether every case was measured (one
+    process writes it after each category and batch size, `complete` false until the last)."""
+    settings = {"num_processes": state.num_processes, "workload": args.workload, "categories": categories,
+                "num_prompts": num_prompts, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                "methods": args.methods, "batch_sizes": args.batch_sizes, "ks": args.ks,
+                "tree_widths": args.tree_widths, "schedules": args.schedules, "tree_nodes": args.tree_nodes,
+                "temperature": args.temperature, "early_exit_layer": args.early_exit_layer,
+                "model": args.model or str(args.target or "test bed")}
+    if args.workload in CHAT_WORKLOADS:
+        from hf_specdec.testbed.repeated_tasks import REPEATED_TASKS_VERSION
+        from hf_specdec.testbed.spec_bench import WORKLOAD_VERSION
+
+        settings["chat_workload_version"] = WORKLOAD_VERSION
+        if args.workload == "repeat":
+            settings["repeated_tasks_version"] = REPEATED_TASKS_VERSION
+    report = {"environment": environment(state.device, dtype), "settings": settings, "results": rows,
+              "complete": complete}
+    args.json_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = args.json_path.with_name(args.json_path.name + ".tmp")
+    partial.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, args.json_path)  # a reader never sees half a file
+
+
 def run(args: argparse.Namespace) -> int:
     _check(args)
     args.methods = _methods(args)
@@ -884,29 +946,16 @@ def run(args: argparse.Namespace) -> int:
             for index, (m, _) in passes.items():
                 m.repeat_seconds, m.seconds = rounds[index].seconds, rounds[index].median_seconds
                 measurements.append(m)
+            if args.json_path is not None and state.num_processes == 1:  # a run stopped early keeps what it measured
+                write_report(args, state, dtype, len(prompts), categories,
+                             result_rows([asdict(m) for m in measurements], categories), complete=False)
     progress.close()
     gathered = gather_object([asdict(m) for m in measurements])
     # the last collective: a process group left to the interpreter's exit can abort a rank (gloo's threads)
     state.destroy_process_group()
     if not state.is_main_process:
         return 0
-    groups: dict[tuple, list[Measurement]] = {}
-    for item in gathered:
-        m = Measurement(**item)
-        groups.setdefault(m.key, []).append(m)
-    merged = {key: _combine(parts, parts[0].category, concurrent=True) for key, parts in groups.items()}
-    if len(categories) > 1:
-        by_case: dict[tuple, list[Measurement]] = {}
-        for m in merged.values():
-            by_case.setdefault((m.case, m.batch_size, m.k, m.tree_width, m.schedule), []).append(m)
-        for parts in by_case.values():
-            total = _combine(parts, OVERALL, concurrent=False)
-            merged[total.key] = total
-    rows = []
-    for m in merged.values():
-        native = MATCHING_NATIVE.get(m.case)
-        matching = merged.get((native, m.category, m.batch_size, m.k, 1, "")) if m.tree_width == 1 else None
-        rows.append(summarize(m, merged[("plain", m.category, m.batch_size, None, 1, "")], matching))
+    rows = result_rows(gathered, categories)
     print_table(rows)
     note = partings_note(rows)
     if note is not None:
@@ -917,22 +966,7 @@ def run(args: argparse.Namespace) -> int:
                   f"efficiency {r['efficiency']:.2f} < "
                   f"{LOW_EFFICIENCY}: time outside model forwards (host bookkeeping, per-call overhead) dominates")
     if args.json_path is not None:
-        settings = {"num_processes": state.num_processes, "workload": args.workload, "categories": categories,
-                    "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-                    "methods": args.methods, "batch_sizes": args.batch_sizes, "ks": args.ks,
-                    "tree_widths": args.tree_widths, "schedules": args.schedules, "tree_nodes": args.tree_nodes,
-                    "temperature": args.temperature, "early_exit_layer": args.early_exit_layer,
-                    "model": args.model or str(args.target or "test bed")}
-        if args.workload in CHAT_WORKLOADS:
-            from hf_specdec.testbed.repeated_tasks import REPEATED_TASKS_VERSION
-            from hf_specdec.testbed.spec_bench import WORKLOAD_VERSION
-
-            settings["chat_workload_version"] = WORKLOAD_VERSION
-            if args.workload == "repeat":
-                settings["repeated_tasks_version"] = REPEATED_TASKS_VERSION
-        report = {"environment": environment(state.device, dtype), "settings": settings, "results": rows}
-        args.json_path.parent.mkdir(parents=True, exist_ok=True)
-        args.json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        write_report(args, state, dtype, len(prompts), categories, rows, complete=True)
         print(f"results written to {args.json_path}")
     if args.plot is not None:
         plot(rows, args.plot)

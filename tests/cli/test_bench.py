@@ -323,3 +323,30 @@ def test_outputs_that_part_from_plain_are_near_ties_or_faults(tmp_path, monkeypa
     printed = capsys.readouterr().out
     assert " tie " in printed and "note: 1 output row parted from plain generate's, each at a near-tie" in printed
 
+
+
+def test_json_is_written_after_each_group_so_a_stopped_run_keeps_what_it_measured(tmp_path, monkeypatch):
+    out = tmp_path / "results.json"
+    argv = ["bench", "--method", "plain", "ngram", *TINY, "--batch-size", "1", "2", "--num-prompts", "2",
+            "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["complete"] is True and {r["batch_size"] for r in report["results"]} == {1, 2}
+    assert not list(tmp_path.glob("*.tmp"))
+    import hf_specdec.cli.bench as bench
+
+    measure, calls = bench._measure, []
+
+    def stops_in_the_second_group(case, category, batch_size, *rest):
+        calls.append(batch_size)
+        if batch_size == 2:
+            raise KeyboardInterrupt  # the run is stopped there
+        return measure(case, category, batch_size, *rest)
+
+    monkeypatch.setattr(bench, "_measure", stops_in_the_second_group)
+    out.unlink()
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and 2 in calls
+    assert {(r["case"], r["batch_size"]) for r in report["results"]} == {("plain", 1), ("ngram", 1)}
