@@ -823,7 +823,6 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     return BenchModels(tokenizer, target, draft, heads, other)
 
 
-
 def result_rows(
     measurements: list[dict],
     categories: list[str],
