@@ -274,25 +274,44 @@ def test_static_cache_is_accepted_and_comes_back_filled():
         hf_specdec.generate(target, out.sequences, past_key_values=cache, spec_method="ngram", max_new_tokens=2)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graphs_match_plain_generate():
-    """transformers' default CompileConfig (mode="reduce-overhead": CUDA graphs) on CUDA, float32 so greedy output
-    can be compared token for token; a second call replays the captured graphs without compiling."""
+# every proposer `_every_proposer` builds for a Llama target, one GPU test each (a failure names its proposer)
+CUDA_GRAPH_PROPOSERS = ("ngram", "same_draft", "random_draft_tree", "same_draft_dynamic_tree", "ngram_trie",
+                        "early_exit_dynamic_tree", "mlp_speculator_tree", "medusa_tree", "eagle_dynamic_tree",
+                        "eagle_token_map", "medusa_token_map", "draft_token_map")
+
+
+def test_the_cuda_graph_tests_cover_every_proposer():
+    assert sorted(CUDA_GRAPH_PROPOSERS) == sorted(_every_proposer(make_model("llama"), "llama"))
+
+
+@pytest.fixture(scope="module")
+def cuda_target():
+    """A Llama target on CUDA, its padded prompts and plain greedy output, shared by the CUDA-graph tests so that its
+    compiled forward (one per shape) is too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     target = make_model("llama").to("cuda")
     ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
     ids, mask = ids.cuda(), mask.cuda()
-    expected = target.generate(ids, **_kwargs(mask))
-    configs = _every_proposer(target, "llama")
-    for config in configs.values():
-        for heads in (config.heads, config.draft_model):
-            if heads is not None:
-                heads.to("cuda")
+    return target, ids, mask, target.generate(ids, **_kwargs(mask))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", CUDA_GRAPH_PROPOSERS)
+def test_cuda_graphs_match_plain_generate(cuda_target, name):
+    """transformers' default CompileConfig (mode="reduce-overhead": CUDA graphs) on CUDA, float32 so greedy output
+    can be compared token for token; a second call replays the captured graphs without compiling."""
+    target, ids, mask, expected = cuda_target
+    config = _every_proposer(target, "llama")[name]
+    for drafter in (config.heads, config.draft_model):
+        if drafter is not None:
+            drafter.to("cuda")
     compiled = compiled_forward(target, _settings_of(target, CompileConfig()))
-    for name, config in configs.items():
-        for _ in range(2):
-            out = hf_specdec.generate(target, ids, speculative=config, compile_config=CompileConfig(), **_kwargs(mask))
-            assert torch.equal(out, expected), name
+    for call in range(2):
+        out = hf_specdec.generate(target, ids, speculative=config, compile_config=CompileConfig(), **_kwargs(mask))
+        parted = (out != expected).nonzero().tolist()
+        assert not parted, f"{name}, call {call + 1}: [row, position] where it parts from plain: {parted[:4]}"
     assert set(compiled.compiles.values()) == {1}, compiled.compiles
 
 
