@@ -49,7 +49,8 @@ def run_part(name: str, command: list[str], env: dict | None = None, timeout: in
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # packages put there stay
     environment = {**os.environ, "PYTHONPATH": path, **(env or {})}
     try:
-        done = subprocess.run(command, check=False, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, check=False, cwd=ROOT, env=environment, capture_output=True, text=True,
+                              timeout=timeout)
         output, code = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as error:  # what the part printed before it was stopped, as text
         printed = (error.stdout or b"") + (error.stderr or b"")

@@ -6,8 +6,8 @@ once with plain `generate`), so drafts are accepted and a speculative step is ex
 k + 1 tokens plus the engine's own work. In half precision a (k + 1)-token forward can round a near-tie
 differently from the one-token forward that wrote the continuation; that row's later drafts are then rejected,
 which changes nothing timed (the schedule is fixed: every step still verifies k + 1 tokens per row), and the
-share of drafts accepted is reported beside the times. Per mode (eager; static shapes compiled with transformers' `CompileConfig`,
-`mode="reduce-overhead"` = CUDA graphs on CUDA):
+share of drafts accepted is reported beside the times. Per mode (eager; static shapes compiled with transformers'
+`CompileConfig`, `mode="reduce-overhead"` = CUDA graphs on CUDA):
 
 - step: hf_specdec's time per verify step, from two runs of different lengths (the difference cancels the prefill
   and the setup), median over repeats;
