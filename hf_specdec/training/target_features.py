@@ -257,4 +257,3 @@ def target_batch(
     else:
         features, hidden, argmax = (tensor.to(device) for tensor in cache.read(index, width))
     return replace(batch, features=features, hidden=hidden, argmax=argmax)
-
