@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +110,8 @@ class CompiledForward:
 
     Under CUDA graphs (`mode="reduce-overhead"`) a graph's outputs live in memory that its next replay writes again,
     while the engine keeps a step's logits and features past the next forward of the same shape (a draft model's
-    chain runs one graph k times a step): such outputs are cloned as they come out (`outputs_copied`)."""
+    chain runs one graph k times a step): such outputs are cloned as they come out (`outputs_copied`), only the part
+    the caller keeps when it says which (`keep`)."""
 
     def __init__(self, module: torch.nn.Module, settings: CompileSettings) -> None:
         options = dict(settings.options) if settings.options else None
@@ -120,11 +122,15 @@ class CompiledForward:
         self.outputs_copied = settings.mode == "reduce-overhead"
         self.compiles: collections.Counter = collections.Counter()
 
-    def __call__(self, **inputs: Any) -> Any:
+    def __call__(self, keep: Callable[[Any], Any] | None = None, **inputs: Any) -> Any:
+        """The forward's output, or with `keep` (output -> the part of it the caller keeps, e.g. the logits and one
+        layer's hidden states of every layer's) that part, so only it is copied."""
         before = graphs_compiled()
         out = self.function(**inputs)
         if graphs_compiled() != before:
             self.compiles[input_shapes(inputs)] += 1
+        if keep is not None:
+            out = keep(out)
         return copy_tensors(out) if self.outputs_copied else out
 
 

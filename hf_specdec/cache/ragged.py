@@ -54,7 +54,7 @@ from hf_specdec.cache.exchange import filled_layers
 from hf_specdec.cache.features import FeatureTap
 from hf_specdec.cache.naming import cache_keyword
 from hf_specdec.cache.storage import MIN_CAPACITY, SlotCache
-from hf_specdec.compile import static_room
+from hf_specdec.compile import CompiledForward, static_room
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
 
 FULL_ATTENTION = "full_attention"
@@ -578,20 +578,29 @@ class RaggedKVCache:
         flags = {"output_hidden_states": True} if (record and tap is None) or self.output_hidden_states else {}
         if self.output_attentions:
             flags["output_attentions"] = True
+
+        def kept(out) -> tuple:
+            """What the step keeps of the output (all a compiled forward copies under CUDA graphs): the logits, the
+            feature layers' states of the last `keep_hidden` tokens (unless hooks recorded them), and every layer's
+            hidden states and attentions when asked for."""
+            features = None if not record or tap is not None else [
+                out.hidden_states[i][:, -keep_hidden:] for i in self.feature_layers]
+            return (out.logits, features, out.hidden_states if self.output_hidden_states else None,
+                    out.attentions if self.output_attentions else None)
+
         with tap if tap is not None else contextlib.nullcontext():
-            out = call(**inputs, **flags, return_dict=True)
+            if isinstance(call, CompiledForward):
+                logits, features, hidden_states, attentions = call(keep=kept, **inputs, **flags, return_dict=True)
+            else:
+                logits, features, hidden_states, attentions = kept(call(**inputs, **flags, return_dict=True))
         if self.output_hidden_states or self.output_attentions:
-            self.model_outputs = ModelOutputs(
-                hidden_states=out.hidden_states if self.output_hidden_states else None,
-                attentions=out.attentions if self.output_attentions else None,
-                orders=orders() if callable(orders) else orders,
-            )
+            self.model_outputs = ModelOutputs(hidden_states=hidden_states, attentions=attentions,
+                                              orders=orders() if callable(orders) else orders)
         self.hidden_states = None
         if record:
-            states = tap.features() if tap is not None else [out.hidden_states[i] for i in self.feature_layers]
-            layers = [state[:, -keep_hidden:] for state in states]
+            layers = features if tap is None else [state[:, -keep_hidden:] for state in tap.features()]
             self.hidden_states = layers[0] if len(layers) == 1 else torch.cat(layers, dim=-1)
-        return out.logits
+        return logits
 
 
 def _causal_tail_mask(batch: int, width: int, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:

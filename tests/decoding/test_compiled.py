@@ -330,6 +330,10 @@ def test_outputs_of_cuda_graphs_are_copied_before_the_next_replay(monkeypatch):
     second = graphs(input_ids=torch.full((2, 3), 2.0))
     assert torch.equal(first.logits, torch.ones(2, 3)) and torch.equal(first.hidden_states[1], torch.ones(2, 3))
     assert torch.equal(second.logits, torch.full((2, 3), 2.0)) and type(first) is CausalLMOutputWithPast
+    # a caller that keeps part of the output gets that part, copied
+    logits, last = graphs(keep=lambda out: (out.logits, out.hidden_states[-1][:, -1:]), input_ids=torch.ones(2, 3))
+    graphs(input_ids=torch.full((2, 3), 3.0))
+    assert torch.equal(logits, torch.ones(2, 3)) and torch.equal(last, torch.ones(2, 1))
     plain = CompiledForward(module, CompileSettings(mode=None))
     first = plain(input_ids=torch.ones(2, 3))
     plain(input_ids=torch.full((2, 3), 2.0))
