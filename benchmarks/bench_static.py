@@ -42,8 +42,8 @@ from hf_specdec import SpeculativeConfig
 # rounds that may warm up: the first, and the next ones as long as a graph compiled in them
 MAX_WARMUP_ROUNDS = 4
 METHODS = ("ngram", "suffix", "draft", "medusa", "eagle", "eagle3")
-# the settings the README measured best per method on the test bed (greedy, batch 1, CPU); suffix decoding with
-# n-gram lookup's k (its verify width under static shapes)
+# the settings measured best per method on the test bed (greedy, batch 1, CPU; benchmarks/RESULTS.md); suffix
+# decoding with n-gram lookup's k (its verify width under static shapes)
 SETTINGS = {"ngram": dict(num_speculative_tokens=5), "suffix": dict(num_speculative_tokens=5),
             "draft": dict(num_speculative_tokens=3),
             "medusa": dict(num_speculative_tokens=3), "eagle": dict(num_speculative_tokens=5),

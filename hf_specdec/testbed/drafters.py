@@ -8,7 +8,8 @@
 
 `load_drafter(model, kind, target)` returns what `SpeculativeConfig` takes for the kind: a draft model for
 `"draft"`, `MedusaHeads`, an `EagleHead` or an `MlpSpeculator` for the heads. Early exit needs no drafter:
-`EARLY_EXIT_LAYER` is the layer measured to draft best from for a model (see the README's early-exit section).
+`EARLY_EXIT_LAYER` is the layer measured to draft best from for a model (benchmarks/RESULTS.md, "Early exit and a
+draft with another tokenizer").
 """
 
 from __future__ import annotations
