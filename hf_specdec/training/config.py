@@ -36,6 +36,10 @@ class TrainConfig:
                                                "windows of the raw 'text'"})
     generated_data: Path | None = field(
         default=None, metadata={"help": f"cache file of the generated rows (default: OUT/{GENERATED_FILE})"})
+    reuse_generated: list[Path] = field(
+        default_factory=list, metadata={"help": "generated-row files of earlier runs (the same target, dtype, "
+                                                "seq_len and max_new_tokens; greedy prompt records): a prompt they "
+                                                "answered whole takes that answer instead of a new generation"})
     num_samples: int = field(default=512, metadata={"help": "rows the target generates"})
     prompt_records: bool = field(
         default=False, metadata={"help": "each record of the .jsonl data files is one whole prompt (e.g. rendered "
@@ -82,6 +86,7 @@ class TrainConfig:
         for name in ("tokenizer", "generated_data", "feature_cache"):
             if getattr(self, name) is not None:
                 setattr(self, name, Path(getattr(self, name)))
+        self.reuse_generated = [Path(p) for p in self.reuse_generated]
         if not (self.base / "config.json").is_file():
             raise ValueError(f"{owner}.base: no model at {self.base} (expected config.json)")
         missing = [str(p) for p in self.data if not p.is_file()]
@@ -131,6 +136,14 @@ class TrainConfig:
         if self.feature_cache is not None and not self.cache_features:
             raise ValueError(f"{owner}.feature_cache: {self.feature_cache} given with cache_features=False; drop one "
                              f"of them")
+        if self.reuse_generated:
+            if not self.prompt_records or self.temperature != 0:
+                raise ValueError(f"{owner}.reuse_generated: earlier answers are reused for greedy prompt records only "
+                                 f"(prompt_records with temperature 0), got prompt_records={self.prompt_records}, "
+                                 f"temperature={self.temperature}; drop reuse_generated")
+            missing = [str(p) for p in self.reuse_generated if not p.is_file()]
+            if missing:
+                raise ValueError(f"{owner}.reuse_generated: no such files {missing}")
         self._check()
 
     def _check(self) -> None:

@@ -12,7 +12,8 @@
 
 Generated rows are cached in one safetensors file keyed by the settings and a hash of the source tokens, so a resume,
 another run on the same data, or another method's trainer (the same `generated_data` file and settings) reuses
-them; a cache with any other key is regenerated.
+them; a cache with any other key is regenerated. A run over more prompts than an earlier one (greedy prompt records)
+can take the earlier file's answers for the prompts they share (`reuse_generated`) and generate only the others.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from hf_specdec.training.config import TrainConfig
+from hf_specdec.training.config import DataError, TrainConfig
 from hf_specdec.training.data import token_stream, windows
 
 FORMAT_VERSION = 2  # rows carry the first trained position of each row
@@ -223,7 +224,9 @@ def _prompts(config: TrainConfig, source: list[torch.Tensor]) -> list[torch.Tens
     return sorted(chosen, key=len)  # similar lengths batch together: less left padding
 
 
-def training_rows(config: TrainConfig, accelerator: Accelerator, target: nn.Module, source: list[torch.Tensor]) -> TrainingRows:
+def training_rows(
+    config: TrainConfig, accelerator: Accelerator, target: nn.Module, source: list[torch.Tensor]
+) -> TrainingRows:
     """The rows training draws from: windows of the raw text, or generated (cached in `config.generated_path`).
 
     The processes split the prompts between them; the main process writes the gathered rows to the cache.
@@ -233,7 +236,13 @@ def training_rows(config: TrainConfig, accelerator: Accelerator, target: nn.Modu
     key, path = _generation_key(config, source, accelerator.num_processes, target.dtype), config.generated_path
     if not path.is_file() or _read_generation_key(path) != key:
         new_tokens = config.max_new_tokens if config.prompt_records else config.seq_len - config.prompt_len
-        with accelerator.split_between_processes(_prompts(config, source)) as mine:
+        prompts = _prompts(config, source)
+        known = reusable_answers(config, target.dtype)
+        missing = [prompt for prompt in prompts if _digest(prompt) not in known]
+        if config.reuse_generated:
+            accelerator.print(f"{len(prompts) - len(missing)} of {len(prompts)} answers taken from "
+                              f"{[str(p) for p in config.reuse_generated]}")
+        with accelerator.split_between_processes(missing) as mine:
             rows = generate_continuations(
                 target, mine, new_tokens, config.temperature, config.seed * 1000 + accelerator.process_index,
                 config.generate_batch_size, stop_at_eos=config.prompt_records,
@@ -244,16 +253,49 @@ def training_rows(config: TrainConfig, accelerator: Accelerator, target: nn.Modu
         if cut:
             accelerator.print(f"{cut} of {len(gathered)} generated rows are longer than seq_len {config.seq_len}; "
                               f"training reads their last {config.seq_len} tokens")
-        starts = [max(0, prompt_length - max(0, len(row) - config.seq_len)) if config.prompt_records else 0
-                  for row, prompt_length in gathered]
-        data = TrainingRows.padded([torch.tensor(row[-config.seq_len :]) for row, _ in gathered],
-                                   pad_token_id(target), starts)
+        generated = iter([(row[-config.seq_len :], max(0, prompt_length - max(0, len(row) - config.seq_len))
+                           if config.prompt_records else 0) for row, prompt_length in gathered])
+        rows_in_order = [known.get(_digest(prompt)) or next(generated) for prompt in prompts]
+        data = TrainingRows.padded([torch.tensor(row) for row, _ in rows_in_order], pad_token_id(target),
+                                   [start for _, start in rows_in_order])
         if accelerator.is_main_process:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file({"input_ids": data.input_ids, "lengths": data.lengths, "starts": data.starts}, str(path),
                       metadata={"key": key})
         accelerator.wait_for_everyone()
     return TrainingRows(**load_file(str(path)))
+
+
+def _digest(
+    # [P] a prompt's token ids
+    prompt: torch.Tensor,
+) -> bytes:
+    return hashlib.sha256(prompt.to(torch.long).numpy().tobytes()).digest()
+
+
+# the settings a reused answer must share with the run that takes it (the rest, e.g. the prompt set, may differ)
+REUSE_SETTINGS = ("base", "dtype", "format", "max_new_tokens", "prompt_records", "seq_len", "temperature")
+
+
+def reusable_answers(config: TrainConfig, dtype: torch.dtype) -> dict[bytes, tuple[list[int], int]]:
+    """The rows of `config.reuse_generated` a run can take as they are, by the digest of their prompt: each a row's
+    tokens and its first trained position, for every row held whole (shorter than seq_len, so its prompt is all
+    its tokens before its start). Greedy answers depend on the batch a prompt was generated in only at near-ties
+    of low-precision logits. A file whose settings differ from this run's is refused, naming the setting."""
+    wanted = json.loads(_generation_key(config, [], 1, dtype))
+    known: dict[bytes, tuple[list[int], int]] = {}
+    for path in config.reuse_generated:
+        stored = json.loads(_read_generation_key(path) or "{}")
+        differing = [name for name in REUSE_SETTINGS if stored.get(name) != wanted[name]]
+        if differing:
+            raise DataError(f"{type(config).__name__}.reuse_generated: {path} was generated with other settings "
+                             f"({', '.join(f'{n}={stored.get(n)!r}, not {wanted[n]!r}' for n in differing)}); "
+                             f"drop it or match them")
+        rows = TrainingRows(**load_file(str(path)))
+        for row, length, start in zip(rows.input_ids, rows.lengths.tolist(), rows.starts.tolist()):
+            if 0 < start and length < config.seq_len:
+                known.setdefault(_digest(row[:start]), (row[:length].tolist(), start))
+    return known
 
 
 def _read_generation_key(path: Path) -> str | None:

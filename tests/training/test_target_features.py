@@ -154,6 +154,43 @@ def test_prompt_records_stop_at_eos_and_train_on_the_continuation(base, target, 
         assert (row[length:] == 1).all()
 
 
+def test_a_run_takes_the_answers_an_earlier_run_generated(base, target, tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in ([5, 6, 7], [9, 10])))
+    second.write_text(json.dumps({"input_ids": [11, 12, 13, 14]}) + "\n")
+    options = ["--prompt-records", "--max-new-tokens", "10", "--steps", "1"]
+    assert cli_main(_args(base, tmp_path / "a", [first], [*options, "--num-samples", "2"])) == 0
+    earlier = tmp_path / "a" / GENERATED_FILE
+    # mark the earlier answer to [5, 6, 7] (tokens the target never chose), so taking it shows
+    saved = load_file(earlier)
+    row = next(i for i, ids in enumerate(saved["input_ids"].tolist()) if ids[:3] == [5, 6, 7])
+    saved["input_ids"][row, 3 : int(saved["lengths"][row])] = 77
+    with safe_open(str(earlier), framework="pt") as stored:  # the settings the file was written with, kept
+        metadata = stored.metadata()
+    save_file(saved, str(earlier), metadata=metadata)
+    capsys.readouterr()
+    assert cli_main(_args(base, tmp_path / "b", [first, second],
+                          [*options, "--num-samples", "3", "--reuse-generated", str(earlier)])) == 0
+    assert "2 of 3 answers taken from" in capsys.readouterr().out
+    rows = TrainingRows(**load_file(tmp_path / "b" / GENERATED_FILE))
+    by_prompt = {tuple(r[:s].tolist()): r[s:n] for r, n, s in zip(rows.input_ids, rows.lengths, rows.starts.tolist())}
+    assert (by_prompt[(5, 6, 7)] == 77).all(), "the earlier answer is taken"
+    new = by_prompt[(11, 12, 13, 14)]
+    with torch.no_grad():  # the new prompt's answer is generated: the target's greedy choices
+        whole = torch.cat([torch.tensor([11, 12, 13, 14]), new])
+        assert torch.equal(target(whole[None]).logits[0, 3:-1].argmax(-1), new)
+    # answers generated with other settings, or sampled, are refused, naming what differs
+    with pytest.raises(SystemExit, match=r"reuse_generated: .* other settings \(max_new_tokens=10, not 8\)"):
+        cli_main(_args(base, tmp_path / "c", [first], ["--prompt-records", "--max-new-tokens", "8", "--steps", "1",
+                                                       "--num-samples", "2", "--reuse-generated", str(earlier)]))
+    with pytest.raises(SystemExit, match="reuse_generated: earlier answers are reused for greedy prompt records"):
+        cli_main(_args(base, tmp_path / "c", [first], [*options, "--num-samples", "2", "--temperature", "1",
+                                                       "--reuse-generated", str(earlier)]))
+
+
 def _objective(method: str, target, base):
     """A fresh objective of each method for the tiny target."""
     from hf_specdec.training import draft_model, eagle, medusa, mlp_speculator

@@ -3,6 +3,8 @@ rendering per line), disjoint from every evaluation workload.
 
     python examples/drafters/smollm2/make_prompts.py [--out examples/drafters/smollm2/prompts.jsonl]
 
+More prompts later, none of those already written: another `--seed`, `--exclude` the earlier files, another `--out`.
+
 Three sources, none of them Spec-Bench or the coding requests the benchmarks use:
 * **Self-instruct (Magpie).** The target itself writes user requests: given only its chat template up to the user
   turn (`<|im_start|>user\\n`), an instruction-tuned model samples a user message. A system prompt steers each batch
@@ -139,12 +141,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--exclude", type=Path, nargs="*", default=[],
+                        help="prompt files written before (e.g. prompts.jsonl): their requests are not written again")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_real_model(dtype=torch.bfloat16)
     requests = [*self_instruct(model, tokenizer, args.self_instruct, args.seed, args.batch_size),
                 *coding_requests(args.coding, args.seed), *summaries(args.summaries, args.seed)]
-    forbidden, seen, kept, overlapping = evaluation_ngrams(), set(), [], 0
+    forbidden, kept, overlapping = evaluation_ngrams(), [], 0
+    seen = {" ".join(words(json.loads(line)["request"])) for path in args.exclude
+            for line in path.read_text().splitlines() if line.strip()}
+    excluded = len(seen)
     for text in requests:
         key = " ".join(words(text))
         if key in seen:
@@ -159,7 +166,8 @@ def main() -> None:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                    tokenize=False)
             handle.write(json.dumps({"request": text, "text": prompt}, sort_keys=True) + "\n")
-    print(f"{len(kept)} prompts written to {args.out} ({len(requests) - len(seen)} repeats and {overlapping} "
+    repeats = len(requests) - (len(seen) - excluded)
+    print(f"{len(kept)} prompts written to {args.out} ({repeats} repeats and {overlapping} "
           f"sharing an {OVERLAP_WORDS}-word run with an evaluation prompt dropped)")
 
 
