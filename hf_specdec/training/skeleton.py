@@ -211,10 +211,20 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
             checkpoints.save(accelerator, config.out / CHECKPOINT_DIR, state, config)
     accelerator.wait_for_everyone()
     result = {"steps": config.steps, "loss_history": history, "metrics_history": metrics_history,
-              "eval_history": eval_history, "config": {k: str(v) for k, v in asdict(config).items()}}
+              "eval_history": eval_history, "config": {k: _as_json(v) for k, v in asdict(config).items()}}
     if accelerator.is_main_process:
         accelerator.unwrap_model(objective).save(config.out, target, training, result)
         (config.out / METRICS_FILE).write_text(json.dumps(result, indent=2, sort_keys=True))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroys the process group: one left to the interpreter's exit can abort a rank
     return result
+
+
+def _as_json(value):
+    """A config value as JSON writes it: paths as strings, lists and tuples as lists, anything else JSON cannot
+    hold as its text."""
+    if isinstance(value, (list, tuple)):
+        return [_as_json(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

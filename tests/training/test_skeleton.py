@@ -155,7 +155,8 @@ def test_weight_decay_is_applied_and_a_negative_one_refused_before_training(base
     for decay in ("0.01", "0.5"):
         assert cli_main(_argv(base, tmp_path / decay, 4, "--weight-decay", decay)) == 0
         metrics = json.loads((tmp_path / decay / "train_metrics.json").read_text())
-        assert metrics["config"]["weight_decay"] == decay
+        assert metrics["config"]["weight_decay"] == float(decay)
+        assert metrics["config"]["data"] == [str(path) for path in DATA]  # as JSON lists paths
         losses[decay] = metrics["loss_history"]
     assert losses["0.01"][0] == losses["0.5"][0]  # the same first batch, before any update
     assert losses["0.01"][-1] != pytest.approx(losses["0.5"][-1], rel=1e-6)  # the decay moved the weights

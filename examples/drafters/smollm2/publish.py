@@ -7,6 +7,7 @@ command and its training curve (from the trainer's train_metrics.json).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -90,9 +91,11 @@ def held_out(metrics: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _requests() -> int:
-    with open(Path(__file__).with_name("prompts.jsonl")) as handle:
-        return sum(1 for line in handle if line.strip())
+def _requests(config: dict) -> str:
+    """'N requests of FILE[ and FILE]' for the prompt files the trainer read."""
+    files = [Path(name) for name in re.findall(r"[\w./+-]+\.jsonl", str(config["data"]))]
+    count = sum(1 for path in files for line in path.read_text().splitlines() if line.strip())
+    return f"{count} requests of " + " and ".join(f"`examples/drafters/smollm2/{path.name}`" for path in files)
 
 
 def readme(dest: Path, kind: str, metrics: dict, minutes: float) -> str:
@@ -107,8 +110,8 @@ use it by default; `hf_specdec.testbed.drafters.load_drafter("smollm2", "{kind}"
 Trained on this repository's CPU ({threads} torch thread{"s" if threads != 1 else ""} on a shared 2-core machine;
 `train.sh` ran {minutes:.0f} min for it,
 the target's answers and feature cache included where it built them) by
-self-distillation: the target (bfloat16) answered {config['num_samples']} of the {_requests()} requests of
-`examples/drafters/smollm2/prompts.jsonl` (a sample drawn with seed {config['seed']}) greedily (at most {config['max_new_tokens']} new tokens each; the
+self-distillation: the target (bfloat16) answered {config['num_samples']} of the {_requests(config)}
+(a sample drawn with seed {config['seed']}) greedily (at most {config['max_new_tokens']} new tokens each; the
 requests share no 8-word run with Spec-Bench or the code workload), and the drafter learned the target's answers
 from the target's cached features, with bf16 autocast:
 
