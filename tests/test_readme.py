@@ -1,5 +1,6 @@
 """The README: its test command is the one CI runs, its first snippet runs as written, it speaks to users."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,13 @@ def test_readme_speaks_to_users(document):
     for phrase in ("see the issue", "the engine issue", "the eagle issue", "was lent", "no gpu was", "our machines",
                    "this session", "these sessions"):
         assert phrase not in readme, phrase
+
+
+def test_links_into_the_measurements_name_their_sections():
+    """Every `benchmarks/RESULTS.md#section` link of the README and of RESULTS.md's contents names a heading there."""
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    anchors = {re.sub(r"[^\w\- ]", "", line[3:].strip().lower()).replace(" ", "-")
+               for line in results.splitlines() if line.startswith("## ")}
+    links = re.findall(r"RESULTS\.md#([\w-]+)", (ROOT / "README.md").read_text())
+    links += re.findall(r"\]\(#([\w-]+)\)", results)
+    assert links and set(links) <= anchors, set(links) - anchors
