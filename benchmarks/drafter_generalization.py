@@ -5,10 +5,11 @@ Spec-Bench.
     python benchmarks/drafter_generalization.py --kinds eagle3 eagle medusa mlp_speculator draft \\
         --num-prompts 12 --json benchmarks/results/drafter_generalization_smollm2_cpu.json
 
-The drafters learned the target's answers to a seeded sample of `examples/drafters/smollm2/prompts.jsonl`
-(`train.sh`: the first N of a permutation drawn with seed 0, N per drafter in its SAMPLES). "trained" takes the
-first --num-prompts of that permutation (requests every drafter trained on), "held-out" its last --num-prompts
-(requests none of them saw), "spec-bench" --num-prompts / 6 questions per Spec-Bench category. Each request's
+Each drafter learned the target's answers to a seeded sample of its prompt files (`train.sh`: the records of its
+PROMPTS files, `examples/drafters/smollm2/prompts.jsonl` by default, in one list; the first N of a permutation of
+them drawn with seed 0, N in its SAMPLES). "trained" takes the first --num-prompts of that permutation (requests the
+drafter trained on), "held-out" its last --num-prompts (requests it never saw), "spec-bench" --num-prompts / 6
+questions per Spec-Bench category. Drafters with the same prompt files are measured on the same requests. Each request's
 greedy answer (--max-new-tokens) is generated with a fixed chain of k draft tokens (the drafter's depth, at most
 5) and the schedule fixed, so every step drafts. A drop from "trained" to "held-out" is what the drafter learned
 of its rows by heart (more requests would close it); one from "held-out" to "spec-bench" is the shift from the
@@ -50,34 +51,41 @@ MAX_K = 5
 SETS = ("trained", "held-out", "spec-bench")
 
 
-def trained_counts() -> dict[str, int]:
-    """Requests each drafter was trained on: train.sh's SAMPLES."""
-    line = re.search(r"declare -A SAMPLES=\(([^)]*)\)", (HERE / "train.sh").read_text())
-    if line is None:
+def train_settings() -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
+    """Requests each drafter was trained on (train.sh's SAMPLES) and its prompt files (PROMPTS; prompts.jsonl
+    where it names none)."""
+    script = (HERE / "train.sh").read_text()
+    samples = re.search(r"declare -A SAMPLES=\(([^)]*)\)", script)
+    if samples is None:
         raise SystemExit(f"error: no SAMPLES in {HERE / 'train.sh'}")
-    return {kind: int(count) for kind, count in re.findall(r"\[(\w+)\]=(\d+)", line.group(1))}
+    counts = {kind: int(count) for kind, count in re.findall(r"\[(\w+)\]=(\d+)", samples.group(1))}
+    prompts = re.search(r"declare -A PROMPTS=\(([^)]*)\)", script)
+    named = {} if prompts is None else dict(re.findall(r'\[(\w+)\]="([^"]*)"', prompts.group(1)))
+    return counts, {kind: tuple(named.get(kind, "prompts.jsonl").split()) for kind in counts}
 
 
-def request_sets(tokenizer, count: int, names=SETS) -> dict[str, list[tuple[str | None, list[int]]]]:
+def request_sets(tokenizer, count: int, names=SETS, files: tuple[str, ...] = ("prompts.jsonl",),
+                 trained_on: int | None = None) -> dict[str, list[tuple[str | None, list[int]]]]:
     """(set name: (Spec-Bench category or None, prompt token ids)): of the sets `names` (trained, held-out,
-    Spec-Bench requests), `count` requests each."""
-    records = [json.loads(line) for line in (HERE / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    Spec-Bench requests), `count` requests each, for a drafter trained on the first `trained_on` records of the
+    seeded permutation of `files`' records."""
+    records = [json.loads(line) for file in files for line in (HERE / file).read_text().splitlines()
+               if line.strip()]
     order = torch.randperm(len(records), generator=torch.Generator().manual_seed(0)).tolist()
-    counts = trained_counts().values()
-    # the trained requests: within every drafter's sample; the held-out ones: beyond the largest sample
-    most = min(min(counts), len(records) - max(counts))
+    most = min(trained_on or len(records), len(records) - (trained_on or 0))
     if count > most and {"trained", "held-out"} & set(names):
-        raise SystemExit(f"error: --num-prompts {count}: at most {most} (requests every drafter trained on, and "
-                         f"requests none of them saw)")
+        raise SystemExit(f"error: --num-prompts {count}: at most {most} (requests the drafter trained on, and "
+                         f"requests it never saw, in {list(files)})")
 
     def ids(index: int) -> list[int]:
         return tokenizer(records[index]["text"], add_special_tokens=False)["input_ids"]
 
     per_category = max(1, count // len(SPEC_BENCH_CATEGORIES))
-    sets = {"trained": [(None, ids(i)) for i in order[:count]], "held-out": [(None, ids(i)) for i in order[-count:]],
-            "spec-bench": [(category, list(p)) for category, p in spec_bench_prompts(tokenizer,
-                                                                                    num_per_category=per_category)]}
-    return {name: sets[name] for name in names}
+    sets = {"trained": lambda: [(None, ids(i)) for i in order[:count]],
+            "held-out": lambda: [(None, ids(i)) for i in order[-count:]],
+            "spec-bench": lambda: [(category, list(p)) for category, p in spec_bench_prompts(
+                tokenizer, num_per_category=per_category)]}
+    return {name: sets[name]() for name in names}
 
 
 def parse_folders(values: list[str], kinds: list[str]) -> dict[str, Path]:
@@ -192,16 +200,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: --training-forward checks the trained requests: add 'trained' to --sets {args.sets}")
     torch.set_num_threads(args.threads)
     target, tokenizer = load_real_model(dtype=torch.bfloat16, progress=False)
-    sets = request_sets(tokenizer, args.num_prompts, args.sets)
-    counts = trained_counts()
+    counts, files = train_settings()
     results = []
     print(f"{'drafter':<15} {'requests':<15} {'steps':>6} {'tau':>5}  accepted at position 1..k (share of steps)")
     for kind in args.kinds:
         config = config_for(kind, target, folders.get(kind))
+        sets = request_sets(tokenizer, args.num_prompts, args.sets, files.get(kind, ("prompts.jsonl",)),
+                            counts.get(kind))
         for name, prompts in sets.items():
             start = time.perf_counter()
             row = {"drafter": kind, "requests": name, "num_prompts": len(prompts),
                    "trained_on": None if kind in folders else counts.get(kind),
+                   "prompt_files": list(files.get(kind, ("prompts.jsonl",))),
                    "folder": str(folders.get(kind, drafters.drafter_dir("smollm2", kind))),
                    "k": config.num_speculative_tokens, **measure(target, tokenizer, config, prompts,
                                                                   args.max_new_tokens)}

@@ -123,8 +123,8 @@ class CompiledForward:
         self.compiles: collections.Counter = collections.Counter()
 
     def __call__(self, keep: Callable[[Any], Any] | None = None, **inputs: Any) -> Any:
-        """The forward's output, or with `keep` (output -> the part of it the caller keeps, e.g. the logits and one
-        layer's hidden states of every layer's) that part, so only it is copied."""
+        """The forward's output; with `keep` (output -> the part of it the caller keeps, e.g. the logits and one of
+        the layers' hidden states), that part alone, so only it is copied."""
         before = graphs_compiled()
         out = self.function(**inputs)
         if graphs_compiled() != before:

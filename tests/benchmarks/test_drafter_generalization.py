@@ -3,6 +3,8 @@ values (the measurements themselves need the real model; a smoke run on the test
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -44,3 +46,19 @@ def test_folder_values_are_checked(benchmark_script, tmp_path):
             script.parse_folders([value], ["eagle3"])
     with pytest.raises(SystemExit, match="a second folder for 'eagle3'"):
         script.parse_folders(["eagle3=/a", "eagle3=/b"], ["eagle3"])
+
+
+def test_each_drafter_is_measured_on_requests_of_its_own_prompt_files(benchmark_script):
+    script = benchmark_script("drafter_generalization")
+    counts, files = script.train_settings()
+    assert files["eagle"] == ("prompts.jsonl", "prompts_more.jsonl") and files["draft"] == ("prompts.jsonl",)
+    tokenizer, _, _ = load_testbed(dtype=torch.float32)
+    records = [json.loads(line)["text"] for name in files["eagle"]
+               for line in (script.HERE / name).read_text().splitlines() if line.strip()]
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(0)).tolist()
+    trained = {records[i] for i in order[: counts["eagle"]]}
+    sets = script.request_sets(tokenizer, 3, ("trained", "held-out"), files["eagle"], counts["eagle"])
+    texts = {name: [tokenizer.decode(ids) for _, ids in prompts] for name, prompts in sets.items()}
+    assert all(text in trained for text in texts["trained"]) and not set(texts["held-out"]) & trained
+    with pytest.raises(SystemExit, match="at most"):
+        script.request_sets(tokenizer, len(records), ("held-out",), files["eagle"], counts["eagle"])

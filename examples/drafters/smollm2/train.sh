@@ -5,18 +5,23 @@
 #
 # The target writes its own answers to the prompts of prompts.jsonl once (greedy, up to 192 tokens, bfloat16); every
 # trainer reads those rows and the target's cached features (EAGLE-1/2, Medusa, the draft and the MLP speculator share
-# the final hidden states, EAGLE-3 has its fused layers), so only the first run pays for them. Work files go to $WORK (default
+# the final hidden states, EAGLE-3 has its fused layers), so only the first run pays for them. The EAGLE-1/2 head also
+# learns from prompts_more.jsonl (more requests written the same way, none of prompts.jsonl's); a run over more
+# prompts takes the answers an earlier run in $WORK already generated (`--reuse-generated`) and generates the others.
+# Work files go to $WORK (default
 # ~/.cache/hf_specdec/smollm2-drafters, several GB); each drafter lands in $WORK/<kind> with train_metrics.json,
 # and is copied here in bfloat16. THREADS (default 2) sets the torch threads; NUM_SAMPLES how many prompts of
-# prompts.jsonl (a seeded sample of them) the target answers for every drafter (default: each drafter's own count in
-# SAMPLES below; drafters trained on the same count share the answers and features).
+# its prompt files (a seeded sample of them) the target answers for every drafter (default: each drafter's own count
+# in SAMPLES below; drafters trained on the same files and count share the answers and features).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 HERE=examples/drafters/smollm2
 WORK=${WORK:-$HOME/.cache/hf_specdec/smollm2-drafters}
 THREADS=${THREADS:-2}
 BASE=$(python -c "from hf_specdec.testbed.real_model import ensure_smollm2; print(ensure_smollm2())")
-declare -A SAMPLES=([eagle3]=1920 [eagle]=3139 [medusa]=1920 [draft]=3139 [mlp_speculator]=3139)
+declare -A SAMPLES=([eagle3]=1920 [eagle]=5225 [medusa]=1920 [draft]=3139 [mlp_speculator]=3139)
+# each drafter's prompt files (default: prompts.jsonl)
+declare -A PROMPTS=([eagle]="prompts.jsonl prompts_more.jsonl")
 
 # The EAGLE-1/2 head starts from scratch: a copy of the target's last layer (the trainer's default) writes values far
 # larger than the final normed hidden state the head regresses, and from it training diverged (cross-entropy 273 at
@@ -26,18 +31,23 @@ train() {  # kind, then the trainer's own options
     shift
     python -m hf_specdec.cli train "$@" --out "$WORK/$kind"
 }
-common() {  # the options every trainer takes, for a drafter trained on $1 answers
-    COMMON=(--base "$BASE" --data "$HERE/prompts.jsonl" --prompt-records --num-samples "$1" --max-new-tokens 192
-            --seq-len 512 --generate-batch-size 64 --generated-data "$WORK/generated_data_$1.safetensors"
+common() {  # the options every trainer takes, for a drafter trained on $1 answers to the prompt files $2
+    local files=() name=$1 earlier
+    for file in $2; do files+=("$HERE/$file"); done
+    [[ $2 == prompts.jsonl ]] || name=$1_$(echo "$2" | tr ' ' '+' | sed 's/\.jsonl//g')
+    COMMON=(--base "$BASE" --data "${files[@]}" --prompt-records --num-samples "$1" --max-new-tokens 192
+            --seq-len 512 --generate-batch-size 64 --generated-data "$WORK/generated_data_$name.safetensors"
             --target-dtype bfloat16 --mixed-precision bf16 --threads "$THREADS" --save-every 100)
-    FINAL=(--feature-cache "$WORK/features_final_$1")
+    earlier=$(ls "$WORK"/generated_data_*.safetensors 2>/dev/null || true)
+    [[ -z $earlier ]] || COMMON+=(--reuse-generated $earlier)
+    FINAL=(--feature-cache "$WORK/features_final_$name")
 }
 
 for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
     for one in $kind; do
         begin=$SECONDS
         samples=${NUM_SAMPLES:-${SAMPLES[$one]:-640}}
-        common "$samples"
+        common "$samples" "${PROMPTS[$one]:-prompts.jsonl}"
         case $one in
             eagle3) train eagle3 eagle "${COMMON[@]}" --feature-cache "$WORK/features_eagle3_$samples" \
                         --version eagle3 --draft-vocab-size 8192 --ttt-steps 4 --steps 1200 --batch-size 8 \
