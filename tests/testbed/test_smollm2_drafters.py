@@ -29,15 +29,22 @@ def _ngrams(text: str) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + OVERLAP_WORDS]) for i in range(len(words) - OVERLAP_WORDS + 1)}
 
 
-def test_training_prompts_share_no_8_word_run_with_any_evaluation_prompt():
-    records = [json.loads(line) for line in (FOLDER / "prompts.jsonl").read_text().splitlines()]
-    assert len(records) >= 2000
+@pytest.mark.parametrize(("name", "least"), [("prompts.jsonl", 2000), ("prompts_more.jsonl", 2000)])
+def test_training_prompts_share_no_8_word_run_with_any_evaluation_prompt(name, least):
+    records = [json.loads(line) for line in (FOLDER / name).read_text().splitlines()]
+    assert len(records) >= least
     evaluation = set().union(*(_ngrams(turn) for q in [*load_spec_bench(), *code_requests()] for turn in q.turns))
     overlapping = [r["request"][:80] for r in records if _ngrams(r["request"]) & evaluation]
     assert not overlapping
     for record in records:  # the user's request, rendered with the model's chat template
         assert record["text"].startswith("<|im_start|>system\n") and record["text"].endswith(
             f"<|im_start|>user\n{record['request']}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_second_prompt_file_repeats_no_request_of_the_first():
+    first, more = ({json.loads(line)["request"] for line in (FOLDER / name).read_text().splitlines()}
+                   for name in ("prompts.jsonl", "prompts_more.jsonl"))
+    assert not first & more
 
 
 def test_the_committed_drafters_are_all_there_and_small():
