@@ -19,9 +19,9 @@ HERE=examples/drafters/smollm2
 WORK=${WORK:-$HOME/.cache/hf_specdec/smollm2-drafters}
 THREADS=${THREADS:-2}
 BASE=$(python -c "from hf_specdec.testbed.real_model import ensure_smollm2; print(ensure_smollm2())")
-declare -A SAMPLES=([eagle3]=1920 [eagle]=5225 [medusa]=1920 [draft]=3139 [mlp_speculator]=3139)
+declare -A SAMPLES=([eagle3]=1920 [eagle]=5225 [medusa]=1920 [draft]=3139 [mlp_speculator]=5225)
 # each drafter's prompt files (default: prompts.jsonl)
-declare -A PROMPTS=([eagle]="prompts.jsonl prompts_more.jsonl")
+declare -A PROMPTS=([eagle]="prompts.jsonl prompts_more.jsonl" [mlp_speculator]="prompts.jsonl prompts_more.jsonl")
 
 # The EAGLE-1/2 head starts from scratch: a copy of the target's last layer (the trainer's default) writes values far
 # larger than the final normed hidden state the head regresses, and from it training diverged (cross-entropy 273 at
