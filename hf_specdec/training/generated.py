@@ -289,8 +289,8 @@ def reusable_answers(config: TrainConfig, dtype: torch.dtype) -> dict[bytes, tup
         differing = [name for name in REUSE_SETTINGS if stored.get(name) != wanted[name]]
         if differing:
             raise DataError(f"{type(config).__name__}.reuse_generated: {path} was generated with other settings "
-                             f"({', '.join(f'{n}={stored.get(n)!r}, not {wanted[n]!r}' for n in differing)}); "
-                             f"drop it or match them")
+                            f"({', '.join(f'{n}={stored.get(n)!r}, not {wanted[n]!r}' for n in differing)}); "
+                            f"drop it or match them")
         rows = TrainingRows(**load_file(str(path)))
         for row, length, start in zip(rows.input_ids, rows.lengths.tolist(), rows.starts.tolist()):
             if 0 < start and length < config.seq_len:
