@@ -18,8 +18,8 @@ from hf_specdec.training.config import TrainConfig
 
 STATE_FILE = "training_state.json"
 # fields that change where files go or how fast a run goes, not what it trains; `steps` may grow on a rerun
-NOT_SETTINGS = frozenset({"out", "generated_data", "feature_cache", "generate_batch_size", "save_every", "threads",
-                          "steps", "eval_every"})
+NOT_SETTINGS = frozenset({"out", "generated_data", "reuse_generated", "feature_cache", "generate_batch_size",
+                          "save_every", "threads", "steps", "eval_every"})
 
 
 class OtherRunError(ValueError):

@@ -182,6 +182,11 @@ def test_a_run_takes_the_answers_an_earlier_run_generated(base, target, tmp_path
     with torch.no_grad():  # the new prompt's answer is generated: the target's greedy choices
         whole = torch.cat([torch.tensor([11, 12, 13, 14]), new])
         assert torch.equal(target(whole[None]).logits[0, 3:-1].argmax(-1), new)
+    # where the answers came from is no setting of the run: it resumes with more (or fewer) files to reuse, as
+    # train.sh's second call does once the first wrote its own answers file
+    assert cli_main(_args(base, tmp_path / "b", [first, second],
+                          [*options, "--num-samples", "3", "--reuse-generated", str(earlier),
+                           str(tmp_path / "b" / GENERATED_FILE)])) == 0
     # answers generated with other settings, or sampled, are refused, naming what differs
     with pytest.raises(SystemExit, match=r"reuse_generated: .* other settings \(max_new_tokens=10, not 8\)"):
         cli_main(_args(base, tmp_path / "c", [first], ["--prompt-records", "--max-new-tokens", "8", "--steps", "1",
