@@ -37,9 +37,10 @@ class TrainingState:
     eval_history: list[dict] = field(default_factory=list)
 
 
-def run_settings(config: TrainConfig) -> dict[str, str]:
-    """The settings a checkpoint must share with a run that resumes it: the config's class and fields, as strings."""
-    settings = {k: str(v) for k, v in asdict(config).items() if k not in NOT_SETTINGS}
+def run_settings(config: TrainConfig) -> dict:
+    """The settings a checkpoint must share with a run that resumes it: the config's class and fields, as JSON values
+    (`TrainConfig.values`)."""
+    settings = {k: v for k, v in config.values().items() if k not in NOT_SETTINGS}
     return {"config": type(config).__name__, **settings}
 
 

@@ -5,7 +5,7 @@ metadata, so a field is declared once."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -157,8 +157,21 @@ class TrainConfig:
     def feature_cache_dir(self) -> Path:
         return self.feature_cache or self.out / FEATURES_DIR
 
+    def values(self) -> dict:
+        """Every field as JSON holds it (paths as strings, lists as lists): what `train_metrics.json` records and
+        what a checkpoint compares with the run that resumes it."""
+        return {name: _json_value(value) for name, value in asdict(self).items()}
+
     def torch_dtype(self, cuda: bool) -> torch.dtype:
         """The dtype the target runs in."""
         if self.target_dtype == "auto":
             return torch.bfloat16 if cuda else torch.float32
         return getattr(torch, self.target_dtype)
+
+
+def _json_value(value):
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -211,7 +210,7 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
             checkpoints.save(accelerator, config.out / CHECKPOINT_DIR, state, config)
     accelerator.wait_for_everyone()
     result = {"steps": config.steps, "loss_history": history, "metrics_history": metrics_history,
-              "eval_history": eval_history, "config": {k: _as_json(v) for k, v in asdict(config).items()}}
+              "eval_history": eval_history, "config": config.values()}
     if accelerator.is_main_process:
         accelerator.unwrap_model(objective).save(config.out, target, training, result)
         (config.out / METRICS_FILE).write_text(json.dumps(result, indent=2, sort_keys=True))
@@ -219,12 +218,3 @@ def train(config: TrainConfig, make_objective: ObjectiveFactory) -> dict:
     accelerator.end_training()  # destroys the process group: one left to the interpreter's exit can abort a rank
     return result
 
-
-def _as_json(value):
-    """A config value as JSON writes it: paths as strings, lists and tuples as lists, anything else JSON cannot
-    hold as its text."""
-    if isinstance(value, (list, tuple)):
-        return [_as_json(item) for item in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)

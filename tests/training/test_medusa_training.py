@@ -127,11 +127,16 @@ def test_training_resumes_from_its_checkpoint(base, tmp_path):
     state = json.loads((tmp_path / "checkpoint" / "training_state.json").read_text())
     first = json.loads((tmp_path / "train_metrics.json").read_text())["loss_history"]
     assert state["step"] == 10 and state["loss_history"] == first and len(first) == 10
+    config = json.loads((tmp_path / "train_metrics.json").read_text())["config"]
+    settings = {k: v for k, v in state["settings"].items() if k != "config"}
+    assert settings == {k: config[k] for k in settings} and settings["data"] == config["data"], \
+        "the checkpoint's settings and the metrics' config are one serialization"
+    assert settings["learning_rate"] == 0.006 and isinstance(settings["data"], list)
     main(_args(base, tmp_path, steps=12, extra=["--data-source", "text"]))
     history = json.loads((tmp_path / "train_metrics.json").read_text())["loss_history"]
     assert len(history) == 12 and history[:10] == first, "the rerun did not go on from step 10 with its history"
     with pytest.raises(SystemExit, match=r"MedusaTrainConfig.out: .* holds a checkpoint of another run \(learning_rate: "
-                                         r"'0.006' there, '0.001' now\); remove that folder"):
+                                         r"0.006 there, 0.001 now\); remove that folder"):
         main([*_args(base, tmp_path, steps=14, extra=["--data-source", "text"]), "--learning-rate", "1e-3"])
     assert json.loads((tmp_path / "checkpoint" / "training_state.json").read_text())["step"] == 12
 
