@@ -19,9 +19,10 @@ HERE=examples/drafters/smollm2
 WORK=${WORK:-$HOME/.cache/hf_specdec/smollm2-drafters}
 THREADS=${THREADS:-2}
 BASE=$(python -c "from hf_specdec.testbed.real_model import ensure_smollm2; print(ensure_smollm2())")
-declare -A SAMPLES=([eagle3]=1920 [eagle]=5225 [medusa]=1920 [draft]=3139 [mlp_speculator]=5225)
+declare -A SAMPLES=([eagle3]=5225 [eagle]=5225 [medusa]=1920 [draft]=3139 [mlp_speculator]=5225)
 # each drafter's prompt files (default: prompts.jsonl)
-declare -A PROMPTS=([eagle]="prompts.jsonl prompts_more.jsonl" [mlp_speculator]="prompts.jsonl prompts_more.jsonl")
+declare -A PROMPTS=([eagle3]="prompts.jsonl prompts_more.jsonl" [eagle]="prompts.jsonl prompts_more.jsonl"
+                   [mlp_speculator]="prompts.jsonl prompts_more.jsonl")
 
 # The EAGLE-1/2 head starts from scratch: a copy of the target's last layer (the trainer's default) writes values far
 # larger than the final normed hidden state the head regresses, and from it training diverged (cross-entropy 273 at
@@ -41,6 +42,7 @@ common() {  # the options every trainer takes, for a drafter trained on $1 answe
     earlier=$(ls "$WORK"/generated_data_*.safetensors 2>/dev/null || true)
     [[ -z $earlier ]] || COMMON+=(--reuse-generated $earlier)
     FINAL=(--feature-cache "$WORK/features_final_$name")
+    FUSED=(--feature-cache "$WORK/features_eagle3_$name")
 }
 
 for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
@@ -49,9 +51,9 @@ for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
         samples=${NUM_SAMPLES:-${SAMPLES[$one]:-640}}
         common "$samples" "${PROMPTS[$one]:-prompts.jsonl}"
         case $one in
-            eagle3) train eagle3 eagle "${COMMON[@]}" --feature-cache "$WORK/features_eagle3_$samples" \
-                        --version eagle3 --draft-vocab-size 8192 --ttt-steps 4 --steps 1200 --batch-size 8 \
-                        --learning-rate 1e-3 --warmup-steps 60 ;;
+            eagle3) train eagle3 eagle "${COMMON[@]}" "${FUSED[@]}" --version eagle3 --draft-vocab-size 8192 \
+                        --ttt-steps 4 --steps 2400 --batch-size 8 --learning-rate 1e-3 --warmup-steps 120 \
+                        --eval-rows 64 --eval-every 400 ;;
             eagle) train eagle eagle "${COMMON[@]}" "${FINAL[@]}" --version eagle --no-init-from-target \
                        --token-map-size 8192 --steps 5000 --batch-size 8 --learning-rate 1e-3 --warmup-steps 250 \
                        --eval-rows 64 --eval-every 500 ;;
