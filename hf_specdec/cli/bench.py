@@ -632,13 +632,19 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def build_figure(rows: list[dict[str, Any]]):
     """Speedup vs batch size (at the smallest k) and vs k (at the smallest batch size), ticks at the measured
-    values, one legend beside the panels: a case keeps its colour, trees are dashed."""
+    values, one legend beside the panels: a case keeps its colour, trees are dashed. With several categories
+    (Spec-Bench), their panels above; the sweep panels only where the run measured several batch sizes or k (one
+    of each would draw the overall bars again as dots)."""
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
 
     categories = list(dict.fromkeys(r["category"] for r in rows if r["category"] != OVERALL))
     per_category = len(categories) > 1
-    fig = Figure(figsize=(12, 8 if per_category else 4), layout="constrained")
+    swept = len({(r["batch_size"], r["k"]) for r in rows if r["k"] is not None}) > 1
+    fig = Figure(figsize=(12, 8 if per_category and swept else 4), layout="constrained")
     if per_category:
+        if not swept:
+            _category_panels(fig, [r for r in rows if r["category"] != OVERALL], categories, rows)
+            return fig
         top, bottom = fig.subfigures(2, 1)
         _category_panels(top, [r for r in rows if r["category"] != OVERALL], categories, rows)
         fig_sweep = bottom

@@ -120,10 +120,10 @@ def test_plot_gives_every_case_its_own_colour_and_undrafted_cases_a_line():
     engine drafting nothing) is a dotted line at its speedup, in the same colour as its bar above."""
     cases = [f"case{i:02d}" for i in range(11)]
     categories = ("qa", "math_reasoning", "overall")
-    rows = [row("plain", 1, None, 1.0, category=c) for c in categories]
-    rows += [row(case, 1, 5, 1.0 + 0.05 * i, category=c, length=2.0) for i, case in enumerate(cases)
-             for c in categories]
-    rows += [row("no-drafts", 1, None, 1.1, category=c) for c in categories]
+    rows = [row("plain", b, None, 1.0, category=c) for b in (1, 4) for c in categories]
+    rows += [row(case, b, 5, 1.0 + 0.05 * i, category=c, length=2.0) for i, case in enumerate(cases)
+             for b in (1, 4) for c in categories]
+    rows += [row("no-drafts", b, None, 1.1, category=c) for b in (1, 4) for c in categories]
     fig = build_figure(rows)
     fig.draw_without_rendering()
     speed = fig.subfigs[0].axes[0]
@@ -134,6 +134,20 @@ def test_plot_gives_every_case_its_own_colour_and_undrafted_cases_a_line():
     assert line.get_linestyle() == ":" and set(line.get_ydata()) == {1.1}
     (bars,) = [bars for bars in speed.containers if bars.get_label() == "no-drafts"]
     assert tuple(line.get_color()) == pytest.approx(tuple(bars.patches[0].get_facecolor()))
+
+
+def test_plot_of_one_batch_size_and_k_per_category_has_no_sweep_panels():
+    """Spec-Bench at one batch size and one k: the category panels only (a sweep of one point would draw the
+    overall bars again as dots)."""
+    categories = ("qa", "math_reasoning", "overall")
+    rows = [row("plain", 1, None, 1.0, category=c) for c in categories]
+    rows += [row(case, 1, 5, 1.2, w, category=c, length=2.0) for case in ("eagle", "ngram") for w in (1, 4)
+             for c in categories]
+    fig = build_figure(rows)
+    fig.draw_without_rendering()
+    assert not fig.subfigs and [axis.get_title() for axis in fig.axes] == ["speedup, batch size 1",
+                                                                          "mean acceptance length, batch size 1"]
+    assert tuple(fig.get_size_inches()) == (12, 4)
 
 
 @pytest.mark.parametrize(
