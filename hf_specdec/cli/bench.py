@@ -641,10 +641,10 @@ def build_figure(rows: list[dict[str, Any]]):
     per_category = len(categories) > 1
     swept = len({(r["batch_size"], r["k"]) for r in rows if r["k"] is not None}) > 1
     fig = Figure(figsize=(12, 8 if per_category and swept else 4), layout="constrained")
+    if per_category and not swept:
+        _category_panels(fig, [r for r in rows if r["category"] != OVERALL], categories, rows)
+        return fig
     if per_category:
-        if not swept:
-            _category_panels(fig, [r for r in rows if r["category"] != OVERALL], categories, rows)
-            return fig
         top, bottom = fig.subfigures(2, 1)
         _category_panels(top, [r for r in rows if r["category"] != OVERALL], categories, rows)
         fig_sweep = bottom
