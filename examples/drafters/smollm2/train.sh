@@ -5,9 +5,9 @@
 #
 # The target writes its own answers to the prompts of prompts.jsonl once (greedy, up to 192 tokens, bfloat16); every
 # trainer reads those rows and the target's cached features (EAGLE-1/2, Medusa, the draft and the MLP speculator share
-# the final hidden states, EAGLE-3 has its fused layers), so only the first run pays for them. All but the Medusa heads
-# also learn from prompts_more.jsonl (more requests written the same way, none of prompts.jsonl's); a run over more
-# prompts takes the answers an earlier run in $WORK already generated (`--reuse-generated`) and generates the others.
+# the final hidden states, EAGLE-3 has its fused layers), so only the first run pays for them. The EAGLE heads and
+# the MLP speculator also learn from prompts_more.jsonl (more requests written the same way, none of prompts.jsonl's;
+# the draft, trained on them too, drafted no better on Spec-Bench); a run over more prompts takes the answers an earlier run in $WORK already generated (`--reuse-generated`) and generates the others.
 # Work files go to $WORK (default
 # ~/.cache/hf_specdec/smollm2-drafters, several GB); each drafter lands in $WORK/<kind> with train_metrics.json,
 # and is copied here in bfloat16. THREADS (default 2) sets the torch threads; NUM_SAMPLES how many prompts of
@@ -19,10 +19,10 @@ HERE=examples/drafters/smollm2
 WORK=${WORK:-$HOME/.cache/hf_specdec/smollm2-drafters}
 THREADS=${THREADS:-2}
 BASE=$(python -c "from hf_specdec.testbed.real_model import ensure_smollm2; print(ensure_smollm2())")
-declare -A SAMPLES=([eagle3]=5225 [eagle]=5225 [medusa]=1920 [draft]=5225 [mlp_speculator]=5225)
+declare -A SAMPLES=([eagle3]=5225 [eagle]=5225 [medusa]=1920 [draft]=3139 [mlp_speculator]=5225)
 # each drafter's prompt files (default: prompts.jsonl)
 declare -A PROMPTS=([eagle3]="prompts.jsonl prompts_more.jsonl" [eagle]="prompts.jsonl prompts_more.jsonl"
-                   [draft]="prompts.jsonl prompts_more.jsonl" [mlp_speculator]="prompts.jsonl prompts_more.jsonl")
+                   [mlp_speculator]="prompts.jsonl prompts_more.jsonl")
 
 # The EAGLE-1/2 head starts from scratch: a copy of the target's last layer (the trainer's default) writes values far
 # larger than the final normed hidden state the head regresses, and from it training diverged (cross-entropy 273 at
