@@ -633,8 +633,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def build_figure(rows: list[dict[str, Any]]):
     """Speedup vs batch size (at the smallest k) and vs k (at the smallest batch size), ticks at the measured
     values, one legend beside the panels: a case keeps its colour, trees are dashed. With several categories
-    (Spec-Bench), their panels above; the sweep panels only where the run measured several batch sizes or k (one
-    of each would draw the overall bars again as dots)."""
+    (Spec-Bench), their panels above the sweep panels, or alone where the run measured one batch size and one k
+    (a sweep of one point would draw the overall bars again as dots)."""
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
 
     categories = list(dict.fromkeys(r["category"] for r in rows if r["category"] != OVERALL))
