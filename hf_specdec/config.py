@@ -15,6 +15,10 @@ SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "mtp", "mlp_speculator
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 Schedule = Literal["adaptive", "fixed"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+DraftQuantization = Literal["int8"]
+DRAFT_QUANTIZATIONS: tuple[str, ...] = get_args(DraftQuantization)
+# methods that draft with a model of their own (a draft model or heads), whose weights draft_quantization may copy
+QUANTIZABLE_METHODS = ("draft", "medusa", "eagle", "mlp_speculator")
 
 # Beyond this many draft tokens per step the verify forward is mostly wasted work; vLLM caps at 128.
 MAX_SPECULATIVE_TOKENS = 64
@@ -163,6 +167,13 @@ class SpeculativeConfig:
                           "(the expected number of accepted tokens) is at least this, else from the fallback; None: "
                           "the fallback's draft depth (its k), as ArcticInference decides"},
     )
+    draft_quantization: DraftQuantization | None = field(
+        default=None,
+        metadata={"help": "'int8': the drafter (a draft model, Medusa heads, an EAGLE head, an MLP speculator; its "
+                          "lm_head at a token map too) reads int8 copies of its linear layers' weights in narrow "
+                          "calls (at most 4 tokens) on a CPU: faster drafting, drafts a little different, output "
+                          "unchanged (verification is exact); None: the drafter's own weights"},
+    )
     # EAGLE's names for the dynamic tree, accepted as aliases: top_k = tree_width, depth = num_speculative_tokens,
     # total_tokens = tree_total_tokens
     top_k: InitVar[int | None] = None
@@ -231,6 +242,7 @@ class SpeculativeConfig:
                 "drop draft_model or use method='draft'"
             )
         self._check_draft_token_map()
+        self._check_draft_quantization()
         if self.method in HEADS_CLASS:
             if not isinstance(self.heads, heads_class(self.method)):
                 raise ValueError(
@@ -326,6 +338,25 @@ class SpeculativeConfig:
 
             self.num_speculative_tokens_per_batch_size = check_batch_size_schedule(
                 self.num_speculative_tokens_per_batch_size, self.num_speculative_tokens)
+
+    def _check_draft_quantization(self) -> None:
+        if self.draft_quantization is None:
+            return
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"SpeculativeConfig.draft_quantization: expected None or one of "
+                             f"{list(DRAFT_QUANTIZATIONS)}, got {self.draft_quantization!r}")
+        if self.method in QUANTIZABLE_METHODS:
+            return
+        if self.method == "auto" and (self.draft_model is not None or self.heads is not None):
+            return  # its model candidate drafts with int8 copies; the lookups have no weights
+        hint = {
+            "auto": "method='auto' has no model drafter here (pass a draft_model or heads)",
+            "suffix": "suffix decoding has no weights (with a fallback, set it on the fallback's config)",
+            "early_exit": "early exit drafts with the target's own layers, whose keys and values verification reuses",
+            "mtp": "MTP layers are the target's own",
+        }.get(self.method, f"method={self.method!r} drafts without a model")
+        raise ValueError(f"SpeculativeConfig.draft_quantization={self.draft_quantization!r}: for a drafter model "
+                         f"(methods {list(QUANTIZABLE_METHODS)}, or 'auto' with one); {hint}")
 
     def _check_draft_token_map(self) -> None:
         if self.draft_token_map is None:

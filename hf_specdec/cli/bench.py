@@ -118,6 +118,9 @@ TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+e
               "auto+mlp_speculator")
 # every composite case and the case whose drafter it loads
 DRAFTER_OF = {**HYBRID_CASES, **AUTO_CASES}
+# cases drafting with a model of their own, which run under each --draft-quantization
+QUANTIZABLE_CASES = ("draft", "draft-xtok", *HEAD_CASES, *HYBRID_CASES, *AUTO_CASES)
+DRAFT_QUANTIZATIONS = ("none", "int8")
 TESTBED_WORKLOADS = ("completion", "edit", "long")
 CHAT_WORKLOADS = ("spec-bench", "code", "repeat")
 OVERALL = "overall"
@@ -154,6 +157,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         dest="schedules",
                         help="speculation schedules to run every hf_specdec case under: adaptive (k per row and "
                         "step from measured acceptance and cost) and/or fixed (k every step); default adaptive")
+    parser.add_argument("--draft-quantization", nargs="+", default=["none"], choices=DRAFT_QUANTIZATIONS,
+                        dest="draft_quantizations",
+                        help="drafter weights to run every case that drafts with a model under: none (its own), "
+                        "int8 (SpeculativeConfig.draft_quantization='int8': int8 copies in narrow calls on a CPU; "
+                        "such rows read '@int8')")
     parser.add_argument("--workload", default="edit",
                         choices=(*TESTBED_WORKLOADS, *CHAT_WORKLOADS, RANDOM_WORKLOAD),
                         help="test-bed prompts (completion, edit, long; default edit, where lookup shines), or for a "
@@ -208,6 +216,7 @@ class Measurement:
     tree_width: int = 1
     category: str = ""
     schedule: str = ""  # "adaptive" or "fixed" for hf_specdec's cases
+    quantization: str = ""  # "int8" for a case drafting with int8 copies of its drafter's weights
     seconds: float = 0.0  # the median of repeat_seconds
     repeat_seconds: list[float] = field(default_factory=list)
     instrumented_seconds: float = 0.0
@@ -237,7 +246,7 @@ class Measurement:
 
     @property
     def key(self) -> tuple:
-        return self.case, self.category, self.batch_size, self.k, self.tree_width, self.schedule
+        return self.case, self.category, self.batch_size, self.k, self.tree_width, self.schedule, self.quantization
 
 
 def _load(path: Path, dtype: torch.dtype, device: torch.device):
@@ -300,12 +309,13 @@ def _load_draft(path: Path | None, target, committed: str | None):
 def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict | None,
                         tree_nodes: int | None = None, schedule: str = "adaptive",
                         early_exit_layer: int | None = None,
-                        other_tokenizer: OtherTokenizer | None = None) -> SpeculativeConfig:
+                        other_tokenizer: OtherTokenizer | None = None, quantization: str = "") -> SpeculativeConfig:
     """hf_specdec's config for `case` (a hybrid's fallback keeps the default schedule: the hybrid's decides);
-    draft-xtok drafts with `draft` under `other_tokenizer`."""
+    draft-xtok drafts with `draft` under `other_tokenizer`; `quantization` "int8": the drafter's int8 copies."""
     if case == "no-drafts":  # every step plain, whatever the batch size; a fixed schedule: no lookups on the side
         return SpeculativeConfig(method="ngram", disable_by_batch_size=1, schedule="fixed")
-    common = dict(num_speculative_tokens=k, schedule=schedule)
+    common = dict(num_speculative_tokens=k, schedule=schedule,
+                  draft_quantization=(quantization or None) if case in QUANTIZABLE_CASES else None)
     if case == "auto" or case in AUTO_CASES:  # n-gram lookup and suffix decoding (a cache of its own), and a drafter
         base = AUTO_CASES.get(case)
         drafter = dict(draft_model=draft) if base == "draft" else dict(heads=heads[base]) if base else {}
@@ -314,8 +324,10 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
         return SpeculativeConfig(method="auto", prompt_lookup_max=PROMPT_LOOKUP_MAX, suffix_cache=SuffixCache(),
                                  **drafter, **tree, **common)
     if case == "suffix" or case in HYBRID_CASES:  # a cache of its own, emptied before each pass (`_measure`)
-        fallback = _speculative_config(HYBRID_CASES[case], draft, k, 1, heads) if case in HYBRID_CASES else None
-        return SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback, **common)
+        fallback = (_speculative_config(HYBRID_CASES[case], draft, k, 1, heads, quantization=quantization)
+                    if case in HYBRID_CASES else None)
+        return SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback,
+                                 **{**common, "draft_quantization": None})
     if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default)
         return SpeculativeConfig(method="medusa", heads=heads[case],
                                  tree_paths=heads[case].tree() if tree_width > 1 else None, **common)
@@ -335,7 +347,7 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
 
 def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads: dict | None = None,
                  early_exit_layer: int | None = None, tree_nodes: int | None = None,
-                 schedule: str = "adaptive", other_tokenizer: OtherTokenizer | None = None
+                 schedule: str = "adaptive", other_tokenizer: OtherTokenizer | None = None, quantization: str = ""
                  ) -> tuple[Callable[..., torch.Tensor], SpeculativeConfig | None]:
     """The case's generate call, and hf_specdec's config it runs with (None for plain and transformers' methods)."""
     if case == "plain":
@@ -354,7 +366,7 @@ def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, h
                                                  num_assistant_tokens_schedule="constant",
                                                  assistant_confidence_threshold=0.0, **kw), None
     config = _speculative_config(case, draft, k, tree_width, heads, tree_nodes, schedule, early_exit_layer,
-                                 other_tokenizer)
+                                 other_tokenizer, quantization)
 
     def generate(ids, **kw):
         return hf_specdec.generate(target, ids, speculative=config, **SPECULATIVE_OUTPUTS, **kw)
@@ -374,18 +386,18 @@ def _add_counts(total: list[int], counts: list[int]) -> list[int]:
 def _measure(case: str, category: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft,
              kwargs, references, heads=None, early_exit_layer: int | None = None,
              tree_nodes: int | None = None, schedule: str = "", other_tokenizer: OtherTokenizer | None = None,
-             plain_scores: PlainScores | None = None):
+             plain_scores: PlainScores | None = None, quantization: str = ""):
     """One case's instrumented pass over `batches` (counts, forward costs, statistics, the output check): the
     measurement, the outputs, and an uninstrumented pass to time (`time_interleaved`). `draft` is the draft model,
     or for the other-tokenizer cases `other_tokenizer.draft`. An output that differs from `references[i]` is looked
     into after the pass with plain generate's scores on batch i (`plain_scores`, given with `references`): near-tie
     or fault."""
     generate, config = _generate_fn(case, target, draft, k, tree_width, heads, early_exit_layer, tree_nodes,
-                                    schedule or "adaptive", other_tokenizer)
+                                    schedule or "adaptive", other_tokenizer, quantization)
     if kwargs.get("do_sample"):
         generate = _seeded(generate)
     m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, category=category,
-                    schedule=schedule, identical=None if kwargs.get("do_sample") else True)
+                    schedule=schedule, quantization=quantization, identical=None if kwargs.get("do_sample") else True)
     outputs = []
     drafter = draft if case in NEEDS_DRAFT else None
     if case == "early_exit":  # the target's first layers, timed apart from the target's own forwards
@@ -507,7 +519,8 @@ def _combine(parts: list[Measurement], category: str, concurrent: bool) -> Measu
     wall = max if concurrent else sum
     first = parts[0]
     total = Measurement(case=first.case, batch_size=first.batch_size, k=first.k, tree_width=first.tree_width,
-                        category=category, schedule=first.schedule, identical=first.identical)
+                        category=category, schedule=first.schedule, quantization=first.quantization,
+                        identical=first.identical)
     for name in COUNTS:
         setattr(total, name, sum(getattr(part, name) for part in parts))
     total.repeat_seconds = [wall(times) for times in zip(*(part.repeat_seconds for part in parts))]
@@ -542,6 +555,7 @@ def summarize(m: Measurement, plain: Measurement, native: Measurement | None = N
     return {
         "case": m.case, "category": m.category, "batch_size": m.batch_size, "k": m.k, "tree_width": m.tree_width,
         "schedule": m.schedule or None,
+        "draft_quantization": m.quantization or None,
         # row-steps by the draft tokens the schedule allowed (entry 0: plain), and its expected vs measured
         # acceptance over the tokens it allowed
         "k_histogram": m.k_histogram or None,
@@ -605,25 +619,30 @@ def partings_note(rows: list[dict[str, Any]]) -> str | None:
             "hf_specdec.lossless)")
 
 
+def _label(row: dict[str, Any]) -> str:
+    """The case as the table and the plot name it: '@int8' after a case drafting with int8 copies."""
+    return row["case"] + (f"@{row['draft_quantization']}" if row.get("draft_quantization") else "")
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per case; with several categories (Spec-Bench) grouped by category, 'overall' last. `vs hf` is the
     speedup over transformers' matching path; `same`: identical to plain generate (yes), parting from it only at
     near-ties, where rounding decided (tie, in low precision), or elsewhere too (NO); n/a when sampling."""
     width = max(len("category"), *(len(r["category"]) for r in rows)) + 2
-    print(f"{'category':<{width}}{'case':<24}{'batch':>6}{'k':>4}{'w':>3}{'tok/s':>9}{'speedup':>9}{'vs hf':>8}"
+    print(f"{'category':<{width}}{'case':<30}{'batch':>6}{'k':>4}{'w':>3}{'tok/s':>9}{'speedup':>9}{'vs hf':>8}"
           f"{'tok/fwd':>9}{'mean len':>9}{'accept':>8}{'eff.':>7}{'same':>6}  acceptance per position"
           f"{' | schedule: k histogram, plain share, estimated/measured acceptance' if any(r['k_histogram'] for r in rows) else ''}")
     for r in rows:
         per_pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"] or [])
         vs_hf = _fmt(r["speedup_vs_transformers"], ".2f") + ("x" if r["speedup_vs_transformers"] else "")
-        case = r["case"] + (f" ({r['schedule']})" if r["schedule"] else "")
+        case = _label(r) + (f" ({r['schedule']})" if r["schedule"] else "")
         schedule = ""
         if r["k_histogram"]:
             schedule = (f" | {r['k_histogram']} {r['plain_share']:.2f} {_fmt(r['estimated_acceptance'], '.2f')}/"
                         f"{_fmt(r['measured_acceptance'], '.2f')}")
             if r["method_steps"]:  # method="auto": row-steps drafted by each candidate
                 schedule += " " + " ".join(f"{m}:{n}" for m, n in r["method_steps"].items())
-        print(f"{r['category']:<{width}}{case:<24}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tree_width']:>3}"
+        print(f"{r['category']:<{width}}{case:<30}{r['batch_size']:>6}{_fmt(r['k'], 'd'):>4}{r['tree_width']:>3}"
               f"{r['tokens_per_second']:>9.1f}{r['speedup_vs_plain']:>8.2f}x{vs_hf:>8}"
               f"{_fmt(r['tokens_per_target_forward'], '.2f'):>9}"
               f"{_fmt(r['mean_acceptance_length'], '.2f'):>9}{_fmt(r['acceptance_rate'], '.2f'):>8}"
@@ -637,6 +656,7 @@ def build_figure(rows: list[dict[str, Any]]):
     (a sweep of one point would draw the overall bars again as dots)."""
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
 
+    rows = [{**r, "case": _label(r)} for r in rows]  # an int8 case is a case of its own here
     categories = list(dict.fromkeys(r["category"] for r in rows if r["category"] != OVERALL))
     per_category = len(categories) > 1
     swept = len({(r["batch_size"], r["k"]) for r in rows if r["k"] is not None}) > 1
@@ -843,15 +863,15 @@ def result_rows(
     if len(categories) > 1:
         by_case: dict[tuple, list[Measurement]] = {}
         for m in merged.values():
-            by_case.setdefault((m.case, m.batch_size, m.k, m.tree_width, m.schedule), []).append(m)
+            by_case.setdefault((m.case, m.batch_size, m.k, m.tree_width, m.schedule, m.quantization), []).append(m)
         for parts in by_case.values():
             total = _combine(parts, OVERALL, concurrent=False)
             merged[total.key] = total
     rows = []
     for m in merged.values():
         native = MATCHING_NATIVE.get(m.case)
-        matching = merged.get((native, m.category, m.batch_size, m.k, 1, "")) if m.tree_width == 1 else None
-        rows.append(summarize(m, merged[("plain", m.category, m.batch_size, None, 1, "")], matching))
+        matching = merged.get((native, m.category, m.batch_size, m.k, 1, "", "")) if m.tree_width == 1 else None
+        rows.append(summarize(m, merged[("plain", m.category, m.batch_size, None, 1, "", "")], matching))
     return rows
 
 
@@ -870,6 +890,7 @@ def write_report(
                 "num_prompts": num_prompts, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                 "methods": args.methods, "batch_sizes": args.batch_sizes, "ks": args.ks,
                 "tree_widths": args.tree_widths, "schedules": args.schedules, "tree_nodes": args.tree_nodes,
+                "draft_quantizations": args.draft_quantizations,
                 "temperature": args.temperature, "early_exit_layer": args.early_exit_layer,
                 "model": args.model or str(args.target or "test bed")}
     if args.workload in CHAT_WORKLOADS:
@@ -904,11 +925,13 @@ def run(args: argparse.Namespace) -> int:
                   do_sample=args.temperature > 0, **({"temperature": args.temperature} if args.temperature else {}))
     measurements: list[Measurement] = []
     cases = ["plain", *[c for c in args.methods if c != "plain"]]
-    plan = [(category, b, case, k, w, schedule) for category in categories for b in args.batch_sizes
+    quantizations = [q if q != "none" else "" for q in args.draft_quantizations]
+    plan = [(category, b, case, k, w, schedule, quantization) for category in categories for b in args.batch_sizes
             for case in cases
             for k in ([None] if case in UNDRAFTED_CASES else args.ks)
             for w in (args.tree_widths if case in TREE_CASES else [1])
             for schedule in (args.schedules if case in SCHEDULED_CASES else [""])
+            for quantization in (quantizations if case in QUANTIZABLE_CASES else [""])
             if not (case in NATIVE_CASES and b > 1)]
     # the plan in groups of one category and batch size (plain first): each group's cases are timed in rounds,
     # every case once per round, so a slow stretch of a busy machine hits plain and the methods alike
@@ -937,12 +960,12 @@ def run(args: argparse.Namespace) -> int:
             references = None
             plain_scores = PlainScores(target, batches, kwargs)
             passes: dict[int, tuple[Measurement, Callable[[], None]]] = {}
-            for index, (case, k, tree_width, schedule) in enumerate(group):
+            for index, (case, k, tree_width, schedule, quantization) in enumerate(group):
                 m, outputs, timed_pass = _measure(case, category, batch_size, k, tree_width, batches, target,
                                                   models.draft_for(case), kwargs,
                                                   None if kwargs["do_sample"] else references, heads,
                                                   args.early_exit_layer, args.tree_nodes, schedule,
-                                                  models.other_tokenizer, plain_scores)
+                                                  models.other_tokenizer, plain_scores, quantization)
                 if case == "plain":
                     references = plain_scores.outputs = outputs
                 passes[index] = (m, counted(timed_pass))
@@ -967,7 +990,7 @@ def run(args: argparse.Namespace) -> int:
         print(note)
     for r in rows:
         if r["efficiency"] is not None and r["efficiency"] < LOW_EFFICIENCY:
-            print(f"note: {r['case']} ({r['category']}) at batch {r['batch_size']}, k={r['k']}, w={r['tree_width']}: "
+            print(f"note: {_label(r)} ({r['category']}) at batch {r['batch_size']}, k={r['k']}, w={r['tree_width']}: "
                   f"efficiency {r['efficiency']:.2f} < "
                   f"{LOW_EFFICIENCY}: time outside model forwards (host bookkeeping, per-call overhead) dominates")
     if args.json_path is not None:

@@ -80,13 +80,19 @@ class TokenMapLMHead(nn.Module):
         self.register_buffer("weight", weight.detach().index_select(0, ids))
         bias = getattr(lm_head, "bias", None)
         self.register_buffer("bias", None if bias is None else bias.detach().index_select(0, ids))
+        # a module computing the [..., D] projection in place of `linear(hidden, weight, bias)` (an int8 copy of
+        # the rows: `hf_specdec.proposers.int8_drafter`), or None
+        self.projection: nn.Module | None = None
 
     def forward(
         self,
         # [..., H]
         hidden: torch.Tensor,
     ) -> torch.Tensor:
-        logits = nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias).float()  # [..., D]
+        if self.projection is None:
+            logits = nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias).float()  # [..., D]
+        else:
+            logits = self.projection(hidden).float()
         if self.compact:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))

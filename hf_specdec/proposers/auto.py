@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from hf_specdec.compile import CompileSettings
-from hf_specdec.config import SUFFIX_FIELDS, SpeculativeConfig
+from hf_specdec.config import QUANTIZABLE_METHODS, SUFFIX_FIELDS, SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer, register_proposer
 from hf_specdec.proposers.row_mix import commit_own_rows
 from hf_specdec.step import DecodeState, Proposal, RowSet, VerificationResult
@@ -49,6 +49,8 @@ def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
                   schedule="fixed", disable_by_batch_size=None, num_speculative_tokens_per_batch_size=None)
     if method != "suffix":
         values.update({name: defaults[name] for name in (*SUFFIX_FIELDS, "suffix_cache")})
+    if method not in QUANTIZABLE_METHODS:  # the lookups have no weights
+        values.update(draft_quantization=None)
     values.update(method=method, **fields)
     return SpeculativeConfig(**values)
 

@@ -51,6 +51,8 @@ class Proposer(ABC):
     fixed_shapes: bool = False
     # why this proposer cannot run with static shapes (the error `fix_shapes` raises), or None
     static_shapes_refusal: str | None = None
+    # why this proposer's drafter cannot be compiled (the error `fix_shapes` raises with a compile config), or None
+    compile_refusal: str | None = None
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         """The deepest draft token a step proposes (`spec_stats` counts acceptance per position up to it)."""
@@ -83,6 +85,8 @@ class Proposer(ABC):
         for a drafter that cannot be compiled, or with `static_shapes_refusal`."""
         if self.static_shapes_refusal is not None:
             raise ValueError(self.static_shapes_refusal)
+        if compile_settings is not None and self.compile_refusal is not None:
+            raise ValueError(self.compile_refusal)
         self.fixed_shapes = True
 
     def start(

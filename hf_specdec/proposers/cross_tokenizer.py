@@ -35,6 +35,7 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer
 from hf_specdec.proposers.draft_model import select_positions
 from hf_specdec.proposers.host_text import HostText
+from hf_specdec.proposers.int8_drafter import check_int8_drafter, int8_view
 from hf_specdec.sampling import draft_distribution, sample
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
@@ -129,6 +130,9 @@ class CrossTokenizerProposer(Proposer):
                 "tree_width / tree_total_tokens"
             )
         self.draft = config.draft_model
+        if config.draft_quantization == "int8":
+            check_int8_drafter("the draft model", self.draft.device)
+            self.draft = int8_view(self.draft, "the draft model")
         self.draft_tokenizer, self.tokenizer = config.draft_tokenizer, config.tokenizer
         self.k = config.num_speculative_tokens
         self.sampling = sampling

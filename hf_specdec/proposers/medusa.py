@@ -19,6 +19,7 @@ import torch
 from hf_specdec.compile import CompileSettings, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, check_int8_drafter, int8_view
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.template import TreeTemplate
 
@@ -31,6 +32,12 @@ class MedusaProposer(Proposer):
         self.heads_call = self.heads  # compiled under static shapes with a compile config
         self.heads.check_target(target)
         self.lm_head = self.heads.draft_lm_head(target.get_output_embeddings())
+        if config.draft_quantization == "int8":
+            check_int8_drafter("the Medusa heads", self.heads.device)
+            self.heads_call = int8_view(self.heads, "the Medusa heads")
+            if self.heads.config.shared_lm_head:  # else the heads' own lm_heads, in the view already
+                self.lm_head = int8_view(self.lm_head, "the lm_head the Medusa heads share")
+            self.compile_refusal = COMPILE_REFUSAL
         num_heads = self.heads.config.num_heads
         self.k = min(config.num_speculative_tokens, num_heads)
         self.template = None if config.tree_paths is None else TreeTemplate.from_paths(config.tree_paths)

@@ -32,7 +32,6 @@ from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.suffix import EMPTY_DRAFT, SuffixCache, SuffixDraft, SuffixRequest, propose_suffix_draft
 from hf_specdec.tree.tree import TokenTree
 
-
 # the draft classes the adaptive schedule estimates apart: by the tree that drafted (the request's own, then the
 # global one) and the context length the draft matched, in buckets starting at these lengths. Both tell acceptance
 # apart: recorded on SmolLM2 (`benchmarks/suffix_draft_classes.py`: the repeated-task session and Spec-Bench,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 DRAFTS = ("random", "distilled", "copy")
 
 

@@ -34,6 +34,7 @@ def test_json_records_environment_settings_and_every_repeat(tmp_path):
     assert report["settings"] == {"num_processes": 1, "workload": "completion", "num_prompts": 1, "max_new_tokens": 8,
                                   "repeats": 3, "methods": ["plain", "ngram"], "batch_sizes": [1], "ks": [3],
                                   "tree_widths": [1], "schedules": ["adaptive"], "tree_nodes": None,
+                                  "draft_quantizations": ["none"],
                                   "categories": ["completion"], "temperature": 0.0,
                                   "model": "test bed", "early_exit_layer": None}
 
@@ -364,3 +365,18 @@ def test_json_is_written_after_each_group_so_a_stopped_run_keeps_what_it_measure
     report = json.loads(out.read_text())
     assert report["complete"] is False and 2 in calls
     assert {(r["case"], r["batch_size"]) for r in report["results"]} == {("plain", 1), ("ngram", 1)}
+
+
+def test_int8_drafters_run_beside_their_own_weights(tmp_path, capsys):
+    """--draft-quantization none int8: each case drafting with a model twice, its int8 row named '@int8'; lookups
+    once; in bfloat16 both match plain generate's output (up to near-ties)."""
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "ngram", "draft", "eagle", *TINY, "--dtype", "bfloat16",
+                 "--draft-quantization", "none", "int8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["draft_quantizations"] == ["none", "int8"]
+    rows = {(r["case"], r["draft_quantization"]): r for r in report["results"]}
+    assert set(rows) == {("plain", None), ("ngram", None), ("draft", None), ("draft", "int8"), ("eagle", None),
+                         ("eagle", "int8")}
+    assert all(r["faults"] == 0 for r in rows.values())
+    assert "draft@int8 (adaptive)" in capsys.readouterr().out

@@ -3,8 +3,6 @@ target's law (drafts on the shared vocabulary), and the errors."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from hf_specdec.heads import EagleHead, MedusaHeads
-from hf_specdec.testbed import drafters
-from hf_specdec.testbed import loading
+from hf_specdec.testbed import drafters, loading
 from hf_specdec.testbed.loading import heads_dir, load_testbed
 
 

@@ -20,9 +20,10 @@ HERE=examples/drafters/smollm2
 WORK=${WORK:-$HOME/.cache/hf_specdec/smollm2-drafters}
 THREADS=${THREADS:-2}
 BASE=$(python -c "from hf_specdec.testbed.real_model import ensure_smollm2; print(ensure_smollm2())")
-declare -A SAMPLES=([eagle3]=5225 [eagle]=5225 [medusa]=1920 [draft]=3139 [mlp_speculator]=5225)
+declare -A SAMPLES=([eagle3]=5225 [eagle]=5225 [medusa]=5225 [draft]=3139 [mlp_speculator]=5225)
 # each drafter's prompt files (default: prompts.jsonl)
 declare -A PROMPTS=([eagle3]="prompts.jsonl prompts_more.jsonl" [eagle]="prompts.jsonl prompts_more.jsonl"
+                   [medusa]="prompts.jsonl prompts_more.jsonl"
                    [mlp_speculator]="prompts.jsonl prompts_more.jsonl")
 
 # The EAGLE-1/2 head starts from scratch: a copy of the target's last layer (the trainer's default) writes values far
@@ -59,8 +60,8 @@ for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
                        --token-map-size 8192 --steps 5000 --batch-size 8 --learning-rate 1e-3 --warmup-steps 250 \
                        --eval-rows 64 --eval-every 500 ;;
             medusa) train medusa medusa "${COMMON[@]}" "${FINAL[@]}" --num-heads 4 --shared-lm-head \
-                        --token-map-size 8192 --steps 1000 --batch-size 8 --learning-rate 1e-3 --warmup-steps 50 \
-                        --tree-nodes 32 ;;
+                        --token-map-size 8192 --steps 3000 --batch-size 8 --learning-rate 1e-3 --warmup-steps 150 \
+                        --tree-nodes 32 --eval-rows 64 --eval-every 500 ;;
             draft) train draft draft "${COMMON[@]}" "${FINAL[@]}" --target-layers 0 1 -1 --token-map-size 8192 \
                        --steps 1500 --batch-size 8 --learning-rate 3e-4 --warmup-steps 75 --eval-rows 64 \
                        --eval-every 500 ;;
