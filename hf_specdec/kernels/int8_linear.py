@@ -4,11 +4,12 @@ At batch 1 a drafter's forward reads all its weights to compute one or a few row
 of memory, and weights stored in one byte instead of two are read in about half the time. PyTorch's
 `_weight_int8pack_mm` computes `x @ (qweight * scales[:, None]).T` with the int8 weights dequantized in registers;
 measured on a 2-core x86-64 CPU, 1 thread, bfloat16 activations (`python benchmarks/int8_linear.py`), it runs
-2.1x to 2.8x as fast as the bfloat16 matmul for one row and about as fast for four, and slower for more rows;
-with float32 activations it has no vector path and runs many times slower than a float32 matmul. Hence the rule
-here: calls on a CPU of at most `MAX_INT8_ROWS` rows go to the int8 kernel with their activations in bfloat16
-(a float32 layer's rows are rounded to bfloat16 on the way in, and the result cast back); any other call uses the
-layer's own floating-point weight, which the layer keeps.
+2.0x to 2.3x as fast as the bfloat16 matmul for one row, 1.1x to 1.3x for four, and slower from six rows on;
+with float32 activations it has no vector path and runs many times slower than a float32 matmul, but with a
+float32 layer's rows rounded to bfloat16 on the way in (and the result cast back) it beats the float32 matmul by
+1.2x to 4.6x up to 16 rows (`benchmarks/results/int8_linear_cpu.txt`). Hence the rule here: calls on a CPU of at
+most `MAX_INT8_ROWS` rows (`MAX_INT8_ROWS_FLOAT32` for a float32 layer) go to the int8 kernel with their
+activations in bfloat16; any other call uses the layer's own floating-point weight, which the layer keeps.
 
 The kernel loads 16 activations (32 bytes) and 16 weights at a time with aligned loads and checks neither the
 inner size nor the alignment: an inner size that is not a multiple of 16, or an activation tensor that does not
@@ -24,8 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# rows (tokens) at most per call that take the int8 kernel; measured crossover on a CPU, see the module docstring
+# rows (tokens) at most per call that take the int8 kernel, with bfloat16 (or float16) and with float32 activations:
+# measured on a CPU, see the module docstring
 MAX_INT8_ROWS = 4
+MAX_INT8_ROWS_FLOAT32 = 16
 # the kernel's inner-dimension step (16 bfloat16 activations per vector load)
 INNER_MULTIPLE = 16
 ALIGNMENT = 64  # bytes; PyTorch's CPU allocator aligns every allocation to this
@@ -69,7 +72,8 @@ def int8_kernel_applies(
     """Whether a call with input `x` to a layer of inner size `inner` takes the int8 kernel (a host-side fact of
     shapes, dtype and device: no sync)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return (x.device.type == "cpu" and x.is_floating_point() and 0 < rows <= MAX_INT8_ROWS
+    most = MAX_INT8_ROWS_FLOAT32 if x.dtype == torch.float32 else MAX_INT8_ROWS
+    return (x.device.type == "cpu" and x.is_floating_point() and 0 < rows <= most
             and inner % INNER_MULTIPLE == 0 and int8_kernel_available())
 
 
@@ -79,7 +83,7 @@ def int8_kernel_available() -> bool:
 
 
 def int8_linear(
-    # [..., K] floating point on a CPU, at most MAX_INT8_ROWS rows (`int8_kernel_applies`)
+    # [..., K] floating point on a CPU, few rows (`int8_kernel_applies`)
     x: torch.Tensor,
     # [N, K] int8, contiguous
     qweight: torch.Tensor,
@@ -133,4 +137,4 @@ class Int8Linear(nn.Module):
         return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 up to {MAX_INT8_ROWS} rows"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 in narrow calls"

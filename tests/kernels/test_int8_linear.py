@@ -7,6 +7,7 @@ import torch
 
 from hf_specdec.kernels.int8_linear import (
     MAX_INT8_ROWS,
+    MAX_INT8_ROWS_FLOAT32,
     Int8Linear,
     int8_kernel_applies,
     int8_kernel_available,
@@ -70,6 +71,8 @@ def test_the_kernel_applies_to_narrow_cpu_calls_of_a_supported_inner_size_only()
     assert int8_kernel_applies(narrow, 32)
     assert int8_kernel_applies(narrow.float(), 32)
     assert not int8_kernel_applies(torch.zeros(MAX_INT8_ROWS + 1, 32, dtype=torch.bfloat16), 32)
+    assert int8_kernel_applies(torch.zeros(MAX_INT8_ROWS_FLOAT32, 32), 32)  # a float32 matmul is slower still
+    assert not int8_kernel_applies(torch.zeros(MAX_INT8_ROWS_FLOAT32 + 1, 32), 32)
     assert not int8_kernel_applies(torch.zeros(2, 24, dtype=torch.bfloat16), 24)  # not a multiple of 16
     assert not int8_kernel_applies(torch.zeros(0, 32, dtype=torch.bfloat16), 32)
     assert not int8_kernel_applies(torch.zeros(1, 32, dtype=torch.long), 32)

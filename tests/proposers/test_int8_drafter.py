@@ -130,6 +130,7 @@ def test_sampling_keeps_the_target_law_with_int8_drafts(monkeypatch, kernel_call
     from tests.decoding import test_sampling_lossless as lossless
 
     monkeypatch.setattr(kernel, "MAX_INT8_ROWS", 10**9)
+    monkeypatch.setattr(kernel, "MAX_INT8_ROWS_FLOAT32", 10**9)
     target = lossless.make_target()
     law = lossless.exact_law(target, lossless.TEMPERATURE)
     for config in (

@@ -5,9 +5,9 @@
 #
 # The target writes its own answers to the prompts of prompts.jsonl once (greedy, up to 192 tokens, bfloat16); every
 # trainer reads those rows and the target's cached features (EAGLE-1/2, Medusa, the draft and the MLP speculator share
-# the final hidden states, EAGLE-3 has its fused layers), so only the first run pays for them. The EAGLE heads and
-# the MLP speculator also learn from prompts_more.jsonl (more requests written the same way, none of prompts.jsonl's;
-# the draft, trained on them too, drafted no better on Spec-Bench); a run over more prompts takes the answers an
+# the final hidden states, EAGLE-3 has its fused layers), so only the first run pays for them. The heads (EAGLE,
+# Medusa) and the MLP speculator also learn from prompts_more.jsonl (more requests written the same way, none of
+# prompts.jsonl's; the draft, trained on them too, drafted no better on Spec-Bench); a run over more prompts takes the answers an
 # earlier run in $WORK already generated (`--reuse-generated`) and generates the others.
 # Work files go to $WORK (default
 # ~/.cache/hf_specdec/smollm2-drafters, several GB); each drafter lands in $WORK/<kind> with train_metrics.json,
