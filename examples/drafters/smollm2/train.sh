@@ -61,7 +61,7 @@ for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
                        --eval-rows 64 --eval-every 500 ;;
             medusa) train medusa medusa "${COMMON[@]}" "${FINAL[@]}" --num-heads 4 --shared-lm-head \
                         --token-map-size 8192 --steps 3000 --batch-size 8 --learning-rate 1e-3 --warmup-steps 150 \
-                        --tree-nodes 32 --eval-rows 64 --eval-every 500 ;;
+                        --tree-nodes 6 --eval-rows 64 --eval-every 500 ;;
             draft) train draft draft "${COMMON[@]}" "${FINAL[@]}" --target-layers 0 1 -1 --token-map-size 8192 \
                        --steps 1500 --batch-size 8 --learning-rate 3e-4 --warmup-steps 75 --eval-rows 64 \
                        --eval-every 500 ;;
