@@ -23,6 +23,8 @@ the native paths only run at batch size 1, which is all transformers supports. G
 checked against plain generate's, and one that parts from it is looked into with plain's scores there
 (`hf_specdec.lossless`): a near-tie in low precision (rounding's call) is reported, any other parting is a fault and
 makes the run exit with status 1. Speculative calls skip building `past_key_values` (see `hf_specdec.cli.runs`).
+With `--draft-quantization none int8` every case that drafts with a model of its own runs twice, the second time
+with int8 copies of its drafter's weights (`SpeculativeConfig.draft_quantization`), its rows named `<case>@int8`.
 
 Timing: after one instrumented pass of every case of a category and batch size (the counts below), their
 uninstrumented passes are timed in --repeats rounds, each round running every case once in turn, so a slow stretch
