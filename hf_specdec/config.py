@@ -171,8 +171,8 @@ class SpeculativeConfig:
         default=None,
         metadata={"help": "'int8': the drafter (a draft model, Medusa heads, an EAGLE head, an MLP speculator; its "
                           "lm_head at a token map too) reads int8 copies of its linear layers' weights in narrow "
-                          "calls (at most 4 tokens, 16 in float32) on a CPU: faster drafting, drafts a little different, output "
-                          "unchanged (verification is exact); None: the drafter's own weights"},
+                          "calls (at most 4 tokens, 16 in float32) on a CPU: faster drafting, drafts a little "
+                          "different, output unchanged (verification is exact); None: the drafter's own weights"},
     )
     # EAGLE's names for the dynamic tree, accepted as aliases: top_k = tree_width, depth = num_speculative_tokens,
     # total_tokens = tree_total_tokens

@@ -76,6 +76,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, empty_suffix_cache
 from hf_specdec.cli.timing import paired_speedup, time_interleaved
+from hf_specdec.config import DRAFT_QUANTIZATIONS as DRAFT_QUANTIZATION_NAMES
 from hf_specdec.config import SCHEDULES
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 from hf_specdec.lossless import TIE_SPACINGS, PlainScores, same_output
@@ -122,7 +123,7 @@ TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+e
 DRAFTER_OF = {**HYBRID_CASES, **AUTO_CASES}
 # cases drafting with a model of their own, which run under each --draft-quantization
 QUANTIZABLE_CASES = ("draft", "draft-xtok", *HEAD_CASES, *HYBRID_CASES, *AUTO_CASES)
-DRAFT_QUANTIZATIONS = ("none", "int8")
+DRAFT_QUANTIZATIONS = ("none", *DRAFT_QUANTIZATION_NAMES)
 TESTBED_WORKLOADS = ("completion", "edit", "long")
 CHAT_WORKLOADS = ("spec-bench", "code", "repeat")
 OVERALL = "overall"
@@ -316,8 +317,7 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
     draft-xtok drafts with `draft` under `other_tokenizer`; `quantization` "int8": the drafter's int8 copies."""
     if case == "no-drafts":  # every step plain, whatever the batch size; a fixed schedule: no lookups on the side
         return SpeculativeConfig(method="ngram", disable_by_batch_size=1, schedule="fixed")
-    common = dict(num_speculative_tokens=k, schedule=schedule,
-                  draft_quantization=(quantization or None) if case in QUANTIZABLE_CASES else None)
+    common = dict(num_speculative_tokens=k, schedule=schedule, draft_quantization=quantization or None)
     if case == "auto" or case in AUTO_CASES:  # n-gram lookup and suffix decoding (a cache of its own), and a drafter
         base = AUTO_CASES.get(case)
         drafter = dict(draft_model=draft) if base == "draft" else dict(heads=heads[base]) if base else {}

@@ -11,9 +11,10 @@ float32 layer's rows rounded to bfloat16 on the way in (and the result cast back
 most `MAX_INT8_ROWS` rows (`MAX_INT8_ROWS_FLOAT32` for a float32 layer) go to the int8 kernel with their
 activations in bfloat16; any other call uses the layer's own floating-point weight, which the layer keeps.
 
-The kernel loads 16 activations (32 bytes) and 16 weights at a time with aligned loads and checks neither the
-inner size nor the alignment: an inner size that is not a multiple of 16, or an activation tensor that does not
-start on a 64-byte boundary, would read out of bounds or fault. `int8_kernel_applies` refuses the first (such a
+The kernel loads 16 activations (32 bytes) and 16 weights at a time with aligned loads (in PyTorch's source) and
+checks neither the inner size nor the alignment: inner sizes that are not multiples of 16 crashed the process here
+(8, 13, 20, 24, 33 and 40 in a sweep run while writing this module; 16, 32, 48, 64 and 96 ran), and an aligned load
+from an activation tensor that starts off a 32-byte boundary faults. `int8_kernel_applies` refuses the first (such a
 layer always takes the floating-point path) and `int8_linear` copies an unaligned input into a fresh (aligned)
 tensor.
 
@@ -74,12 +75,16 @@ def int8_kernel_applies(
     rows = x.numel() // max(x.shape[-1], 1)
     most = MAX_INT8_ROWS_FLOAT32 if x.dtype == torch.float32 else MAX_INT8_ROWS
     return (x.device.type == "cpu" and x.is_floating_point() and 0 < rows <= most
-            and inner % INNER_MULTIPLE == 0 and int8_kernel_available())
+            and inner % INNER_MULTIPLE == 0 and _KERNEL_AVAILABLE)
+
+
+# this torch's int8 weight-only matmul, looked up once (per call it would cost a namespace lookup per layer)
+_KERNEL_AVAILABLE = hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
 def int8_kernel_available() -> bool:
     """Whether this torch has the int8 weight-only matmul (`torch.ops.aten._weight_int8pack_mm`)."""
-    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    return _KERNEL_AVAILABLE
 
 
 def int8_linear(

@@ -35,7 +35,7 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer
 from hf_specdec.proposers.draft_model import select_positions
 from hf_specdec.proposers.host_text import HostText
-from hf_specdec.proposers.int8_drafter import check_int8_drafter, int8_view
+from hf_specdec.proposers.int8_drafter import int8_view
 from hf_specdec.sampling import draft_distribution, sample
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
@@ -131,7 +131,6 @@ class CrossTokenizerProposer(Proposer):
             )
         self.draft = config.draft_model
         if config.draft_quantization == "int8":
-            check_int8_drafter("the draft model", self.draft.device)
             self.draft = int8_view(self.draft, "the draft model")
         self.draft_tokenizer, self.tokenizer = config.draft_tokenizer, config.tokenizer
         self.k = config.num_speculative_tokens

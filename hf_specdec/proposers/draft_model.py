@@ -34,7 +34,7 @@ from hf_specdec.compile import CompileSettings, check_compilable, compiled_forwa
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.heads.token_map import TokenMapLMHead, token_map_lm_head
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, check_int8_drafter, int8_view
+from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, int8_view
 from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.tree.dynamic import Candidates
@@ -131,7 +131,6 @@ class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
         self.draft = self._drafter(config, target)
         if config.draft_quantization == "int8":
-            check_int8_drafter(self.role, self.draft.device)
             self.draft = int8_view(self.draft, self.role)
             self.compile_refusal = COMPILE_REFUSAL
         self.k = config.num_speculative_tokens

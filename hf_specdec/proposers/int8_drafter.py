@@ -28,21 +28,6 @@ _LOCK = threading.Lock()
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> (signature, view)
 
 
-def check_int8_drafter(
-    # how the drafter is named in errors
-    role: str,
-    device: torch.device,
-) -> None:
-    """Clear errors where the int8 kernel would not run, so the option would do nothing."""
-    where = f"SpeculativeConfig.draft_quantization='int8': {role}"
-    if not int8_kernel_available():
-        raise ValueError(f"{where}: this torch {torch.__version__} has no int8 weight-only matmul "
-                         "(torch.ops.aten._weight_int8pack_mm); upgrade torch or leave draft_quantization None")
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"{where} is on {device}; the int8 kernel serves drafters on a CPU: leave "
-                         "draft_quantization None on a GPU")
-
-
 # the proposers' `compile_refusal` with int8 copies
 COMPILE_REFUSAL = ("SpeculativeConfig.draft_quantization='int8' runs the drafter eagerly (its int8 kernel is picked "
                    "per call from the call's shape and alignment); drop the compile config, or draft_quantization")
@@ -55,7 +40,16 @@ def int8_view(
 ) -> nn.Module:
     """`module` with its linear layers (`nn.Linear`, transformers' `Conv1D`) and `TokenMapLMHead`s reading int8
     copies in narrow calls: a view sharing every other module and tensor, the same view while its weights are
-    unchanged. Raises ValueError when no layer has an inner size the kernel takes (a multiple of 16)."""
+    unchanged. Raises ValueError where the kernel would never run, so the option would do nothing: no kernel in this
+    torch, a module off the CPU, no layer of an inner size the kernel takes (a multiple of 16)."""
+    where = f"SpeculativeConfig.draft_quantization='int8': {role}"
+    if not int8_kernel_available():
+        raise ValueError(f"{where}: this torch {torch.__version__} has no int8 weight-only matmul "
+                         "(torch.ops.aten._weight_int8pack_mm); upgrade torch or leave draft_quantization None")
+    device = next(iter(module.state_dict().values())).device
+    if device.type != "cpu":
+        raise ValueError(f"{where} is on {device}; the int8 kernel serves drafters on a CPU: leave "
+                         "draft_quantization None on a GPU")
     signature = _signature(module)
     with _LOCK:
         kept = _VIEWS.get(module)
@@ -63,7 +57,7 @@ def int8_view(
             return kept[1]
         view = _view(module, {})
         if not any(isinstance(leaf, Int8Linear) and leaf.in_features % INNER_MULTIPLE == 0 for leaf in view.modules()):
-            raise ValueError(f"SpeculativeConfig.draft_quantization='int8': {role} ({type(module).__name__}) has no "
+            raise ValueError(f"{where} ({type(module).__name__}) has no "
                              f"linear layer of an inner size the int8 kernel takes (a multiple of {INNER_MULTIPLE}), "
                              "so nothing would be quantized; leave draft_quantization None")
         _VIEWS[module] = (signature, view)

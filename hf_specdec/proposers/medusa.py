@@ -19,7 +19,7 @@ import torch
 from hf_specdec.compile import CompileSettings, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, check_int8_drafter, int8_view
+from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, int8_view
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.template import TreeTemplate
 
@@ -33,7 +33,6 @@ class MedusaProposer(Proposer):
         self.heads.check_target(target)
         self.lm_head = self.heads.draft_lm_head(target.get_output_embeddings())
         if config.draft_quantization == "int8":
-            check_int8_drafter("the Medusa heads", self.heads.device)
             self.heads_call = int8_view(self.heads, "the Medusa heads")
             if self.heads.config.shared_lm_head:  # else the heads' own lm_heads, in the view already
                 self.lm_head = int8_view(self.lm_head, "the lm_head the Medusa heads share")

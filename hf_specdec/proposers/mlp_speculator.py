@@ -29,7 +29,7 @@ import torch
 
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
-from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, check_int8_drafter, int8_view
+from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, int8_view
 from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.dynamic import Candidates
@@ -44,7 +44,6 @@ class MlpSpeculatorProposer(Proposer):
         self.speculator.check_target(target)
         self.vocab = self.speculator.target_vocab(target)  # None, or the target's embedding and lm_head it shares
         if config.draft_quantization == "int8":
-            check_int8_drafter("the MLP speculator", self.speculator.device)
             self.speculator = int8_view(self.speculator, "the MLP speculator")
             self.compile_refusal = COMPILE_REFUSAL
             if self.vocab is not None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.heads.token_map import TokenMapLMHead
 from hf_specdec.kernels import int8_linear as kernel
 from hf_specdec.kernels.int8_linear import Int8Linear
-from hf_specdec.proposers.int8_drafter import check_int8_drafter, int8_view
+from hf_specdec.proposers.int8_drafter import int8_view
 from hf_specdec.suffix import SuffixCache
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
@@ -75,12 +75,10 @@ def test_greedy_output_is_plain_generate_and_the_kernel_drafts(arch, kernel_call
             continue  # the other architectures' own layers drafting (gpt2's are transformers' Conv1D)
         config = make_config()
         kernel_calls.clear()
-        started = time.perf_counter()
         out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, expected), f"{arch}/{name}"
         assert out.spec_stats.num_draft_tokens > 0, f"{arch}/{name}"
         assert kernel_calls, f"{arch}/{name}: the int8 kernel never ran"
-        print(name, time.perf_counter() - started)
 
 
 def test_the_drafters_own_modules_are_left_as_they_were():
@@ -159,8 +157,10 @@ def test_methods_without_a_drafter_model_are_refused(config, message):
 def test_unknown_quantization_and_unquantizable_drafters_are_refused():
     with pytest.raises(ValueError, match=r"draft_quantization: expected None or one of \['int8'\], got 'int4'"):
         SpeculativeConfig(method="draft", draft_model=make_draft(), draft_quantization="int4")
+    on_gpu = make_draft()
+    on_gpu.state_dict = lambda: {"weight": SimpleNamespace(device=torch.device("cuda:0"))}  # no GPU needed
     with pytest.raises(ValueError, match=r"the draft model is on cuda:0; the int8 kernel serves drafters on a CPU"):
-        check_int8_drafter("the draft model", torch.device("cuda:0"))
+        int8_view(on_gpu, "the draft model")
     odd = torch.nn.Sequential(torch.nn.Linear(24, 8))
     with pytest.raises(ValueError, match=r"the drafter \(Sequential\) has no linear layer of an inner size the int8 "
                                          r"kernel takes \(a multiple of 16\)"):
