@@ -4,8 +4,9 @@ Cases: `plain` (model.generate), `no-drafts` (hf_specdec's engine with speculati
 one: its own forwards and bookkeeping against plain generate's), hf_specdec `draft`, `ngram`, `medusa`, `eagle` (EAGLE-1/2), `eagle3`,
 `mlp_speculator` and `early_exit` (the target's first --early-exit-layer layers drafting; the draft and head cases use
 the drafters committed for the test bed or, with `--model smollm2`, for SmolLM2-135M-Instruct unless a folder is
-given; with --tree-width w > 1 Medusa uses the tree fitted to its heads, and EAGLE and the draft
-model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes, k * w by default), `suffix` (suffix
+given; with --tree-width w > 1 Medusa uses the tree fitted to its heads (its --tree-nodes likeliest paths), and
+EAGLE, the MLP speculator and the draft model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes,
+k * w by default; several --tree-nodes values give a row each), `suffix` (suffix
 decoding, k its most draft tokens a step), the hybrids `suffix+eagle` / `suffix+eagle3` / `suffix+draft` (suffix
 drafts where they score at least the fallback's k, the EAGLE head's or the draft model's chain of k otherwise),
 `auto` (method="auto" over n-gram lookup and suffix decoding) and `auto+<case>` for `draft`, `medusa`, `eagle`,
@@ -119,6 +120,8 @@ AUTO_CASES = {f"auto+{case}": case for case in ("draft", "medusa", "eagle", "eag
 # cases that take --tree-width: w > 1 drafts a token tree (for auto cases, the drafter's EAGLE-2 dynamic tree)
 TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+eagle", "auto+eagle3",
               "auto+mlp_speculator")
+# tree cases whose trees take --tree-nodes (n-gram lookup's trie holds its w continuations)
+TREE_NODE_CASES = tuple(case for case in TREE_CASES if case != "ngram")
 # every composite case and the case whose drafter it loads
 DRAFTER_OF = {**HYBRID_CASES, **AUTO_CASES}
 # cases drafting with a model of their own, which run under each --draft-quantization
@@ -190,9 +193,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="branches per step for draft, ngram, the head cases and the auto cases with a draft, "
                              "EAGLE head or MLP speculator (1 = chain; w > 1 = token tree); "
                              "several values compare trees with chains (default: 1)")
-    parser.add_argument("--tree-nodes", type=int, default=None,
-                        help="draft and EAGLE trees (--tree-width > 1): draft tokens of the EAGLE-2 dynamic tree "
-                             "(default: k * w)")
+    parser.add_argument("--tree-nodes", nargs="+", type=int, default=None,
+                        help="trees (--tree-width > 1) of the draft, early exit, the EAGLE heads, the MLP speculator "
+                             "and the auto cases with them: draft tokens of the EAGLE-2 dynamic tree (default: k * "
+                             "w); of Medusa: its fitted tree's likeliest paths (default: all); several values compare "
+                             "tree sizes, a row each")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts (per category for spec-bench) (default: the largest batch size)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
@@ -217,6 +222,8 @@ class Measurement:
     batch_size: int
     k: int | None
     tree_width: int = 1
+    # draft tokens of a tree (--tree-nodes) where the case takes them; None: the case's default
+    tree_nodes: int | None = None
     category: str = ""
     schedule: str = ""  # "adaptive" or "fixed" for hf_specdec's cases
     quantization: str = ""  # "int8" for a case drafting with int8 copies of its drafter's weights
@@ -249,7 +256,8 @@ class Measurement:
 
     @property
     def key(self) -> tuple:
-        return self.case, self.category, self.batch_size, self.k, self.tree_width, self.schedule, self.quantization
+        return (self.case, self.category, self.batch_size, self.k, self.tree_width, self.tree_nodes, self.schedule,
+                self.quantization)
 
 
 def _load(path: Path, dtype: torch.dtype, device: torch.device):
@@ -330,9 +338,10 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
                     if case in HYBRID_CASES else None)
         return SpeculativeConfig(method="suffix", suffix_cache=SuffixCache(), fallback=fallback,
                                  **{**common, "draft_quantization": None})
-    if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default)
+    if case == "medusa":  # tree_width > 1: the heads' tree (fitted to them in training, else the default), or its
+        # tree_nodes likeliest paths (a fitted tree lists them likeliest first, so any first few form a tree)
         return SpeculativeConfig(method="medusa", heads=heads[case],
-                                 tree_paths=heads[case].tree() if tree_width > 1 else None, **common)
+                                 tree_paths=heads[case].tree()[:tree_nodes] if tree_width > 1 else None, **common)
     # tree_width > 1: an EAGLE-2 dynamic tree
     tree = dict(tree_width=tree_width, tree_total_tokens=tree_nodes or k * tree_width) if tree_width > 1 else {}
     if case in ("eagle", "eagle3"):
@@ -398,8 +407,8 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
                                     schedule or "adaptive", other_tokenizer, quantization)
     if kwargs.get("do_sample"):
         generate = _seeded(generate)
-    m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, category=category,
-                    schedule=schedule, quantization=quantization, identical=None if kwargs.get("do_sample") else True)
+    m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, tree_nodes=tree_nodes,
+                    category=category, schedule=schedule, quantization=quantization, identical=None if kwargs.get("do_sample") else True)
     outputs = []
     drafter = draft if case in NEEDS_DRAFT else None
     if case == "early_exit":  # the target's first layers, timed apart from the target's own forwards
@@ -521,8 +530,8 @@ def _combine(parts: list[Measurement], category: str, concurrent: bool) -> Measu
     wall = max if concurrent else sum
     first = parts[0]
     total = Measurement(case=first.case, batch_size=first.batch_size, k=first.k, tree_width=first.tree_width,
-                        category=category, schedule=first.schedule, quantization=first.quantization,
-                        identical=first.identical)
+                        tree_nodes=first.tree_nodes, category=category, schedule=first.schedule,
+                        quantization=first.quantization, identical=first.identical)
     for name in COUNTS:
         setattr(total, name, sum(getattr(part, name) for part in parts))
     total.repeat_seconds = [wall(times) for times in zip(*(part.repeat_seconds for part in parts))]
@@ -556,6 +565,7 @@ def summarize(m: Measurement, plain: Measurement, native: Measurement | None = N
     efficiency = (m.target_forward_seconds + m.draft_forward_seconds) / m.instrumented_seconds
     return {
         "case": m.case, "category": m.category, "batch_size": m.batch_size, "k": m.k, "tree_width": m.tree_width,
+        "tree_nodes": m.tree_nodes,
         "schedule": m.schedule or None,
         "draft_quantization": m.quantization or None,
         # row-steps by the draft tokens the schedule allowed (entry 0: plain), and its expected vs measured
@@ -622,8 +632,10 @@ def partings_note(rows: list[dict[str, Any]]) -> str | None:
 
 
 def _label(row: dict[str, Any]) -> str:
-    """The case as the table and the plot name it: '@int8' after a case drafting with int8 copies."""
-    return row["case"] + (f"@{row['draft_quantization']}" if row.get("draft_quantization") else "")
+    """The case as the table and the plot name it: '@int8' after a case drafting with int8 copies, ' nN' after a
+    tree of --tree-nodes N."""
+    return (row["case"] + (f"@{row['draft_quantization']}" if row.get("draft_quantization") else "")
+            + (f" n{row['tree_nodes']}" if row.get("tree_nodes") else ""))
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -767,8 +779,8 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --method {greedy_only[0]} with --temperature {args.temperature}: transformers' "
                          "sampling path for a draft with another tokenizer fails when every draft token is in the "
                          "target's vocabulary, as in the permuted draft; run it greedy (--temperature 0)")
-    if args.tree_nodes is not None and args.tree_nodes < 1:
-        raise SystemExit(f"error: --tree-nodes {args.tree_nodes}: expected a node count >= 1")
+    if args.tree_nodes is not None and any(n < 1 for n in args.tree_nodes):
+        raise SystemExit(f"error: --tree-nodes {' '.join(map(str, args.tree_nodes))}: expected node counts >= 1")
     if args.early_exit_layer is not None and args.early_exit_layer < 1:
         raise SystemExit(f"error: --early-exit-layer {args.early_exit_layer}: expected a layer >= 1")
     if args.max_new_tokens < 1 or args.repeats < 1 or (args.num_prompts is not None and args.num_prompts < 1):
@@ -865,15 +877,17 @@ def result_rows(
     if len(categories) > 1:
         by_case: dict[tuple, list[Measurement]] = {}
         for m in merged.values():
-            by_case.setdefault((m.case, m.batch_size, m.k, m.tree_width, m.schedule, m.quantization), []).append(m)
+            by_case.setdefault((m.case, m.batch_size, m.k, m.tree_width, m.tree_nodes, m.schedule, m.quantization),
+                               []).append(m)
         for parts in by_case.values():
             total = _combine(parts, OVERALL, concurrent=False)
             merged[total.key] = total
     rows = []
     for m in merged.values():
         native = MATCHING_NATIVE.get(m.case)
-        matching = merged.get((native, m.category, m.batch_size, m.k, 1, "", "")) if m.tree_width == 1 else None
-        rows.append(summarize(m, merged[("plain", m.category, m.batch_size, None, 1, "", "")], matching))
+        matching = (merged.get((native, m.category, m.batch_size, m.k, 1, None, "", "")) if m.tree_width == 1
+                    else None)
+        rows.append(summarize(m, merged[("plain", m.category, m.batch_size, None, 1, None, "", "")], matching))
     return rows
 
 
@@ -928,10 +942,12 @@ def run(args: argparse.Namespace) -> int:
     measurements: list[Measurement] = []
     cases = ["plain", *[c for c in args.methods if c != "plain"]]
     quantizations = [q if q != "none" else "" for q in args.draft_quantizations]
-    plan = [(category, b, case, k, w, schedule, quantization) for category in categories for b in args.batch_sizes
+    plan = [(category, b, case, k, w, nodes, schedule, quantization)
+            for category in categories for b in args.batch_sizes
             for case in cases
             for k in ([None] if case in UNDRAFTED_CASES else args.ks)
             for w in (args.tree_widths if case in TREE_CASES else [1])
+            for nodes in (args.tree_nodes or [None] if w > 1 and case in TREE_NODE_CASES else [None])
             for schedule in (args.schedules if case in SCHEDULED_CASES else [""])
             for quantization in (quantizations if case in QUANTIZABLE_CASES else [""])
             if not (case in NATIVE_CASES and b > 1)]
@@ -962,11 +978,11 @@ def run(args: argparse.Namespace) -> int:
             references = None
             plain_scores = PlainScores(target, batches, kwargs)
             passes: dict[int, tuple[Measurement, Callable[[], None]]] = {}
-            for index, (case, k, tree_width, schedule, quantization) in enumerate(group):
+            for index, (case, k, tree_width, tree_nodes, schedule, quantization) in enumerate(group):
                 m, outputs, timed_pass = _measure(case, category, batch_size, k, tree_width, batches, target,
                                                   models.draft_for(case), kwargs,
                                                   None if kwargs["do_sample"] else references, heads,
-                                                  args.early_exit_layer, args.tree_nodes, schedule,
+                                                  args.early_exit_layer, tree_nodes, schedule,
                                                   models.other_tokenizer, plain_scores, quantization)
                 if case == "plain":
                     references = plain_scores.outputs = outputs

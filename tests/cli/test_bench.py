@@ -157,6 +157,7 @@ def test_plot_of_one_batch_size_and_k_per_category_has_no_sweep_panels():
         (["--model", "smollm2", "--target", "x"], "--model brings its own tokenizer and replaces --target"),
         (["--temperature", "-1"], "--temperature -1.0: expected 0"),
         (["--early-exit-layer", "0"], "--early-exit-layer 0: expected a layer >= 1"),
+        (["--tree-nodes", "4", "0"], "--tree-nodes 4 0: expected node counts >= 1"),
         (["--categories", "qa"], "--categories is for --workload spec-bench, not 'completion'"),
         (["--model", "somewhere", "--method", "draft"], "--method draft with --model needs --draft"),
         (["--model", "somewhere", "--method", "eagle3"], "--method eagle3 with --model needs --eagle3-head"),
@@ -380,3 +381,30 @@ def test_int8_drafters_run_beside_their_own_weights(tmp_path, capsys):
                          ("eagle", "int8")}
     assert all(r["faults"] == 0 for r in rows.values())
     assert "draft@int8 (adaptive)" in capsys.readouterr().out
+
+
+def test_tree_sizes_compare_in_one_run(tmp_path, capsys, monkeypatch):
+    """--tree-nodes 3 6: each tree case once per size (a row each, named ' nN'), Medusa its fitted tree's first N
+    paths, the draft an EAGLE-2 tree of N nodes; chains and the n-gram trie once; every output exact."""
+    from hf_specdec import integration
+
+    configs = []
+    generate = integration.generate
+    monkeypatch.setattr("hf_specdec.cli.bench.hf_specdec.generate",
+                        lambda *args, speculative, **kw: (configs.append(speculative),
+                                                          generate(*args, speculative=speculative, **kw))[1])
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "ngram", "draft", "medusa", *TINY, "--tree-width", "1", "2",
+                 "--tree-nodes", "3", "6", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["tree_nodes"] == [3, 6]
+    rows = {(r["case"], r["tree_width"], r["tree_nodes"]): r for r in report["results"]}
+    assert set(rows) == {("plain", 1, None), ("ngram", 1, None), ("ngram", 2, None), ("draft", 1, None),
+                         ("draft", 2, 3), ("draft", 2, 6), ("medusa", 1, None), ("medusa", 2, 3), ("medusa", 2, 6)}
+    assert all(r["identical_to_plain"] for r in rows.values())
+    draft_trees = {c.tree_total_tokens for c in configs if c.method == "draft" and c.tree_width > 1}
+    assert draft_trees == {3, 6}
+    medusa_trees = {len(c.tree_paths) for c in configs if c.method == "medusa" and c.tree_paths is not None}
+    assert medusa_trees == {3, 6}
+    printed = capsys.readouterr().out
+    assert "draft n3 (adaptive)" in printed and "medusa n6 (adaptive)" in printed
