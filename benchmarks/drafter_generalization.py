@@ -23,6 +23,10 @@ only.
     python benchmarks/drafter_generalization.py --kinds eagle3 --sets spec-bench --num-prompts 24 \\
         --folder eagle3=/path/to/trained/eagle3
 
+`--head-window N` lets the EAGLE heads attend to their last N positions only (a sliding window on the head's own
+cache), to see whether the distances that training never showed them (its rows hold at most --seq-len tokens, while
+Spec-Bench's long documents put the head's keys further back) cost acceptance.
+
 `--training-forward` also checks, for the EAGLE heads on the trained requests, that drafting is the head's training
 forward: each step's first drafted token against the guess of one forward of the head over the whole greedy text
 with the target's features from one forward over it (as the trainer computes step 0), at the same position.
@@ -103,8 +107,10 @@ def parse_folders(values: list[str], kinds: list[str]) -> dict[str, Path]:
     return folders
 
 
-def config_for(kind: str, target, folder: Path | None = None) -> SpeculativeConfig:
+def config_for(kind: str, target, folder: Path | None = None, head_window: int | None = None) -> SpeculativeConfig:
     drafter = drafters.load_drafter("smollm2", kind, target, folder=folder)
+    if head_window is not None and kind in ("eagle", "eagle3"):  # the drafter's cache masks by the window
+        drafter.llama_config.sliding_window = head_window
     if kind == "draft":
         return SpeculativeConfig(method="draft", draft_model=drafter, num_speculative_tokens=MAX_K, schedule="fixed")
     if kind == "medusa":
@@ -190,11 +196,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--head-window", type=int, default=None,
+                        help="the EAGLE heads attend to their last N positions only (default: all)")
     parser.add_argument("--training-forward", action="store_true",
                         help="check the EAGLE heads' drafting against their training forward (trained requests)")
     args = parser.parse_args(argv)
     if args.num_prompts < 1:
         raise SystemExit(f"error: --num-prompts: expected >= 1, got {args.num_prompts}")
+    if args.head_window is not None and args.head_window < 1:
+        raise SystemExit(f"error: --head-window: expected >= 1, got {args.head_window}")
     folders = parse_folders(args.folder, args.kinds)
     if args.training_forward and "trained" not in args.sets:
         raise SystemExit(f"error: --training-forward checks the trained requests: add 'trained' to --sets {args.sets}")
@@ -204,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     print(f"{'drafter':<15} {'requests':<15} {'steps':>6} {'tau':>5}  accepted at position 1..k (share of steps)")
     for kind in args.kinds:
-        config = config_for(kind, target, folders.get(kind))
+        config = config_for(kind, target, folders.get(kind), args.head_window)
         sets = request_sets(tokenizer, args.num_prompts, args.sets, files.get(kind, ("prompts.jsonl",)),
                             counts.get(kind))
         for name, prompts in sets.items():
@@ -228,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{kind}: first drafted token = the training forward's guess in {agree} of {steps} steps")
     if args.json:
         settings = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16",
-                    "sets": args.sets,
+                    "sets": args.sets, "head_window": args.head_window,
                     "threads": args.threads, "torch": torch.__version__}
         args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2, sort_keys=True))
 

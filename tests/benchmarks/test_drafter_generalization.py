@@ -62,3 +62,25 @@ def test_each_drafter_is_measured_on_requests_of_its_own_prompt_files(benchmark_
     assert all(text in trained for text in texts["trained"]) and not set(texts["held-out"]) & trained
     with pytest.raises(SystemExit, match="at most"):
         script.request_sets(tokenizer, len(records), ("held-out",), files["eagle"], counts["eagle"])
+
+
+def test_head_window_reaches_the_heads_cache_and_stays_lossless(benchmark_script, monkeypatch):
+    """--head-window N: the EAGLE head's own cache masks all but its last N positions; output stays plain's."""
+    from hf_specdec.cache.ragged import AttentionLayout
+    from hf_specdec.heads import EagleHead
+    from hf_specdec.proposers.eagle import EagleDrafter
+    from hf_specdec.testbed.loading import heads_dir
+
+    script = benchmark_script("drafter_generalization")
+    tokenizer, target, _ = load_testbed(dtype=torch.float32)
+    monkeypatch.setattr(script.drafters, "load_drafter",
+                        lambda model, kind, target, folder=None: EagleHead.from_pretrained(heads_dir(kind)).eval())
+    config = script.config_for("eagle", target, head_window=4)
+    assert AttentionLayout.from_model(EagleDrafter(config.heads, target)).sliding_window == 4
+    assert AttentionLayout.from_model(EagleDrafter(script.config_for("eagle", target).heads, target)).sliding_window \
+        is None
+    ids = torch.tensor([tokenizer("def add(a, b):\n    return a + b\n\ndef mul(a, b):\n").input_ids])
+    kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+    assert out.spec_stats.num_drafts > 0
+    assert torch.equal(out.sequences, target.generate(ids, **kwargs))
