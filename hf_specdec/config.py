@@ -16,6 +16,8 @@ SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 Schedule = Literal["adaptive", "fixed"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 DraftQuantization = Literal["int8"]
+# SpeculativeConfig.tree_total_tokens: the tree's size from measured verify costs (hf_specdec.tree.size)
+TREE_SIZE_AUTO = "auto"
 DRAFT_QUANTIZATIONS: tuple[str, ...] = get_args(DraftQuantization)
 # methods that draft with a model of their own (a draft model or heads), whose weights draft_quantization may copy
 QUANTIZABLE_METHODS = ("draft", "medusa", "eagle", "mlp_speculator")
@@ -86,14 +88,16 @@ class SpeculativeConfig:
             "continuations for ngram)"
         },
     )
-    tree_total_tokens: int | None = field(
+    tree_total_tokens: int | Literal["auto"] | None = field(
         default=None,
         metadata={
             "help": "draft model, early exit, EAGLE head or MLP speculator: build a dynamic (EAGLE-2) tree instead of "
             "fixed branches: at each of k depths expand the tree_width best nodes by cumulative log-probability, "
             "then keep the best tree_total_tokens draft nodes (for all but the MLP speculator, a step the "
             "adaptive schedule narrows to d < k depths keeps ceil(tree_total_tokens * d / k); method='auto': its "
-            "draft model, EAGLE head or MLP speculator drafts such trees, n-gram lookup and suffix decoding chains)"
+            "draft model, EAGLE head or MLP speculator drafts such trees, n-gram lookup and suffix decoding chains); "
+            "'auto': the most nodes whose verify forward costs at most 10% more than the chain's, measured once "
+            "per model, dtype, device and batch size (hf_specdec.tree.size)"
         },
     )
     lossy_typical_acceptance: bool = field(
@@ -317,8 +321,18 @@ class SpeculativeConfig:
                     f"{'Medusa heads' if self.heads_method == 'medusa' else 'none'}; drop tree_total_tokens (the "
                     "lookups draft chains) or pass such a drafter"
                 )
-            candidates = self.tree_width + (self.num_speculative_tokens - 1) * self.tree_width**2
-            _check_int("tree_total_tokens", self.tree_total_tokens, 1, min(candidates, MAX_TREE_NODES - 1))
+            if isinstance(self.tree_total_tokens, str) and self.tree_total_tokens != TREE_SIZE_AUTO:
+                raise ValueError(f"SpeculativeConfig.tree_total_tokens: expected an int or '{TREE_SIZE_AUTO}', got "
+                                 f"{self.tree_total_tokens!r}")
+            if self.tree_total_tokens == TREE_SIZE_AUTO:
+                if self.tree_width < 2:
+                    raise ValueError(
+                        "SpeculativeConfig.tree_total_tokens='auto' sizes a dynamic tree of tree_width >= 2 "
+                        f"branches per node, and tree_width is {self.tree_width}; set tree_width (e.g. 4) or drop "
+                        "tree_total_tokens for a chain"
+                    )
+            else:
+                _check_int("tree_total_tokens", self.tree_total_tokens, 1, min(self.max_tree_nodes, MAX_TREE_NODES - 1))
         for name in ("posterior_threshold", "posterior_alpha"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
@@ -455,6 +469,12 @@ class SpeculativeConfig:
         """The method `heads` are for (`"medusa"`, `"eagle"` or `"mlp_speculator"`; None without heads or for
         anything else)."""
         return next((method for method in HEADS_CLASS if isinstance(self.heads, heads_class(method))), None)
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """The most draft nodes a dynamic tree can keep: the candidates its expansion offers (the tree_width best
+        nodes of each depth after the first each offer tree_width children)."""
+        return self.tree_width + (self.num_speculative_tokens - 1) * self.tree_width**2
 
     @property
     def max_draft_depth(self) -> int:

@@ -87,6 +87,8 @@ class SpecStats(RowSpecStats):
     # the deepest draft token a step proposed: k as asked, or fewer where the proposer drafts fewer (Medusa heads),
     # or a static tree's depth
     num_speculative_tokens: int = 0
+    # the draft nodes a dynamic tree keeps (`tree_total_tokens`, resolved where it was "auto"); None: no such tree
+    tree_total_tokens: int | None = None
 
     def to_dict(self) -> dict:
         return super().to_dict() | {"per_row": [row.to_dict() for row in self.per_row]}

@@ -150,6 +150,11 @@ def test_transformers_version_range():
          r"got 'ngram'"),
         (dict(method="draft", draft_model=make_draft(), tree_width=2, num_speculative_tokens=2, tree_total_tokens=7),
          r"tree_total_tokens: expected an int in \[1, 6\]"),
+        (dict(method="draft", draft_model=make_draft(), tree_total_tokens="auto"),
+         r"tree_total_tokens='auto' sizes a dynamic tree of tree_width >= 2 branches per node, and tree_width is 1"),
+        (dict(method="draft", draft_model=make_draft(), tree_width=2, tree_total_tokens="big"),
+         r"tree_total_tokens: expected an int or 'auto', got 'big'"),
+        (dict(method="ngram", tree_width=2, tree_total_tokens="auto"), r"dynamic trees need a method of"),
     ],
 )
 def test_bad_config(kwargs, match):

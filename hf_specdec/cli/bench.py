@@ -78,7 +78,7 @@ from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, empty_suffix_cache
 from hf_specdec.cli.timing import paired_speedup, time_interleaved
 from hf_specdec.config import DRAFT_QUANTIZATIONS as DRAFT_QUANTIZATION_NAMES
-from hf_specdec.config import SCHEDULES
+from hf_specdec.config import SCHEDULES, TREE_SIZE_AUTO
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 from hf_specdec.lossless import TIE_SPACINGS, PlainScores, same_output
 from hf_specdec.proposers.early_exit import early_exit_draft, num_layers
@@ -193,11 +193,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="branches per step for draft, ngram, the head cases and the auto cases with a draft, "
                              "EAGLE head or MLP speculator (1 = chain; w > 1 = token tree); "
                              "several values compare trees with chains (default: 1)")
-    parser.add_argument("--tree-nodes", nargs="+", type=int, default=None,
+    parser.add_argument("--tree-nodes", nargs="+", type=_tree_nodes, default=None,
                         help="trees (--tree-width > 1) of the draft, early exit, the EAGLE heads, the MLP speculator "
                              "and the auto cases with them: draft tokens of the EAGLE-2 dynamic tree (default: k * "
-                             "w); of Medusa: its fitted tree's likeliest paths (default: all); several values compare "
-                             "tree sizes, a row each")
+                             "w; 'auto': sized from the measured verify costs); of Medusa: its fitted tree's "
+                             "likeliest paths (default: all); several values compare tree sizes, a row each")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts (per category for spec-bench) (default: the largest batch size)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
@@ -214,6 +214,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a PNG of speedup vs batch size and vs k here (needs matplotlib)")
 
 
+def _node_counts(tree_nodes: list[int | str] | None, case: str) -> list[int | str | None]:
+    """The --tree-nodes values a tree case runs with: Medusa's static tree takes counts only ('auto' sizes dynamic
+    trees)."""
+    counts = [n for n in tree_nodes or () if case != "medusa" or n != TREE_SIZE_AUTO]
+    return counts or [None]
+
+
+def _tree_nodes(value: str) -> int | str:
+    """A --tree-nodes value: a node count, or 'auto'."""
+    if value == TREE_SIZE_AUTO:
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a node count or '{TREE_SIZE_AUTO}', got {value!r}") from None
+
+
 @dataclass
 class Measurement:
     """One case at one batch size and k, summed over this process's batches."""
@@ -222,8 +239,10 @@ class Measurement:
     batch_size: int
     k: int | None
     tree_width: int = 1
-    # draft tokens of a tree (--tree-nodes) where the case takes them; None: the case's default
-    tree_nodes: int | None = None
+    # draft tokens of a tree (--tree-nodes: a count or "auto") where the case takes them; None: the case's default
+    tree_nodes: int | str | None = None
+    # the draft nodes its trees kept (`SpecStats.tree_total_tokens`: "auto" resolved; the last call's)
+    tree_nodes_used: int | None = None
     category: str = ""
     schedule: str = ""  # "adaptive" or "fixed" for hf_specdec's cases
     quantization: str = ""  # "int8" for a case drafting with int8 copies of its drafter's weights
@@ -435,6 +454,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
                 m.num_accepted += stats.num_accepted_tokens
                 m.num_draft_tokens += stats.num_draft_tokens
                 m.accepted_per_position = _add_counts(m.accepted_per_position, stats.accepted_per_position)
+                m.tree_nodes_used = stats.tree_total_tokens
                 if stats.schedule is not None:
                     m.k_histogram = _add_counts(m.k_histogram, stats.schedule.k_histogram)
                     m.estimated_accepted += stats.schedule.estimated_accepted_tokens
@@ -530,7 +550,8 @@ def _combine(parts: list[Measurement], category: str, concurrent: bool) -> Measu
     wall = max if concurrent else sum
     first = parts[0]
     total = Measurement(case=first.case, batch_size=first.batch_size, k=first.k, tree_width=first.tree_width,
-                        tree_nodes=first.tree_nodes, category=category, schedule=first.schedule,
+                        tree_nodes=first.tree_nodes, tree_nodes_used=parts[-1].tree_nodes_used, category=category,
+                        schedule=first.schedule,
                         quantization=first.quantization, identical=first.identical)
     for name in COUNTS:
         setattr(total, name, sum(getattr(part, name) for part in parts))
@@ -565,7 +586,7 @@ def summarize(m: Measurement, plain: Measurement, native: Measurement | None = N
     efficiency = (m.target_forward_seconds + m.draft_forward_seconds) / m.instrumented_seconds
     return {
         "case": m.case, "category": m.category, "batch_size": m.batch_size, "k": m.k, "tree_width": m.tree_width,
-        "tree_nodes": m.tree_nodes,
+        "tree_nodes": m.tree_nodes, "tree_nodes_used": m.tree_nodes_used,
         "schedule": m.schedule or None,
         "draft_quantization": m.quantization or None,
         # row-steps by the draft tokens the schedule allowed (entry 0: plain), and its expected vs measured
@@ -632,10 +653,10 @@ def partings_note(rows: list[dict[str, Any]]) -> str | None:
 
 
 def _label(row: dict[str, Any]) -> str:
-    """The case as the table and the plot name it: '@int8' after a case drafting with int8 copies, ' nN' after a
+    """The case as the table and the plot name it: '@int8' after a case drafting with int8 copies, ' n=N' after a
     tree of --tree-nodes N."""
     return (row["case"] + (f"@{row['draft_quantization']}" if row.get("draft_quantization") else "")
-            + (f" n{row['tree_nodes']}" if row.get("tree_nodes") else ""))
+            + (f" n={row['tree_nodes']}" if row.get("tree_nodes") else ""))
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -779,7 +800,7 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --method {greedy_only[0]} with --temperature {args.temperature}: transformers' "
                          "sampling path for a draft with another tokenizer fails when every draft token is in the "
                          "target's vocabulary, as in the permuted draft; run it greedy (--temperature 0)")
-    if args.tree_nodes is not None and any(n < 1 for n in args.tree_nodes):
+    if args.tree_nodes is not None and any(n != TREE_SIZE_AUTO and n < 1 for n in args.tree_nodes):
         raise SystemExit(f"error: --tree-nodes {' '.join(map(str, args.tree_nodes))}: expected node counts >= 1")
     if args.early_exit_layer is not None and args.early_exit_layer < 1:
         raise SystemExit(f"error: --early-exit-layer {args.early_exit_layer}: expected a layer >= 1")
@@ -947,7 +968,7 @@ def run(args: argparse.Namespace) -> int:
             for case in cases
             for k in ([None] if case in UNDRAFTED_CASES else args.ks)
             for w in (args.tree_widths if case in TREE_CASES else [1])
-            for nodes in (args.tree_nodes or [None] if w > 1 and case in TREE_NODE_CASES else [None])
+            for nodes in (_node_counts(args.tree_nodes, case) if w > 1 and case in TREE_NODE_CASES else [None])
             for schedule in (args.schedules if case in SCHEDULED_CASES else [""])
             for quantization in (quantizations if case in QUANTIZABLE_CASES else [""])
             if not (case in NATIVE_CASES and b > 1)]

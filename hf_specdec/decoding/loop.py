@@ -20,7 +20,7 @@ runs on the rows still generating, and its logits are put back in batch order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward, uses_static_shapes
-from hf_specdec.config import SpeculativeConfig
+from hf_specdec.config import TREE_SIZE_AUTO, SpeculativeConfig
 from hf_specdec.decoding.outputs import OutputLog
 from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
@@ -41,6 +41,7 @@ from hf_specdec.sampling import prefix_free
 from hf_specdec.schedule.controller import build_schedule
 from hf_specdec.stats import SpecStats, SpecStatsRecorder
 from hf_specdec.step import DecodeState, PromptInputs, Proposal, VerificationResult
+from hf_specdec.tree.size import auto_tree_size
 from hf_specdec.verify.verifier import TypicalAcceptance, Verifier
 
 # Finished rows leave the target's cache once they are this share of the rows it holds: dropping copies the cache
@@ -453,6 +454,17 @@ def scores_of_emitted(
     return scores.gather(1, positions[..., None].expand(-1, -1, scores.shape[2]))
 
 
+def with_tree_size(config: SpeculativeConfig, model: Any, batch_size: int) -> SpeculativeConfig:
+    """`config` with `tree_total_tokens="auto"` (its own, or its hybrid fallback's) resolved for `model` at this batch
+    size (`hf_specdec.tree.size`)."""
+    if config.fallback is not None and config.fallback.tree_total_tokens == TREE_SIZE_AUTO:
+        config = replace(config, fallback=with_tree_size(config.fallback, model, batch_size))
+    if config.tree_total_tokens != TREE_SIZE_AUTO:
+        return config
+    size = auto_tree_size(model, batch_size, config.num_speculative_tokens, config.max_tree_nodes)
+    return replace(config, tree_total_tokens=size)
+
+
 def speculative_generate(
     model: Any,
     input_ids: torch.Tensor,
@@ -474,6 +486,7 @@ def speculative_generate(
     if speculative_config.fallback is not None:  # hybrid drafting: the fallback drafter's needs too
         check_generation_supported(model, generation_config, model_kwargs, synced_gpus,
                                    speculative_config.fallback.method)
+    speculative_config = with_tree_size(speculative_config, model, input_ids.shape[0])
     past = model_kwargs.get(CACHE_KWARG)
     static_cache = past if isinstance(past, StaticCache) and past is spec_user_cache else None
     decoder = SpeculativeDecoder(
@@ -506,5 +519,5 @@ def speculative_generate(
         **{CACHE_KWARG: past_key_values},
         hidden_states=decoder.output_log.hidden_steps(steps),
         attentions=decoder.output_log.attention_steps(steps),
-        spec_stats=decoder.stats.finish(schedule_stats),
+        spec_stats=replace(decoder.stats.finish(schedule_stats), tree_total_tokens=speculative_config.tree_total_tokens),
     )

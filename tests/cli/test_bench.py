@@ -158,6 +158,7 @@ def test_plot_of_one_batch_size_and_k_per_category_has_no_sweep_panels():
         (["--temperature", "-1"], "--temperature -1.0: expected 0"),
         (["--early-exit-layer", "0"], "--early-exit-layer 0: expected a layer >= 1"),
         (["--tree-nodes", "4", "0"], "--tree-nodes 4 0: expected node counts >= 1"),
+        (["--tree-nodes", "big"], None),
         (["--categories", "qa"], "--categories is for --workload spec-bench, not 'completion'"),
         (["--model", "somewhere", "--method", "draft"], "--method draft with --model needs --draft"),
         (["--model", "somewhere", "--method", "eagle3"], "--method eagle3 with --model needs --eagle3-head"),
@@ -165,9 +166,11 @@ def test_plot_of_one_batch_size_and_k_per_category_has_no_sweep_panels():
         (["--method", "hf-uag", "--temperature", "0.7"], "--method hf-uag with --temperature 0.7: transformers' "),
     ],
 )
-def test_bad_options_are_refused_before_loading(argv, match):
+def test_bad_options_are_refused_before_loading(argv, match, capsys):
     with pytest.raises(SystemExit, match=match):
         main(["bench", *TINY, *argv])
+    if match is None:  # argparse's own refusal, on stderr
+        assert "expected a node count or 'auto', got 'big'" in capsys.readouterr().err
 
 
 def test_early_exit_and_sampling(tmp_path):
@@ -407,4 +410,18 @@ def test_tree_sizes_compare_in_one_run(tmp_path, capsys, monkeypatch):
     medusa_trees = {len(c.tree_paths) for c in configs if c.method == "medusa" and c.tree_paths is not None}
     assert medusa_trees == {3, 6}
     printed = capsys.readouterr().out
-    assert "draft n3 (adaptive)" in printed and "medusa n6 (adaptive)" in printed
+    assert "draft n=3 (adaptive)" in printed and "medusa n=6 (adaptive)" in printed
+    assert rows[("draft", 2, 6)]["tree_nodes_used"] == 6 and rows[("draft", 1, None)]["tree_nodes_used"] is None
+
+
+def test_auto_tree_size_runs_beside_fixed_sizes(tmp_path):
+    """--tree-nodes 3 auto: the draft's tree sized from measured costs, its row naming the size it used; Medusa's
+    static tree takes the count only."""
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "draft", "medusa", *TINY, "--tree-width", "2", "--tree-nodes", "3",
+                 "auto", "--json", str(out)]) == 0
+    rows = {(r["case"], r["tree_nodes"]): r for r in json.loads(out.read_text())["results"]
+            if r["category"] != "overall"}
+    assert set(rows) == {("plain", None), ("draft", 3), ("draft", "auto"), ("medusa", 3)}
+    assert 3 <= rows[("draft", "auto")]["tree_nodes_used"] <= 2 + 2 * 4
+    assert all(r["identical_to_plain"] for r in rows.values())
