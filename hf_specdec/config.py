@@ -16,7 +16,7 @@ SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 Schedule = Literal["adaptive", "fixed"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 DraftQuantization = Literal["int8"]
-# SpeculativeConfig.tree_total_tokens: the tree's size from measured verify costs (hf_specdec.tree.size)
+# SpeculativeConfig.tree_total_tokens: the tree's size from measured verify costs (hf_specdec.schedule.tree_size)
 TREE_SIZE_AUTO = "auto"
 DRAFT_QUANTIZATIONS: tuple[str, ...] = get_args(DraftQuantization)
 # methods that draft with a model of their own (a draft model or heads), whose weights draft_quantization may copy
@@ -97,7 +97,7 @@ class SpeculativeConfig:
             "adaptive schedule narrows to d < k depths keeps ceil(tree_total_tokens * d / k); method='auto': its "
             "draft model, EAGLE head or MLP speculator drafts such trees, n-gram lookup and suffix decoding chains); "
             "'auto': the most nodes whose verify forward costs at most 10% more than the chain's, measured once "
-            "per model, dtype, device and batch size (hf_specdec.tree.size)"
+            "per model, dtype, device and batch size (hf_specdec.schedule.tree_size)"
         },
     )
     lossy_typical_acceptance: bool = field(

@@ -41,7 +41,7 @@ from hf_specdec.sampling import prefix_free
 from hf_specdec.schedule.controller import build_schedule
 from hf_specdec.stats import SpecStats, SpecStatsRecorder
 from hf_specdec.step import DecodeState, PromptInputs, Proposal, VerificationResult
-from hf_specdec.tree.size import auto_tree_size
+from hf_specdec.schedule.tree_size import auto_tree_size
 from hf_specdec.verify.verifier import TypicalAcceptance, Verifier
 
 # Finished rows leave the target's cache once they are this share of the rows it holds: dropping copies the cache
@@ -456,7 +456,7 @@ def scores_of_emitted(
 
 def with_tree_size(config: SpeculativeConfig, model: Any, batch_size: int) -> SpeculativeConfig:
     """`config` with `tree_total_tokens="auto"` (its own, or its hybrid fallback's) resolved for `model` at this batch
-    size (`hf_specdec.tree.size`)."""
+    size (`hf_specdec.schedule.tree_size`)."""
     if config.fallback is not None and config.fallback.tree_total_tokens == TREE_SIZE_AUTO:
         config = replace(config, fallback=with_tree_size(config.fallback, model, batch_size))
     if config.tree_total_tokens != TREE_SIZE_AUTO:

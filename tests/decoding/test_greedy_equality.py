@@ -29,7 +29,7 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
         "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=4, tree_width=3),
         "random_draft_dynamic_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
                                                        tree_width=2, tree_total_tokens=5),
-        # the tree's size from this model's measured verify costs (hf_specdec.tree.size)
+        # the tree's size from this model's measured verify costs (hf_specdec.schedule.tree_size)
         "random_draft_auto_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
                                                     tree_width=2, tree_total_tokens="auto"),
         "suffix": SpeculativeConfig(method="suffix", suffix_cache=SuffixCache()),

@@ -223,7 +223,7 @@ PROPOSERS = {
     "noisy_draft_dynamic_tree": lambda target: SpeculativeConfig(
         method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=2, tree_width=2, tree_total_tokens=4, seed=8
     ),
-    # its size from the target's measured verify costs (hf_specdec.tree.size): 2 to 6 nodes
+    # its size from the target's measured verify costs (hf_specdec.schedule.tree_size): 2 to 6 nodes
     "noisy_draft_auto_tree": lambda target: SpeculativeConfig(
         method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=2, tree_width=2,
         tree_total_tokens="auto", seed=9),

@@ -1,4 +1,4 @@
-"""hf_specdec.tree.size: `tree_total_tokens="auto"`, the tree's size from measured verify costs."""
+"""hf_specdec.schedule.tree_size: `tree_total_tokens="auto"`, the tree's size from measured verify costs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.tree import size
-from hf_specdec.tree.size import auto_tree_size, ladder, measure_verify_costs, tree_size_for_costs
+from hf_specdec.schedule import tree_size as size
+from hf_specdec.schedule.tree_size import auto_tree_size, ladder, measure_verify_costs, tree_size_for_costs
 from tests.conftest import make_draft, make_model
 
 
