@@ -39,9 +39,9 @@ from hf_specdec.decoding.stopping import TokenStopper
 from hf_specdec.proposers import DraftSampling, build_proposer
 from hf_specdec.sampling import prefix_free
 from hf_specdec.schedule.controller import build_schedule
+from hf_specdec.schedule.tree_size import auto_tree_size
 from hf_specdec.stats import SpecStats, SpecStatsRecorder
 from hf_specdec.step import DecodeState, PromptInputs, Proposal, VerificationResult
-from hf_specdec.schedule.tree_size import auto_tree_size
 from hf_specdec.verify.verifier import TypicalAcceptance, Verifier
 
 # Finished rows leave the target's cache once they are this share of the rows it holds: dropping copies the cache
