@@ -83,7 +83,7 @@ def measure_verify_costs(
     vocab = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (batch_size, CONTEXT_TOKENS), generator=generator).to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     costs: dict[int, float] = {}
     with torch.no_grad():
         prefix = DynamicCache(config=model.config)
