@@ -654,9 +654,12 @@ def partings_note(rows: list[dict[str, Any]]) -> str | None:
 
 def _label(row: dict[str, Any]) -> str:
     """The case as the table and the plot name it: '@int8' after a case drafting with int8 copies, ' n=N' after a
-    tree of --tree-nodes N."""
+    tree of --tree-nodes N (' n=auto:N' where 'auto' took N nodes)."""
+    nodes = row.get("tree_nodes")
+    if nodes == TREE_SIZE_AUTO and row.get("tree_nodes_used"):
+        nodes = f"{nodes}:{row['tree_nodes_used']}"  # the size it took
     return (row["case"] + (f"@{row['draft_quantization']}" if row.get("draft_quantization") else "")
-            + (f" n={row['tree_nodes']}" if row.get("tree_nodes") else ""))
+            + (f" n={nodes}" if nodes else ""))
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

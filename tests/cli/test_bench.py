@@ -414,7 +414,7 @@ def test_tree_sizes_compare_in_one_run(tmp_path, capsys, monkeypatch):
     assert rows[("draft", 2, 6)]["tree_nodes_used"] == 6 and rows[("draft", 1, None)]["tree_nodes_used"] is None
 
 
-def test_auto_tree_size_runs_beside_fixed_sizes(tmp_path):
+def test_auto_tree_size_runs_beside_fixed_sizes(tmp_path, capsys):
     """--tree-nodes 3 auto: the draft's tree sized from measured costs, its row naming the size it used; Medusa's
     static tree takes the count only."""
     out = tmp_path / "results.json"
@@ -424,4 +424,5 @@ def test_auto_tree_size_runs_beside_fixed_sizes(tmp_path):
             if r["category"] != "overall"}
     assert set(rows) == {("plain", None), ("draft", 3), ("draft", "auto"), ("medusa", 3)}
     assert 3 <= rows[("draft", "auto")]["tree_nodes_used"] <= 2 + 2 * 4
+    assert f"draft n=auto:{rows[('draft', 'auto')]['tree_nodes_used']} (adaptive)" in capsys.readouterr().out
     assert all(r["identical_to_plain"] for r in rows.values())
