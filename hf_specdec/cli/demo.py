@@ -10,8 +10,8 @@ It generates greedily with plain `generate` and with a few methods (by default n
 EAGLE-3 head, `method="auto"` choosing among those three at every step, and the draft model, each where the model
 has the drafter; `--methods all` adds the n-gram trie, the
 draft model's tree, the Medusa heads as a chain and with the tree fitted to them, and the EAGLE-1/2 head as a chain
-and an EAGLE-2 dynamic tree), shows the answer text, the acceptance statistics, the speedup over plain `generate`,
-why speculation is or is not faster for this model, and checks that every output is token-for-token plain
+and an EAGLE-2 dynamic tree sized by `tree_total_tokens="auto"`), shows the answer text, the acceptance statistics,
+the speedup over plain `generate`, why speculation is or is not faster for this model, and checks that every output is token-for-token plain
 generate's. In bfloat16 an output may part from plain generate's where plain decoding's best tokens tie within
 rounding (`hf_specdec.lossless`): each such parting is listed with plain's scores there, and only a parting that
 rounding does not explain makes the demo fail (exit status 1).
@@ -213,7 +213,7 @@ def method_config(name: str, models: DemoModels, k: int) -> SpeculativeConfig:
         return SpeculativeConfig(method="medusa", heads=models.medusa, num_speculative_tokens=k,
                                  tree_paths=models.medusa.tree() if name == "medusa-tree" else None)
     if name == "eagle-tree":
-        return SpeculativeConfig(method="eagle", heads=models.eagle, top_k=2, depth=k, total_tokens=2 * k)
+        return SpeculativeConfig(method="eagle", heads=models.eagle, top_k=4, depth=k, total_tokens="auto")
     return SpeculativeConfig(method="eagle", heads=models.eagle3 if name == "eagle3" else models.eagle,
                              num_speculative_tokens=k)
 
