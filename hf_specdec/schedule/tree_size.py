@@ -3,7 +3,8 @@ this model, device, dtype and batch size.
 
 A tree pays while its extra nodes cost little to verify: the chain of depth k already costs a forward of k + 1
 tokens per row, and each further node earns at most its chance of being accepted. Where a forward's cost is flat
-in its width (a GPU at small batch; a CPU in bfloat16 for a model like SmolLM2-135M up to about 9 tokens) a tree
+in its width (typically a GPU at small batch, where a forward reads the weights once whatever its width; a CPU in
+bfloat16 for SmolLM2-135M up to about 9 tokens, `benchmarks/results/forward_cost_smollm2_bf16_cpu.txt`) a tree
 adds acceptance nearly for free; where it grows with every token (a CPU in float32, or a large batch) nodes past the
 chain cost about what they bring. So the tree keeps the most nodes whose verify forward costs at most
 `TREE_COST_TOLERANCE` more than the chain's, and never fewer than the chain's k.
@@ -11,9 +12,9 @@ chain cost about what they bring. So the tree keeps the most nodes whose verify 
 The costs are measured once per (model, dtype, device, batch size) in a process, before the first call that asks:
 a cached context of `CONTEXT_TOKENS` random tokens, then forwards of growing widths over it (each timed
 `REPEATS` times, the fastest kept; widths grow until one costs more than the tolerance allows), on the model's own
-attention path. It costs a dozen forwards, once (under a second for SmolLM2-135M at batch 1 on one CPU thread in
-bfloat16, a few seconds at batch 4 in float32; milliseconds on a GPU); the output never
-depends on it, only the tree's size, so every call stays exactly as lossless as with a fixed size.
+attention path. It costs a dozen forwards, once (0.7 s for SmolLM2-135M at batch 1 on one CPU thread in bfloat16,
+4 s at batch 4 in float32). The output never depends on it, only the tree's size, so every call stays exactly as
+lossless as with a fixed size.
 """
 
 from __future__ import annotations
