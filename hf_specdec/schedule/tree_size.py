@@ -12,9 +12,8 @@ chain cost about what they bring. So the tree keeps the most nodes whose verify 
 The costs are measured once per (model, dtype, device, batch size) in a process, before the first call that asks:
 a cached context of `CONTEXT_TOKENS` random tokens, then forwards of growing widths over it (each timed
 `REPEATS` times, the fastest kept; widths grow until one costs more than the tolerance allows), on the model's own
-attention path. It costs a dozen forwards, once (0.7 s for SmolLM2-135M at batch 1 on one CPU thread in bfloat16,
-4 s at batch 4 in float32). The output never depends on it, only the tree's size, so every call stays exactly as
-lossless as with a fixed size.
+attention path. It costs the prefill of the context and about a dozen forwards, once per key. The output never
+depends on it, only the tree's size, so every call stays exactly as lossless as with a fixed size.
 """
 
 from __future__ import annotations
