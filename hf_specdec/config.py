@@ -93,7 +93,7 @@ class SpeculativeConfig:
         metadata={
             "help": "draft model, early exit, EAGLE head or MLP speculator: build a dynamic (EAGLE-2) tree instead of "
             "fixed branches: at each of k depths expand the tree_width best nodes by cumulative log-probability, "
-            "then keep the best tree_total_tokens draft nodes (for all but the MLP speculator, a step the "
+            "then keep the best tree_total_tokens draft nodes (a step the "
             "adaptive schedule narrows to d < k depths keeps ceil(tree_total_tokens * d / k); method='auto': its "
             "draft model, EAGLE head or MLP speculator drafts such trees, n-gram lookup and suffix decoding chains); "
             "'auto': the most nodes whose verify forward costs at most 10% more than the chain's, measured once "

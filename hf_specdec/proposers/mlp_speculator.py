@@ -133,15 +133,18 @@ class MlpSpeculatorProposer(Proposer):
         return Proposal.from_template(branch_template(self.width, self.k), tokens, budget)
 
     def _dynamic_tree(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor) -> Proposal:
-        """EAGLE-2 expansion (see the module docstring)."""
-        width = self.width
+        """EAGLE-2 expansion (see the module docstring) over the stages the step drafts: a step the schedule narrows
+        to d < k stages keeps ceil(total * d / k) nodes, so its verify forward shrinks with it, as the draft model's
+        and the EAGLE heads' trees do."""
+        width, depth = self.width, state.step_width(self.k)
         candidates = Candidates(torch.log_softmax(self._scores(0, current), dim=-1), width)
         current = current[:, None].expand(-1, width, -1)  # [B, w, inner]: the state each frontier token came from
-        for stage in range(1, self.k):
+        for stage in range(1, depth):
             current = self.speculator.advance(stage, current, candidates.frontier_tokens, self.vocab)  # [B, w, inner]
             best = candidates.expand(torch.log_softmax(self._scores(stage, current), dim=-1))  # [B, w]
             current = current.gather(1, (best // width)[:, :, None].expand(-1, -1, current.shape[-1]))
-        tree, _ = candidates.select(state.last_tokens(), self.total, budget, state.sequences.device)
+        total = -(-self.total * depth // self.k)
+        tree, _ = candidates.select(state.last_tokens(), total, budget, state.sequences.device)
         return Proposal(tree)
 
 

@@ -169,6 +169,38 @@ def test_dynamic_trees_on_varying_widths_match_plain_generate(arch, static, cycl
             assert out.spec_stats.accepted_per_position[1] > 0, name
 
 
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_mlp_speculator_trees_shrink_with_the_steps_width(static, cycled_widths, region_moves_checked):
+    """The MLP speculator's dynamic tree drafted at every width below k keeps ceil(n * d / k) nodes at d stages (as
+    the draft model's does), and greedy output stays plain generate's."""
+    from hf_specdec.proposers.mlp_speculator import MlpSpeculatorProposer
+    from tests.proposers.test_mlp_speculator import fitted_speculator
+
+    target = make_model("llama")
+    ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    extra = {"cache_implementation": "static"} if static else {}
+    config = SpeculativeConfig(method="mlp_speculator", heads=fitted_speculator(target, expected), top_k=2, depth=3,
+                               total_tokens=5)
+    nodes_by_depth = set()
+    dynamic_tree = MlpSpeculatorProposer._dynamic_tree
+
+    def recording(self, state, budget, current):
+        proposal = dynamic_tree(self, state, budget, current)
+        nodes_by_depth.add((state.step_width(self.k), proposal.tree.num_nodes - 1))
+        return proposal
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(MlpSpeculatorProposer, "_dynamic_tree", recording)
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs, **extra)
+    assert torch.equal(out.sequences, expected)
+    assert all(out.spec_stats.schedule.k_histogram), out.spec_stats.schedule.k_histogram
+    assert nodes_by_depth == {(d, min(-(-5 * d // 3), 2 + (d - 1) * 4)) for d in (1, 2, 3)}, nodes_by_depth
+    assert out.spec_stats.num_accepted_tokens > 0
+
+
 ADAPTIVE_PROPOSERS = ("noisy_draft", "ngram", "medusa_tree", "eagle")
 
 
