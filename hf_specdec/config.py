@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 from hf_specdec.heads.token_map import check_token_map
 from hf_specdec.suffix.cache import SuffixCache
 from hf_specdec.suffix.config import SuffixConfig
+from hf_specdec.tree.dynamic import candidate_count
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
 
 SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "mtp", "mlp_speculator", "early_exit", "suffix",
@@ -474,7 +475,7 @@ class SpeculativeConfig:
     def max_tree_nodes(self) -> int:
         """The most draft nodes a dynamic tree can keep: the candidates its expansion offers (the tree_width best
         nodes of each depth after the first each offer tree_width children)."""
-        return self.tree_width + (self.num_speculative_tokens - 1) * self.tree_width**2
+        return candidate_count(self.tree_width, self.num_speculative_tokens)
 
     @property
     def max_draft_depth(self) -> int:

@@ -337,7 +337,7 @@ def _load_draft(path: Path | None, target, committed: str | None):
 
 
 def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict | None,
-                        tree_nodes: int | None = None, schedule: str = "adaptive",
+                        tree_nodes: int | str | None = None, schedule: str = "adaptive",
                         early_exit_layer: int | None = None,
                         other_tokenizer: OtherTokenizer | None = None, quantization: str = "") -> SpeculativeConfig:
     """hf_specdec's config for `case` (a hybrid's fallback keeps the default schedule: the hybrid's decides);
@@ -376,7 +376,7 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
 
 
 def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads: dict | None = None,
-                 early_exit_layer: int | None = None, tree_nodes: int | None = None,
+                 early_exit_layer: int | None = None, tree_nodes: int | str | None = None,
                  schedule: str = "adaptive", other_tokenizer: OtherTokenizer | None = None, quantization: str = ""
                  ) -> tuple[Callable[..., torch.Tensor], SpeculativeConfig | None]:
     """The case's generate call, and hf_specdec's config it runs with (None for plain and transformers' methods)."""
@@ -415,7 +415,7 @@ def _add_counts(total: list[int], counts: list[int]) -> list[int]:
 
 def _measure(case: str, category: str, batch_size: int, k: int | None, tree_width: int, batches, target, draft,
              kwargs, references, heads=None, early_exit_layer: int | None = None,
-             tree_nodes: int | None = None, schedule: str = "", other_tokenizer: OtherTokenizer | None = None,
+             tree_nodes: int | str | None = None, schedule: str = "", other_tokenizer: OtherTokenizer | None = None,
              plain_scores: PlainScores | None = None, quantization: str = ""):
     """One case's instrumented pass over `batches` (counts, forward costs, statistics, the output check): the
     measurement, the outputs, and an uninstrumented pass to time (`time_interleaved`). `draft` is the draft model,

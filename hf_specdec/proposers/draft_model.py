@@ -37,7 +37,7 @@ from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, int8_view
 from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
-from hf_specdec.tree.dynamic import Candidates
+from hf_specdec.tree.dynamic import Candidates, kept_nodes
 from hf_specdec.tree.template import branch_template
 from hf_specdec.tree.tree import template_tensors
 
@@ -367,10 +367,10 @@ class DraftModelProposer(Proposer):
             node_slots = torch.cat([node_slots, torch.full_like(parents, -1)], dim=1)
             if self.cache.hidden_states is not None:  # a child's parent is the frontier node it came from
                 frontier_parent_hidden = _rows(self.cache.hidden_states, best // width)
-        # a step the schedule narrows to d < k levels keeps ceil(total * d / k) nodes: its verify forward shrinks
-        # with it, so the schedule's width buys a cheaper step, as it does for chains
-        total = -(-self.total_tokens * depth // self.k)
-        tree, chosen = candidates.select(state.last_tokens(), total, budget, state.sequences.device)
+        # a step the schedule narrows to d < k levels keeps fewer nodes (`kept_nodes`): the schedule's width buys a
+        # cheaper step, as it does for chains
+        tree, chosen = candidates.select(state.last_tokens(), kept_nodes(self.total_tokens, depth, self.k), budget,
+                                         state.sequences.device)
         self._node_slots = torch.cat([torch.full_like(chosen[:, :1], -1), node_slots.gather(1, chosen)], dim=1)
         return Proposal(tree)
 

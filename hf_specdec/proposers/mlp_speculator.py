@@ -32,7 +32,7 @@ from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, int8_view
 from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal
-from hf_specdec.tree.dynamic import Candidates
+from hf_specdec.tree.dynamic import Candidates, candidate_count, kept_nodes
 from hf_specdec.tree.template import branch_template
 
 
@@ -68,7 +68,7 @@ class MlpSpeculatorProposer(Proposer):
 
     def num_nodes(self, config: SpeculativeConfig) -> int:
         if self.total is not None:
-            return 1 + min(self.total, self.width + (self.k - 1) * self.width**2)
+            return 1 + min(self.total, candidate_count(self.width, self.k))
         return 1 + self.width * self.k
 
     @torch.no_grad()
@@ -133,9 +133,8 @@ class MlpSpeculatorProposer(Proposer):
         return Proposal.from_template(branch_template(self.width, self.k), tokens, budget)
 
     def _dynamic_tree(self, state: DecodeState, budget: torch.Tensor, current: torch.Tensor) -> Proposal:
-        """EAGLE-2 expansion (see the module docstring) over the stages the step drafts: a step the schedule narrows
-        to d < k stages keeps ceil(total * d / k) nodes, so its verify forward shrinks with it, as the draft model's
-        and the EAGLE heads' trees do."""
+        """EAGLE-2 expansion (see the module docstring) over the stages the step drafts, keeping `kept_nodes` of
+        them, as the draft model's and the EAGLE heads' trees do."""
         width, depth = self.width, state.step_width(self.k)
         candidates = Candidates(torch.log_softmax(self._scores(0, current), dim=-1), width)
         current = current[:, None].expand(-1, width, -1)  # [B, w, inner]: the state each frontier token came from
@@ -143,8 +142,8 @@ class MlpSpeculatorProposer(Proposer):
             current = self.speculator.advance(stage, current, candidates.frontier_tokens, self.vocab)  # [B, w, inner]
             best = candidates.expand(torch.log_softmax(self._scores(stage, current), dim=-1))  # [B, w]
             current = current.gather(1, (best // width)[:, :, None].expand(-1, -1, current.shape[-1]))
-        total = -(-self.total * depth // self.k)
-        tree, _ = candidates.select(state.last_tokens(), total, budget, state.sequences.device)
+        tree, _ = candidates.select(state.last_tokens(), kept_nodes(self.total, depth, self.k), budget,
+                                    state.sequences.device)
         return Proposal(tree)
 
 

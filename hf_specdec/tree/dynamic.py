@@ -13,6 +13,18 @@ import torch
 from hf_specdec.tree.tree import TokenTree
 
 
+def candidate_count(width: int, depth: int) -> int:
+    """The candidates an expansion of `depth` levels offers: the root's top `width`, then `width` children of each of
+    the `width` frontier nodes per further level (the most nodes a dynamic tree can keep)."""
+    return width + (depth - 1) * width**2
+
+
+def kept_nodes(total: int, depth: int, max_depth: int) -> int:
+    """The nodes a tree of `total` nodes over `max_depth` levels keeps in a step the schedule narrows to `depth`
+    levels, ceil(total * depth / max_depth): its verify forward shrinks with the step, as a chain's does."""
+    return -(-total * depth // max_depth)
+
+
 def select_best_nodes(
     # [B]: each row's last committed token (the root)
     root_token_ids: torch.Tensor,
