@@ -98,7 +98,8 @@ class SpeculativeConfig:
             "adaptive schedule narrows to d < k depths keeps ceil(tree_total_tokens * d / k); method='auto': its "
             "draft model, EAGLE head or MLP speculator drafts such trees, n-gram lookup and suffix decoding chains); "
             "'auto': the most nodes whose verify forward costs at most 10% more than the chain's, measured once "
-            "per model, dtype, device and batch size (hf_specdec.schedule.tree_size)"
+            "per model, dtype, device and batch size (hf_specdec.schedule.tree_size); ngram with tree_width > 1: "
+            "the most draft nodes its trie of matched continuations keeps"
         },
     )
     lossy_typical_acceptance: bool = field(
@@ -309,10 +310,10 @@ class SpeculativeConfig:
                 f"{MAX_TREE_NODES}"
             )
         if self.tree_total_tokens is not None:
-            if self.method not in DYNAMIC_TREE_METHODS:
+            if self.method not in SIZED_TREE_METHODS:
                 raise ValueError(
-                    f"SpeculativeConfig.tree_total_tokens: dynamic trees need a method of {list(DYNAMIC_TREE_METHODS)},"
-                    f" got {self.method!r}"
+                    f"SpeculativeConfig.tree_total_tokens: trees of a chosen size need a method of "
+                    f"{list(SIZED_TREE_METHODS)}, got {self.method!r}"
                 )
             if self.method == "auto" and self.draft_model is None and self.heads_method not in ("eagle",
                                                                                                  "mlp_speculator"):
@@ -321,6 +322,12 @@ class SpeculativeConfig:
                     "drafter (a draft_model, an EagleHead or an MlpSpeculator as heads), and this config has "
                     f"{'Medusa heads' if self.heads_method == 'medusa' else 'none'}; drop tree_total_tokens (the "
                     "lookups draft chains) or pass such a drafter"
+                )
+            if self.method == "ngram" and self.tree_width < 2:
+                raise ValueError(
+                    f"SpeculativeConfig.tree_total_tokens: n-gram lookup drafts a trie of tree_width continuations "
+                    f"and tree_width is {self.tree_width}, a chain of k tokens; set tree_width (e.g. 4) or drop "
+                    "tree_total_tokens"
                 )
             if isinstance(self.tree_total_tokens, str) and self.tree_total_tokens != TREE_SIZE_AUTO:
                 raise ValueError(f"SpeculativeConfig.tree_total_tokens: expected an int or '{TREE_SIZE_AUTO}', got "
@@ -473,8 +480,11 @@ class SpeculativeConfig:
 
     @property
     def max_tree_nodes(self) -> int:
-        """The most draft nodes a dynamic tree can keep: the candidates its expansion offers (the tree_width best
-        nodes of each depth after the first each offer tree_width children)."""
+        """The most draft nodes a sized tree can keep: for a dynamic tree the candidates its expansion offers (the
+        tree_width best nodes of each depth after the first each offer tree_width children); for n-gram lookup's trie
+        its tree_width continuations of k tokens."""
+        if self.method == "ngram":
+            return self.tree_width * self.num_speculative_tokens
         return candidate_count(self.tree_width, self.num_speculative_tokens)
 
     @property
@@ -489,7 +499,8 @@ class SpeculativeConfig:
 HEADS_CLASS = {"medusa": "hf_specdec.heads.MedusaHeads", "eagle": "hf_specdec.heads.EagleHead",
                "mlp_speculator": "hf_specdec.heads.MlpSpeculator"}
 # methods that draft EAGLE-2 dynamic trees (`tree_total_tokens`)
-DYNAMIC_TREE_METHODS = ("draft", "eagle", "mtp", "mlp_speculator", "early_exit", "auto")
+# the methods whose trees take tree_total_tokens: the dynamic (EAGLE-2) trees, and n-gram lookup's trie of matches
+SIZED_TREE_METHODS = ("draft", "eagle", "mtp", "mlp_speculator", "early_exit", "auto", "ngram")
 
 
 def heads_class(method: str) -> type:

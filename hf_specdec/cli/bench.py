@@ -6,7 +6,8 @@ one: its own forwards and bookkeeping against plain generate's), hf_specdec `dra
 the drafters committed for the test bed or, with `--model smollm2`, for SmolLM2-135M-Instruct unless a folder is
 given; with --tree-width w > 1 Medusa uses the tree fitted to its heads (its --tree-nodes likeliest paths), and
 EAGLE, the MLP speculator and the draft model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes,
-k * w by default; several --tree-nodes values give a row each), `suffix` (suffix
+k * w by default; n-gram lookup a trie of w matched continuations, cut to its best --tree-nodes nodes; several
+--tree-nodes values give a row each), `suffix` (suffix
 decoding, k its most draft tokens a step), the hybrids `suffix+eagle` / `suffix+eagle3` / `suffix+draft` (suffix
 drafts where they score at least the fallback's k, the EAGLE head's or the draft model's chain of k otherwise),
 `auto` (method="auto" over n-gram lookup and suffix decoding) and `auto+<case>` for `draft`, `medusa`, `eagle`,
@@ -120,8 +121,6 @@ AUTO_CASES = {f"auto+{case}": case for case in ("draft", "medusa", "eagle", "eag
 # cases that take --tree-width: w > 1 drafts a token tree (for auto cases, the drafter's EAGLE-2 dynamic tree)
 TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+eagle", "auto+eagle3",
               "auto+mlp_speculator")
-# tree cases whose trees take --tree-nodes (n-gram lookup's trie holds its w continuations)
-TREE_NODE_CASES = tuple(case for case in TREE_CASES if case != "ngram")
 # every composite case and the case whose drafter it loads
 DRAFTER_OF = {**HYBRID_CASES, **AUTO_CASES}
 # cases drafting with a model of their own, which run under each --draft-quantization
@@ -196,8 +195,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-nodes", nargs="+", type=_tree_nodes, default=None,
                         help="trees (--tree-width > 1) of the draft, early exit, the EAGLE heads, the MLP speculator "
                              "and the auto cases with them: draft tokens of the EAGLE-2 dynamic tree (default: k * "
-                             "w; 'auto': sized from the measured verify costs); of Medusa: its fitted tree's "
-                             "likeliest paths (default: all); several values compare tree sizes, a row each")
+                             "w; 'auto': sized from the measured verify costs); of n-gram lookup: its trie's draft "
+                             "tokens (default: all, up to k * w); of Medusa: its fitted tree's likeliest paths "
+                             "(default: all); several values compare tree sizes, a row each")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts (per category for spec-bench) (default: the largest batch size)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
@@ -372,7 +372,9 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
         return SpeculativeConfig(method="draft", draft_model=draft, **tokenizers, **tree, **common)
     if case == "early_exit":
         return SpeculativeConfig(method="early_exit", early_exit_layer=early_exit_layer, **tree, **common)
-    return SpeculativeConfig(method="ngram", prompt_lookup_max=PROMPT_LOOKUP_MAX, tree_width=tree_width, **common)
+    # tree_width > 1: a trie of matched continuations, all of its nodes or its best tree_nodes
+    trie = dict(tree_width=tree_width, tree_total_tokens=tree_nodes) if tree_width > 1 else {}
+    return SpeculativeConfig(method="ngram", prompt_lookup_max=PROMPT_LOOKUP_MAX, **trie, **common)
 
 
 def _generate_fn(case: str, target, draft, k: int | None, tree_width: int = 1, heads: dict | None = None,
@@ -971,7 +973,7 @@ def run(args: argparse.Namespace) -> int:
             for case in cases
             for k in ([None] if case in UNDRAFTED_CASES else args.ks)
             for w in (args.tree_widths if case in TREE_CASES else [1])
-            for nodes in (_node_counts(args.tree_nodes, case) if w > 1 and case in TREE_NODE_CASES else [None])
+            for nodes in (_node_counts(args.tree_nodes, case) if w > 1 and case in TREE_CASES else [None])
             for schedule in (args.schedules if case in SCHEDULED_CASES else [""])
             for quantization in (quantizations if case in QUANTIZABLE_CASES else [""])
             if not (case in NATIVE_CASES and b > 1)]

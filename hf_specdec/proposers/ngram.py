@@ -14,9 +14,12 @@ which transformers' prompt lookup also uses) to 3.76 in `benchmarks/bench_engine
 test bed's edit workload (`hf-specdec bench --workload edit`; `benchmarks/results/testbed_cpu.json` before,
 `testbed_ngram_cpu.json` after).
 
-With `tree_width` w > 1 the proposer offers up to w different continuations (from different earlier matches of the
-longest matching n-gram, most recent first) as the branches of a token tree: a trie, so continuations that share a
-prefix share nodes, and one forward verifies them all.
+With `tree_width` w > 1 the proposer offers up to w different continuations as the branches of a token tree: those
+after the longest matching n-gram's earlier occurrences, most recent first, then after shorter matching n-grams'
+(backing off, as the chain does when the longest n finds nothing). They merge into a trie, so continuations that share a
+prefix share nodes, and one forward verifies them all. With `tree_total_tokens` (a count, or "auto": what a forward
+verifies at about the chain's cost, `hf_specdec.schedule.tree_size`) the trie keeps that many draft nodes, the
+first continuation's first tokens and the others' first tokens before long tails (`build_trie`).
 """
 
 from __future__ import annotations
@@ -28,31 +31,42 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.host_text import HostText
 from hf_specdec.step import DecodeState, Proposal
+from hf_specdec.tree.dynamic import kept_nodes
 from hf_specdec.tree.tree import TokenTree
 
 
-def _longest_match(
+def _suffix_matches(
     # [L] the row's tokens (no padding)
     tokens: np.ndarray,
     min_n: int,
     max_n: int,
-) -> tuple[int, np.ndarray]:
-    """(n, end indices ascending) of the earlier occurrences of the longest suffix n-gram, n in [min_n, max_n];
-    (0, []) when none matches.
+) -> list[tuple[int, np.ndarray]]:
+    """(n, end indices ascending) of the earlier occurrences of the text's suffix n-gram, for each n in
+    [min_n, max_n] that occurred earlier, longest first ([] when none does).
 
     Grows the match one token to the left at a time: the ends matching the last token, then those whose previous
     token matches too, and so on; one pass over the text, then work proportional to the matches."""
     length = tokens.shape[0]
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1]) if length > 1 else tokens[:0]
-    best = (0, tokens[:0])
+    found: list[tuple[int, np.ndarray]] = []
     for n in range(1, max_n + 1):
-        if n >= min_n and ends.size:
-            best = (n, ends)
-        if n == max_n or not ends.size:
+        if not ends.size:
+            break
+        if n >= min_n:
+            found.append((n, ends))
+        if n == max_n:
             break
         ends = ends[ends >= n]
         ends = ends[tokens[ends - n] == tokens[length - 1 - n]]
-    return best
+    return found[::-1]
+
+
+def _longest_n(
+    # (n, ends) of the suffix n-grams that matched, longest first (`_suffix_matches`)
+    matches: list[tuple[int, np.ndarray]],
+) -> int:
+    """The longest n that matched (0: none)."""
+    return matches[0][0] if matches else 0
 
 
 def _copy_after(
@@ -76,7 +90,7 @@ def find_ngram_continuation(
 ) -> np.ndarray:
     """The overlapping copy of `max_tokens` tokens after the most recent occurrence of the longest matching suffix
     n-gram ([] when none)."""
-    return _first(continuations_after(tokens, _longest_match(tokens, min_n, max_n)[1], max_tokens, 1))
+    return _first(continuations_after(tokens, _suffix_matches(tokens, min_n, max_n), max_tokens, 1))
 
 
 def matched_ngram_length(
@@ -87,7 +101,7 @@ def matched_ngram_length(
 ) -> int:
     """The length of the longest suffix n-gram, n in [min_n, max_n], that occurred earlier (0: none): the draft
     class of `NgramProposer.draft_classes`."""
-    return _longest_match(tokens, min_n, max_n)[0]
+    return _longest_n(_suffix_matches(tokens, min_n, max_n))
 
 
 def find_ngram_continuations(
@@ -98,30 +112,37 @@ def find_ngram_continuations(
     max_tokens: int,
     max_branches: int,
 ) -> list[np.ndarray]:
-    """Up to `max_branches` distinct continuations (overlapping copies) of the longest matching suffix n-gram, most
-    recent match first."""
-    return continuations_after(tokens, _longest_match(tokens, min_n, max_n)[1], max_tokens, max_branches)
+    """Up to `max_branches` distinct continuations (overlapping copies): after the longest matching suffix n-gram's
+    occurrences, most recent first, then after the shorter ones' (`continuations_after`)."""
+    return continuations_after(tokens, _suffix_matches(tokens, min_n, max_n), max_tokens, max_branches)
+
+
+# occurrences of one n-gram read for a tree's branches, at most this many per distinct branch sought: a short
+# n-gram in a long text occurs thousands of times, mostly with continuations already found
+OCCURRENCES_PER_BRANCH = 8
 
 
 def continuations_after(
     # [L] the row's tokens
     tokens: np.ndarray,
-    # end indices (ascending) of a suffix n-gram's earlier occurrences (`_longest_match`)
-    ends: np.ndarray,
+    # (n, end indices ascending) of the suffix n-grams' earlier occurrences, longest first (`_suffix_matches`)
+    matches: list[tuple[int, np.ndarray]],
     max_tokens: int,
     max_branches: int,
 ) -> list[np.ndarray]:
-    """Up to `max_branches` distinct continuations of `max_tokens` tokens after those occurrences, most recent
-    first."""
+    """Up to `max_branches` distinct continuations of `max_tokens` tokens after those occurrences: the longest
+    n-gram's, most recent first, then the next longest's, and so on (a shorter n-gram backs off to guesses that a
+    longer context does not support)."""
     found: list[np.ndarray] = []
     if max_tokens <= 0:
         return found
-    for end in ends[::-1].tolist():
-        continuation = _copy_after(tokens, end, max_tokens)
-        if not any(np.array_equal(continuation, c) for c in found):
-            found.append(continuation)
-        if len(found) == max_branches:
-            break
+    for _, ends in matches:
+        for end in ends[::-1][: OCCURRENCES_PER_BRANCH * max_branches].tolist():
+            continuation = _copy_after(tokens, end, max_tokens)
+            if not any(np.array_equal(continuation, c) for c in found):
+                found.append(continuation)
+            if len(found) == max_branches:
+                return found
     return found
 
 
@@ -135,26 +156,34 @@ def build_trie(
     continuations: list[np.ndarray],
     num_nodes: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, parents, valid), each [num_nodes]: the continuations merged into a trie under the root; parents
-    precede children; unused nodes are padding (a child of the root, not valid)."""
+    """(tokens, parents, valid), each [num_nodes]: the continuations merged into a trie under the root, cut to its
+    `num_nodes - 1` likeliest-looking draft nodes; parents precede children; unused nodes are padding (a child of
+    the root, not valid).
+
+    A node's rank is the index of the first continuation through it (continuations come likeliest first); nodes are
+    kept by depth + rank, then rank, then depth: each later continuation counts as one token further from the root,
+    so a short tree keeps the first continuation's first tokens and the others' first tokens before any long tail.
+    A parent's key is below its child's, so the kept nodes form a tree."""
+    node_tokens, node_parents, keys = [root_token], [-1], [(0, 0, 0)]
+    children: dict[tuple[int, int], int] = {}
+    for rank, continuation in enumerate(continuations):
+        node = 0
+        for depth, token in enumerate(continuation.tolist(), start=1):
+            child = children.get((node, token))
+            if child is None:
+                child = children[(node, token)] = len(node_tokens)
+                node_tokens.append(token)
+                node_parents.append(node)
+                keys.append((depth + rank, rank, depth))
+            node = child
+    kept = sorted(sorted(range(1, len(node_tokens)), key=keys.__getitem__)[: num_nodes - 1])  # creation order
+    new_index = {0: 0, **{old: new for new, old in enumerate(kept, start=1)}}
     tokens = np.zeros(num_nodes, dtype=np.int64)
     parents = np.zeros(num_nodes, dtype=np.int64)
     valid = np.zeros(num_nodes, dtype=bool)
     tokens[0], parents[0], valid[0] = root_token, -1, True
-    children: dict[tuple[int, int], int] = {}
-    used = 1
-    for continuation in continuations:
-        node = 0
-        for token in continuation.tolist():
-            child = children.get((node, token))
-            if child is None:
-                if used == num_nodes:
-                    break
-                child = used
-                tokens[child], parents[child], valid[child] = token, node, True
-                children[(node, token)] = child
-                used += 1
-            node = child
+    for new, old in enumerate(kept, start=1):
+        tokens[new], parents[new], valid[new] = node_tokens[old], new_index[node_parents[old]], True
     return tokens, parents, valid
 
 
@@ -169,26 +198,28 @@ class NgramProposer(Proposer):
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.tree_width = config.tree_width
+        # a trie's most draft nodes (None: every node of its tree_width continuations)
+        self.total = config.tree_total_tokens
         self.text: HostText | None = None
-        # per row: (text length, n, ends) of its last match (`_match`)
-        self.matches: list[tuple[int, int, np.ndarray] | None] = []
+        # per row: (text length, its suffix n-grams' matches) at its last match (`_match`)
+        self.matches: list[tuple[int, list[tuple[int, np.ndarray]]] | None] = []
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         self.text = HostText(state)
         self.matches = [None] * state.batch_size
 
-    def _match(self, row: int) -> tuple[np.ndarray, int, np.ndarray]:
-        """The row's text, and the length and earlier end indices of its longest matching suffix n-gram: matched
-        once per text (a step's draft classes, proposal and lookahead share it; the text only grows)."""
+    def _match(self, row: int) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """The row's text, and (n, earlier end indices) of its matching suffix n-grams, longest first: matched once
+        per text (a step's draft classes, proposal and lookahead share it; the text only grows)."""
         tokens = self.text.row(row)
         kept = self.matches[row]
         if kept is None or kept[0] != tokens.shape[0]:
-            kept = self.matches[row] = (tokens.shape[0], *_longest_match(tokens, self.min_n, self.max_n))
-        return tokens, kept[1], kept[2]
+            kept = self.matches[row] = (tokens.shape[0], _suffix_matches(tokens, self.min_n, self.max_n))
+        return tokens, kept[1]
 
     def _continuations(self, row: int, max_tokens: int, max_branches: int) -> list[np.ndarray]:
-        tokens, _, ends = self._match(row)
-        return continuations_after(tokens, ends, max_tokens, max_branches)
+        tokens, matches = self._match(row)
+        return continuations_after(tokens, matches, max_tokens, max_branches)
 
     def _catch_up(self, state: DecodeState) -> None:
         self.text.catch_up(state)
@@ -228,12 +259,13 @@ class NgramProposer(Proposer):
         follows a longer match is accepted more often."""
         self._catch_up(state)
         finished = state.host.finished
-        return np.asarray([0 if finished[row] else self._match(row)[1] for row in range(state.batch_size)],
+        return np.asarray([0 if finished[row] else _longest_n(self._match(row)[1]) for row in range(state.batch_size)],
                           dtype=np.int64)
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:
         depth = state.step_width(self.k)
-        num_nodes = 1 + self.tree_width * depth
+        # a step the schedule narrows to fewer depths keeps proportionally fewer nodes, as a dynamic tree does
+        num_nodes = 1 + (self.tree_width * depth if self.total is None else kept_nodes(self.total, depth, self.k))
         rows, depths = [], []
         for row in range(state.batch_size):
             tokens = self.text.row(row)

@@ -388,7 +388,7 @@ def test_int8_drafters_run_beside_their_own_weights(tmp_path, capsys):
 
 def test_tree_sizes_compare_in_one_run(tmp_path, capsys, monkeypatch):
     """--tree-nodes 3 6: each tree case once per size (a row each, named ' nN'), Medusa its fitted tree's first N
-    paths, the draft an EAGLE-2 tree of N nodes; chains and the n-gram trie once; every output exact."""
+    paths, the draft an EAGLE-2 tree of N nodes, n-gram lookup its trie's best N; chains once; every output exact."""
     from hf_specdec import integration
 
     configs = []
@@ -402,11 +402,11 @@ def test_tree_sizes_compare_in_one_run(tmp_path, capsys, monkeypatch):
     report = json.loads(out.read_text())
     assert report["settings"]["tree_nodes"] == [3, 6]
     rows = {(r["case"], r["tree_width"], r["tree_nodes"]): r for r in report["results"]}
-    assert set(rows) == {("plain", 1, None), ("ngram", 1, None), ("ngram", 2, None), ("draft", 1, None),
+    assert set(rows) == {("plain", 1, None), ("ngram", 1, None), ("ngram", 2, 3), ("ngram", 2, 6), ("draft", 1, None),
                          ("draft", 2, 3), ("draft", 2, 6), ("medusa", 1, None), ("medusa", 2, 3), ("medusa", 2, 6)}
     assert all(r["identical_to_plain"] for r in rows.values())
-    draft_trees = {c.tree_total_tokens for c in configs if c.method == "draft" and c.tree_width > 1}
-    assert draft_trees == {3, 6}
+    for method in ("draft", "ngram"):
+        assert {c.tree_total_tokens for c in configs if c.method == method and c.tree_width > 1} == {3, 6}
     medusa_trees = {len(c.tree_paths) for c in configs if c.method == "medusa" and c.tree_paths is not None}
     assert medusa_trees == {3, 6}
     printed = capsys.readouterr().out

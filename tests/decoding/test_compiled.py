@@ -52,6 +52,8 @@ def _proposers(target: torch.nn.Module, schedule: str = "adaptive") -> dict[str,
                                                      num_speculative_tokens=3, tree_width=2, tree_total_tokens=5,
                                                      schedule=schedule),
         "ngram_trie": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2, schedule=schedule),
+        "ngram_sized_trie": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=3,
+                                              tree_total_tokens=4, schedule=schedule),
         "early_exit_dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2, depth=3,
                                                      total_tokens=5, schedule=schedule),
         "mlp_speculator_tree": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target), top_k=2,
@@ -275,7 +277,7 @@ def test_static_cache_is_accepted_and_comes_back_filled():
 
 
 # every proposer `_every_proposer` builds for a Llama target, one GPU test each (a failure names its proposer)
-CUDA_GRAPH_PROPOSERS = ("ngram", "same_draft", "random_draft_tree", "same_draft_dynamic_tree", "ngram_trie",
+CUDA_GRAPH_PROPOSERS = ("ngram", "same_draft", "random_draft_tree", "same_draft_dynamic_tree", "ngram_trie", "ngram_sized_trie",
                         "early_exit_dynamic_tree", "mlp_speculator_tree", "medusa_tree", "eagle_dynamic_tree",
                         "eagle_token_map", "medusa_token_map", "draft_token_map")
 

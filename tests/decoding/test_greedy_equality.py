@@ -27,6 +27,9 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
         "same_draft_tree": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3,
                                              tree_width=2),
         "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=4, tree_width=3),
+        # the trie cut to its likeliest-looking 6 of up to 12 draft nodes
+        "ngram_sized_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=4, tree_width=3,
+                                              tree_total_tokens=6),
         "random_draft_dynamic_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
                                                        tree_width=2, tree_total_tokens=5),
         # the tree's size from this model's measured verify costs (hf_specdec.schedule.tree_size)

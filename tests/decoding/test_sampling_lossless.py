@@ -189,6 +189,9 @@ PROPOSERS = {
     "same_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),
                                                         num_speculative_tokens=2, tree_width=2, seed=6),
     "ngram_tree": lambda target: SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2, seed=7),
+    # its size from the target's measured verify costs (hf_specdec.schedule.tree_size): 3 to 9 nodes
+    "ngram_auto_tree": lambda target: SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=3,
+                                                        tree_total_tokens="auto", seed=11),
     "medusa": lambda target: SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=2,
                                                seed=9),
     "medusa_tree": lambda target: SpeculativeConfig(method="medusa", heads=heads_for(target), seed=10,
@@ -240,7 +243,7 @@ PROPOSERS = {
 
 # n-gram and suffix drafts rarely survive two sampled tokens; an EAGLE tree of an untrained head rarely holds the target's
 # second token: their depth-2 paths are covered by the greedy tests
-SHALLOW = {"ngram", "ngram_tree", "eagle_dynamic_tree", "eagle_token_map_dynamic_tree", "suffix"}
+SHALLOW = {"ngram", "ngram_tree", "ngram_auto_tree", "eagle_dynamic_tree", "eagle_token_map_dynamic_tree", "suffix"}
 
 
 @pytest.mark.parametrize("name", sorted(PROPOSERS))

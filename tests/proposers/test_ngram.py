@@ -6,7 +6,13 @@ import numpy as np
 import torch
 
 from hf_specdec import SpeculativeConfig
-from hf_specdec.proposers.ngram import NgramProposer, find_ngram_continuation, matched_ngram_length
+from hf_specdec.proposers.ngram import (
+    NgramProposer,
+    build_trie,
+    find_ngram_continuation,
+    find_ngram_continuations,
+    matched_ngram_length,
+)
 from hf_specdec.step import DecodeState
 
 
@@ -115,3 +121,85 @@ def test_matcher_equals_brute_force_on_random_texts():
         min_n, max_n = sorted(rng.integers(1, 5, size=2).tolist())
         k = int(rng.integers(1, 6))
         assert _find(tokens, min_n, max_n, k) == _brute_force(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+
+
+def _branches(tokens, min_n=1, max_n=3, k=3, w=4):
+    return [c.tolist() for c in find_ngram_continuations(np.array(tokens), min_n, max_n, k, w)]
+
+
+def test_branches_back_off_to_shorter_ngrams():
+    # suffix [5, 6]: its one earlier occurrence continues 1, 2; the 1-gram [6] also occurred before 3 and before 4
+    # (most recent first), and before 1 again (a continuation already found)
+    tokens = [6, 3, 9, 6, 4, 9, 5, 6, 1, 2, 6, 7, 5, 6]
+    assert _branches(tokens, max_n=2) == [[1, 2, 6], [7, 5, 6], [4, 9, 5], [3, 9, 6]]
+    assert _branches(tokens, max_n=2, w=2) == [[1, 2, 6], [7, 5, 6]]
+    assert _branches(tokens, min_n=2, max_n=2) == [[1, 2, 6]]  # no backing off below prompt_lookup_min
+
+
+def _brute_force_branches(tokens, min_n, max_n, k, w):
+    """Every n from the longest down, each n's occurrences latest first, copied one token at a time; distinct."""
+    found = []
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[length - n :]:
+                text = list(tokens)
+                for source in range(start + n, start + n + k):
+                    text.append(text[source])
+                if text[length:] not in found:
+                    found.append(text[length:])
+    return found[:w]
+
+
+def test_branches_equal_brute_force_on_random_texts():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        tokens = rng.integers(0, 5, size=int(rng.integers(1, 30))).tolist()
+        min_n, max_n = sorted(rng.integers(1, 4, size=2).tolist())
+        k, w = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+        assert _branches(tokens, min_n, max_n, k, w) == _brute_force_branches(tokens, min_n, max_n, k, w), (
+            tokens, min_n, max_n, k, w)
+
+
+def _paths(tokens, parents, valid):
+    """Every valid node's path of tokens from the root (exclusive)."""
+    paths = []
+    for node in np.flatnonzero(valid)[1:]:
+        path = []
+        while node > 0:
+            path.append(int(tokens[node]))
+            node = parents[node]
+        paths.append(path[::-1])
+    return paths
+
+
+def test_trie_keeps_first_tokens_before_long_tails():
+    """Nodes go by depth + rank (the index of the first continuation through them): with 5 of 11 draft nodes the
+    trie keeps the first continuation's first three tokens and the first token each of the others adds."""
+    continuations = [np.array([1, 2, 3, 4]), np.array([1, 5, 6, 7]), np.array([8, 9, 9, 9])]
+    assert sorted(_paths(*build_trie(0, continuations, 1 + 11))) == [
+        [1], [1, 2], [1, 2, 3], [1, 2, 3, 4], [1, 5], [1, 5, 6], [1, 5, 6, 7], [8], [8, 9], [8, 9, 9], [8, 9, 9, 9]]
+    tokens, parents, valid = build_trie(0, continuations, 1 + 5)
+    assert sorted(_paths(tokens, parents, valid)) == [[1], [1, 2], [1, 2, 3], [1, 5], [8]]
+    assert all(parents[node] < node for node in range(1, 6)) and parents[0] == -1 and valid.all()
+    tokens, parents, valid = build_trie(0, continuations[:1], 1 + 6)  # padding past the one continuation
+    assert valid.tolist() == [True] * 5 + [False] * 2 and parents[5:].tolist() == [0, 0]
+
+
+def test_sized_trie_proposal_has_the_configured_nodes():
+    ids = torch.tensor([[6, 3, 9, 6, 4, 9, 5, 6, 1, 2, 6, 7, 5, 6], [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2]])
+    mask = torch.ones_like(ids)
+    state = DecodeState.start(ids, mask, max_length=40, extra_capacity=20, pad_token_id=0)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=4, tree_total_tokens=5,
+                               prompt_lookup_max=2)
+    proposer = NgramProposer(config)
+    proposer.start(state, mask)
+    tree = proposer.propose(state).tree
+    assert tree.num_nodes == 6 and tree.valid.all()
+    # row 1: [1, 2] continues 6, 5, 4 and 3, each followed by 1, 2 (most recent first); by depth + rank: the first
+    # continuation's three tokens (keys 1, 2, 3), the second's first two (2, 3); the third's first (3) ties last
+    row = _paths(tree.token_ids[1].numpy(), tree.parents[1].numpy(), tree.valid[1].numpy())
+    assert sorted(row) == [[5], [5, 1], [6], [6, 1], [6, 1, 2]]
+    # row 0: [5, 6] continues 1, 2, 6 once; backing off to [6]: 7, 5, 6, then 4, 9, 5 and 3, 9, 6 (keys 3 and 4)
+    row = _paths(tree.token_ids[0].numpy(), tree.parents[0].numpy(), tree.valid[0].numpy())
+    assert sorted(row) == [[1], [1, 2], [1, 2, 6], [7], [7, 5]]

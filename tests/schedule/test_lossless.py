@@ -15,6 +15,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.proposers.draft_model import DraftModelProposer
+from hf_specdec.proposers.ngram import NgramProposer
 from hf_specdec.schedule import controller, estimates
 from hf_specdec.schedule.decision import Decision
 from tests.conftest import make_draft, make_model, padded_batch
@@ -125,8 +126,9 @@ def region_moves_checked(monkeypatch):
 def test_dynamic_trees_on_varying_widths_match_plain_generate(arch, static, cycled_widths, region_moves_checked):
     """The draft model's and early exit's EAGLE-2 dynamic trees drafted at every width below k and skipped on plain
     steps: their draft caches stay in step with the text (a copy of the target drafts, so deep paths are kept). A
-    tree of fewer nodes than its depth (`small_tree`) and n-gram lookup's trie, whose nodes shrink with the step's
-    width, verify no path longer than their nodes (`region_moves_checked`)."""
+    tree of fewer nodes than its depth (`small_tree`) and n-gram lookup's tries, whose nodes shrink with the step's
+    width, verify no path longer than their nodes (`region_moves_checked`); a sized trie keeps ceil(n * d / k)
+    nodes, as a dynamic tree does."""
     target = make_model(arch)
     ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
@@ -140,9 +142,11 @@ def test_dynamic_trees_on_varying_widths_match_plain_generate(arch, static, cycl
         "small_tree": SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), top_k=2, depth=3,
                                         total_tokens=2),
         "ngram_trie": SpeculativeConfig(method="ngram", tree_width=2, num_speculative_tokens=3),
+        "ngram_sized_trie": SpeculativeConfig(method="ngram", tree_width=2, num_speculative_tokens=3,
+                                              tree_total_tokens=4),
     }
     nodes_by_depth = set()
-    propose = DraftModelProposer.propose
+    propose, propose_trie = DraftModelProposer.propose, NgramProposer._propose_tree
 
     def recording(self, state):  # (levels drafted, draft nodes) of each dynamic tree
         proposal = propose(self, state)
@@ -150,10 +154,17 @@ def test_dynamic_trees_on_varying_widths_match_plain_generate(arch, static, cycl
             nodes_by_depth.add((self._num_drafted, proposal.tree.num_nodes - 1))
         return proposal
 
+    def recording_trie(self, state, budget):  # (the step's width, the trie's draft nodes) of a sized trie
+        proposal = propose_trie(self, state, budget)
+        if self.total is not None and proposal.tree.num_nodes > 1:  # not a step without matches
+            nodes_by_depth.add((state.step_width(self.k), proposal.tree.num_nodes - 1))
+        return proposal
+
     for name, config in configs.items():
         nodes_by_depth.clear()
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(DraftModelProposer, "propose", recording)
+            patch.setattr(NgramProposer, "_propose_tree", recording_trie)
             out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs,
                                       **extra)
         assert torch.equal(out.sequences, expected), f"{arch}/{name}"
@@ -161,9 +172,11 @@ def test_dynamic_trees_on_varying_widths_match_plain_generate(arch, static, cycl
         assert all(histogram), (name, histogram)  # row-steps of every width, 0 included
         if name == "ngram_trie":
             continue
-        # a step narrowed to d of k = 3 levels keeps ceil(n * d / 3) of n nodes (at most the d levels' candidates)
+        # a step narrowed to d of k = 3 levels keeps ceil(n * d / 3) of n nodes (at most the d levels' candidates; a
+        # trie's: its 2 continuations of d tokens)
         total = config.tree_total_tokens
-        expected_nodes = {(d, min(-(-total * d // 3), 2 + (d - 1) * 4)) for d in (1, 2, 3)}
+        most = (lambda d: 2 * d) if name == "ngram_sized_trie" else (lambda d: 2 + (d - 1) * 4)
+        expected_nodes = {(d, min(-(-total * d // 3), most(d))) for d in (1, 2, 3)}
         assert nodes_by_depth == expected_nodes, (name, nodes_by_depth)
         if name == "same_draft":  # paths through fed nodes accepted (the draft cache keeps them)
             assert out.spec_stats.accepted_per_position[1] > 0, name
