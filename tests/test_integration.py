@@ -145,16 +145,20 @@ def test_transformers_version_range():
         (dict(method="ngram", seed=-1), "seed: expected an int >= 0"),
         (dict(method="ngram", tree_width=0), r"tree_width: expected an int in \[1, 512\]"),
         (dict(method="ngram", tree_width=200, num_speculative_tokens=5), "over the budget of 512"),
-        (dict(method="ngram", tree_width=2, tree_total_tokens=4),
-         r"dynamic trees need a method of \['draft', 'eagle', 'mtp', 'mlp_speculator', 'early_exit', 'auto'\], "
-         r"got 'ngram'"),
+        (dict(method="medusa", heads=MEDUSA, tree_total_tokens=4),
+         r"trees of a chosen size need a method of \['draft', 'eagle', 'mtp', 'mlp_speculator', 'early_exit', 'auto', "
+         r"'ngram'\], got 'medusa'"),
+        (dict(method="ngram", tree_total_tokens=4),
+         "n-gram lookup drafts a trie of tree_width continuations and tree_width is 1, a chain of k tokens; set "
+         "tree_width"),
+        (dict(method="ngram", tree_width=2, num_speculative_tokens=3, tree_total_tokens=7),
+         r"tree_total_tokens: expected an int in \[1, 6\]"),
         (dict(method="draft", draft_model=make_draft(), tree_width=2, num_speculative_tokens=2, tree_total_tokens=7),
          r"tree_total_tokens: expected an int in \[1, 6\]"),
         (dict(method="draft", draft_model=make_draft(), tree_total_tokens="auto"),
          r"tree_total_tokens='auto' sizes a dynamic tree of tree_width >= 2 branches per node, and tree_width is 1"),
         (dict(method="draft", draft_model=make_draft(), tree_width=2, tree_total_tokens="big"),
          r"tree_total_tokens: expected an int or 'auto', got 'big'"),
-        (dict(method="ngram", tree_width=2, tree_total_tokens="auto"), r"dynamic trees need a method of"),
     ],
 )
 def test_bad_config(kwargs, match):

@@ -14,12 +14,11 @@ which transformers' prompt lookup also uses) to 3.76 in `benchmarks/bench_engine
 test bed's edit workload (`hf-specdec bench --workload edit`; `benchmarks/results/testbed_cpu.json` before,
 `testbed_ngram_cpu.json` after).
 
-With `tree_width` w > 1 the proposer offers up to w different continuations as the branches of a token tree: those
-after the longest matching n-gram's earlier occurrences, most recent first, then after shorter matching n-grams'
-(backing off, as the chain does when the longest n finds nothing). They merge into a trie, so continuations that share a
+With `tree_width` w > 1 the proposer offers up to w different continuations (from different earlier matches of the
+longest matching n-gram, most recent first) as the branches of a token tree: a trie, so continuations that share a
 prefix share nodes, and one forward verifies them all. With `tree_total_tokens` (a count, or "auto": what a forward
-verifies at about the chain's cost, `hf_specdec.schedule.tree_size`) the trie keeps that many draft nodes, the
-first continuation's first tokens and the others' first tokens before long tails (`build_trie`).
+verifies at about the chain's cost, `hf_specdec.schedule.tree_size`) the trie keeps that many draft nodes, the first
+continuation's first tokens and the others' first tokens before long tails (`build_trie`).
 """
 
 from __future__ import annotations
@@ -35,38 +34,28 @@ from hf_specdec.tree.dynamic import kept_nodes
 from hf_specdec.tree.tree import TokenTree
 
 
-def _suffix_matches(
+def _longest_match(
     # [L] the row's tokens (no padding)
     tokens: np.ndarray,
     min_n: int,
     max_n: int,
-) -> list[tuple[int, np.ndarray]]:
-    """(n, end indices ascending) of the earlier occurrences of the text's suffix n-gram, for each n in
-    [min_n, max_n] that occurred earlier, longest first ([] when none does).
+) -> tuple[int, np.ndarray]:
+    """(n, end indices ascending) of the earlier occurrences of the longest suffix n-gram, n in [min_n, max_n];
+    (0, []) when none matches.
 
     Grows the match one token to the left at a time: the ends matching the last token, then those whose previous
     token matches too, and so on; one pass over the text, then work proportional to the matches."""
     length = tokens.shape[0]
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1]) if length > 1 else tokens[:0]
-    found: list[tuple[int, np.ndarray]] = []
+    best = (0, tokens[:0])
     for n in range(1, max_n + 1):
-        if not ends.size:
-            break
-        if n >= min_n:
-            found.append((n, ends))
-        if n == max_n:
+        if n >= min_n and ends.size:
+            best = (n, ends)
+        if n == max_n or not ends.size:
             break
         ends = ends[ends >= n]
         ends = ends[tokens[ends - n] == tokens[length - 1 - n]]
-    return found[::-1]
-
-
-def _longest_n(
-    # (n, ends) of the suffix n-grams that matched, longest first (`_suffix_matches`)
-    matches: list[tuple[int, np.ndarray]],
-) -> int:
-    """The longest n that matched (0: none)."""
-    return matches[0][0] if matches else 0
+    return best
 
 
 def _copy_after(
@@ -90,7 +79,7 @@ def find_ngram_continuation(
 ) -> np.ndarray:
     """The overlapping copy of `max_tokens` tokens after the most recent occurrence of the longest matching suffix
     n-gram ([] when none)."""
-    return _first(continuations_after(tokens, _suffix_matches(tokens, min_n, max_n), max_tokens, 1))
+    return _first(continuations_after(tokens, _longest_match(tokens, min_n, max_n)[1], max_tokens, 1))
 
 
 def matched_ngram_length(
@@ -101,7 +90,7 @@ def matched_ngram_length(
 ) -> int:
     """The length of the longest suffix n-gram, n in [min_n, max_n], that occurred earlier (0: none): the draft
     class of `NgramProposer.draft_classes`."""
-    return _longest_n(_suffix_matches(tokens, min_n, max_n))
+    return _longest_match(tokens, min_n, max_n)[0]
 
 
 def find_ngram_continuations(
@@ -112,37 +101,38 @@ def find_ngram_continuations(
     max_tokens: int,
     max_branches: int,
 ) -> list[np.ndarray]:
-    """Up to `max_branches` distinct continuations (overlapping copies): after the longest matching suffix n-gram's
-    occurrences, most recent first, then after the shorter ones' (`continuations_after`)."""
-    return continuations_after(tokens, _suffix_matches(tokens, min_n, max_n), max_tokens, max_branches)
+    """Up to `max_branches` distinct continuations (overlapping copies) of the longest matching suffix n-gram, most
+    recent match first."""
+    return continuations_after(tokens, _longest_match(tokens, min_n, max_n)[1], max_tokens, max_branches)
 
 
-# occurrences of one n-gram read for a tree's branches, at most this many per distinct branch sought: a short
-# n-gram in a long text occurs thousands of times, mostly with continuations already found
+# how many tokens further from the root each later continuation's nodes count, when a sized trie keeps its nodes
+# (`build_trie`); 1 measured best of 0.5, 1 and 2 (`benchmarks/ngram_trie.py --rank-cost`)
+TRIE_RANK_COST = 1.0
+# occurrences read for a tree's branches, at most this many per distinct branch sought: a short n-gram in a long
+# text occurs thousands of times, mostly with continuations already found
 OCCURRENCES_PER_BRANCH = 8
 
 
 def continuations_after(
     # [L] the row's tokens
     tokens: np.ndarray,
-    # (n, end indices ascending) of the suffix n-grams' earlier occurrences, longest first (`_suffix_matches`)
-    matches: list[tuple[int, np.ndarray]],
+    # end indices (ascending) of a suffix n-gram's earlier occurrences (`_longest_match`)
+    ends: np.ndarray,
     max_tokens: int,
     max_branches: int,
 ) -> list[np.ndarray]:
-    """Up to `max_branches` distinct continuations of `max_tokens` tokens after those occurrences: the longest
-    n-gram's, most recent first, then the next longest's, and so on (a shorter n-gram backs off to guesses that a
-    longer context does not support)."""
+    """Up to `max_branches` distinct continuations of `max_tokens` tokens after those occurrences, most recent
+    first (reading at most `OCCURRENCES_PER_BRANCH` occurrences per branch)."""
     found: list[np.ndarray] = []
     if max_tokens <= 0:
         return found
-    for _, ends in matches:
-        for end in ends[::-1][: OCCURRENCES_PER_BRANCH * max_branches].tolist():
-            continuation = _copy_after(tokens, end, max_tokens)
-            if not any(np.array_equal(continuation, c) for c in found):
-                found.append(continuation)
-            if len(found) == max_branches:
-                return found
+    for end in ends[::-1][: OCCURRENCES_PER_BRANCH * max_branches].tolist():
+        continuation = _copy_after(tokens, end, max_tokens)
+        if not any(np.array_equal(continuation, c) for c in found):
+            found.append(continuation)
+        if len(found) == max_branches:
+            break
     return found
 
 
@@ -161,10 +151,10 @@ def build_trie(
     the root, not valid).
 
     A node's rank is the index of the first continuation through it (continuations come likeliest first); nodes are
-    kept by depth + rank, then rank, then depth: each later continuation counts as one token further from the root,
-    so a short tree keeps the first continuation's first tokens and the others' first tokens before any long tail.
-    A parent's key is below its child's, so the kept nodes form a tree."""
-    node_tokens, node_parents, keys = [root_token], [-1], [(0, 0, 0)]
+    kept by depth + rank * `TRIE_RANK_COST`, then rank, then depth: each later continuation counts as one token
+    further from the root, so a short tree keeps the first continuation's first tokens and the others' first tokens
+    before any long tail. A parent's key is below its child's, so the kept nodes form a tree."""
+    node_tokens, node_parents, keys = [root_token], [-1], [(0.0, 0, 0)]
     children: dict[tuple[int, int], int] = {}
     for rank, continuation in enumerate(continuations):
         node = 0
@@ -174,7 +164,7 @@ def build_trie(
                 child = children[(node, token)] = len(node_tokens)
                 node_tokens.append(token)
                 node_parents.append(node)
-                keys.append((depth + rank, rank, depth))
+                keys.append((depth + rank * TRIE_RANK_COST, rank, depth))
             node = child
     kept = sorted(sorted(range(1, len(node_tokens)), key=keys.__getitem__)[: num_nodes - 1])  # creation order
     new_index = {0: 0, **{old: new for new, old in enumerate(kept, start=1)}}
@@ -201,25 +191,25 @@ class NgramProposer(Proposer):
         # a trie's most draft nodes (None: every node of its tree_width continuations)
         self.total = config.tree_total_tokens
         self.text: HostText | None = None
-        # per row: (text length, its suffix n-grams' matches) at its last match (`_match`)
-        self.matches: list[tuple[int, list[tuple[int, np.ndarray]]] | None] = []
+        # per row: (text length, n, ends) of its last match (`_match`)
+        self.matches: list[tuple[int, int, np.ndarray] | None] = []
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         self.text = HostText(state)
         self.matches = [None] * state.batch_size
 
-    def _match(self, row: int) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
-        """The row's text, and (n, earlier end indices) of its matching suffix n-grams, longest first: matched once
-        per text (a step's draft classes, proposal and lookahead share it; the text only grows)."""
+    def _match(self, row: int) -> tuple[np.ndarray, int, np.ndarray]:
+        """The row's text, and the length and earlier end indices of its longest matching suffix n-gram: matched
+        once per text (a step's draft classes, proposal and lookahead share it; the text only grows)."""
         tokens = self.text.row(row)
         kept = self.matches[row]
         if kept is None or kept[0] != tokens.shape[0]:
-            kept = self.matches[row] = (tokens.shape[0], _suffix_matches(tokens, self.min_n, self.max_n))
-        return tokens, kept[1]
+            kept = self.matches[row] = (tokens.shape[0], *_longest_match(tokens, self.min_n, self.max_n))
+        return tokens, kept[1], kept[2]
 
     def _continuations(self, row: int, max_tokens: int, max_branches: int) -> list[np.ndarray]:
-        tokens, matches = self._match(row)
-        return continuations_after(tokens, matches, max_tokens, max_branches)
+        tokens, _, ends = self._match(row)
+        return continuations_after(tokens, ends, max_tokens, max_branches)
 
     def _catch_up(self, state: DecodeState) -> None:
         self.text.catch_up(state)
@@ -259,7 +249,7 @@ class NgramProposer(Proposer):
         follows a longer match is accepted more often."""
         self._catch_up(state)
         finished = state.host.finished
-        return np.asarray([0 if finished[row] else _longest_n(self._match(row)[1]) for row in range(state.batch_size)],
+        return np.asarray([0 if finished[row] else self._match(row)[1] for row in range(state.batch_size)],
                           dtype=np.int64)
 
     def _propose_tree(self, state: DecodeState, budget: list[int]) -> Proposal:

@@ -1,5 +1,5 @@
-"""`SpeculativeConfig(tree_total_tokens="auto")`: the size of an EAGLE-2 dynamic tree from what verifying costs on
-this model, device, dtype and batch size.
+"""`SpeculativeConfig(tree_total_tokens="auto")`: the size of an EAGLE-2 dynamic tree (or of n-gram lookup's trie of
+matched continuations) from what verifying costs on this model, device, dtype and batch size.
 
 A tree pays while its extra nodes cost little to verify: the chain of depth k already costs a forward of k + 1
 tokens per row, and each further node earns at most its chance of being accepted. Where a forward's cost is flat

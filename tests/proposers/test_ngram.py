@@ -127,20 +127,11 @@ def _branches(tokens, min_n=1, max_n=3, k=3, w=4):
     return [c.tolist() for c in find_ngram_continuations(np.array(tokens), min_n, max_n, k, w)]
 
 
-def test_branches_back_off_to_shorter_ngrams():
-    # suffix [5, 6]: its one earlier occurrence continues 1, 2; the 1-gram [6] also occurred before 3 and before 4
-    # (most recent first), and before 1 again (a continuation already found)
-    tokens = [6, 3, 9, 6, 4, 9, 5, 6, 1, 2, 6, 7, 5, 6]
-    assert _branches(tokens, max_n=2) == [[1, 2, 6], [7, 5, 6], [4, 9, 5], [3, 9, 6]]
-    assert _branches(tokens, max_n=2, w=2) == [[1, 2, 6], [7, 5, 6]]
-    assert _branches(tokens, min_n=2, max_n=2) == [[1, 2, 6]]  # no backing off below prompt_lookup_min
-
-
 def _brute_force_branches(tokens, min_n, max_n, k, w):
-    """Every n from the longest down, each n's occurrences latest first, copied one token at a time; distinct."""
-    found = []
+    """The longest suffix n-gram's earlier occurrences, latest first, each copied one token at a time; distinct."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
+        found = []
         for start in range(length - n - 1, -1, -1):
             if tokens[start : start + n] == tokens[length - n :]:
                 text = list(tokens)
@@ -148,7 +139,9 @@ def _brute_force_branches(tokens, min_n, max_n, k, w):
                     text.append(text[source])
                 if text[length:] not in found:
                     found.append(text[length:])
-    return found[:w]
+        if found:
+            return found[:w]
+    return []
 
 
 def test_branches_equal_brute_force_on_random_texts():
@@ -195,11 +188,11 @@ def test_sized_trie_proposal_has_the_configured_nodes():
     proposer = NgramProposer(config)
     proposer.start(state, mask)
     tree = proposer.propose(state).tree
-    assert tree.num_nodes == 6 and tree.valid.all()
+    assert tree.num_nodes == 6 and tree.valid[1].all()
     # row 1: [1, 2] continues 6, 5, 4 and 3, each followed by 1, 2 (most recent first); by depth + rank: the first
     # continuation's three tokens (keys 1, 2, 3), the second's first two (2, 3); the third's first (3) ties last
     row = _paths(tree.token_ids[1].numpy(), tree.parents[1].numpy(), tree.valid[1].numpy())
     assert sorted(row) == [[5], [5, 1], [6], [6, 1], [6, 1, 2]]
-    # row 0: [5, 6] continues 1, 2, 6 once; backing off to [6]: 7, 5, 6, then 4, 9, 5 and 3, 9, 6 (keys 3 and 4)
-    row = _paths(tree.token_ids[0].numpy(), tree.parents[0].numpy(), tree.valid[0].numpy())
-    assert sorted(row) == [[1], [1, 2], [1, 2, 6], [7], [7, 5]]
+    # row 0: [5, 6] occurred once, continued by 1, 2, 6: three nodes, then padding
+    assert tree.valid[0].tolist() == [True] * 4 + [False] * 2
+    assert _paths(tree.token_ids[0].numpy(), tree.parents[0].numpy(), tree.valid[0].numpy()) == [[1], [1, 2], [1, 2, 6]]
