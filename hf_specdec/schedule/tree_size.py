@@ -10,9 +10,10 @@ chain cost about what they bring. So the tree keeps the most nodes whose verify 
 `TREE_COST_TOLERANCE` more than the chain's, and never fewer than the chain's k.
 
 The costs are measured once per (model, dtype, device, batch size) in a process, before the first call that asks:
-a cached context of `CONTEXT_TOKENS` random tokens, then forwards of growing widths over it (each timed
-`REPEATS` times, the fastest kept; widths grow until one costs more than the tolerance allows), on the model's own
-attention path. It costs the prefill of the context and about a dozen forwards, once per key. The output never
+a cached context of `CONTEXT_TOKENS` random tokens (one row prefilled, repeated to the batch), then forwards of
+growing widths over it (each timed `REPEATS` times, the fastest kept; widths grow until one costs more than the
+tolerance allows), on the model's own attention path. It costs one row's prefill of the context and about a dozen
+forwards, once per key. The output never
 depends on it, only the tree's size, so every call stays exactly as lossless as with a fixed size.
 """
 
@@ -82,12 +83,13 @@ def measure_verify_costs(
     device = model.device
     vocab = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, vocab, (batch_size, CONTEXT_TOKENS), generator=generator).to(device)
+    context = torch.randint(0, vocab, (1, CONTEXT_TOKENS), generator=generator).to(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     costs: dict[int, float] = {}
     with torch.no_grad():
         prefix = DynamicCache(config=model.config)
         model(input_ids=context, use_cache=True, **{CACHE_KWARG: prefix})
+        prefix.batch_repeat_interleave(batch_size)  # every row the same context: one row's prefill
         for width in sorted(widths):
             tokens = torch.randint(0, vocab, (batch_size, width), generator=generator).to(device)
             positions = torch.arange(CONTEXT_TOKENS, CONTEXT_TOKENS + width, device=device).expand(batch_size, -1)
