@@ -1,7 +1,9 @@
 """Copy a drafter trained by train.sh into this folder, in bfloat16, with a README that gives its exact training
 command and its training curve (from the trainer's train_metrics.json).
 
-    python examples/drafters/smollm2/publish.py WORK/KIND examples/drafters/smollm2/KIND KIND MINUTES
+    python examples/drafters/smollm2/publish.py WORK/KIND examples/drafters/smollm2/KIND KIND MINUTES [RESUMED_AT]
+
+RESUMED_AT: the step at which a rerun with more --steps resumed the training (train.sh's second phase), if any.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 from hf_specdec.testbed import drafters
+from hf_specdec.training.skeleton import lr_factor
 
 WINDOW = 10  # steps averaged per point of the curve
 DESCRIPTIONS = {
@@ -97,7 +100,20 @@ def _requests(config: dict) -> str:
     return f"{count} requests of " + " and ".join(f"`examples/drafters/smollm2/{path.name}`" for path in files)
 
 
-def readme(dest: Path, kind: str, metrics: dict, minutes: float) -> str:
+def _schedule(config: dict, resumed_at: int | None) -> str:
+    """The learning-rate schedule, as the run (and the rerun that resumed it) followed it."""
+    rate, warmup, batch = config["learning_rate"], config["warmup_steps"], config["batch_size"]
+    steps = int(config["steps"])
+    restart = 0.0 if resumed_at is None else lr_factor(resumed_at, steps, int(warmup))
+    if resumed_at is None:
+        return f"{steps} steps of batch {batch}, learning rate {rate} with {warmup} warm-up steps then cosine decay"
+    return (f"{steps} steps of batch {batch}: {resumed_at} steps of learning rate {rate} with {warmup} "
+            f"warm-up steps then cosine decay, then a rerun with `--steps {steps}` resumed them, its decay stretched "
+            f"to {steps} steps, so the rate rose again (to {rate} x {restart:.2f}) and "
+            "decayed again")
+
+
+def readme(dest: Path, kind: str, metrics: dict, minutes: float, resumed_at: int | None = None) -> str:
     size = sum(p.stat().st_size for p in dest.rglob("*.safetensors")) / 2**20
     config = metrics["config"]
     threads = int(config["threads"] or 0) or "all"
@@ -118,8 +134,7 @@ from the target's cached features, with bf16 autocast:
 {"" if threads == 2 else f"THREADS={threads} "}bash examples/drafters/smollm2/train.sh {kind}
 ```
 
-({config['steps']} steps of batch {config['batch_size']}, learning rate {config['learning_rate']} with
-{config['warmup_steps']} warm-up steps then cosine decay; the full trainer options are in `train.sh`.)
+({_schedule(config, resumed_at)}; the full trainer options are in `train.sh`.)
 
 Training curve (mean over {WINDOW} steps at five points; accuracy = top-1 agreement with the target on the
 training rows; lists are per head or per unrolled step{_over_the_map(config, metrics)}):
@@ -140,9 +155,10 @@ def _over_the_map(config: dict, metrics: dict) -> str:
 
 def main(argv: list[str]) -> None:
     source, dest, kind, minutes = Path(argv[0]), Path(argv[1]), argv[2], float(argv[3])
+    resumed_at = int(argv[4]) if len(argv) > 4 else None
     copy(source, dest, kind)
     metrics = json.loads((source / "train_metrics.json").read_text())
-    (dest / "README.md").write_text(readme(dest, kind, metrics, minutes))
+    (dest / "README.md").write_text(readme(dest, kind, metrics, minutes, resumed_at))
     print(f"{kind}: copied to {dest}")
 
 

@@ -50,15 +50,21 @@ common() {  # the options every trainer takes, for a drafter trained on $1 answe
 for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
     for one in $kind; do
         begin=$SECONDS
+        RESUMED_AT=
         samples=${NUM_SAMPLES:-${SAMPLES[$one]:-640}}
         common "$samples" "${PROMPTS[$one]:-prompts.jsonl}"
         case $one in
             eagle3) train eagle3 eagle "${COMMON[@]}" "${FUSED[@]}" --version eagle3 --draft-vocab-size 8192 \
                         --ttt-steps 4 --steps 2400 --batch-size 8 --learning-rate 1e-3 --warmup-steps 120 \
                         --eval-rows 64 --eval-every 400 ;;
-            eagle) train eagle eagle "${COMMON[@]}" "${FINAL[@]}" --version eagle --no-init-from-target \
-                       --token-map-size 8192 --steps 5000 --batch-size 8 --learning-rate 1e-3 --warmup-steps 250 \
-                       --eval-rows 64 --eval-every 500 ;;
+            eagle) EAGLE=(eagle eagle "${COMMON[@]}" "${FINAL[@]}" --version eagle --no-init-from-target
+                          --token-map-size 8192 --batch-size 8 --learning-rate 1e-3 --warmup-steps 250 --eval-rows 64
+                          --eval-every 500)
+                   # 5000 steps, then a rerun with more steps resumes the checkpoint at step 5000, its decay stretched
+                   # to 9000 steps (held-out top-1 agreement 0.668 at step 5000, 0.692 at 9000)
+                   train "${EAGLE[@]}" --steps 5000
+                   train "${EAGLE[@]}" --steps 9000
+                   RESUMED_AT=5000 ;;
             medusa) train medusa medusa "${COMMON[@]}" "${FINAL[@]}" --num-heads 4 --shared-lm-head \
                         --token-map-size 8192 --steps 3000 --batch-size 8 --learning-rate 1e-3 --warmup-steps 150 \
                         --tree-nodes 6 --eval-rows 64 --eval-every 500 ;;
@@ -71,6 +77,6 @@ for kind in "${@:-eagle3 eagle medusa draft mlp_speculator}"; do
                                 --eval-every 250 ;;
             *) echo "unknown drafter $one (expected draft, medusa, eagle, eagle3, mlp_speculator)" >&2; exit 2 ;;
         esac
-        python "$HERE/publish.py" "$WORK/$one" "$HERE/$one" "$one" "$(( (SECONDS - begin) / 60 ))"
+        python "$HERE/publish.py" "$WORK/$one" "$HERE/$one" "$one" "$(( (SECONDS - begin) / 60 ))" ${RESUMED_AT:-}
     done
 done
