@@ -11,9 +11,9 @@ chain cost about what they bring. So the tree keeps the most nodes whose verify 
 
 The costs are measured once per (model, dtype, device, batch size) in a process, before the first call that asks:
 a cached context of `CONTEXT_TOKENS` random tokens (one row prefilled, repeated to the batch), then forwards of
-growing widths over it (each timed `REPEATS` times, the fastest kept; widths grow until one costs more than the
-tolerance allows), on the model's own attention path. It costs one row's prefill of the context and about a dozen
-forwards, once per key. The output never
+growing widths over it, each timed beside the chain's in `ROUNDS` pairs (widths grow until one costs more than the
+tolerance allows), on the model's own attention path. It costs one row's prefill of the context and six forwards per
+width timed, once per key. The output never
 depends on it, only the tree's size, so every call stays exactly as lossless as with a fixed size.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import statistics
 import time
 import weakref
 from collections.abc import Callable
@@ -34,9 +35,9 @@ from hf_specdec.cache.naming import CACHE_KWARG
 TREE_COST_TOLERANCE = 0.10
 # the most nodes an automatic tree keeps (EAGLE-2's GPU setting verifies 60)
 MAX_AUTO_TREE_NODES = 64
-# cached tokens under the timed forwards, and timings per width
+# cached tokens under the timed forwards, and pairs of timed forwards (the chain's, a wider one's) per width
 CONTEXT_TOKENS = 128
-REPEATS = 3
+ROUNDS = 3
 
 # model -> {(dtype, device, batch size): {verify width in tokens: seconds}}
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -78,35 +79,47 @@ def measure_verify_costs(
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[int, float]:
     """Seconds of one forward of `width` new tokens per row over a cache of `CONTEXT_TOKENS` tokens, for each of
-    `widths` in ascending order (the fastest of `REPEATS`); stops after the first width costing more than
-    `stop_above` times the first one's."""
+    `widths` in ascending order; stops after the first width costing more than `stop_above` times the first one's.
+
+    The first width is the reference: after a warm-up forward, each further width is timed in `ROUNDS` pairs of
+    forwards (the reference's, then its own, back to back) and costs the median of the pairs' ratios times the
+    reference's median time. Timing a width beside the reference makes its ratio proof against the machine slowing
+    down between widths (on a 2-core CPU, SmolLM2-135M in bfloat16 at batch 1, timing each width alone three times
+    chose 6 to 10 nodes in six processes; in three pairs, 8 or 9: `benchmarks/results/tree_size_spread_*`)."""
     device = model.device
     vocab = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, CONTEXT_TOKENS), generator=generator).to(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    costs: dict[int, float] = {}
+    reference, *others = sorted(widths)
     with torch.no_grad():
         prefix = DynamicCache(config=model.config)
         model(input_ids=context, use_cache=True, **{CACHE_KWARG: prefix})
         prefix.batch_repeat_interleave(batch_size)  # every row the same context: one row's prefill
-        for width in sorted(widths):
+
+        def seconds(width: int) -> float:  # one forward of `width` new tokens per row over a fresh copy of it
             tokens = torch.randint(0, vocab, (batch_size, width), generator=generator).to(device)
             positions = torch.arange(CONTEXT_TOKENS, CONTEXT_TOKENS + width, device=device).expand(batch_size, -1)
-            times = []
-            for repeat in range(REPEATS + (not costs)):  # the first width's first forward: a warm-up
-                cache = copy.deepcopy(prefix)  # a fresh context each time (a sliding-window layer cannot crop)
-                sync()
-                start = clock()
-                model(input_ids=tokens, position_ids=positions, use_cache=True, **{CACHE_KWARG: cache})
-                sync()
-                elapsed = clock() - start
-                if costs or repeat:
-                    times.append(elapsed)
-            costs[width] = min(times)
-            if stop_above is not None and costs[width] > stop_above * costs[min(costs)]:
+            cache = copy.deepcopy(prefix)  # a fresh context each time (a sliding-window layer cannot crop)
+            sync()
+            start = clock()
+            model(input_ids=tokens, position_ids=positions, use_cache=True, **{CACHE_KWARG: cache})
+            sync()
+            return clock() - start
+
+        seconds(reference)  # warm-up
+        reference_times: list[float] = []
+        ratios: dict[int, float] = {}
+        for width in others:
+            pairs = [(seconds(reference), seconds(width)) for _ in range(ROUNDS)]
+            reference_times += [first for first, _ in pairs]
+            ratios[width] = statistics.median(second / first for first, second in pairs)
+            if stop_above is not None and ratios[width] > stop_above:
                 break
-    return costs
+        if not others:
+            reference_times = [seconds(reference) for _ in range(ROUNDS)]
+    base = statistics.median(reference_times)
+    return {reference: base, **{width: ratio * base for width, ratio in ratios.items()}}
 
 
 def ladder(depth: int, max_nodes: int) -> list[int]:

@@ -56,16 +56,30 @@ def test_costs_are_measured_once_per_model_dtype_device_and_batch_size():
     assert auto_tree_size(model, 1, 3, 3, measure=measure) == 3 and len(calls) == 2  # nothing to choose
 
 
+def _reads(seconds: list[float]) -> list[float]:
+    """Clock reads (start, end) for forwards taking these seconds."""
+    return [read for elapsed in seconds for read in (0.0, elapsed)]
+
+
 def test_measured_costs_stop_after_the_first_width_over_the_limit():
     model = make_model("llama")
-    widths = [6, 8, 11]
-    # two clock reads per forward (start, end), each forward taking its width in seconds; the first width has a
-    # warm-up forward more
-    reads = []
-    for width in widths:
-        reads += [0.0, float(width)] * (size.REPEATS + (width == widths[0]))
-    costs = measure_verify_costs(model, 2, widths, stop_above=1.1, clock=iter(reads).__next__)
-    assert costs == {6: 6.0, 8: 8.0}  # 8 > 1.1 * 6: width 11 is not measured
+    # a warm-up forward of the chain's width, then pairs (the chain's, the wider one's), each taking its width in
+    # seconds: 8 costs 8/6 of 6, over 1.1, so width 11 is not measured
+    reads = _reads([6.0] + [6.0, 8.0] * size.ROUNDS)
+    costs = measure_verify_costs(model, 2, [6, 8, 11], stop_above=1.1, clock=iter(reads).__next__)
+    assert costs == {6: 6.0, 8: 8.0}
+
+
+def test_a_slow_stretch_between_widths_does_not_move_the_ratios():
+    """Each width is timed beside the chain's: when the machine runs twice as slow while width 11 is timed, its cost
+    still reads 1.1 of the chain's (timed alone it would read 2.2); one outlier pair is outvoted by the median."""
+    model = make_model("llama")
+    eight = [6.0, 6.3] * (size.ROUNDS - 1) + [6.0, 9.0]
+    eleven = [12.0, 13.2] * size.ROUNDS
+    reads = _reads([6.0] + eight + eleven)
+    costs = measure_verify_costs(model, 2, [6, 8, 11], stop_above=1.2, clock=iter(reads).__next__)
+    assert costs[6] == pytest.approx(9.0)  # the median of the chain's timings
+    assert costs[8] / costs[6] == pytest.approx(1.05) and costs[11] / costs[6] == pytest.approx(1.1)
 
 
 def test_real_measurements_on_a_small_model():
