@@ -498,7 +498,6 @@ class SpeculativeConfig:
 # the class each head-based method takes, as users import it
 HEADS_CLASS = {"medusa": "hf_specdec.heads.MedusaHeads", "eagle": "hf_specdec.heads.EagleHead",
                "mlp_speculator": "hf_specdec.heads.MlpSpeculator"}
-# methods that draft EAGLE-2 dynamic trees (`tree_total_tokens`)
 # the methods whose trees take tree_total_tokens: the dynamic (EAGLE-2) trees, and n-gram lookup's trie of matches
 SIZED_TREE_METHODS = ("draft", "eagle", "mtp", "mlp_speculator", "early_exit", "auto", "ngram")
 
