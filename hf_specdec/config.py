@@ -98,7 +98,7 @@ class SpeculativeConfig:
             "adaptive schedule narrows to d < k depths keeps ceil(tree_total_tokens * d / k); method='auto': its "
             "draft model, EAGLE head or MLP speculator drafts such trees, n-gram lookup and suffix decoding chains); "
             "'auto': the most nodes whose verify forward costs at most 10% more than the chain's, measured once "
-            "per model, dtype, device and batch size (hf_specdec.schedule.tree_size); ngram with tree_width > 1: "
+            "per model, dtype, device, batch size and k (hf_specdec.schedule.tree_size); ngram with tree_width > 1: "
             "the most draft nodes its trie of matched continuations keeps"
         },
     )

@@ -87,7 +87,8 @@ class SpecStats(RowSpecStats):
     # the deepest draft token a step proposed: k as asked, or fewer where the proposer drafts fewer (Medusa heads),
     # or a static tree's depth
     num_speculative_tokens: int = 0
-    # the draft nodes a dynamic tree keeps (`tree_total_tokens`, resolved where it was "auto"); None: no such tree
+    # the draft nodes a sized tree keeps (a dynamic tree's or an n-gram trie's `tree_total_tokens`, resolved where it
+    # was "auto"); None: no such tree
     tree_total_tokens: int | None = None
 
     def to_dict(self) -> dict:

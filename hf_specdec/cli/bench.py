@@ -216,7 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _node_counts(tree_nodes: list[int | str] | None, case: str) -> list[int | str | None]:
     """The --tree-nodes values a tree case runs with: Medusa's static tree takes counts only ('auto' sizes dynamic
-    trees)."""
+    trees and n-gram tries)."""
     counts = [n for n in tree_nodes or () if case != "medusa" or n != TREE_SIZE_AUTO]
     return counts or [None]
 

@@ -9,12 +9,12 @@ adds acceptance nearly for free; where it grows with every token (a CPU in float
 chain cost about what they bring. So the tree keeps the most nodes whose verify forward costs at most
 `TREE_COST_TOLERANCE` more than the chain's, and never fewer than the chain's k.
 
-The costs are measured once per (model, dtype, device, batch size) in a process, before the first call that asks:
-a cached context of `CONTEXT_TOKENS` random tokens (one row prefilled, repeated to the batch), then forwards of
-growing widths over it, each timed beside the chain's in `ROUNDS` pairs (widths grow until one costs more than the
-tolerance allows), on the model's own attention path. It costs one row's prefill of the context and six forwards per
-width timed, once per key. The output never
-depends on it, only the tree's size, so every call stays exactly as lossless as with a fixed size.
+The costs are measured once per (model, dtype, device, batch size, chain depth) in a process, before the first call
+that asks: a cached context of `CONTEXT_TOKENS` random tokens (one row prefilled, repeated to the batch), then
+forwards of growing widths over it, each timed beside the chain's in `ROUNDS` pairs (widths grow until one costs
+more than the tolerance allows), on the model's own attention path. It costs one row's prefill of the context and
+six forwards per width timed, once per key. The output never depends on it, only the tree's size, so every call
+stays exactly as lossless as with a fixed size.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ MAX_AUTO_TREE_NODES = 64
 CONTEXT_TOKENS = 128
 ROUNDS = 3
 
-# model -> {(dtype, device, batch size): {verify width in tokens: seconds}}
+# model -> {(dtype, device, batch size, chain depth): {verify width in tokens: seconds}}, from one measurement
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -85,7 +85,7 @@ def measure_verify_costs(
     forwards (the reference's, then its own, back to back) and costs the median of the pairs' ratios times the
     reference's median time. Timing a width beside the reference makes its ratio proof against the machine slowing
     down between widths (on a 2-core CPU, SmolLM2-135M in bfloat16 at batch 1, timing each width alone three times
-    chose 6 to 10 nodes in six processes; in three pairs, 8 or 9: `benchmarks/results/tree_size_spread_*`)."""
+    chose 8 to 10 nodes in six processes; in three pairs, 8 or 9: `benchmarks/results/tree_size_spread_*`)."""
     device = model.device
     vocab = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -116,8 +116,7 @@ def measure_verify_costs(
             ratios[width] = statistics.median(second / first for first, second in pairs)
             if stop_above is not None and ratios[width] > stop_above:
                 break
-        if not others:
-            reference_times = [seconds(reference) for _ in range(ROUNDS)]
+        reference_times = reference_times or [seconds(reference) for _ in range(ROUNDS)]  # the chain's alone
     base = statistics.median(reference_times)
     return {reference: base, **{width: ratio * base for width, ratio in ratios.items()}}
 
@@ -138,16 +137,14 @@ def auto_tree_size(model: torch.nn.Module, batch_size: int, depth: int, max_node
     max_nodes = min(max_nodes, MAX_AUTO_TREE_NODES)
     if max_nodes <= depth:
         return max_nodes
-    key = (model.dtype, str(model.device), batch_size)
+    key = (model.dtype, str(model.device), batch_size, depth)
     known = _MEASURED.setdefault(model, {}).get(key)
     widths = ladder(depth, max_nodes)
-    if known is None or depth + 1 not in known or (max(known) < widths[-1] and _affordable(known, depth)):
-        known = {**(known or {}), **measure(model, batch_size, widths, stop_above=1.0 + TREE_COST_TOLERANCE)}
-        _MEASURED[model][key] = known
+    if known is None or (max(known) < widths[-1] and _affordable(known, depth)):  # a larger tree may pay now
+        known = _MEASURED[model][key] = measure(model, batch_size, widths, stop_above=1.0 + TREE_COST_TOLERANCE)
     return tree_size_for_costs(known, depth, max_nodes)
 
 
 def _affordable(costs: dict[int, float], depth: int) -> bool:
     """Whether the widest width measured was still within the tolerance (so wider ones may be too)."""
-    base = costs.get(depth + 1)
-    return base is not None and costs[max(costs)] <= base * (1.0 + TREE_COST_TOLERANCE)
+    return costs[max(costs)] <= costs[depth + 1] * (1.0 + TREE_COST_TOLERANCE)

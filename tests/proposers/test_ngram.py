@@ -103,15 +103,7 @@ def test_left_padding_is_never_matched():
 
 def _brute_force(tokens, min_n, max_n, k):
     """The latest earlier occurrence of the longest suffix n-gram, then LZ77-style copying one token at a time."""
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start : start + n] == tokens[length - n :]:
-                text = list(tokens)
-                for source in range(start + n, start + n + k):
-                    text.append(text[source])
-                return text[length:]
-    return []
+    return next(iter(_brute_force_branches(tokens, min_n, max_n, k, 1)), [])
 
 
 def test_matcher_equals_brute_force_on_random_texts():
