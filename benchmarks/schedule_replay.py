@@ -289,7 +289,7 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: Ste
             state.host = HostView([generated], [generated >= total], [len(emitted)], [accepted],
                                   np.array([emitted + [0] * (max_k + 1 - len(emitted))]))
             plan.observe(state, SimpleNamespace(host_depths=(depth,) if method == "ngram" else None,
-                                                tree=SimpleNamespace(max_depth=depth)))
+                                                drafted_positions=None, tree=SimpleNamespace(max_depth=depth)))
         plan.finish()
     return float(plain.sum() / spent.sum()), plain / spent
 

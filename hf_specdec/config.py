@@ -19,6 +19,8 @@ SCHEDULES: tuple[str, ...] = get_args(Schedule)
 DraftQuantization = Literal["int8"]
 # SpeculativeConfig.tree_total_tokens: the tree's size from measured verify costs (hf_specdec.schedule.tree_size)
 TREE_SIZE_AUTO = "auto"
+# methods whose drafter drafts position by position, so that draft_confidence can stop a row's chain
+CONFIDENCE_METHODS = ("draft", "eagle", "mtp", "early_exit", "auto")
 DRAFT_QUANTIZATIONS: tuple[str, ...] = get_args(DraftQuantization)
 # methods that draft with a model of their own (a draft model or heads), whose weights draft_quantization may copy
 QUANTIZABLE_METHODS = ("draft", "medusa", "eagle", "mlp_speculator")
@@ -121,6 +123,17 @@ class SpeculativeConfig:
         metadata={
             "help": "'adaptive': each step drafts 0..k tokens per row (0: the row decodes plainly), chosen from "
             "measured acceptance and costs to maximise tokens per second; 'fixed': always k"
+        },
+    )
+    draft_confidence: float | None = field(
+        default=None,
+        metadata={
+            "help": "a drafter that drafts a chain position by position (draft model, EAGLE head, MTP layers, early "
+            "exit): a row stops drafting at the first position where its running confidence (the product of the "
+            "drafter's top probabilities so far) falls below this number in (0, 1), so a confident stretch drafts "
+            "all k tokens and an unsure one stops early or drafts nothing; for a fixed k (schedule='fixed'), whose "
+            "steps it shortens where the drafter is unsure. None: every position the schedule allows. Lossless: it "
+            "sees the drafter's distributions only"
         },
     )
     disable_by_batch_size: int | None = field(
@@ -353,6 +366,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"SpeculativeConfig.schedule: unknown schedule {self.schedule!r}; expected one of {list(SCHEDULES)}"
             )
+        self._check_draft_confidence()
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
         if self.num_speculative_tokens_per_batch_size is not None:
@@ -360,6 +374,29 @@ class SpeculativeConfig:
 
             self.num_speculative_tokens_per_batch_size = check_batch_size_schedule(
                 self.num_speculative_tokens_per_batch_size, self.num_speculative_tokens)
+
+    def _check_draft_confidence(self) -> None:
+        value = self.draft_confidence
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+            raise ValueError(f"SpeculativeConfig.draft_confidence: expected a number in (0, 1) or None, got {value!r}")
+        problem = None
+        if self.method not in CONFIDENCE_METHODS:
+            problem = f"method={self.method!r} drafts all its positions at once or by lookup"
+        elif self.method == "auto" and self.draft_model is None and self.heads_method != "eagle":
+            problem = "method='auto' has no draft model or EAGLE head here"
+        elif self.draft_tokenizer is not None:
+            problem = "a draft with another tokenizer drafts text, not the target's tokens"
+        elif self.tree_width > 1:
+            problem = (f"tree_width={self.tree_width} drafts a tree, whose nodes are ranked by the drafter's "
+                       "confidence already")
+        if problem is not None:
+            raise ValueError(
+                f"SpeculativeConfig.draft_confidence={value!r}: stops chains drafted position by position (methods "
+                f"{list(CONFIDENCE_METHODS)}, 'auto' with a draft model or an EAGLE head); {problem}. Drop "
+                "draft_confidence"
+            )
 
     def _check_draft_quantization(self) -> None:
         if self.draft_quantization is None:

@@ -114,7 +114,10 @@ def early_exit_config(kwargs: dict[str, Any]) -> SpeculativeConfig | None:
     threshold = options.get("assistant_confidence_threshold")
     if threshold not in (None, 0, 0.0):
         raise ValueError(f"assistant_confidence_threshold={threshold!r}: with assistant_early_exit, hf_specdec drafts "
-                         "num_assistant_tokens tokens every step and does not stop on confidence; pass 0 or drop it")
+                         "num_assistant_tokens tokens every step; its own stop is on a row's running confidence "
+                         "(the product of the draft's top probabilities), not each token's: pass "
+                         "speculative=SpeculativeConfig(method='early_exit', early_exit_layer=N, draft_confidence=...) "
+                         "instead, or pass 0 or drop assistant_confidence_threshold")
     k = options.get("num_assistant_tokens")
     return SpeculativeConfig(method="early_exit", early_exit_layer=options["assistant_early_exit"],
                              **({} if k is None else {"num_speculative_tokens": k}))

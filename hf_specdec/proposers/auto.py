@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from hf_specdec.compile import CompileSettings
-from hf_specdec.config import QUANTIZABLE_METHODS, SUFFIX_FIELDS, SpeculativeConfig
+from hf_specdec.config import CONFIDENCE_METHODS, QUANTIZABLE_METHODS, SUFFIX_FIELDS, SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer, register_proposer
 from hf_specdec.proposers.row_mix import commit_own_rows
 from hf_specdec.step import DecodeState, Proposal, RowSet, VerificationResult
@@ -51,6 +51,8 @@ def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
         values.update({name: defaults[name] for name in (*SUFFIX_FIELDS, "suffix_cache")})
     if method not in QUANTIZABLE_METHODS:  # the lookups have no weights
         values.update(draft_quantization=None)
+    if method not in CONFIDENCE_METHODS:  # nor a drafter's confidence
+        values.update(draft_confidence=defaults["draft_confidence"])
     values.update(method=method, **fields)
     return SpeculativeConfig(**values)
 
@@ -138,7 +140,9 @@ class AutoProposer(Proposer):
             self.drafting[method] = (proposal, own)
             proposals.append(proposal)
         depths = [_depth(proposals[i], row, budgets[row]) for row, i in enumerate(host_choice)]
-        return Proposal(merge_trees([p.tree for p in proposals], choice), host_depths=tuple(depths))
+        computed = [p.drafted_positions for p in proposals if p.drafted_positions is not None]
+        return Proposal(merge_trees([p.tree for p in proposals], choice), host_depths=tuple(depths),
+                        drafted_positions=max(computed) if computed else None)
 
     def skip(self, state: DecodeState) -> None:
         """A step no candidate drafts: each is told of it, as in a step another candidate drafts."""

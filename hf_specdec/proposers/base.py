@@ -76,7 +76,7 @@ class Proposer(ABC):
                                                                                                None)
         vocabulary = "" if token_map is None else f"/map{token_map.numel()}-{id(token_map)}"
         return (f"{config.method}/{type(self).__name__}/{id(drafter)}/w{config.tree_width}/t{config.tree_total_tokens}"
-                f"/{shapes}{vocabulary}")
+                f"/c{config.draft_confidence}/{shapes}{vocabulary}")
 
     def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
         """Propose with the same shapes at every step, so compiled forwards are reused (see `hf_specdec.compile`):

@@ -34,6 +34,7 @@ from hf_specdec.compile import CompileSettings, check_compilable, compiled_forwa
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.heads.token_map import TokenMapLMHead, token_map_lm_head
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.proposers.confidence import ConfidenceCut, peak_probability
 from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, int8_view
 from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
@@ -137,6 +138,7 @@ class DraftModelProposer(Proposer):
         self.tree_width = config.tree_width
         self.total_tokens = config.tree_total_tokens
         self.sampling = sampling
+        self.confidence = config.draft_confidence  # where a row's chain stops, or None
         self.target_vocab = vocab_size(target)
         # [D] long: the ids a greedy dynamic tree scores, when the drafter projects onto a token map (its logits
         # elsewhere are -inf; ranking the map's alone is the same and costs D / V); None: the whole vocabulary
@@ -170,6 +172,12 @@ class DraftModelProposer(Proposer):
 
     def fix_shapes(self, max_length: int, compile_settings: CompileSettings | None) -> None:
         super().fix_shapes(max_length, compile_settings)
+        if self.confidence is not None:
+            raise ValueError(
+                f"SpeculativeConfig.draft_confidence={self.confidence!r}: stops each row's chain where the drafter is "
+                "unsure, a width that changes from step to step, and static shapes (a static cache or compile_config) "
+                "verify a fixed width; drop draft_confidence, or the static cache"
+            )
         if compile_settings is not None:
             check_compilable(self.draft, self.role)
         model_call = None if compile_settings is None else compiled_forward(self.draft, compile_settings)
@@ -225,7 +233,14 @@ class DraftModelProposer(Proposer):
             return self._propose_dynamic_tree(state, budget, logits)
         if self.tree_width > 1:
             return self._propose_tree(state, budget, logits)
-        return self._propose_chain(state, budget, logits, dense=all(b == self._num_drafted for b in budget_host))
+        return self._propose_chain(state, budget, budget_host, logits)
+
+    def _confidence_floor(self) -> float | None:
+        """The running confidence a chain position needs (`hf_specdec.proposers.confidence`), or None: every
+        position the schedule allows (trees, which rank their nodes by the drafter's confidence already)."""
+        if self.confidence is None or self.tree_width > 1 or self.total_tokens is not None:
+            return None
+        return float(self.confidence)
 
     def finish(self, state: DecodeState | None) -> None:
         self.cache.release()  # the call is over: the draft's buffers go (`RaggedKVCache.release`)
@@ -245,26 +260,56 @@ class DraftModelProposer(Proposer):
         self.cached_lengths = self.cached_lengths + kept
         self.cached_host = [n + k for n, k in zip(self.cached_host, kept_host)]
 
-    def _propose_chain(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor, dense: bool) -> Proposal:
-        """k drafts, one forward each after the first; draft d (d < k) is fed at region slot d - 1."""
+    def _propose_chain(
+        self,
+        state: DecodeState,
+        # [B]
+        budget: torch.Tensor,
+        budget_host: list[int],
+        # [B, V_draft]: the draft's logits after the fed tokens
+        logits: torch.Tensor,
+    ) -> Proposal:
+        """k drafts, one forward each after the first; draft d (d < k) is fed at region slot d - 1. With a confidence
+        floor a row stops at its first position whose running confidence falls below the floor, and drafting
+        stops when no row goes on (`ConfidenceCut`)."""
+        floor = self._confidence_floor()
+        cut = None if floor is None else ConfidenceCut(floor, budget_host)
         tokens, probs = [], []
         device = self.draft.device
         hidden = self._root_hidden
         fed = self._fed.to(device)[:, None]  # [B, 1]
+        computed = 0  # positions whose distribution the drafter computed
         for step in range(self._num_drafted):
             if step > 0:
+                if cut is not None and not cut.may_draft(step):
+                    break
                 parent = None if hidden is None else hidden[:, None]
                 logits = self.cache.forward(tokens[-1].to(device)[:, None], fed + step - 1,
                                             **self._draft_inputs(parent, step))[:, 0]
                 hidden = None if self.cache.hidden_states is None else self.cache.hidden_states[:, 0]
             token, token_probs = self._draw(logits)
+            computed += 1
+            if cut is not None:
+                peaks = peak_probability(logits if token_probs is None else token_probs, token_probs is not None)
+                cut.observe(step, peaks.tolist())  # one read per drafted position
+                if cut.depth <= step:  # no row drafts this position
+                    break
             tokens.append(token)
             probs.append(token_probs)
+        self._num_drafted = len(tokens)
         target_device = state.sequences.device
         self._node_slots = _chain_slots(self._num_drafted, target_device).expand(state.batch_size, -1)
+        counts = budget_host
+        if cut is not None:
+            counts = cut.kept
+            if not tokens:
+                return Proposal.no_draft(state).with_host_depths(counts, computed)
+            budget = torch.minimum(budget, torch.tensor(counts, device=budget.device))
         drafts = torch.stack(tokens, dim=1)
         draft_probs = None if probs[0] is None else torch.stack(probs, dim=1).to(target_device)
-        return Proposal.chain(state.last_tokens(), drafts.to(target_device), budget, draft_probs, dense=dense)
+        proposal = Proposal.chain(state.last_tokens(), drafts.to(target_device), budget, draft_probs,
+                                  dense=all(count == self._num_drafted for count in counts))
+        return proposal if cut is None else proposal.with_host_depths(counts, computed)
 
     def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
         """Feed each row's committed tokens the draft has not seen (at least its last token); returns the draft's
@@ -395,7 +440,8 @@ class DraftModelProposer(Proposer):
         kept_drafts = ((step < result.num_accepted.to(path.device)[:, None]) & (slots >= 0)).long().cumprod(1).sum(1)
         num_kept = torch.where(state.finished.to(path.device), 0, fed + kept_drafts)
         host = state.host
-        fed_depth = self._num_drafted - 1  # every shape feeds its nodes above the deepest (a tree its frontier)
+        # every shape feeds its nodes above the deepest (a tree its frontier); a chain cut to nothing fed none
+        fed_depth = max(self._num_drafted - 1, 0)
         if self.total_tokens is None:  # chains and fixed branches feed every node above the deepest
             kept_host = [0 if done else n + min(a, fed_depth)
                          for n, a, done in zip(self._fed_host, host.num_accepted, host.finished)]

@@ -345,6 +345,9 @@ class Schedule:
         self.steps += 1
         depths = proposal.host_depths
         width = decision.width if depths is None else min(decision.width, proposal.tree.max_depth)
+        # the width whose step time this step measured: a drafter that stopped its chains by confidence computed
+        # one position more than it drafted (the one that stopped them), and verified what it drafted
+        timed_width = width if proposal.drafted_positions is None else min(decision.width, proposal.drafted_positions)
         accepted = np.asarray(state.host.num_accepted)
         table = self.costs[self.method]
         # a step that compiled a graph (a shape met first: seconds to minutes on a CPU) is not a step time, nor a
@@ -359,7 +362,7 @@ class Schedule:
         own = self.allowed[(self.row_methods == self.method) & self.active]
         deeper_riders = width > (int(own.max()) if own.size else 0)
         if not compiled and not first_draft and not deeper_riders and (self.adaptive or len(self.costs) > 1):
-            table.observe(self.rows_computed, width, seconds)
+            table.observe(self.rows_computed, timed_width, seconds)
             # what the width the decision chose delivered (a host proposer may verify less than it allowed); one
             # row's steps are its own, and its estimates decide for it
             if width and self.rows_computed > 1:

@@ -24,6 +24,9 @@ class Proposal:
     # per row, the depth of its deepest draft node, where the proposer drafts on the host and so knows it (n-gram
     # lookup, suffix decoding: a row with no match drafts nothing); None: every row drafted as deep as it was allowed
     host_depths: tuple[int, ...] | None = None
+    # the draft positions the drafter computed, where more than the tree's depth (a drafter that stops a chain by its
+    # confidence has computed the position it stopped at): the step costs drafting that many; None: the tree's depth
+    drafted_positions: int | None = None
 
     @classmethod
     def chain(
@@ -69,9 +72,11 @@ class Proposal:
         tree = TokenTree.from_template(chain_template(0), state.last_tokens()[:, None])
         return cls(tree, host_depths=(0,) * state.batch_size)
 
-    def with_host_depths(self, depths) -> Proposal:
-        """This proposal, with each row's draft depth as the host knows it (see `host_depths`)."""
-        return dataclasses.replace(self, host_depths=tuple(int(d) for d in depths))
+    def with_host_depths(self, depths, drafted_positions: int | None = None) -> Proposal:
+        """This proposal, with each row's draft depth as the host knows it (see `host_depths`) and, where the
+        drafter computed more positions than it drafted, how many (`drafted_positions`)."""
+        return dataclasses.replace(self, host_depths=tuple(int(d) for d in depths),
+                                   drafted_positions=drafted_positions)
 
     @property
     def num_nodes(self) -> int:

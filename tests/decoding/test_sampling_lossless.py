@@ -202,6 +202,10 @@ PROPOSERS = {
                                                num_speculative_tokens=2, seed=15),
     "eagle_dynamic_tree": lambda target: SpeculativeConfig(method="eagle", heads=_eagle_head(target, "eagle"),
                                                            top_k=3, depth=2, total_tokens=4, seed=14),
+    # each row's chain stops where the drafter's running confidence (its distributions' peaks) falls below 0.52: after
+    # one token or after both, by the token drawn first (test_confidence_cut_depends_on_the_drawn_tokens)
+    "noisy_draft_confidence": lambda target: SpeculativeConfig(method="draft", draft_model=_noisy_draft(target),
+                                                               num_speculative_tokens=3, draft_confidence=0.52, seed=27),
     "noisy_draft_token_map": lambda target: SpeculativeConfig(
         method="draft", draft_model=_noisy_draft(target), draft_token_map=torch.tensor([0, 2, 3, 5, 6]),
         num_speculative_tokens=3, seed=25),
@@ -242,8 +246,10 @@ PROPOSERS = {
 
 
 # n-gram and suffix drafts rarely survive two sampled tokens; an EAGLE tree of an untrained head rarely holds the target's
-# second token: their depth-2 paths are covered by the greedy tests
-SHALLOW = {"ngram", "ngram_tree", "ngram_auto_tree", "eagle_dynamic_tree", "eagle_token_map_dynamic_tree", "suffix"}
+# second token; the confidence cut keeps depth 2 only after the first tokens whose continuation the target rejects
+# here: their depth-2 paths are covered by the greedy tests
+SHALLOW = {"ngram", "ngram_tree", "ngram_auto_tree", "eagle_dynamic_tree", "eagle_token_map_dynamic_tree", "suffix",
+           "noisy_draft_confidence"}
 
 
 @pytest.mark.parametrize("name", sorted(PROPOSERS))
@@ -271,6 +277,29 @@ def test_every_proposer_drafts_and_is_both_accepted_and_rejected(target):
         assert spec.num_accepted_tokens < spec.num_draft_tokens or name.startswith("same_draft"), name
         if name not in SHALLOW:
             assert spec.accepted_per_position[1] > 0, f"{name}: {spec.accepted_per_position}"
+
+
+def test_confidence_cut_depends_on_the_drawn_tokens(target, monkeypatch):
+    """In the draft_confidence case above, rows of the same step stop after one drafted token or after both, by
+    the first token they drew, so the law test covers a stop chosen from the sampled draft's own distributions."""
+    from hf_specdec.proposers import confidence
+
+    kept = []
+    observe = confidence.ConfidenceCut.observe
+
+    def spy(self, position, peaks):
+        observe(self, position, peaks)
+        kept.append((position, list(self.limits), list(self.kept)))
+
+    monkeypatch.setattr(confidence.ConfidenceCut, "observe", spy)
+    prompts = PROMPT.expand(300, -1)
+    hf_specdec.generate(target, prompts, attention_mask=torch.ones_like(prompts),
+                        speculative=PROPOSERS["noisy_draft_confidence"](target), max_new_tokens=NEW_TOKENS,
+                        do_sample=True, temperature=TEMPERATURE, top_k=TOP_K)
+    first_step = [(limit, k) for position, limits, rows in kept[:2] if position == 1
+                  for limit, k in zip(limits, rows)]
+    assert first_step and all(limit == 2 for limit, _ in first_step)
+    assert {k for _, k in first_step} == {1, 2}
 
 
 def _power(law: torch.Tensor, wrong: torch.Tensor) -> float:

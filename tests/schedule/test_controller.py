@@ -50,7 +50,8 @@ def simulate(schedule: Schedule, batch: int, accept, steps: int, clock: FakeCloc
         accepted = [min(a, k) for a, k in zip(accept(step, limits), depths or limits)]
         host = state.host
         state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted)
-        schedule.observe(state, SimpleNamespace(host_depths=depths, tree=SimpleNamespace(max_depth=width)))
+        schedule.observe(state, SimpleNamespace(host_depths=depths, drafted_positions=None,
+                                                tree=SimpleNamespace(max_depth=width)))
         assert state.draft_limits is None  # the limits last one step
         history.append(limits)
     return np.array(history)
@@ -379,7 +380,8 @@ def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_waiting_for_a_pr
         emitted = np.full((batch, k + 1), 5 if predictable else 9)
         host = state.host
         state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted, emitted)
-        schedule.observe(state, SimpleNamespace(host_depths=None, tree=SimpleNamespace(max_depth=max(limits))))
+        schedule.observe(state, SimpleNamespace(host_depths=None, drafted_positions=None,
+                                                tree=SimpleNamespace(max_depth=max(limits))))
         history.append(limits)
     history = np.array(history)
     first_off = int(np.argmax(history[:, 0] == 0))
@@ -449,7 +451,8 @@ def test_draft_classes_draft_where_their_class_pays_and_never_without_a_draft():
         host = state.host
         state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted,
                               np.full((batch, k + 1), 5))
-        schedule.observe(state, SimpleNamespace(host_depths=depths, tree=SimpleNamespace(max_depth=max(depths))))
+        schedule.observe(state, SimpleNamespace(host_depths=depths, drafted_positions=None,
+                                                tree=SimpleNamespace(max_depth=max(depths))))
         history.append(limits)
     history = np.array(history)
     assert (history[-40:, 0] == 0).all()  # class 1: off
@@ -510,7 +513,8 @@ def _auto_step(schedule: Schedule, state: DecodeState, accepted: dict, depths: d
     host = state.host
     state.host = HostView(host.lengths, host.finished, [a + 1 for a in taken], taken)
     step = (schedule.method, limits, methods) if rows else (schedule.method, limits)
-    schedule.observe(state, SimpleNamespace(host_depths=drafted, tree=SimpleNamespace(max_depth=max(drafted))))
+    schedule.observe(state, SimpleNamespace(host_depths=drafted, drafted_positions=None,
+                                            tree=SimpleNamespace(max_depth=max(drafted))))
     return step
 
 

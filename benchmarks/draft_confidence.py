@@ -1,0 +1,131 @@
+"""What `SpeculativeConfig(draft_confidence=c)` (a row's chain stops where the drafter's running confidence falls
+below c) does to speed and acceptance of the committed SmolLM2 drafters, under a fixed k and under the adaptive
+schedule, on Spec-Bench, in one run, interleaved.
+
+    python benchmarks/draft_confidence.py --kinds eagle draft --confidences none 0.06 --schedules fixed adaptive \\
+        --num-prompts 1 --max-new-tokens 128 --repeats 2 --json benchmarks/results/draft_confidence_smollm2_bf16_cpu.json
+
+Each case (kind, schedule, confidence) drafts with a drafter object of its own, so the adaptive schedule's
+step-time table and estimates (kept per drafter for the process) are each case's own. Every case runs every prompt
+once per repeat, cases interleaved prompt by prompt, after a warm-up call each; speedups are ratios of tokens per
+second against plain `generate` over the same prompts and repeats. Greedy; every output is compared with plain
+`generate`'s (in bfloat16 outputs may part at near-ties, see the README's Low precision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.testbed import drafters
+from hf_specdec.testbed.real_model import load_real_model
+from hf_specdec.testbed.spec_bench import spec_bench_prompts
+
+KINDS = ("eagle", "eagle3", "draft")
+
+
+def parse_confidence(value: str) -> float | None:
+    return None if value == "none" else float(value)
+
+
+def config_for(kind: str, drafter, k: int, schedule: str, confidence: float | None) -> SpeculativeConfig:
+    """A chain of the committed drafter `kind`."""
+    if kind == "draft":
+        return SpeculativeConfig(method="draft", draft_model=drafter, num_speculative_tokens=k, schedule=schedule,
+                                 draft_confidence=confidence)
+    return SpeculativeConfig(method="eagle", heads=drafter, num_speculative_tokens=k, schedule=schedule,
+                             draft_confidence=confidence)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="+", default=["eagle", "draft"], choices=KINDS)
+    parser.add_argument("--confidences", nargs="+", default=["none", "0.06"], type=str,
+                        help="draft_confidence values; 'none' drafts every position the schedule allows")
+    parser.add_argument("--schedules", nargs="+", default=["fixed", "adaptive"], choices=["fixed", "adaptive"])
+    parser.add_argument("-k", type=int, default=5)
+    parser.add_argument("--num-prompts", type=int, default=1, help="Spec-Bench questions per category")
+    parser.add_argument("--categories", nargs="+", default=None, help="Spec-Bench categories (default: all six)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    confidences = [parse_confidence(value) for value in args.confidences]
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_real_model(dtype=getattr(torch, args.dtype), progress=False)
+    prompts = spec_bench_prompts(tokenizer, args.num_prompts, args.categories)
+    cases = {"plain": None}
+    for kind in args.kinds:
+        for schedule in args.schedules:
+            for confidence in confidences:
+                drafter = drafters.load_drafter("smollm2", kind, target)  # its own: its own schedule tables
+                cases[f"{kind}/{schedule}/{confidence}"] = config_for(kind, drafter, args.k, schedule, confidence)
+    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+
+    def run(config: SpeculativeConfig | None, prompt: list[int]):
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.no_grad():
+            if config is None:
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            else:
+                out = hf_specdec.generate(target, ids, attention_mask=torch.ones_like(ids), speculative=config,
+                                          return_dict_in_generate=True, **kwargs)
+        return time.perf_counter() - start, out
+
+    for config in cases.values():  # warm-up
+        run(config, prompts[0][1])
+    totals = {case: {"seconds": 0.0, "tokens": 0, "forwards": 0, "accepted": 0, "drafting_steps": 0,
+                     "draft_tokens": 0, "identical": 0} for case in cases}
+    expected: dict[int, torch.Tensor] = {}
+    for repeat in range(args.repeats):
+        for index, (category, prompt) in enumerate(prompts):
+            for case, config in cases.items():
+                seconds, out = run(config, prompt)
+                sequences = out if config is None else out.sequences
+                new = sequences[0, len(prompt):]
+                row = totals[case]
+                row["seconds"] += seconds
+                row["tokens"] += int(new.numel())
+                if config is None:
+                    expected.setdefault(index, new)
+                    row["forwards"] += int(new.numel())
+                    continue
+                row["identical"] += int(torch.equal(new, expected[index]))
+                stats = out.spec_stats
+                row["forwards"] += int(stats.target_forward_passes)
+                row["accepted"] += int(stats.num_accepted_tokens)
+                row["drafting_steps"] += int(stats.num_drafts)
+                row["draft_tokens"] += int(stats.num_draft_tokens)
+            print(f"repeat {repeat} prompt {index} ({category}) done", flush=True)
+    plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    results = []
+    for case in cases:
+        row = totals[case]
+        rate = row["tokens"] / row["seconds"]
+        kind, schedule, confidence = (case, None, None) if case == "plain" else case.split("/")
+        result = {"case": case, "kind": kind, "schedule": schedule,
+                  "draft_confidence": None if confidence in (None, "None") else float(confidence),
+                  "tokens_per_second": round(rate, 3), "speedup_vs_plain": round(rate / plain_rate, 3),
+                  "tokens_per_target_forward": round(row["tokens"] / max(row["forwards"], 1), 3),
+                  "tau": round(1 + row["accepted"] / max(row["drafting_steps"], 1), 3) if case != "plain" else None,
+                  "draft_tokens": row["draft_tokens"] if case != "plain" else None,
+                  "identical_to_plain": f"{row['identical']}/{len(prompts) * args.repeats}" if case != "plain" else None}
+        results.append(result)
+        print(json.dumps(result, sort_keys=True))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
