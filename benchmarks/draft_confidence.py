@@ -5,6 +5,10 @@ schedule, on Spec-Bench, in one run, interleaved.
     python benchmarks/draft_confidence.py --kinds eagle draft --confidences none 0.06 --schedules fixed adaptive \\
         --num-prompts 1 --max-new-tokens 128 --repeats 2 --json benchmarks/results/draft_confidence_smollm2_bf16_cpu.json
 
+`--calibration` first measures how well the drafters' confidence predicts acceptance: every drafting step of a
+fixed chain of k (no stop), the first drafted position's peak probability against whether the target kept the
+token, in bins of the peak and per category, and the mean running confidence against the share kept at each depth.
+
 Each case (kind, schedule, confidence) drafts with a drafter object of its own, so the adaptive schedule's
 step-time table and estimates (kept per drafter for the process) are each case's own. Every case runs every prompt
 once per repeat, cases interleaved prompt by prompt, after a warm-up call each; speedups are ratios of tokens per
@@ -28,6 +32,63 @@ from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import spec_bench_prompts
 
 KINDS = ("eagle", "eagle3", "draft")
+PEAK_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0)
+
+
+def calibration(target, tokenizer, kind: str, prompts, k: int, max_new_tokens: int) -> dict:
+    """Per drafting step of a fixed chain of k (every position drafted): the running confidence (product of the
+    peaks) at each depth and the tokens accepted, summarised by bins of the first peak, by category and by depth."""
+    from hf_specdec.proposers.confidence import peak_probability
+    from hf_specdec.proposers.draft_model import DraftModelProposer
+    from hf_specdec.proposers.eagle import EagleProposer
+
+    proposer = DraftModelProposer if kind == "draft" else EagleProposer  # the class whose commit runs
+
+    steps: list[tuple[str, list[float], int]] = []  # (category, peaks by position, accepted)
+    peaks: list[float] = []
+    draw, commit = DraftModelProposer._draw, proposer.commit
+
+    def recording_draw(self, logits):
+        token, probs = draw(self, logits)
+        peaks.append(float(peak_probability(logits, False)[0]))
+        return token, probs
+
+    def recording_commit(self, state, result):
+        if peaks:
+            steps.append((category, peaks[:], int(result.num_accepted[0])))
+        peaks.clear()
+        return commit(self, state, result)
+
+    config = config_for(kind, drafters.load_drafter("smollm2", kind, target), k, "fixed", None)
+    DraftModelProposer._draw, proposer.commit = recording_draw, recording_commit
+    try:
+        for category, prompt in prompts:
+            peaks.clear()
+            hf_specdec.generate(target, torch.tensor([prompt]), speculative=config, max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    finally:
+        DraftModelProposer._draw, proposer.commit = draw, commit
+    first = [(p[0], accepted >= 1) for _, p, accepted in steps]
+    bins = []
+    for low, high in zip(PEAK_BINS, PEAK_BINS[1:]):
+        inside = [kept for peak, kept in first if low <= peak < high or (high == 1.0 and peak == 1.0)]
+        if inside:
+            bins.append({"first_peak": [low, high], "steps": len(inside), "kept": round(sum(inside) / len(inside), 3)})
+    categories = {}
+    for name in dict.fromkeys(c for c, _, _ in steps):
+        mine = [(p[0], accepted >= 1) for c, p, accepted in steps if c == name]
+        categories[name] = {"steps": len(mine), "mean_first_peak": round(sum(p for p, _ in mine) / len(mine), 3),
+                            "first_kept": round(sum(kept for _, kept in mine) / len(mine), 3)}
+    depths = []
+    for depth in range(1, k + 1):
+        reach = [torch.tensor(p[:depth]).prod().item() for _, p, _ in steps if len(p) >= depth]
+        kept = [accepted >= depth for _, p, accepted in steps if len(p) >= depth]
+        if not reach:  # no step drafted this deep (the length limit)
+            break
+        depths.append({"depth": depth, "mean_running_confidence": round(sum(reach) / len(reach), 3),
+                       "kept": round(sum(kept) / len(kept), 3)})
+    return {"kind": kind, "drafting_steps": len(steps), "by_first_peak": bins, "by_category": categories,
+            "by_depth": depths}
 
 
 def parse_confidence(value: str) -> float | None:
@@ -56,12 +117,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--calibration", action="store_true",
+                        help="first measure each kind's confidence against acceptance (see the module docstring)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     confidences = [parse_confidence(value) for value in args.confidences]
     torch.set_num_threads(args.threads)
     target, tokenizer = load_real_model(dtype=getattr(torch, args.dtype), progress=False)
     prompts = spec_bench_prompts(tokenizer, args.num_prompts, args.categories)
+    calibrations = []
+    if args.calibration:
+        for kind in args.kinds:
+            calibrations.append(calibration(target, tokenizer, kind, prompts, args.k, args.max_new_tokens))
+            print(json.dumps(calibrations[-1], sort_keys=True), flush=True)
     cases = {"plain": None}
     for kind in args.kinds:
         for schedule in args.schedules:
@@ -124,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-        args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2, sort_keys=True) + "\n")
+        args.json.write_text(json.dumps({"settings": settings, "results": results, "calibration": calibrations},
+                                        indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 A drafter that drafts position by position (a draft model, an EAGLE head, MTP layers, early exit) knows, before it
 draws position p, the distribution q_p it draws from. Its peak, max q_p, is a calibrated guess of the chance that
 the target keeps the token (the EAGLE-2 paper's observation; on SmolLM2-135M-Instruct the EAGLE-1/2 head's first
-drafted token was kept 9% of the time where its peak was under 0.2 and 95% where it was over 0.8). A row's running
+drafted token was kept 9% of the time where its peak was under 0.2 and 95% where it was over 0.8:
+`benchmarks/draft_confidence.py --calibration`). A row's running
 confidence after p positions, the product of the peaks so far, estimates its chance to get that far; the row drafts
 position p while that stays at or above the floor, so a confident stretch drafts deep and an unsure one stops early,
 or at once. The position that stops a row has been computed (its forward ran), so a step costs one drafting forward
