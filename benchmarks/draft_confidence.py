@@ -27,6 +27,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.timing import CallTotals
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import spec_bench_prompts
@@ -151,42 +152,29 @@ def main(argv: list[str] | None = None) -> None:
 
     for config in cases.values():  # warm-up
         run(config, prompts[0][1])
-    totals = {case: {"seconds": 0.0, "tokens": 0, "forwards": 0, "accepted": 0, "drafting_steps": 0,
-                     "draft_tokens": 0, "identical": 0} for case in cases}
+    totals = {case: CallTotals() for case in cases}
+    identical = dict.fromkeys(cases, 0)
     expected: dict[int, torch.Tensor] = {}
     for repeat in range(args.repeats):
         for index, (category, prompt) in enumerate(prompts):
             for case, config in cases.items():
                 seconds, out = run(config, prompt)
-                sequences = out if config is None else out.sequences
-                new = sequences[0, len(prompt):]
-                row = totals[case]
-                row["seconds"] += seconds
-                row["tokens"] += int(new.numel())
-                if config is None:
-                    expected.setdefault(index, new)
-                    row["forwards"] += int(new.numel())
-                    continue
-                row["identical"] += int(torch.equal(new, expected[index]))
-                stats = out.spec_stats
-                row["forwards"] += int(stats.target_forward_passes)
-                row["accepted"] += int(stats.num_accepted_tokens)
-                row["drafting_steps"] += int(stats.num_drafts)
-                row["draft_tokens"] += int(stats.num_draft_tokens)
+                new = (out if config is None else out.sequences)[0, len(prompt):]
+                totals[case].add(seconds, int(new.numel()), None if config is None else out.spec_stats)
+                expected.setdefault(index, new)  # plain runs first
+                identical[case] += int(torch.equal(new, expected[index]))
             print(f"repeat {repeat} prompt {index} ({category}) done", flush=True)
-    plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    plain_rate = totals["plain"].rate
     results = []
-    for case in cases:
-        row = totals[case]
-        rate = row["tokens"] / row["seconds"]
+    for case, row in totals.items():
         kind, schedule, confidence = (case, None, None) if case == "plain" else case.split("/")
         result = {"case": case, "kind": kind, "schedule": schedule,
                   "draft_confidence": None if confidence in (None, "None") else float(confidence),
-                  "tokens_per_second": round(rate, 3), "speedup_vs_plain": round(rate / plain_rate, 3),
-                  "tokens_per_target_forward": round(row["tokens"] / max(row["forwards"], 1), 3),
-                  "tau": round(1 + row["accepted"] / max(row["drafting_steps"], 1), 3) if case != "plain" else None,
-                  "draft_tokens": row["draft_tokens"] if case != "plain" else None,
-                  "identical_to_plain": f"{row['identical']}/{len(prompts) * args.repeats}" if case != "plain" else None}
+                  "tokens_per_second": round(row.rate, 3), "speedup_vs_plain": round(row.rate / plain_rate, 3),
+                  "tokens_per_target_forward": round(row.tokens_per_forward, 3),
+                  "tau": None if row.tau is None else round(row.tau, 3),
+                  "draft_tokens": row.draft_tokens if case != "plain" else None,
+                  "identical_to_plain": f"{identical[case]}/{len(prompts) * args.repeats}" if case != "plain" else None}
         results.append(result)
         print(json.dumps(result, sort_keys=True))
     if args.json is not None:

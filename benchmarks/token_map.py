@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.timing import CallTotals
 from hf_specdec.heads.token_map import most_frequent_tokens
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.real_model import load_real_model
@@ -99,8 +100,8 @@ def main() -> None:
                                  **tree)
 
     cases = ["plain"] + [f"{kind}/{size}" for kind in args.kinds for size in args.sizes]
-    totals = {case: {"seconds": 0.0, "tokens": 0, "forwards": 0, "accepted": 0, "drafting_steps": 0,
-                     "identical": True} for case in cases}
+    totals = {case: CallTotals() for case in cases}
+    identical = dict.fromkeys(cases, True)
     expected: dict[int, torch.Tensor] = {}
     for repeat in range(args.repeats):
         for index, (category, prompt) in enumerate(prompts):
@@ -118,34 +119,22 @@ def main() -> None:
                 if torch.cuda.is_available() and args.device != "cpu":
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - start
-                sequences = out if case == "plain" else out.sequences
-                new = sequences[0, ids.shape[1]:]
-                row = totals[case]
-                row["seconds"] += seconds
-                row["tokens"] += int(new.numel())
-                if case == "plain":
-                    expected.setdefault(index, new)
-                    row["forwards"] += int(new.numel())
-                    continue
-                row["identical"] &= torch.equal(new, expected[index])
-                stats = out.spec_stats
-                row["forwards"] += int(stats.target_forward_passes)
-                row["accepted"] += int(stats.num_accepted_tokens)
-                row["drafting_steps"] += int(stats.num_drafts)
+                new = (out if case == "plain" else out.sequences)[0, ids.shape[1]:]
+                totals[case].add(seconds, int(new.numel()), None if case == "plain" else out.spec_stats)
+                expected.setdefault(index, new)  # plain runs first
+                identical[case] &= torch.equal(new, expected[index])
             print(f"repeat {repeat} prompt {index} ({category}) done", flush=True)
-    plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    plain_rate = totals["plain"].rate
     results = []
-    for case in cases:
-        row = totals[case]
-        rate = row["tokens"] / row["seconds"]
+    for case, row in totals.items():
         kind, size = ("plain", 0) if case == "plain" else (case.split("/")[0], int(case.split("/")[1]))
         token_map = None if size == 0 else maps[size]
-        result = {"case": case, "kind": kind, "token_map_size": size, "tokens_per_second": round(rate, 3),
-                  "speedup_vs_plain": round(rate / plain_rate, 3),
-                  "tokens_per_target_forward": round(row["tokens"] / max(row["forwards"], 1), 3),
-                  "tau": round(1 + row["accepted"] / max(row["drafting_steps"], 1), 3) if kind != "plain" else None,
+        result = {"case": case, "kind": kind, "token_map_size": size, "tokens_per_second": round(row.rate, 3),
+                  "speedup_vs_plain": round(row.rate / plain_rate, 3),
+                  "tokens_per_target_forward": round(row.tokens_per_forward, 3),
+                  "tau": None if row.tau is None else round(row.tau, 3),
                   "answer_coverage": None if tokens is None else round(coverage(token_map, tokens), 4),
-                  "identical_to_plain": row["identical"]}
+                  "identical_to_plain": identical[case]}
         results.append(result)
         print(json.dumps(result, sort_keys=True))
     if args.json is not None:

@@ -37,6 +37,48 @@ class Repeats:
         return statistics.median(self.seconds)
 
 
+@dataclass
+class CallTotals:
+    """What one case's generate calls add up to over a run: wall seconds and new tokens, target forwards (a plain
+    call's are its new tokens), and for speculative calls (`add` given their `spec_stats`) accepted tokens, drafting
+    steps and draft tokens."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    forwards: int = 0
+    accepted: int = 0
+    drafting_steps: int = 0
+    draft_tokens: int = 0
+    speculative: bool = False
+
+    def add(self, seconds: float, new_tokens: int, stats: Any = None) -> None:
+        """One call of `new_tokens` new tokens (one row) in `seconds`; `stats`: its `SpecStats`, None for plain."""
+        self.seconds += seconds
+        self.tokens += new_tokens
+        if stats is None:
+            self.forwards += new_tokens
+            return
+        self.speculative = True
+        self.forwards += int(stats.target_forward_passes)
+        self.accepted += int(stats.num_accepted_tokens)
+        self.drafting_steps += int(stats.num_drafts)
+        self.draft_tokens += int(stats.num_draft_tokens)
+
+    @property
+    def rate(self) -> float:
+        """New tokens per second."""
+        return self.tokens / self.seconds
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / max(self.forwards, 1)
+
+    @property
+    def tau(self) -> float | None:
+        """Mean acceptance length, 1 + accepted tokens per drafting step (None for plain calls)."""
+        return 1 + self.accepted / max(self.drafting_steps, 1) if self.speculative else None
+
+
 def time_interleaved(
     runs: Mapping[str, Callable[[], Any]], repeats: int, clock: Callable[[], float] = time.perf_counter
 ) -> dict[str, Repeats]:

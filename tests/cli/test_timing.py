@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import statistics
+from types import SimpleNamespace
 
 import pytest
 
-from hf_specdec.cli.timing import noise_note, paired_speedup, relative_spread, time_interleaved
+from hf_specdec.cli.timing import CallTotals, noise_note, paired_speedup, relative_spread, time_interleaved
 
 
 class DriftingMachine:
@@ -90,3 +91,15 @@ def test_noise_note():
     note = noise_note(quiet, {"ngram": (2.5, 1.9), "draft": (0.8, 2.0)})
     assert note is not None and "ngram 2.50x > 1.90x" in note and "draft" not in note
     assert noise_note(quiet, {"ngram": (1.95, 1.9)}) is None  # within the 7% spread
+
+
+def test_call_totals_add_plain_and_speculative_calls():
+    plain, speculative = CallTotals(), CallTotals()
+    plain.add(2.0, 10)
+    plain.add(3.0, 15)
+    assert (plain.rate, plain.tokens_per_forward, plain.tau) == (5.0, 1.0, None)
+    stats = SimpleNamespace(target_forward_passes=5, num_accepted_tokens=6, num_drafts=4, num_draft_tokens=12)
+    speculative.add(1.0, 10, stats)
+    speculative.add(1.0, 10, stats)
+    assert speculative.rate == 10.0 and speculative.tokens_per_forward == 2.0
+    assert speculative.tau == 1 + 12 / 8 and speculative.draft_tokens == 24
