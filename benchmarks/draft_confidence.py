@@ -65,7 +65,8 @@ def calibration(target, tokenizer, kind: str, prompts, k: int, max_new_tokens: i
     try:
         for category, prompt in prompts:
             peaks.clear()
-            hf_specdec.generate(target, torch.tensor([prompt]), speculative=config, max_new_tokens=max_new_tokens,
+            hf_specdec.generate(target, torch.tensor([prompt], device=target.device), speculative=config,
+                                max_new_tokens=max_new_tokens,
                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)
     finally:
         DraftModelProposer._draw, proposer.commit = draw, commit
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", help="where the target and drafters run (cuda on a GPU)")
     parser.add_argument("--calibration", action="store_true",
                         help="first measure each kind's confidence against acceptance (see the module docstring)")
     parser.add_argument("--json", type=Path)
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     confidences = [parse_confidence(value) for value in args.confidences]
     torch.set_num_threads(args.threads)
     target, tokenizer = load_real_model(dtype=getattr(torch, args.dtype), progress=False)
+    target = target.to(args.device)
     prompts = spec_bench_prompts(tokenizer, args.num_prompts, args.categories)
     calibrations = []
     if args.calibration:
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
 
     def run(config: SpeculativeConfig | None, prompt: list[int]):
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=args.device)
         start = time.perf_counter()
         with torch.no_grad():
             if config is None:
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 out = hf_specdec.generate(target, ids, attention_mask=torch.ones_like(ids), speculative=config,
                                           return_dict_in_generate=True, **kwargs)
+        if args.device != "cpu":
+            torch.cuda.synchronize()
         return time.perf_counter() - start, out
 
     for config in cases.values():  # warm-up

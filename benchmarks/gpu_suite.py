@@ -73,7 +73,7 @@ def device_name(smoke: bool) -> str:
 
 # every file holding GPU-marked tests, quickest first (tests/benchmarks/test_gpu_suite.py checks the list)
 GPU_TEST_FILES = ("tests/kernels/test_tree_mask.py", "tests/decoding/test_dtypes.py", "tests/decoding/test_compiled.py")
-PARTS = ("tests", "tree_mask", "step_overhead", "attention_layout", "bench", "token_map", "static")
+PARTS = ("tests", "tree_mask", "step_overhead", "attention_layout", "bench", "token_map", "confidence", "static")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -152,6 +152,17 @@ def main(argv: list[str] | None = None) -> dict:
                          "--tree-width", "4", "--num-prompts", "4", "--max-new-tokens", "128", "--repeats", "3"]
         part("token_map", "token maps (whole vocabulary vs map)",
              token_map + ["--sizes", "0", "8192", "--json", str(token_map_json)], token_map_json)
+
+        confidence_json = scratch / "confidence.json"
+        if args.smoke:
+            confidence = [python, "benchmarks/draft_confidence.py", "--kinds", "eagle", "--schedules", "fixed",
+                          "--categories", "qa", "--max-new-tokens", "4", "--repeats", "1"]
+        else:  # where a drafting forward costs about what a verify does, stopping unsure chains may pay more
+            confidence = [python, "benchmarks/draft_confidence.py", "--device", "cuda", "--kinds", "eagle", "draft",
+                          "--confidences", "none", "0.06", "0.15", "--schedules", "fixed", "adaptive",
+                          "--num-prompts", "2", "--max-new-tokens", "128", "--repeats", "2"]
+        part("confidence", "chains stopped on the drafter's confidence", confidence + ["--json", str(confidence_json)],
+             confidence_json)
 
         static_json = scratch / "static.json"
         if args.smoke:
