@@ -19,6 +19,7 @@ second against plain `generate` over the same prompts and repeats. Greedy; every
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -72,7 +73,7 @@ def calibration(target, tokenizer, kind: str, prompts, k: int, max_new_tokens: i
         DraftModelProposer._draw, proposer.commit = draw, commit
     first = [(p[0], accepted >= 1) for _, p, accepted in steps]
     bins = []
-    for low, high in zip(PEAK_BINS, PEAK_BINS[1:]):
+    for low, high in itertools.pairwise(PEAK_BINS):
         inside = [kept for peak, kept in first if low <= peak < high or (high == 1.0 and peak == 1.0)]
         if inside:
             bins.append({"first_peak": [low, high], "steps": len(inside), "kept": round(sum(inside) / len(inside), 3)})
