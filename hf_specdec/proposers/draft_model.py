@@ -391,7 +391,14 @@ class DraftModelProposer(Proposer):
         fed = self._fed.to(device)[:, None]
         # [B, w, F]: the drafter's output at each frontier node's parent (None when the drafter keeps none)
         frontier_parent_hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
+        kept = kept_nodes(self.total_tokens, depth, self.k)
+        # on a CPU, where reading a value back costs nothing, levels stop once no deeper node can be kept
+        # (`Candidates.settled`: the same tree, fewer drafting forwards)
+        settles = device.type == "cpu" and not self.fixed_shapes
         for d in range(1, depth):
+            if settles and candidates.settled(kept):
+                self._num_drafted = d  # the levels drafted (`commit` reads them)
+                break
             region, frontier = sees.shape[2], candidates.frontier
             visible = torch.cat([feed, _rows(sees, frontier), sees.new_zeros(batch, width, width)], dim=2)
             logits = self.cache.forward(
@@ -414,8 +421,7 @@ class DraftModelProposer(Proposer):
                 frontier_parent_hidden = _rows(self.cache.hidden_states, best // width)
         # a step the schedule narrows to d < k levels keeps fewer nodes (`kept_nodes`): the schedule's width buys a
         # cheaper step, as it does for chains
-        tree, chosen = candidates.select(state.last_tokens(), kept_nodes(self.total_tokens, depth, self.k), budget,
-                                         state.sequences.device)
+        tree, chosen = candidates.select(state.last_tokens(), kept, budget, state.sequences.device)
         self._node_slots = torch.cat([torch.full_like(chosen[:, :1], -1), node_slots.gather(1, chosen)], dim=1)
         return Proposal(tree)
 

@@ -115,6 +115,18 @@ class Candidates:
         self.frontier_tokens, self.frontier_cum = child_tokens.gather(1, best), child_cum.gather(1, best)
         return best
 
+    def settled(self, total: int) -> bool:
+        """Whether no deeper candidate can enter the best `total` in any row: every row's best frontier node scores at
+        most its `total`-th best candidate so far. A child scores at most its parent (log-probabilities are <= 0)
+        and only frontier nodes are expanded, so deeper levels could only add candidates that lose to `total` older
+        ones (a tie goes to the older: `select_best_nodes` sorts stably, and ids grow with depth): the selection is
+        the one a full expansion would make. One read of a [B] bool."""
+        scores = torch.cat(self.cum, dim=1)[:, 1:]  # the root is no candidate
+        if scores.shape[1] < total:
+            return False
+        kth_best = scores.topk(total, dim=1).values[:, -1]
+        return bool((self.frontier_cum.max(dim=1).values <= kth_best).all())
+
     def _ids(
         self,
         # [...] long: columns of the log-probabilities
