@@ -122,6 +122,12 @@ def mapped_draft(
         return view
 
 
+# device types on which an EAGLE-2 expansion reads, before each level, whether it has settled (one host read per
+# level; on a CPU it waits for nothing, and saved a quarter of the EAGLE-1/2 head's forwards on SmolLM2,
+# `benchmarks/tree_settle.py`); on a GPU the read would stall the queue each level (not measured there)
+SETTLING_DEVICES = frozenset({"cpu"})
+
+
 class DraftModelProposer(Proposer):
     """Drafts with a causal LM on its own ragged KV cache. Subclasses drafting with another model (EAGLE heads)
     override `_drafter` and give each forward extra inputs through `_feed_inputs` / `_draft_inputs`.
@@ -392,9 +398,9 @@ class DraftModelProposer(Proposer):
         # [B, w, F]: the drafter's output at each frontier node's parent (None when the drafter keeps none)
         frontier_parent_hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
         kept = kept_nodes(self.total_tokens, depth, self.k)
-        # on a CPU, where reading a value back costs nothing, levels stop once no deeper node can be kept
+        # where reading a value back costs nothing (`SETTLING_DEVICES`), levels stop once no deeper node can be kept
         # (`Candidates.settled`: the same tree, fewer drafting forwards)
-        settles = device.type == "cpu" and not self.fixed_shapes
+        settles = device.type in SETTLING_DEVICES and not self.fixed_shapes
         for d in range(1, depth):
             if settles and candidates.settled(kept):
                 self._num_drafted = d  # the levels drafted (`commit` reads them)

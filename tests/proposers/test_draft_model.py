@@ -12,6 +12,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.proposers.draft_model import DraftModelProposer
+from hf_specdec.tree.dynamic import Candidates
 from tests.conftest import VOCAB, make_draft, make_model, padded_batch, record_proposed_tokens
 
 
@@ -33,6 +34,8 @@ def test_dynamic_tree_nodes_see_exactly_their_ancestors(monkeypatch):
         return logits
 
     monkeypatch.setattr(RaggedKVCache, "forward", recording)
+    # every level drafted (an expansion that settles early stops before depth 3; tests/tree/test_dynamic.py)
+    monkeypatch.setattr(Candidates, "settled", lambda self, total: False)
     config = SpeculativeConfig(method="draft", draft_model=draft, top_k=3, depth=4, total_tokens=10)
     hf_specdec.generate(target, ids, speculative=config, max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert len(levels) == 3  # the first proposal fed depths 1, 2 and 3

@@ -148,10 +148,11 @@ def test_dynamic_trees_on_varying_widths_match_plain_generate(arch, static, cycl
     nodes_by_depth = set()
     propose, propose_trie = DraftModelProposer.propose, NgramProposer._propose_tree
 
-    def recording(self, state):  # (levels drafted, draft nodes) of each dynamic tree
+    def recording(self, state):  # (the step's width, draft nodes) of each dynamic tree
+        width = state.step_width(self.k) if self.fixed_shapes else min(self.k, max(state.host_draft_budget()))
         proposal = propose(self, state)
         if self.total_tokens is not None:
-            nodes_by_depth.add((self._num_drafted, proposal.tree.num_nodes - 1))
+            nodes_by_depth.add((width, proposal.tree.num_nodes - 1))
         return proposal
 
     def recording_trie(self, state, budget):  # (the step's width, the trie's draft nodes) of a sized trie
