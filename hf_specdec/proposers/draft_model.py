@@ -38,7 +38,7 @@ from hf_specdec.proposers.confidence import ConfidenceCut, peak_probability
 from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, int8_view
 from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
-from hf_specdec.tree.dynamic import Candidates, kept_nodes
+from hf_specdec.tree.dynamic import Candidates, kept_nodes, settles_on
 from hf_specdec.tree.template import branch_template
 from hf_specdec.tree.tree import template_tensors
 
@@ -120,12 +120,6 @@ def mapped_draft(
                              "token map cannot replace it; leave draft_token_map None for this draft")
         _MAPPED_DRAFTS[draft] = (sliced, view)
         return view
-
-
-# device types on which an EAGLE-2 expansion reads, before each level, whether it has settled (one host read per
-# level; on a CPU it waits for nothing, and saved a quarter of the EAGLE-1/2 head's forwards on SmolLM2,
-# `benchmarks/tree_settle.py`); on a GPU the read would stall the queue each level (not measured there)
-SETTLING_DEVICES = frozenset({"cpu"})
 
 
 class DraftModelProposer(Proposer):
@@ -398,9 +392,8 @@ class DraftModelProposer(Proposer):
         # [B, w, F]: the drafter's output at each frontier node's parent (None when the drafter keeps none)
         frontier_parent_hidden = None if self._root_hidden is None else self._root_hidden[:, None].expand(-1, width, -1)
         kept = kept_nodes(self.total_tokens, depth, self.k)
-        # where reading a value back costs nothing (`SETTLING_DEVICES`), levels stop once no deeper node can be kept
-        # (`Candidates.settled`: the same tree, fewer drafting forwards)
-        settles = device.type in SETTLING_DEVICES and not self.fixed_shapes
+        # levels stop once no deeper node can be kept (`Candidates.settled`: the same tree, fewer drafting forwards)
+        settles = settles_on(device) and not self.fixed_shapes
         for d in range(1, depth):
             if settles and candidates.settled(kept):
                 self._num_drafted = d  # the levels drafted (`commit` reads them)

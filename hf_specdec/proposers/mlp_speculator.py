@@ -32,7 +32,7 @@ from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, int8_view
 from hf_specdec.sampling import draw_draft, fit_vocab, warp
 from hf_specdec.step import DecodeState, Proposal
-from hf_specdec.tree.dynamic import Candidates, candidate_count, kept_nodes
+from hf_specdec.tree.dynamic import Candidates, candidate_count, kept_nodes, settles_on
 from hf_specdec.tree.template import branch_template
 
 
@@ -138,12 +138,15 @@ class MlpSpeculatorProposer(Proposer):
         width, depth = self.width, state.step_width(self.k)
         candidates = Candidates(torch.log_softmax(self._scores(0, current), dim=-1), width)
         current = current[:, None].expand(-1, width, -1)  # [B, w, inner]: the state each frontier token came from
+        kept = kept_nodes(self.total, depth, self.k)
+        settles = settles_on(current.device) and not self.fixed_shapes  # the same tree, fewer stages
         for stage in range(1, depth):
+            if settles and candidates.settled(kept):
+                break
             current = self.speculator.advance(stage, current, candidates.frontier_tokens, self.vocab)  # [B, w, inner]
             best = candidates.expand(torch.log_softmax(self._scores(stage, current), dim=-1))  # [B, w]
             current = current.gather(1, (best // width)[:, :, None].expand(-1, -1, current.shape[-1]))
-        tree, _ = candidates.select(state.last_tokens(), kept_nodes(self.total, depth, self.k), budget,
-                                    state.sequences.device)
+        tree, _ = candidates.select(state.last_tokens(), kept, budget, state.sequences.device)
         return Proposal(tree)
 
 

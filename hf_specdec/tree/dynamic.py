@@ -19,6 +19,17 @@ def candidate_count(width: int, depth: int) -> int:
     return width + (depth - 1) * width**2
 
 
+# device types on which an expansion reads, before each level, whether it has settled (`Candidates.settled`: one host
+# read per level; on a CPU it waits for nothing, and saved a quarter of the EAGLE-1/2 head's forwards on SmolLM2,
+# `benchmarks/tree_settle.py`); on a GPU the read would stall the queue each level (not measured there)
+SETTLING_DEVICES = frozenset({"cpu"})
+
+
+def settles_on(device: torch.device) -> bool:
+    """Whether an expansion on `device` checks, before each level, whether it has settled."""
+    return device.type in SETTLING_DEVICES
+
+
 def kept_nodes(total: int, depth: int, max_depth: int) -> int:
     """The nodes a tree of `total` nodes over `max_depth` levels keeps in a step the schedule narrows to `depth`
     levels, ceil(total * depth / max_depth): its verify forward shrinks with the step, as a chain's does."""

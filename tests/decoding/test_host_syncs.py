@@ -30,7 +30,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.decoding import loop
 from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
-from hf_specdec.proposers import draft_model
+from hf_specdec.tree import dynamic
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import load_testbed
 from hf_specdec.testbed.other_tokenizer import permuted
@@ -95,7 +95,7 @@ def counted(monkeypatch):
     counter = SyncCounter()
     step = loop.SpeculativeDecoder.step
     # the GPU's path: an EAGLE-2 expansion reads whether it has settled only where reads cost nothing (a CPU)
-    monkeypatch.setattr(draft_model, "SETTLING_DEVICES", frozenset())
+    monkeypatch.setattr(dynamic, "SETTLING_DEVICES", frozenset())
 
     def counted_step(decoder):
         counter.steps.append(collections.Counter())

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.tree.dynamic import Candidates
 from tests.conftest import make_draft, make_model, padded_batch
+from tests.proposers.test_mlp_speculator import random_speculator
 
 
 def _log_probs(rows: list[list[float]]) -> torch.Tensor:
@@ -39,13 +41,14 @@ def test_settled_needs_every_row():
     assert not candidates.settled(3)  # row 1's third best is 0.4 < its frontier's 0.45
 
 
-def test_a_settled_expansion_proposes_the_full_expansion_s_tree(monkeypatch):
-    """Every proposal of a draft-model dynamic tree, with levels stopped once settled and with every level drafted,
-    on a batch with padding: the same trees, and some steps stopped early."""
+@pytest.mark.parametrize("drafter", ["draft", "mlp_speculator"])
+def test_a_settled_expansion_proposes_the_full_expansion_s_tree(drafter, monkeypatch):
+    """Every proposal of a dynamic tree (a draft model's, an MLP speculator's), with levels stopped once settled and
+    with every level drafted, on a batch with padding: the same trees, and some steps stopped early."""
     target = make_model("llama")
     ids, mask = padded_batch([12, 7, 10], seed=3, repeat_period=5)
     kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
-    draft = make_draft()
+    draft = make_draft() if drafter == "draft" else random_speculator(target)
     trees, stops = [], []
     select, settled = Candidates.select, Candidates.settled
 
@@ -63,8 +66,9 @@ def test_a_settled_expansion_proposes_the_full_expansion_s_tree(monkeypatch):
     for name, check in (("settling", recording_settled), ("full", lambda self, total: False)):
         monkeypatch.setattr(Candidates, "settled", check)
         trees.clear()
-        config = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(draft), num_speculative_tokens=4,
-                                   tree_width=2, tree_total_tokens=3, schedule="fixed")
+        drafts = {"draft_model": copy.deepcopy(draft)} if drafter == "draft" else {"heads": draft}
+        config = SpeculativeConfig(method=drafter, num_speculative_tokens=4 if drafter == "draft" else 3,
+                                   tree_width=2, tree_total_tokens=3, schedule="fixed", **drafts)
         out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
         runs[name] = (out, list(trees))
     assert any(stops), "no expansion settled early"
