@@ -30,10 +30,10 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.decoding import loop
 from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
-from hf_specdec.tree import dynamic
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import load_testbed
 from hf_specdec.testbed.other_tokenizer import permuted
+from hf_specdec.tree import dynamic
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head
