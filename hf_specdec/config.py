@@ -388,9 +388,8 @@ class SpeculativeConfig:
             problem = "method='auto' has no draft model or EAGLE head here"
         elif self.draft_tokenizer is not None:
             problem = "a draft with another tokenizer drafts text, not the target's tokens"
-        elif self.tree_width > 1:
-            problem = (f"tree_width={self.tree_width} drafts a tree, whose nodes are ranked by the drafter's "
-                       "confidence already")
+        elif self.tree_width > 1 or self.tree_total_tokens is not None:
+            problem = "a token tree (tree_width, tree_total_tokens) ranks its nodes by the drafter's confidence already"
         if problem is not None:
             raise ValueError(
                 f"SpeculativeConfig.draft_confidence={value!r}: stops chains drafted position by position (methods "

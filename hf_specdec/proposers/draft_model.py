@@ -138,7 +138,9 @@ class DraftModelProposer(Proposer):
         self.tree_width = config.tree_width
         self.total_tokens = config.tree_total_tokens
         self.sampling = sampling
-        self.confidence = config.draft_confidence  # where a row's chain stops, or None
+        # the running confidence below which a row's chain stops (`hf_specdec.proposers.confidence`; chains only:
+        # the config refuses it with trees), or None
+        self.confidence = config.draft_confidence
         self.target_vocab = vocab_size(target)
         # [D] long: the ids a greedy dynamic tree scores, when the drafter projects onto a token map (its logits
         # elsewhere are -inf; ranking the map's alone is the same and costs D / V); None: the whole vocabulary
@@ -235,13 +237,6 @@ class DraftModelProposer(Proposer):
             return self._propose_tree(state, budget, logits)
         return self._propose_chain(state, budget, budget_host, logits)
 
-    def _confidence_floor(self) -> float | None:
-        """The running confidence a chain position needs (`hf_specdec.proposers.confidence`), or None: every
-        position the schedule allows (trees, which rank their nodes by the drafter's confidence already)."""
-        if self.confidence is None or self.tree_width > 1 or self.total_tokens is not None:
-            return None
-        return float(self.confidence)
-
     def finish(self, state: DecodeState | None) -> None:
         self.cache.release()  # the call is over: the draft's buffers go (`RaggedKVCache.release`)
 
@@ -272,8 +267,7 @@ class DraftModelProposer(Proposer):
         """k drafts, one forward each after the first; draft d (d < k) is fed at region slot d - 1. With a confidence
         floor a row stops at its first position whose running confidence falls below the floor, and drafting
         stops when no row goes on (`ConfidenceCut`)."""
-        floor = self._confidence_floor()
-        cut = None if floor is None else ConfidenceCut(floor, budget_host)
+        cut = None if self.confidence is None else ConfidenceCut(float(self.confidence), budget_host)
         tokens, probs = [], []
         device = self.draft.device
         hidden = self._root_hidden

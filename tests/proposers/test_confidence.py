@@ -163,7 +163,8 @@ def test_the_schedule_times_a_cut_step_at_the_positions_drafted(cuts, monkeypatc
         (dict(draft_confidence=True), "expected a number in (0, 1)"),
         (dict(draft_confidence="auto"), "expected a number in (0, 1)"),
         (dict(method="ngram", draft_model=None, draft_confidence=0.1), "method='ngram' drafts all its positions"),
-        (dict(tree_width=2, draft_confidence=0.1), "tree_width=2 drafts a tree"),
+        (dict(tree_width=2, draft_confidence=0.1), "a token tree (tree_width, tree_total_tokens)"),
+        (dict(tree_total_tokens=3, draft_confidence=0.1), "a token tree (tree_width, tree_total_tokens)"),
     ],
 )
 def test_bad_draft_confidence_is_refused_naming_it(overrides, message):
