@@ -20,7 +20,7 @@ def candidate_count(width: int, depth: int) -> int:
 
 
 # device types on which an expansion reads, before each level, whether it has settled (`Candidates.settled`: one host
-# read per level; on a CPU it waits for nothing, and saved a quarter of the EAGLE-1/2 head's forwards on SmolLM2,
+# read per level; on a CPU it waits for nothing, and saved a third of the EAGLE-1/2 head's levels on SmolLM2,
 # `benchmarks/tree_settle.py`); on a GPU the read would stall the queue each level (not measured there)
 SETTLING_DEVICES = frozenset({"cpu"})
 
