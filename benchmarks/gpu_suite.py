@@ -73,7 +73,8 @@ def device_name(smoke: bool) -> str:
 
 # every file holding GPU-marked tests, quickest first (tests/benchmarks/test_gpu_suite.py checks the list)
 GPU_TEST_FILES = ("tests/kernels/test_tree_mask.py", "tests/decoding/test_dtypes.py", "tests/decoding/test_compiled.py")
-PARTS = ("tests", "tree_mask", "step_overhead", "attention_layout", "bench", "token_map", "confidence", "static")
+PARTS = ("tests", "tree_mask", "step_overhead", "attention_layout", "bench", "token_map", "confidence", "settle",
+         "static")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -163,6 +164,16 @@ def main(argv: list[str] | None = None) -> dict:
                           "--num-prompts", "2", "--max-new-tokens", "128", "--repeats", "2"]
         part("confidence", "chains stopped on the drafter's confidence", confidence + ["--json", str(confidence_json)],
              confidence_json)
+
+        settle_json = scratch / "settle.json"
+        if args.smoke:
+            settle = [python, "benchmarks/tree_settle.py", "--methods", "eagle", "--schedules", "fixed", "--categories",
+                      "qa", "--max-new-tokens", "4", "--repeats", "1"]
+        else:  # whether a dynamic tree's per-level settling read pays on a GPU too (it runs on CPUs only)
+            settle = [python, "benchmarks/tree_settle.py", "--device", "cuda", "--methods", "eagle", "auto",
+                      "--schedules", "fixed", "adaptive", "--num-prompts", "2", "--max-new-tokens", "128",
+                      "--repeats", "2"]
+        part("settle", "dynamic trees stopped once settled", settle + ["--json", str(settle_json)], settle_json)
 
         static_json = scratch / "static.json"
         if args.smoke:

@@ -6,6 +6,9 @@ depth, in one run, interleaved.
     python benchmarks/tree_settle.py --methods eagle auto --schedules fixed adaptive --num-prompts 1 \\
         --max-new-tokens 128 --repeats 2 --json benchmarks/results/tree_settle_smollm2_bf16_cpu.json
 
+With `--device cuda` the settled cases check for settling on the GPU too (`SETTLING_DEVICES` is the CPU's alone: a
+read per level would stall the GPU's queue; this measures whether the forwards it saves pay for that).
+
 Each case (method, schedule, settled or full) drafts with a head object of its own (the adaptive schedule keeps its
 tables per drafter); `full` replaces `Candidates.settled` by a check that never settles. Every prompt runs each case
 once per repeat, settled and full back to back. Under a fixed schedule both propose the same trees, so their
@@ -28,6 +31,7 @@ from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import spec_bench_prompts
+from hf_specdec.tree import dynamic
 from hf_specdec.tree.dynamic import Candidates
 
 
@@ -45,10 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", help="where the target and drafters run (cuda on a GPU)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, tokenizer = load_real_model(dtype=getattr(torch, args.dtype), progress=False)
+    target = target.to(args.device)
+    devices = dynamic.SETTLING_DEVICES
+    dynamic.SETTLING_DEVICES = devices | {torch.device(args.device).type}
     prompts = spec_bench_prompts(tokenizer, args.num_prompts, args.categories)
     settled = Candidates.settled
     expand = Candidates.expand
@@ -70,9 +78,11 @@ def main(argv: list[str] | None = None) -> None:
                                    **({"suffix_cache": SuffixCache()} if method == "auto" else {}))
         levels[0] = 0
         start = time.perf_counter()
-        out = hf_specdec.generate(target, torch.tensor([prompt]), speculative=config, return_dict_in_generate=True,
-                                  max_new_tokens=args.max_new_tokens, do_sample=False,
+        out = hf_specdec.generate(target, torch.tensor([prompt], device=args.device), speculative=config,
+                                  return_dict_in_generate=True, max_new_tokens=args.max_new_tokens, do_sample=False,
                                   pad_token_id=tokenizer.pad_token_id)
+        if args.device != "cpu":
+            torch.cuda.synchronize()
         return time.perf_counter() - start, out, levels[0]
 
     Candidates.expand = counted
@@ -96,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"repeat {repeat} prompt {index} ({category}) done", flush=True)
     finally:
         Candidates.settled, Candidates.expand = settled, expand
+        dynamic.SETTLING_DEVICES = devices
     results = []
     for (method, schedule, mode), row in totals.items():
         full = totals[(method, schedule, "full")]

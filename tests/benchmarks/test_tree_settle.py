@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from hf_specdec.tree import dynamic
 from hf_specdec.tree.dynamic import Candidates
 
 
@@ -15,6 +16,7 @@ def test_settled_and_full_expansions_run_and_agree(benchmark_script, smollm2_fet
         "--methods", "eagle", "--schedules", "fixed", "--categories", "qa", "--max-new-tokens", "8", "--repeats", "1",
         "--threads", "2", "--dtype", "float32", "--json", str(out)])
     assert Candidates.settled is settled and Candidates.expand is expand
+    assert dynamic.SETTLING_DEVICES == frozenset({"cpu"})
     rows = {row["expansion"]: row for row in json.loads(out.read_text())["results"]}
     assert set(rows) == {"settled", "full"}
     assert all(row["same_output_as_full"] == "1/1" for row in rows.values())  # a fixed schedule: the same trees
