@@ -22,12 +22,12 @@ import argparse
 import itertools
 import json
 import time
-from pathlib import Path
 
 import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import add_run_arguments, report_results
 from hf_specdec.cli.timing import CallTotals
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.real_model import load_real_model
@@ -114,16 +114,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="draft_confidence values; 'none' drafts every position the schedule allows")
     parser.add_argument("--schedules", nargs="+", default=["fixed", "adaptive"], choices=["fixed", "adaptive"])
     parser.add_argument("-k", type=int, default=5)
-    parser.add_argument("--num-prompts", type=int, default=1, help="Spec-Bench questions per category")
-    parser.add_argument("--categories", nargs="+", default=None, help="Spec-Bench categories (default: all six)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--device", default="cpu", help="where the target and drafters run (cuda on a GPU)")
+    add_run_arguments(parser)
     parser.add_argument("--calibration", action="store_true",
                         help="first measure each kind's confidence against acceptance (see the module docstring)")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     confidences = [parse_confidence(value) for value in args.confidences]
     torch.set_num_threads(args.threads)
@@ -182,12 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                   "draft_tokens": row.draft_tokens if case != "plain" else None,
                   "identical_to_plain": f"{identical[case]}/{len(prompts) * args.repeats}" if case != "plain" else None}
         results.append(result)
-        print(json.dumps(result, sort_keys=True))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-        args.json.write_text(json.dumps({"settings": settings, "results": results, "calibration": calibrations},
-                                        indent=2, sort_keys=True) + "\n")
+    report_results(args, results, torch.device(args.device), getattr(torch, args.dtype),
+                   calibration=calibrations)
 
 
 if __name__ == "__main__":

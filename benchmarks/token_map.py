@@ -15,7 +15,6 @@ against plain `generate` over the same prompts and repeats; every output is comp
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from safetensors.torch import load_file
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import report_results
 from hf_specdec.cli.timing import CallTotals
 from hf_specdec.heads.token_map import most_frequent_tokens
 from hf_specdec.testbed import drafters
@@ -136,11 +136,7 @@ def main() -> None:
                   "answer_coverage": None if tokens is None else round(coverage(token_map, tokens), 4),
                   "identical_to_plain": identical[case]}
         results.append(result)
-        print(json.dumps(result, sort_keys=True))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-        args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2, sort_keys=True) + "\n")
+    report_results(args, results, torch.device(args.device), getattr(torch, args.dtype))
 
 
 if __name__ == "__main__":

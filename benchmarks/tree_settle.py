@@ -18,14 +18,13 @@ outputs must be identical (checked); under the adaptive one each case's step tim
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import add_run_arguments, report_results
 from hf_specdec.cli.timing import CallTotals
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import drafters
@@ -43,14 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--tree-width", type=int, default=4)
     parser.add_argument("--tree-nodes", type=int, default=8)
-    parser.add_argument("--num-prompts", type=int, default=1, help="Spec-Bench questions per category")
-    parser.add_argument("--categories", nargs="+", default=None, help="Spec-Bench categories (default: all six)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--device", default="cpu", help="where the target and drafters run (cuda on a GPU)")
-    parser.add_argument("--json", type=Path)
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, tokenizer = load_real_model(dtype=getattr(torch, args.dtype), progress=False)
@@ -116,11 +108,7 @@ def main(argv: list[str] | None = None) -> None:
                   "tokens_per_target_forward": round(row.tokens_per_forward, 3),
                   "same_output_as_full": f"{identical[(method, schedule, mode)]}/{len(prompts) * args.repeats}"}
         results.append(result)
-        print(json.dumps(result, sort_keys=True))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-        args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2, sort_keys=True) + "\n")
+    report_results(args, results, torch.device(args.device), getattr(torch, args.dtype))
 
 
 if __name__ == "__main__":

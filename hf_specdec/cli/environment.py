@@ -3,7 +3,9 @@ torch threads and dtype, recorded next to its numbers so that they can be compar
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import json
 import platform
 import subprocess
 from pathlib import Path
@@ -15,6 +17,33 @@ import transformers
 import hf_specdec
 
 CHECKOUT = Path(hf_specdec.__file__).resolve().parents[1]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options a benchmark script over Spec-Bench questions on the real model shares: how many questions of which
+    categories, how long, how many rounds, threads, dtype, device, and where the JSON goes (`report_results`)."""
+    parser.add_argument("--num-prompts", type=int, default=1, help="Spec-Bench questions per category")
+    parser.add_argument("--categories", nargs="+", default=None, help="Spec-Bench categories (default: all six)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", help="where the target and drafters run (cuda on a GPU)")
+    parser.add_argument("--json", type=Path)
+
+
+def report_results(args: argparse.Namespace, results: list[dict[str, Any]], device: torch.device, dtype: torch.dtype,
+                   **extra: Any) -> None:
+    """A benchmark script's results: each printed as a JSON line, and with `--json` (`args.json`) written with its
+    settings (the parsed arguments), the `environment` it ran in and any `extra` sections, keys sorted."""
+    for result in results:
+        print(json.dumps(result, sort_keys=True))
+    if args.json is None:
+        return
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    report = {"settings": settings, "results": results, "environment": environment(device, dtype), **extra}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import statistics
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hf_specdec.cli.timing import CallTotals, noise_note, paired_speedup, relative_spread, time_interleaved
 
@@ -103,3 +104,23 @@ def test_call_totals_add_plain_and_speculative_calls():
     speculative.add(1.0, 10, stats)
     assert speculative.rate == 10.0 and speculative.tokens_per_forward == 2.0
     assert speculative.tau == 1 + 12 / 8 and speculative.draft_tokens == 24
+
+
+def test_report_results_prints_each_and_writes_settings_results_environment(tmp_path, capsys):
+    import argparse
+    import json
+
+    from hf_specdec.cli.environment import add_run_arguments, report_results
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    out = tmp_path / "sub" / "r.json"
+    args = parser.parse_args(["--categories", "qa", "--json", str(out)])
+    report_results(args, [{"case": "b", "x": 1}, {"case": "a"}], torch.device("cpu"), torch.bfloat16, extra=[1])
+    assert capsys.readouterr().out.splitlines() == ['{"case": "b", "x": 1}', '{"case": "a"}']
+    report = json.loads(out.read_text())
+    assert report["settings"]["categories"] == ["qa"] and report["settings"]["json"] == str(out)
+    assert report["results"][0] == {"case": "b", "x": 1} and report["extra"] == [1]
+    assert report["environment"]["dtype"] == "bfloat16" and report["environment"]["device"] == "cpu"
+    args.json = None
+    report_results(args, [], torch.device("cpu"), torch.float32)  # nothing to write
