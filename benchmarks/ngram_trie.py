@@ -15,13 +15,13 @@ variant writes the same text, so they compare like with like; in bfloat16 near-t
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import write_report
 from hf_specdec.proposers import ngram
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import CODE_CATEGORY, SPEC_BENCH_CATEGORIES, spec_bench_prompts
@@ -83,9 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(f"{name:34s} {tokens:6d} tokens {forwards:5d} forwards {tokens / forwards:.3f} per forward"
               f"{'' if row['same_text_as_chain'] else '  (text differs)'}", flush=True)
-    if args.json is not None:
-        settings = {key: value for key, value in vars(args).items() if key != "json"}
-        args.json.write_text(json.dumps({"settings": settings, "results": rows}, indent=2, sort_keys=True) + "\n")
+    write_report(args, rows, torch.device("cpu"), getattr(torch, args.dtype))
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ tree of top_k --tree-width and depth k (at most its candidates, or 64 nodes).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
+from hf_specdec.cli.environment import write_report
 from hf_specdec.schedule import tree_size
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import spec_bench_prompts
@@ -66,9 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{dtype:9s} batch {batch_size:2d}: {size:2d} nodes, widths timed {widths}, first call {first:.2f} s,"
                   f" second {second * 1e6:.0f} us; plain generate of {args.max_new_tokens} tokens {plain:.2f} s "
                   f"(the sizing: {first / plain:.1%} of it)", flush=True)
-    if args.json is not None:
-        settings = {key: value for key, value in vars(args).items() if key != "json"}
-        args.json.write_text(json.dumps({"settings": settings, "results": rows}, indent=2, sort_keys=True) + "\n")
+    write_report(args, rows, torch.device("cpu"), getattr(torch, args.dtype[0]) if len(args.dtype) == 1 else None)
 
 
 if __name__ == "__main__":

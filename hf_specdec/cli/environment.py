@@ -34,10 +34,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def report_results(args: argparse.Namespace, results: list[dict[str, Any]], device: torch.device, dtype: torch.dtype,
                    **extra: Any) -> None:
-    """A benchmark script's results: each printed as a JSON line, and with `--json` (`args.json`) written with its
-    settings (the parsed arguments), the `environment` it ran in and any `extra` sections, keys sorted."""
+    """A benchmark script's results, each printed as a JSON line, then written (`write_report`)."""
     for result in results:
         print(json.dumps(result, sort_keys=True))
+    write_report(args, results, device, dtype, **extra)
+
+
+def write_report(args: argparse.Namespace, results: list[dict[str, Any]], device: torch.device,
+                 dtype: torch.dtype | None, **extra: Any) -> None:
+    """With `--json` (`args.json`), a benchmark script's JSON: its settings (the parsed arguments), its results, the
+    `environment` it ran in (`dtype` None: the script ran several) and any `extra` sections, keys sorted."""
     if args.json is None:
         return
     settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
@@ -46,8 +52,9 @@ def report_results(args: argparse.Namespace, results: list[dict[str, Any]], devi
     args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
 
-def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """The run's environment as JSON-ready values; None where a fact is unknown (no git checkout, no GPU)."""
+def environment(device: torch.device, dtype: torch.dtype | None) -> dict[str, Any]:
+    """The run's environment as JSON-ready values; None where a fact is unknown (no git checkout, no GPU, no single
+    dtype)."""
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no") if commit is not None else None
     return {
@@ -63,7 +70,7 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
     }
 
 
