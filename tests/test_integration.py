@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from transformers import SynthIDTextWatermarkingConfig
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
@@ -196,6 +197,9 @@ NGRAM = SpeculativeConfig(method="ngram")
         (dict(speculative=NGRAM, penalty_alpha=0.6, top_k=4), "generation mode 'contrastive_search'"),
         (dict(speculative=NGRAM, cache_implementation="offloaded"), "cache_implementation='offloaded'"),
         (dict(speculative=NGRAM, prefix_allowed_tokens_fn=lambda b, ids: [3]), "prefix_allowed_tokens_fn"),
+        (dict(speculative=NGRAM, guidance_scale=1.5), "guidance_scale: classifier-free guidance runs the model"),
+        (dict(speculative=NGRAM, watermarking_config=SynthIDTextWatermarkingConfig(keys=[5, 9, 13], ngram_len=3)),
+         r"watermarking_config \(SynthIDTextWatermarkingConfig\): its processor keeps state"),
         (dict(speculative=NGRAM, assistant=make_draft()), "assistant=: conflicts with speculative's draft_model"),
         (dict(spec_method="ngram", assistant=make_draft()),
          "assistant=: spec_method='ngram' drafts from the text and takes no assistant, got a LlamaForCausalLM"),

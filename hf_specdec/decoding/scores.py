@@ -15,22 +15,45 @@ import copy
 
 import torch
 from transformers import LogitsProcessorList
-from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+from transformers.generation.logits_process import (
+    PrefixConstrainedLogitsProcessor,
+    SynthIDTextWatermarkLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 
 from hf_specdec.sampling import PREFIX_FREE_PROCESSORS
 from hf_specdec.step.state import DecodeState
 
-# Processors that index rows by their batch position: a subset of rows would be misread.
-ROW_INDEXED_PROCESSORS = (PrefixConstrainedLogitsProcessor,)
+# transformers' processors that speculation cannot run, each with the generate option that adds it and why. A
+# processor must be a function of its (input_ids, scores) arguments: a verify step calls it on many positions at
+# once, on subsets of rows, and more than once per emitted token.
+UNSUPPORTED_PROCESSORS = {
+    PrefixConstrainedLogitsProcessor: (
+        "prefix_allowed_tokens_fn",
+        "its callback indexes rows by batch position, which speculation reorders and drops as rows finish",
+    ),
+    SynthIDTextWatermarkLogitsProcessor: (
+        "watermarking_config (SynthIDTextWatermarkingConfig)",
+        ("its processor keeps state that assumes one call per generated token, in order (WatermarkingConfig's "
+         "green lists depend on the prefix only and are supported)"),
+    ),
+    UnbatchedClassifierFreeGuidanceLogitsProcessor: (
+        "guidance_scale",
+        ("classifier-free guidance runs the model on its own unconditional context, one token per call, inside its "
+         "processor"),
+    ),
+}
 
 
 def check_processors(logits_processor: LogitsProcessorList) -> None:
+    """Refuses, naming the generate option that added it, a processor speculation cannot run."""
     for processor in logits_processor:
-        if isinstance(processor, ROW_INDEXED_PROCESSORS):
-            raise ValueError(
-                f"{type(processor).__name__} (prefix_allowed_tokens_fn) indexes rows by batch position and cannot "
-                "be combined with speculative decoding; drop prefix_allowed_tokens_fn or the speculative config"
-            )
+        for kind, (option, why) in UNSUPPORTED_PROCESSORS.items():
+            if isinstance(processor, kind):
+                raise ValueError(
+                    f"{option}: {why}, so it cannot be combined with speculative decoding; drop {option.split()[0]} "
+                    "or the speculative config"
+                )
 
 
 class PositionScorer:

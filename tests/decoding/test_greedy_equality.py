@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList, WatermarkingConfig
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
@@ -82,6 +82,21 @@ def test_eos_and_processors_match_plain_generate():
     for config in _proposers(target).values():
         out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
         assert torch.equal(out, expected)
+
+
+def test_prefix_seeded_watermark_matches_plain_generate():
+    """WatermarkingConfig's green lists are a function of the prefix: each verified position gets its own."""
+    target = make_model("llama")
+    ids, mask = padded_batch([9, 6, 11], seed=5, repeat_period=3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                  watermarking_config=WatermarkingConfig(bias=4.0, seeding_scheme="selfhash"))
+    expected = target.generate(ids, **kwargs)
+    assert not torch.equal(expected, target.generate(ids, **{**kwargs, "watermarking_config": None}))
+    for name in ("ngram", "same_draft", "ngram_tree"):
+        out = hf_specdec.generate(target, ids, speculative=_proposers(target)[name], return_dict_in_generate=True,
+                                  **kwargs)
+        assert torch.equal(out.sequences, expected), name
+        assert out.spec_stats.num_accepted_tokens > 0, name
 
 
 class StopAfter(StoppingCriteria):
