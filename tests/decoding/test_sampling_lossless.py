@@ -26,7 +26,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
 from hf_specdec.suffix import SuffixCache, SuffixConfig
 from hf_specdec.verify.chain import rejection_sample
-from tests.conftest import DECODER
+from tests.conftest import DECODER, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_mlp_speculator import fitted_speculator
 
@@ -375,3 +375,21 @@ def assert_exact_law_with_drafts(model, speculative: SpeculativeConfig, deep: bo
         assert spec.accepted_per_position[1] > 0, spec.accepted_per_position
     pvalues = chi_square_pvalues(draws(model, TEMPERATURE, speculative), exact_law(model, TEMPERATURE))
     assert accepted(pvalues), pvalues
+
+
+@pytest.mark.parametrize("warper", [dict(top_p=0.8), dict(min_p=0.2), dict(typical_p=0.7), dict(top_h=0.4),
+                                    dict(epsilon_cutoff=0.02), dict(eta_cutoff=0.02)])
+def test_a_copy_of_the_target_drafts_under_each_score_only_warper(warper):
+    """A draft model warps its own scores with the user's score-only warpers (`hf_specdec.sampling.prefix_free`),
+    so a copy of the target drafts from the target's own law and every draft is accepted."""
+    target = make_model("llama")
+    ids, mask = padded_batch([7, 5, 9], seed=3)
+    config = SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3,
+                               schedule="fixed")
+    torch.manual_seed(0)
+    out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, max_new_tokens=16,
+                              do_sample=True, temperature=1.5, eos_token_id=None, return_dict_in_generate=True,
+                              **warper)
+    stats = out.spec_stats
+    assert stats.num_draft_tokens > 20
+    assert stats.num_accepted_tokens == stats.num_draft_tokens, warper
