@@ -152,7 +152,7 @@ class DraftModelProposer(Proposer):
         self._fed: torch.Tensor | None = None  # [B]: committed tokens fed at the start of this step
         self._fed_host: list[int] = []
         self._feed_width = 0
-        self._num_drafted = 0
+        self._drafted_depth = 0  # positions (chains) or levels (trees) drafted this step: what `commit` can keep
         self._node_slots: torch.Tensor | None = None  # [B, N]: region slot (after the feed) of each node, or -1
         self._root_hidden: torch.Tensor | None = None  # [B, F]: the drafter's output after the fed tokens, if kept
 
@@ -229,13 +229,13 @@ class DraftModelProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget().clamp(max=self.k)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]
-        self._num_drafted = state.step_width(self.k) if self.fixed_shapes else max(budget_host)
+        depth = state.step_width(self.k) if self.fixed_shapes else max(budget_host)  # the step's draft depth
         logits = self._feed_unseen(state)
         if self.total_tokens is not None:
-            return self._propose_dynamic_tree(state, budget, logits)
+            return self._propose_dynamic_tree(state, depth, budget, logits)
         if self.tree_width > 1:
-            return self._propose_tree(state, budget, logits)
-        return self._propose_chain(state, budget, budget_host, logits)
+            return self._propose_tree(state, depth, budget, logits)
+        return self._propose_chain(state, depth, budget, budget_host, logits)
 
     def finish(self, state: DecodeState | None) -> None:
         self.cache.release()  # the call is over: the draft's buffers go (`RaggedKVCache.release`)
@@ -258,13 +258,14 @@ class DraftModelProposer(Proposer):
     def _propose_chain(
         self,
         state: DecodeState,
+        depth: int,
         # [B]
         budget: torch.Tensor,
         budget_host: list[int],
         # [B, V_draft]: the draft's logits after the fed tokens
         logits: torch.Tensor,
     ) -> Proposal:
-        """k drafts, one forward each after the first; draft d (d < k) is fed at region slot d - 1. With a confidence
+        """`depth` drafts, one forward each after the first; draft d (d < k) is fed at region slot d - 1. With a confidence
         floor a row stops at its first position whose running confidence falls below the floor, and drafting
         stops when no row goes on (`ConfidenceCut`)."""
         cut = None if self.confidence is None else ConfidenceCut(float(self.confidence), budget_host)
@@ -273,7 +274,7 @@ class DraftModelProposer(Proposer):
         hidden = self._root_hidden
         fed = self._fed.to(device)[:, None]  # [B, 1]
         computed = 0  # positions whose distribution the drafter computed
-        for step in range(self._num_drafted):
+        for step in range(depth):
             if step > 0:
                 if cut is not None and not cut.may_draft(step):
                     break
@@ -290,9 +291,9 @@ class DraftModelProposer(Proposer):
                     break
             tokens.append(token)
             probs.append(token_probs)
-        self._num_drafted = len(tokens)
+        self._drafted_depth = len(tokens)
         target_device = state.sequences.device
-        self._node_slots = _chain_slots(self._num_drafted, target_device).expand(state.batch_size, -1)
+        self._node_slots = _chain_slots(self._drafted_depth, target_device).expand(state.batch_size, -1)
         counts = budget_host
         if cut is not None:
             counts = cut.kept
@@ -302,7 +303,7 @@ class DraftModelProposer(Proposer):
         drafts = torch.stack(tokens, dim=1)
         draft_probs = None if probs[0] is None else torch.stack(probs, dim=1).to(target_device)
         proposal = Proposal.chain(state.last_tokens(), drafts.to(target_device), budget, draft_probs,
-                                  dense=all(count == self._num_drafted for count in counts))
+                                  dense=all(count == self._drafted_depth for count in counts))
         return proposal if cut is None else proposal.with_host_depths(counts, computed)
 
     def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
@@ -328,9 +329,10 @@ class DraftModelProposer(Proposer):
         self._root_hidden = None if hidden is None else select_positions(hidden, last)[:, 0]
         return logits[:, 0] if selected else select_positions(logits, last)[:, 0]
 
-    def _propose_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
-        """Top-w first tokens, each continued as a chain: one draft forward per depth for all branches."""
-        width, depth, batch = self.tree_width, self._num_drafted, state.batch_size
+    def _propose_tree(self, state: DecodeState, depth: int, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
+        """Top-w first tokens, each continued as a chain of `depth`: one draft forward per depth for all branches."""
+        width, batch = self.tree_width, state.batch_size
+        self._drafted_depth = depth
         device = self.draft.device
         first = self._scores(logits).topk(width, dim=-1).indices  # [B, w]
         levels = [first.to(state.sequences.device)]
@@ -373,10 +375,12 @@ class DraftModelProposer(Proposer):
         return draw_draft(fit_vocab(logits.float(), self.target_vocab), sampling.do_sample, sampling.warpers,
                           sampling.generator)
 
-    def _propose_dynamic_tree(self, state: DecodeState, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
-        """EAGLE-2 style dynamic tree (see the module docstring); nodes are deterministic top-w candidates. Each
-        depth feeds the frontier, each node seeing the feed and its fed ancestors."""
-        width, depth, batch = self.tree_width, self._num_drafted, state.batch_size
+    def _propose_dynamic_tree(self, state: DecodeState, depth: int, budget: torch.Tensor, logits: torch.Tensor
+                              ) -> Proposal:
+        """EAGLE-2 style dynamic tree of up to `depth` levels (see the module docstring); nodes are deterministic
+        top-w candidates. Each depth feeds the frontier, each node seeing the feed and its fed ancestors."""
+        width, batch = self.tree_width, state.batch_size
+        self._drafted_depth = depth
         device = self.draft.device
         candidates = Candidates(self._log_probs(logits), width, self._tree_ids)
         sees = torch.zeros(batch, 1 + width, 0, dtype=torch.bool, device=device)  # [B, nodes, slots after the feed]
@@ -390,7 +394,7 @@ class DraftModelProposer(Proposer):
         settles = settles_on(device) and not self.fixed_shapes
         for d in range(1, depth):
             if settles and candidates.settled(kept):
-                self._num_drafted = d  # the levels drafted (`commit` reads them)
+                self._drafted_depth = d
                 break
             region, frontier = sees.shape[2], candidates.frontier
             visible = torch.cat([feed, _rows(sees, frontier), sees.new_zeros(batch, width, width)], dim=2)
@@ -440,7 +444,7 @@ class DraftModelProposer(Proposer):
         num_kept = torch.where(state.finished.to(path.device), 0, fed + kept_drafts)
         host = state.host
         # every shape feeds its nodes above the deepest (a tree its frontier); a chain cut to nothing fed none
-        fed_depth = max(self._num_drafted - 1, 0)
+        fed_depth = max(self._drafted_depth - 1, 0)
         if self.total_tokens is None:  # chains and fixed branches feed every node above the deepest
             kept_host = [0 if done else n + min(a, fed_depth)
                          for n, a, done in zip(self._fed_host, host.num_accepted, host.finished)]
