@@ -16,7 +16,6 @@ interleaved within a round; the ratio is sdpa / packed (above 1: packed is faste
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_specdec.cache.attention import packed_sdpa
+from hf_specdec.cli.environment import write_report
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,9 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     rows = measure(args)
-    if args.json is not None:
-        device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-        args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=2, sort_keys=True) + "\n")
+    write_report(args, rows, torch.device(args.device), None)
     for row in rows:
         mask = "mask" if row["masked"] else "no mask"
         print(f"{row['dtype']:9s} {row['context']:6d} cached, {row['width']:3d} new ({mask:7s}): sdpa "

@@ -15,12 +15,11 @@ Run: PYTHONPATH=. python benchmarks/bench_tree_mask.py [--dtype fp16] [--json re
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from hf_specdec.cli.environment import environment
+from hf_specdec.cli.environment import write_report
 from hf_specdec.kernels.tree_mask import (
     INSTALL_TRITON,
     ancestor_bits_from_parents,
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (checks that it runs)")
     args = parser.parse_args(argv)
     if args.smoke:
-        return smoke(DTYPES[args.dtype], args.json)
+        return smoke(args, DTYPES[args.dtype])
 
     if not torch.cuda.is_available():
         print("bench_tree_mask: no CUDA device, nothing to time (the kernel targets GPUs); skipping.")
@@ -99,13 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     headline = results[0]["speedup"]
     verdict = "PASS" if headline >= GOAL_SPEEDUP else "FAIL"
     print(f"{verdict}: headline speedup {headline:.1f}x (goal >= {GOAL_SPEEDUP:.0f}x)")
-    if args.json:
-        report = {"environment": environment(device, dtype), "results": results}
-        args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_report(args, results, device, dtype)
     return 0
 
 
-def smoke(dtype: torch.dtype, json_path: Path | None) -> int:
+def smoke(args: argparse.Namespace, dtype: torch.dtype) -> int:
     """One tiny case on the CPU: the kernel (under the Triton interpreter, when on) against the reference."""
     import time
 
@@ -121,9 +118,7 @@ def smoke(dtype: torch.dtype, json_path: Path | None) -> int:
         torch.testing.assert_close(tree_attention_mask_triton(*inputs, None, dtype), expected, rtol=0, atol=0)
         result["kernel_ms"] = 1000 * (time.perf_counter() - start)
     print(f"bench_tree_mask --smoke: {result}")
-    if json_path:
-        json_path.write_text(json.dumps({"environment": environment(device, dtype), "results": [result]}, indent=2,
-                                        sort_keys=True) + "\n")
+    write_report(args, [result], device, dtype)
     return 0
 
 

@@ -44,6 +44,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import write_report
 from hf_specdec.proposers.eagle import EagleProposer
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.real_model import load_real_model
@@ -236,11 +237,7 @@ def main(argv: list[str] | None = None) -> None:
             results.append({"drafter": kind, "requests": "trained", "training_forward_agreement": agree,
                             "training_forward_steps": steps})
             print(f"{kind}: first drafted token = the training forward's guess in {agree} of {steps} steps")
-    if args.json:
-        settings = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "dtype": "bfloat16",
-                    "sets": args.sets, "head_window": args.head_window,
-                    "threads": args.threads, "torch": torch.__version__}
-        args.json.write_text(json.dumps({"settings": settings, "results": results}, indent=2, sort_keys=True))
+    write_report(args, results, target.device, target.dtype)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,13 @@ Run (from the repository root): python benchmarks/early_exit_layers.py [--layers
 from __future__ import annotations
 
 import argparse
-import json
+from pathlib import Path
 
 import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import write_report
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer
 from hf_specdec.proposers.early_exit import early_exit_draft
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
@@ -93,7 +94,7 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=1, help="Spec-Bench prompts per category (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,11 +112,7 @@ def main() -> None:
         print(f"{layer:>5}{row['mean_acceptance_length']:>10.2f}{row['draft_forward_ms']:>10.1f}"
               f"{row['target_forward_ms']:>11.1f}{row['draft_forwards_per_step']:>13.2f}"
               f"{row['predicted_speedup']:>10.2f}x")
-    if args.json:
-        settings = {"k": args.k, "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-                    "plain_forward_ms": t_plain, "threads": torch.get_num_threads()}
-        with open(args.json, "w") as handle:
-            json.dump({"settings": settings, "results": rows}, handle, indent=2, sort_keys=True)
+    write_report(args, rows, target.device, target.dtype, plain_forward_ms=t_plain)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import write_report
 from hf_specdec.proposers.eagle import EagleProposer
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed.drafters import load_drafter
@@ -77,9 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     prompts = [p for _, p in spec_bench_prompts(tokenizer, args.num_prompts, args.categories)]
     counts = count_feeds(model, head, prompts, tokenizer.pad_token_id, args.batch_size, args.max_new_tokens, args.k)
     print(json.dumps(counts, sort_keys=True))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"counts": counts, "settings": vars(args) | {"json": str(args.json)}},
-                                        sort_keys=True, indent=1))
+    write_report(args, [counts], model.device, model.dtype)
     return counts
 
 

@@ -14,13 +14,13 @@ only (the kernel serves CPUs).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from hf_specdec.cli.environment import write_report
 from hf_specdec.kernels.int8_linear import int8_linear, quantize_int8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rows.append(row)
                 print(f"{dtype:>8} {inner:>5} {outer:>5} {count:>4} {row['float_ms']:>9.4f} {row['int8_ms']:>8.4f} "
                       f"{row['ratio']:>5.2f}x")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1, sort_keys=True))
+    write_report(args, rows, torch.device("cpu"), None)
     return rows
 
 

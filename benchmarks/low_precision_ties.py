@@ -15,13 +15,14 @@ Run: python benchmarks/low_precision_ties.py [--model testbed|smollm2|PATH] [--d
 from __future__ import annotations
 
 import argparse
-import json
 import math
+from pathlib import Path
 
 import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import write_report
 from hf_specdec.lossless import divergences
 from hf_specdec.testbed import drafters
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     report = {}
@@ -118,10 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.model} in {dtype}, {min(args.prompts, len(prompts))} prompts, {args.max_new_tokens} new tokens")
         report[str(dtype).removeprefix("torch.")] = run(target, found, prompts[: args.prompts], dtype,
                                                         args.max_new_tokens)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "max_new_tokens": args.max_new_tokens, "results": report}, f, indent=2,
-                      sort_keys=True)
+    write_report(args, [{"dtype": dtype, "case": case, **cell} for dtype, cells in report.items()
+                        for case, cell in cells.items()], torch.device("cpu"), None)
 
 
 if __name__ == "__main__":

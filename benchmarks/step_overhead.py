@@ -22,7 +22,6 @@ share of drafts accepted is reported beside the times. Per mode (eager; static s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StaticCac
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.naming import CACHE_KWARG
-from hf_specdec.cli.environment import environment
+from hf_specdec.cli.environment import environment, write_report
 from hf_specdec.proposers import base
 from hf_specdec.step import DecodeState, Proposal
 
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     parameters = sum(p.numel() for p in target.parameters())
     # the smoke run checks the compiled path's plumbing without inductor's C++ build
     compile_config = CompileConfig(fullgraph=True, backend="eager" if args.smoke else "inductor")
-    report = {"environment": environment(device, dtype), "parameters": parameters, "k": args.k, "cases": []}
+    cases = []
     print(f"{environment(device, dtype)['gpu'] or 'CPU'}: random Llama, {parameters / 1e9:.2f}B parameters, k={args.k}")
     print(f"{'mode':>9} {'batch':>5} {'step ms':>8} {'forward ms':>10} {'overhead':>8} {'accepted':>8}")
     for mode, config in (("eager", None), ("compiled", compile_config)):
@@ -157,13 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
             prompts = torch.randint(3, sizes["vocab_size"], (batch, args.prompt_length), device=device)
             case = {"mode": mode, "batch": batch,
                     **measure(target, prompts, args.k, tuple(args.new_tokens), config, args.repeats)}
-            report["cases"].append(case)
+            cases.append(case)
             print(f"{mode:>9} {batch:>5} {case['step_ms']:>8.3f} {case['forward_ms']:>10.3f} {case['overhead']:>7.1%} "
                   f"{case['accepted_share']:>8.1%}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    return report
+    write_report(args, cases, device, dtype, parameters=parameters)
+    return cases
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ and records every drafting row-step. The match-length buckets printed are the sc
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import write_report
 from hf_specdec.proposers.suffix import MATCH_CLASS_BOUNDS, SuffixProposer
 from hf_specdec.suffix import SuffixCache, SuffixConfig
 from hf_specdec.testbed.real_model import load_real_model
@@ -120,9 +120,7 @@ def main() -> None:
             row = table[name]
             print(f"  {name:>14}: {row['row_steps']:5d} row-steps, first token accepted {row['first_accepted']:.0%}, "
                   f"mean accepted {row['mean_accepted']:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "row_steps": len(records),
-                                         "tables": tables}, indent=1, sort_keys=True) + "\n")
+    write_report(args, [tables], model.device, model.dtype, row_steps=len(records))
 
 
 if __name__ == "__main__":

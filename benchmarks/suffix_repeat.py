@@ -13,13 +13,13 @@ method's outputs are the same text, so the parts compare like with like; in bflo
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import write_report
 from hf_specdec.suffix import SuffixCache, SuffixConfig
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.repeated_tasks import greedy_answers, repeated_task_prompts
@@ -77,10 +77,7 @@ def main() -> None:
             print(f"{part:<14}{name:<30}{per_forward:>9.2f}{mean_length:>10.2f}")
     same = {name: [r["output"] for r in requests] == reference for name, requests in results.items()}
     print("outputs identical to n-gram's:", same)
-    if args.json is not None:
-        settings = {k: v for k, v in vars(args).items() if k != "json"}
-        args.json.write_text(json.dumps({"settings": settings, "parts": table, "identical_outputs": same},
-                                        indent=2, sort_keys=True) + "\n")
+    write_report(args, [table], model.device, model.dtype, identical_outputs=same)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ per second, tokens per target forward, and the ratio scaled / full.
 from __future__ import annotations
 
 import argparse
-import json
 import time
+from pathlib import Path
 
 import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import write_report
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed import drafters
 from hf_specdec.testbed.real_model import load_real_model
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up (default 2)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", type=str, default=None, help="write the per-round results here")
+    parser.add_argument("--json", type=Path, default=None, help="write the per-round results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, tokenizer = load_real_model(dtype=getattr(torch, args.dtype))
@@ -83,10 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         rate = {(r["round"], r["mode"]): r["tokens_per_second"] for r in results if r["case"] == case}
         ratios = [rate[(r, "scaled")] / rate[(r, "full")] for r in range(1, args.rounds + 1)]
         print(f"{case}: scaled / full tokens per second, timed rounds: {', '.join(f'{x:.3f}' for x in ratios)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "results": results}, f, indent=2, sort_keys=True)
-            f.write("\n")
+    write_report(args, results, target.device, target.dtype)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def test_rows_cover_every_case(benchmark_script, tmp_path):
         (dtype, inner, outer, count) for dtype in ("bfloat16", "float32") for inner, outer in ((32, 8), (48, 5))
         for count in (1, 3)]
     assert all(r["float_ms"] > 0 and r["int8_ms"] > 0 and r["ratio"] > 0 for r in rows)
-    assert json.loads(out.read_text())["rows"] == rows
+    assert json.loads(out.read_text())["results"] == rows
 
 
 def test_an_inner_size_the_kernel_cannot_take_is_refused(benchmark_script):
