@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -42,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cli.environment import write_report
 
 VOCAB_SIZE = 1000
 PAD_TOKEN_ID = 0
@@ -494,30 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{'PASS' if g['passed'] else 'FAIL'}  {g['goal']}: paired {g['ratio_paired']:.2f}x, best of runs "
             f"{g['ratio_best']:.2f}x (medians {g['ratio']:.2f}x; CPU time {g['ratio_cpu_time']:.2f}x)"
         )
-    results = {
-        "settings": {
-            "max_new_tokens": args.max_new_tokens,
-            "k": args.k,
-            "repeats": args.repeats,
-            "threads": args.threads,
-            "batch_sizes": sorted(set(args.batch_sizes)),
-            "seed": args.seed,
-            "distill_steps": args.distill_steps,
-            "quick": args.quick,
-            "prompt_lookup_min": PROMPT_LOOKUP_MIN,
-            "prompt_lookup_max": PROMPT_LOOKUP_MAX,
-        },
-        "environment": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-        },
-        "results": records,
-        "goals": goals,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    write_report(args, records, torch.device("cpu"), torch.float32, goals=goals,
+                 constants={"prompt_lookup_min": PROMPT_LOOKUP_MIN, "prompt_lookup_max": PROMPT_LOOKUP_MAX})
     print(f"\nwrote {args.json}")
     return 0 if all(r["matches_plain"] for r in records) else 1
 
