@@ -180,6 +180,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (default): greedy, every output checked against plain generate's; > 0: sampling "
                              "at this temperature (seeded per call; outputs are not compared)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate exactly --max-new-tokens per prompt, through the end-of-sequence token (no "
+                             "stop): with --temperature > 0 every method then writes as many tokens as plain "
+                             "generate, so token rates compare equal lengths (sampled answers otherwise end at "
+                             "different lengths, and a short one pays its prompt's prefill over few tokens)")
     parser.add_argument("--early-exit-layer", type=int, default=None,
                         help="early_exit and hf-early-exit: the layers the target drafts with (default: the one "
                              "measured for SmolLM2-135M-Instruct with --model smollm2, else a quarter of the target's "
@@ -933,7 +938,8 @@ def write_report(
                 "methods": args.methods, "batch_sizes": args.batch_sizes, "ks": args.ks,
                 "tree_widths": args.tree_widths, "schedules": args.schedules, "tree_nodes": args.tree_nodes,
                 "draft_quantizations": args.draft_quantizations,
-                "temperature": args.temperature, "early_exit_layer": args.early_exit_layer,
+                "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+                "early_exit_layer": args.early_exit_layer,
                 "model": args.model or str(args.target or "test bed")}
     if args.workload in CHAT_WORKLOADS:
         from hf_specdec.testbed.repeated_tasks import REPEATED_TASKS_VERSION
@@ -964,7 +970,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args, tokenizer, args.num_prompts or max(args.batch_sizes), target)
     categories = list(dict.fromkeys(p.category for p in prompts))
     kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                  do_sample=args.temperature > 0, **({"temperature": args.temperature} if args.temperature else {}))
+                  do_sample=args.temperature > 0, **({"temperature": args.temperature} if args.temperature else {}),
+                  **({"eos_token_id": None} if args.ignore_eos else {}))
     measurements: list[Measurement] = []
     cases = ["plain", *[c for c in args.methods if c != "plain"]]
     quantizations = [q if q != "none" else "" for q in args.draft_quantizations]

@@ -426,3 +426,31 @@ def test_auto_tree_size_runs_beside_fixed_sizes(tmp_path, capsys):
     assert 3 <= rows[("draft", "auto")]["tree_nodes_used"] <= 2 + 2 * 4
     assert f"draft n=auto:{rows[('draft', 'auto')]['tree_nodes_used']} (adaptive)" in capsys.readouterr().out
     assert all(r["identical_to_plain"] for r in rows.values())
+
+
+def test_ignore_eos_writes_every_prompt_to_its_length(tmp_path, monkeypatch):
+    """With an EOS the target emits within the first tokens, sampled outputs stop early; --ignore-eos generates
+    --max-new-tokens for every prompt and case, so token rates compare equal lengths."""
+    from hf_specdec.cli import bench
+
+    load = bench.load_models
+
+    def early_eos(args, dtype, device):
+        models = load(args, dtype, device)
+        ids = models.tokenizer("def f(", return_tensors="pt").input_ids
+        first = models.target.generate(ids, max_new_tokens=2, do_sample=False)[0, ids.shape[1]:]
+        models.target.generation_config.eos_token_id = [int(token) for token in first]  # any of its first two
+        return models
+
+    monkeypatch.setattr(bench, "load_models", early_eos)
+    new_tokens = {}
+    for flag in ([], ["--ignore-eos"]):
+        out = tmp_path / f"results{len(flag)}.json"
+        argv = ["bench", "--method", "plain", "ngram", *TINY, "--max-new-tokens", "12", "--num-prompts", "3",
+                "--temperature", "0.7", *flag, "--json", str(out)]
+        assert main(argv) == 0
+        report = json.loads(out.read_text())
+        assert report["settings"]["ignore_eos"] == bool(flag)
+        new_tokens[bool(flag)] = {r["case"]: r["new_tokens"] for r in report["results"]}
+    assert new_tokens[True] == {"plain": 3 * 12, "ngram": 3 * 12}
+    assert all(count < 3 * 12 for count in new_tokens[False].values())
