@@ -1043,7 +1043,8 @@ def run(args: argparse.Namespace) -> int:
         if r["efficiency"] is not None and r["efficiency"] < LOW_EFFICIENCY:
             print(f"note: {_label(r)} ({r['category']}) at batch {r['batch_size']}, k={r['k']}, w={r['tree_width']}: "
                   f"efficiency {r['efficiency']:.2f} < "
-                  f"{LOW_EFFICIENCY}: time outside model forwards (host bookkeeping, per-call overhead) dominates")
+                  f"{LOW_EFFICIENCY}: much time outside the timed forwards (the target's and a draft model's): "
+                  "a head's or a lookup's drafting, host bookkeeping, per-call overhead")
     if args.json_path is not None:
         write_report(args, state, dtype, len(prompts), categories, rows, complete=True)
         print(f"results written to {args.json_path}")
