@@ -35,7 +35,7 @@ def test_json_records_environment_settings_and_every_repeat(tmp_path):
                                   "repeats": 3, "methods": ["plain", "ngram"], "batch_sizes": [1], "ks": [3],
                                   "tree_widths": [1], "schedules": ["adaptive"], "tree_nodes": None,
                                   "draft_quantizations": ["none"],
-                                  "categories": ["completion"], "temperature": 0.0,
+                                  "categories": ["completion"], "temperature": 0.0, "ignore_eos": False,
                                   "model": "test bed", "early_exit_layer": None}
 
     rows = {r["case"]: r for r in report["results"]}
