@@ -6,8 +6,8 @@ baseline and the candidate of a round alike. A speedup is then the median over r
 candidate within each round (`paired_speedup`), which a slow stretch or a single outlier round barely moves.
 
 `noise_note` says when the numbers cannot be trusted: when the baseline's own repeats spread by more than
-NOISY_SPREAD of their median, or when a speedup exceeds what the target forwards saved (tokens per target forward
-over the baseline's) by more than that spread, which would make a speculative step cheaper than a plain one.
+NOISY_SPREAD of their median, or when a speedup exceeds what the run's target forwards allow (the baseline's time
+over the time spent inside them) by more than that spread, which no round of a consistent machine can do.
 """
 
 from __future__ import annotations
@@ -111,9 +111,10 @@ def relative_spread(seconds: Sequence[float]) -> float:
 def noise_note(baseline: Sequence[float], speedups: Mapping[str, tuple[float, float]]) -> str | None:
     """One line when the timings are too noisy to judge, else None.
 
-    `speedups` maps each run's name to (its paired speedup, the baseline's target forwards over its own): a step
-    of a speculative run costs at least a plain step, so its speedup cannot pass the forwards it saved by more than
-    the noise.
+    `speedups` maps each run's name to (its paired speedup, the most its target forwards allow: the baseline's time
+    over the time the run spent inside them, a run taking at least as long as its forwards), so a speedup past that
+    bound by more than the noise means the rounds disagree. (A run's step can cost less than a plain step: on a CPU
+    the engine's attention is faster than transformers', so the forwards saved alone do not bound it.)
     """
     spread = relative_spread(baseline)
     if spread > NOISY_SPREAD:
@@ -122,7 +123,7 @@ def noise_note(baseline: Sequence[float], speedups: Mapping[str, tuple[float, fl
     impossible = [f"{name} {speedup:.2f}x > {saved:.2f}x" for name, (speedup, saved) in speedups.items()
                   if speedup > saved * (1 + max(spread, MIN_NOISE))]
     if impossible:
-        return (f"note: the machine is too noisy to judge speed: speedups above the target forwards saved "
+        return (f"note: the machine is too noisy to judge speed: speedups above what their target forwards allow "
                 f"({', '.join(impossible)}) beyond the {spread:.0%} spread of plain's repeats; rerun on a quieter "
                 "machine or with more --repeats")
     return None

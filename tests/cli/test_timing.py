@@ -88,7 +88,7 @@ def test_noise_note():
     noisy = [1.0, 1.4, 0.9]
     note = noise_note(noisy, {"ngram": (1.5, 1.9)})
     assert note is not None and "spread by 50%" in note
-    # Faster than the forwards it saved, beyond the noise: a step cheaper than a plain step.
+    # Faster than its target forwards alone allow, beyond the noise: the rounds disagree.
     note = noise_note(quiet, {"ngram": (2.5, 1.9), "draft": (0.8, 2.0)})
     assert note is not None and "ngram 2.50x > 1.90x" in note and "draft" not in note
     assert noise_note(quiet, {"ngram": (1.95, 1.9)}) is None  # within the 7% spread
