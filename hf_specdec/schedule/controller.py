@@ -362,7 +362,10 @@ class Schedule:
         own = self.allowed[(self.row_methods == self.method) & self.active]
         deeper_riders = width > (int(own.max()) if own.size else 0)
         if not compiled and not first_draft and not deeper_riders and (self.adaptive or len(self.costs) > 1):
-            table.observe(self.rows_computed, timed_width, seconds)
+            # a plain step is the same target forward whichever candidate is idle (each skips it): every candidate's
+            # table takes it, so that each need not pay plain steps of its own to measure it (`CostTable.plain_due`)
+            for observer in (self.costs.values() if timed_width == 0 else [table]):
+                observer.observe(self.rows_computed, timed_width, seconds)
             # what the width the decision chose delivered (a host proposer may verify less than it allowed); one
             # row's steps are its own, and its estimates decide for it
             if width and self.rows_computed > 1:

@@ -619,3 +619,32 @@ def test_draft_classes_must_belong_to_candidates():
         assert "suffix" in str(error)
     else:
         raise AssertionError("draft classes of a non-candidate were accepted")
+
+
+def test_auto_candidates_share_the_plain_steps_they_measure():
+    """A plain step is the same target forward whichever candidate is idle: each candidate's table takes its time, so
+    one plain step serves them all (three candidates used to spend three plain steps measuring it, and more each
+    time one's drafting widths read below its own plain time)."""
+    k, batch = 4, 2
+    config = SpeculativeConfig(method="auto", num_speculative_tokens=k)
+    costs = {name: CostTable() for name in ("ngram", "suffix", "eagle")}
+    clock = FakeClock(lambda width: 1.0 + 0.05 * width)
+    schedule = Schedule(config, k, costs, static_shapes=False, clock=clock)
+    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.start(batch)
+    plain_steps = []
+    for step in range(12):
+        decision = schedule.plan(state, batch)
+        if decision.width == 0:
+            plain_steps.append(step)
+        clock.run_step(decision.width)
+        host = state.host
+        state.host = HostView(host.lengths, host.finished, [1] * batch, [0] * batch)
+        schedule.observe(state, SimpleNamespace(host_depths=None, drafted_positions=None,
+                                                tree=SimpleNamespace(max_depth=decision.width)))
+    assert plain_steps[:1] == [1]  # the call's first step drafts; its second measures the plain step
+    assert plain_steps == [1]  # one plain step for the three candidates
+    assert all(abs(table.times[(batch, 0)] - 1.0) < 1e-9 for table in costs.values())
+    assert all(len(table.recent[(batch, 0)]) == len(plain_steps) for table in costs.values())
+    assert not any(table.plain_due(batch) for table in costs.values())
