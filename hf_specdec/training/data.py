@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from hf_specdec.training.config import DataError
+
 
 def check_inputs(config) -> None:
     """Normalise and check the fields every trainer config has: `base` (a model folder), `data` (existing files),
@@ -24,20 +26,35 @@ def check_inputs(config) -> None:
 
 def token_stream(tokenizer, paths: list[Path], min_length: int, field: str) -> torch.Tensor:
     """[N]: every file's tokens followed by EOS. Files: text (.txt, .py, ...), or .jsonl records with a "text" or an
-    "input_ids" field. `field` names the config field in the error when the stream is shorter than `min_length`."""
+    "input_ids" field. `field` names the config field in the error (a `DataError`) when a record is not one of
+    those, or the stream is shorter than `min_length`."""
     ids: list[int] = []
     for path in paths:
-        if path.suffix == ".jsonl":
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        else:
-            records = [{"text": path.read_text()}]
-        for record in records:
+        for line_number, record in _records(path, field):
+            if not isinstance(record, dict) or not ({"text", "input_ids"} & set(record)):
+                raise DataError(f"{field}: {path} line {line_number}: expected a JSON object with a 'text' or an "
+                                f"'input_ids' field, got {str(record)[:80]!r}")
             tokens = record["input_ids"] if "input_ids" in record else tokenizer(
                 record["text"], add_special_tokens=False)["input_ids"]
             ids += tokens + [tokenizer.eos_token_id]
     if len(ids) < min_length:
-        raise ValueError(f"{field}: {len(ids)} tokens, need at least {min_length} for one training window")
+        raise DataError(f"{field}: {len(ids)} tokens in {[str(p) for p in paths]}, need at least {min_length} for "
+                        "one training window; give more text, or a shorter seq_len")
     return torch.tensor(ids)
+
+
+def _records(path: Path, field: str) -> list[tuple[int, object]]:
+    """(line number, record) of a .jsonl file's non-empty lines, or (1, {"text": the whole file}) for any other file."""
+    if path.suffix != ".jsonl":
+        return [(1, {"text": path.read_text()})]
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append((number, json.loads(line)))
+            except json.JSONDecodeError as error:
+                raise DataError(f"{field}: {path} line {number} is not JSON ({error.msg})") from error
+    return records
 
 
 def windows(

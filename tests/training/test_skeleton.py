@@ -147,6 +147,19 @@ def test_bad_held_out_options_are_refused_before_training(base, tmp_path):
     assert not (tmp_path / "train_metrics.json").exists()
 
 
+def test_data_too_short_or_malformed_is_one_error_line(base, tmp_path):
+    """The CLI prints a data file's fault as `error: ...` (no traceback) and trains nothing."""
+    short, broken = tmp_path / "short.txt", tmp_path / "broken.jsonl"
+    short.write_text("x")
+    broken.write_text('{"text": "a"}\n{oops\n')
+    for data, match in ((short, "need at least"), (broken, "broken.jsonl line 2 is not JSON")):
+        argv = _argv(base, tmp_path / data.stem, 1)
+        argv[argv.index("--data") + 1: argv.index("--out")] = [str(data)]
+        with pytest.raises(SystemExit, match=f"error: EagleTrainConfig.data: .*{match}"):
+            cli_main(argv)
+        assert not (tmp_path / data.stem / "train_metrics.json").exists()
+
+
 def test_weight_decay_is_applied_and_a_negative_one_refused_before_training(base, tmp_path):
     with pytest.raises(SystemExit, match="weight_decay: expected >= 0, got -0.1"):
         cli_main(_argv(base, tmp_path / "refused", 1, "--weight-decay", "-0.1"))
