@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,36 +26,39 @@ def check_inputs(config) -> None:
 
 
 def token_stream(tokenizer, paths: list[Path], min_length: int, field: str) -> torch.Tensor:
-    """[N]: every file's tokens followed by EOS. Files: text (.txt, .py, ...), or .jsonl records with a "text" or an
-    "input_ids" field. `field` names the config field in the error (a `DataError`) when a record is not one of
-    those, or the stream is shorter than `min_length`."""
+    """[N]: every file's tokens followed by EOS (`records`). `field` names the config field in the error (a
+    `DataError`) when the stream is shorter than `min_length`."""
     ids: list[int] = []
-    for path in paths:
-        for line_number, record in _records(path, field):
-            if not isinstance(record, dict) or not ({"text", "input_ids"} & set(record)):
-                raise DataError(f"{field}: {path} line {line_number}: expected a JSON object with a 'text' or an "
-                                f"'input_ids' field, got {str(record)[:80]!r}")
-            tokens = record["input_ids"] if "input_ids" in record else tokenizer(
-                record["text"], add_special_tokens=False)["input_ids"]
-            ids += tokens + [tokenizer.eos_token_id]
+    for _, tokens in records(tokenizer, paths, field):
+        ids += tokens + [tokenizer.eos_token_id]
     if len(ids) < min_length:
         raise DataError(f"{field}: {len(ids)} tokens in {[str(p) for p in paths]}, need at least {min_length} for "
                         "one training window; give more text, or a shorter seq_len")
     return torch.tensor(ids)
 
 
-def _records(path: Path, field: str) -> list[tuple[int, object]]:
-    """(line number, record) of a .jsonl file's non-empty lines, or (1, {"text": the whole file}) for any other file."""
-    if path.suffix != ".jsonl":
-        return [(1, {"text": path.read_text()})]
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
+def records(tokenizer, paths: list[Path], field: str) -> Iterator[tuple[str, list[int]]]:
+    """(where, token ids) of each record: a .jsonl file's non-empty lines, objects with an "input_ids" or a "text"
+    field (tokenized as it is: no special tokens added, since a chat prompt carries them from its template); any
+    other file is one text record. `where` names the field, file and line for errors; a line that is no such
+    object is a `DataError` naming them."""
+    for path in paths:
+        if path.suffix != ".jsonl":
+            yield f"{field}: {path}", tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            where = f"{field}: {path} line {number}"
             try:
-                records.append((number, json.loads(line)))
+                record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise DataError(f"{field}: {path} line {number} is not JSON ({error.msg})") from error
-    return records
+                raise DataError(f"{where} is not JSON ({error.msg})") from error
+            if not isinstance(record, dict) or not ({"text", "input_ids"} & record.keys()):
+                raise DataError(f"{where}: expected a JSON object with a 'text' or an 'input_ids' field, got "
+                                f"{line[:80]!r}")
+            yield where, (record["input_ids"] if "input_ids" in record
+                          else tokenizer(record["text"], add_special_tokens=False)["input_ids"])
 
 
 def windows(

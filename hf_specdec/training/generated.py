@@ -33,7 +33,7 @@ from torch import nn
 from tqdm import tqdm
 
 from hf_specdec.training.config import DataError, TrainConfig
-from hf_specdec.training.data import token_stream, windows
+from hf_specdec.training.data import records, token_stream, windows
 
 FORMAT_VERSION = 2  # rows carry the first trained position of each row
 
@@ -98,28 +98,15 @@ class TrainingRows:
 
 
 def read_prompt_records(tokenizer, paths: list[Path], owner: str) -> list[torch.Tensor]:
-    """[P_i] token ids of each record of the .jsonl files: its "input_ids", or its "text" tokenized as it is (no
-    special tokens added, since a chat prompt carries them from its template)."""
-    records = []
-    for path in paths:
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{owner}.data: {path} line {number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not a JSON record ({error})") from error
-            if not isinstance(record, dict) or not ({"text", "input_ids"} & record.keys()):
-                raise ValueError(f"{where}: expected an object with a 'text' or 'input_ids' field, got {line[:80]!r}")
-            ids = record["input_ids"] if "input_ids" in record else tokenizer(
-                record["text"], add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise ValueError(f"{where}: the prompt is empty")
-            records.append(torch.tensor(ids))
-    if not records:
-        raise ValueError(f"{owner}.data: no prompt records in {[str(p) for p in paths]}")
-    return records
+    """[P_i] token ids of each record of the .jsonl files (`hf_specdec.training.data.records`)."""
+    prompts = []
+    for where, ids in records(tokenizer, paths, f"{owner}.data"):
+        if not ids:
+            raise DataError(f"{where}: the prompt is empty")
+        prompts.append(torch.tensor(ids))
+    if not prompts:
+        raise DataError(f"{owner}.data: no prompt records in {[str(p) for p in paths]}")
+    return prompts
 
 
 def read_source(config: TrainConfig, tokenizer) -> list[torch.Tensor]:
