@@ -199,7 +199,7 @@ NGRAM = SpeculativeConfig(method="ngram")
         (dict(speculative=NGRAM, prefix_allowed_tokens_fn=lambda b, ids: [3]), "prefix_allowed_tokens_fn"),
         (dict(speculative=NGRAM, guidance_scale=1.5), "guidance_scale: classifier-free guidance runs the model"),
         (dict(speculative=NGRAM, watermarking_config=SynthIDTextWatermarkingConfig(keys=[5, 9, 13], ngram_len=3)),
-         r"watermarking_config \(SynthIDTextWatermarkingConfig\): its processor keeps state"),
+         r"watermarking_config: a SynthIDTextWatermarkingConfig's processor keeps state"),
         (dict(speculative=NGRAM, assistant=make_draft()), "assistant=: conflicts with speculative's draft_model"),
         (dict(spec_method="ngram", assistant=make_draft()),
          "assistant=: spec_method='ngram' drafts from the text and takes no assistant, got a LlamaForCausalLM"),

@@ -33,9 +33,9 @@ UNSUPPORTED_PROCESSORS = {
         "its callback indexes rows by batch position, which speculation reorders and drops as rows finish",
     ),
     SynthIDTextWatermarkLogitsProcessor: (
-        "watermarking_config (SynthIDTextWatermarkingConfig)",
-        ("its processor keeps state that assumes one call per generated token, in order (WatermarkingConfig's "
-         "green lists depend on the prefix only and are supported)"),
+        "watermarking_config",
+        ("a SynthIDTextWatermarkingConfig's processor keeps state that assumes one call per generated token, in "
+         "order (WatermarkingConfig's green lists depend on the prefix only and are supported)"),
     ),
     UnbatchedClassifierFreeGuidanceLogitsProcessor: (
         "guidance_scale",
@@ -51,8 +51,8 @@ def check_processors(logits_processor: LogitsProcessorList) -> None:
         for kind, (option, why) in UNSUPPORTED_PROCESSORS.items():
             if isinstance(processor, kind):
                 raise ValueError(
-                    f"{option}: {why}, so it cannot be combined with speculative decoding; drop {option.split()[0]} "
-                    "or the speculative config"
+                    f"{option}: {why}, so it cannot be combined with speculative decoding; drop {option} or the "
+                    "speculative config"
                 )
 
 

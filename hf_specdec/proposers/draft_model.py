@@ -265,8 +265,8 @@ class DraftModelProposer(Proposer):
         # [B, V_draft]: the draft's logits after the fed tokens
         logits: torch.Tensor,
     ) -> Proposal:
-        """`depth` drafts, one forward each after the first; draft d (d < k) is fed at region slot d - 1. With a confidence
-        floor a row stops at its first position whose running confidence falls below the floor, and drafting
+        """`depth` drafts, one forward each after the first; draft d (d < depth) is fed at region slot d - 1. With a
+        confidence floor a row stops at its first position whose running confidence falls below the floor, and drafting
         stops when no row goes on (`ConfidenceCut`)."""
         cut = None if self.confidence is None else ConfidenceCut(float(self.confidence), budget_host)
         tokens, probs = [], []
