@@ -32,6 +32,7 @@ def check_generation_supported(
 ) -> None:
     if model.config.is_encoder_decoder:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_specdec supports decoder-only LMs")
+    AttentionLayout.from_model(model)  # what the layers attend with, before anything reads the cache
     if generation_config.num_beams != 1:
         raise ValueError(
             f"num_beams={generation_config.num_beams}: beam search cannot be combined with speculative decoding; "
@@ -79,4 +80,3 @@ def check_generation_supported(
     unknown = sorted(k for k, v in model_kwargs.items() if k not in KNOWN_MODEL_KWARGS and v is not None)
     if unknown:
         raise ValueError(f"model inputs {unknown} are not supported by speculative decoding (text input_ids only)")
-    AttentionLayout.from_model(model)

@@ -194,15 +194,18 @@ class SpeculativeConfig:
                           "different, output unchanged (verification is exact); None: the drafter's own weights"},
     )
     # EAGLE's names for the dynamic tree, accepted as aliases: top_k = tree_width, depth = num_speculative_tokens,
-    # total_tokens = tree_total_tokens
+    # total_tokens = tree_total_tokens; and LayerSkip's exit_layer = early_exit_layer
     top_k: InitVar[int | None] = None
     depth: InitVar[int | None] = None
     total_tokens: InitVar[int | None] = None
+    exit_layer: InitVar[int | None] = None
 
-    def __post_init__(self, top_k: int | None, depth: int | None, total_tokens: int | None) -> None:
+    def __post_init__(self, top_k: int | None, depth: int | None, total_tokens: int | None,
+                      exit_layer: int | None) -> None:
         defaults = {f.name: f.default for f in fields(self)}
         for alias, name, value in (("top_k", "tree_width", top_k), ("depth", "num_speculative_tokens", depth),
-                                   ("total_tokens", "tree_total_tokens", total_tokens)):
+                                   ("total_tokens", "tree_total_tokens", total_tokens),
+                                   ("exit_layer", "early_exit_layer", exit_layer)):
             if value is None:
                 continue
             if getattr(self, name) not in (defaults[name], value):

@@ -73,6 +73,13 @@ class AttentionLayout:
     @classmethod
     def from_model(cls, model) -> AttentionLayout:
         config = model.config.get_text_config(decoder=True)
+        if getattr(model, "_is_stateful", False):  # transformers' flag for state-space, linear-attention and RNN models
+            raise ValueError(
+                f"{type(model).__name__}: its layers keep a recurrent state that every token updates in place (a "
+                "state-space, linear-attention or RNN model), which cannot be rolled back to the last accepted token "
+                "when a draft is rejected; hf_specdec supports models whose layers attend over a KV cache; use "
+                "plain generate for this model"
+            )
         _check_positions_come_from_the_mask(model, config)
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in SUPPORTED_ATTENTION:
@@ -86,8 +93,10 @@ class AttentionLayout:
             unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
             if unknown:
                 raise ValueError(
-                    f"{type(model).__name__}: layer types {sorted(unknown)} are not supported by hf_specdec "
-                    f"(supported: {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r})"
+                    f"{type(model).__name__}: layer types {sorted(unknown)} are not supported by hf_specdec, which "
+                    f"supports layers that attend over a KV cache ({FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}); a "
+                    "layer with a running state of its own (a convolution, a recurrence) cannot be rolled back when a "
+                    "draft is rejected; use plain generate for this model"
                 )
             if SLIDING_ATTENTION in layer_types:
                 if window is None:

@@ -1,12 +1,30 @@
-"""Models that place tokens by cache slot or by a 2-D mask inside their own code are refused before any work."""
+"""Models that place tokens by cache slot or by a 2-D mask inside their own code, and models that keep a recurrent
+state instead of a KV cache, are refused before any work."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import BloomConfig, BloomForCausalLM, GPTNeoConfig, GPTNeoForCausalLM, MptConfig, MptForCausalLM
+from transformers import (
+    BloomConfig,
+    BloomForCausalLM,
+    GPTNeoConfig,
+    GPTNeoForCausalLM,
+    Lfm2Config,
+    Lfm2ForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+    MptConfig,
+    MptForCausalLM,
+    RecurrentGemmaConfig,
+    RecurrentGemmaForCausalLM,
+    RwkvConfig,
+    RwkvForCausalLM,
+)
 
 import hf_specdec
+from hf_specdec import SpeculativeConfig
+from tests.conftest import SPECIAL, VOCAB, make_model
 
 PROMPT = torch.tensor([[5, 6, 7, 5, 6, 7]])
 
@@ -53,3 +71,51 @@ def test_gpt_neo_global_layers_match_plain_generate():
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = model.generate(ids, **kwargs)
     assert torch.equal(hf_specdec.generate(model, ids, spec_method="ngram", **kwargs), expected)
+
+
+# tiny random models whose layers keep a recurrent state (transformers marks them `_is_stateful`)
+STATEFUL = {
+    "mamba": lambda: MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)),
+    # RWKV takes no KV cache argument at all: before it was refused, its drafts ran against a state that had
+    # advanced over rejected tokens, and its greedy output differed from plain generate's
+    "rwkv": lambda: RwkvForCausalLM(RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                               attention_hidden_size=32, intermediate_size=64, context_length=64)),
+    "recurrent_gemma": lambda: RecurrentGemmaForCausalLM(RecurrentGemmaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, lru_width=32, attention_window_size=8)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+def test_recurrent_models_refused_up_front(name, forward_counter):
+    torch.manual_seed(0)
+    model = STATEFUL[name]().eval()
+    count = forward_counter(model)
+    with pytest.raises(ValueError, match=f"{type(model).__name__}: its layers keep a recurrent state"):
+        hf_specdec.generate(model, PROMPT, spec_method="ngram", max_new_tokens=4, pad_token_id=0)
+    assert count() == 0
+
+
+def test_recurrent_draft_model_refused_up_front(forward_counter):
+    torch.manual_seed(0)
+    draft = RwkvForCausalLM(RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                       intermediate_size=64, context_length=64, **SPECIAL)).eval()
+    target = make_model("llama")
+    counts = forward_counter(target), forward_counter(draft)
+    config = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="RwkvForCausalLM: its layers keep a recurrent state"):
+        hf_specdec.generate(target, PROMPT, speculative=config, max_new_tokens=4)
+    assert [count() for count in counts] == [0, 0]
+
+
+def test_convolution_layers_refused_up_front(forward_counter):
+    """LFM2's short-convolution layers keep a running state that transformers does not mark as recurrent: their
+    layer type refuses them."""
+    torch.manual_seed(0)
+    config = Lfm2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, layer_types=["conv", "full_attention"])
+    model = Lfm2ForCausalLM(config).eval()
+    count = forward_counter(model)
+    with pytest.raises(ValueError, match=r"Lfm2ForCausalLM: layer types \['conv'\] are not supported"):
+        hf_specdec.generate(model, PROMPT, spec_method="ngram", max_new_tokens=4, pad_token_id=0)
+    assert count() == 0

@@ -6,12 +6,13 @@ import copy
 
 import pytest
 import torch
+import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList, WatermarkingConfig
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.suffix import SuffixCache
-from tests.conftest import ARCHITECTURES, EOS, make_draft, make_model, padded_batch
+from tests.conftest import ARCHITECTURES, DECODER, EOS, SPECIAL, VOCAB, make_draft, make_model, padded_batch
 
 LENGTHS = [12, 7, 10]  # batch 3, left padded; longer than every sliding window in conftest
 NEW_TOKENS = 24
@@ -67,6 +68,44 @@ def test_greedy_matches_plain_generate(arch, side):
             # the top branch is always accepted whole: 1 prefill + ceil((NEW_TOKENS - 1) / 4) verify steps
             assert stats.target_forward_passes == 1 + -(-(NEW_TOKENS - 1) // 4), arch
         assert stats.num_draft_tokens > 0
+
+
+# Newer decoder families users bring (per name: the config and model class, and what their tiny config needs beyond
+# conftest's DECODER): QK norms, mixtures of experts, NoPE layers, attention sinks with alternating sliding windows,
+# scaled residuals, parallel blocks. Checked with fewer proposers than the architectures above: every proposer
+# reaches the model through the same cache and masks
+NEWER_ARCHITECTURES = {
+    "qwen3": ("Qwen3", {"head_dim": 8}),
+    "qwen3_moe": ("Qwen3Moe", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+    "gemma3_text": ("Gemma3Text", {"head_dim": 8, "num_hidden_layers": 4, "sliding_window": 6}),
+    "smollm3": ("SmolLM3", {"num_hidden_layers": 4}),
+    "olmo2": ("Olmo2", {}),
+    "gpt_oss": ("GptOss", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+                           "layer_types": ["sliding_attention", "full_attention"]}),
+    "granite": ("Granite", {}),
+    "cohere": ("Cohere", {}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(NEWER_ARCHITECTURES))
+def test_newer_architectures_match_plain_generate(arch):
+    prefix, extra = NEWER_ARCHITECTURES[arch]
+    config_class = getattr(transformers, "Gemma3TextConfig" if prefix == "Gemma3Text" else f"{prefix}Config")
+    model_class = getattr(transformers, "Gemma3ForCausalLM" if prefix == "Gemma3Text" else f"{prefix}ForCausalLM")
+    torch.manual_seed(0)
+    target = model_class(config_class(vocab_size=VOCAB, **{**DECODER, **extra}, **SPECIAL)).eval()
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = target.generate(ids, **kwargs)
+    configs = {name: config for name, config in _proposers(target).items()
+               if name in ("random_draft", "same_draft_tree", "ngram", "random_draft_dynamic_tree", "suffix")}
+    configs["early_exit"] = SpeculativeConfig(method="early_exit", early_exit_layer=1, num_speculative_tokens=3)
+    for name, config in configs.items():
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected), f"{arch}/{name}"
+        assert out.spec_stats.num_draft_tokens > 0, f"{arch}/{name}"
+        if name in ("same_draft_tree", "ngram"):  # drafts kept (and, for n-gram, some rolled back)
+            assert out.spec_stats.num_accepted_tokens > 0, f"{arch}/{name}"
 
 
 def test_eos_and_processors_match_plain_generate():

@@ -143,6 +143,12 @@ def test_bad_layers_are_refused_before_any_work(forward_counter):
     assert count() == 0
     with pytest.raises(ValueError, match="SpeculativeConfig.early_exit_layer: expected an int >= 1, got 0"):
         SpeculativeConfig(method="early_exit", early_exit_layer=0)
+    # LayerSkip's name, an alias
+    assert SpeculativeConfig(method="early_exit", exit_layer=1).early_exit_layer == 1
+    with pytest.raises(ValueError, match="SpeculativeConfig.exit_layer: an alias of early_exit_layer, given both"):
+        SpeculativeConfig(method="early_exit", exit_layer=1, early_exit_layer=2)
+    with pytest.raises(ValueError, match="SpeculativeConfig.early_exit_layer: expected an int >= 1, got 0"):
+        SpeculativeConfig(method="early_exit", exit_layer=0)
     with pytest.raises(ValueError, match="SpeculativeConfig.early_exit_layer: method='early_exit' needs the layer"):
         SpeculativeConfig(method="early_exit")
     with pytest.raises(ValueError, match="SpeculativeConfig.early_exit_layer: only method='early_exit' uses it"):
