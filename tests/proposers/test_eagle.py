@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
@@ -16,7 +17,7 @@ from hf_specdec.heads import EagleConfig, EagleHead
 from hf_specdec.heads.eagle import export_speculators
 from hf_specdec.proposers.eagle import EagleDrafter, EagleProposer
 from hf_specdec.schedule import controller
-from tests.conftest import make_model, padded_batch, record_eagle_guesses
+from tests.conftest import DECODER, SPECIAL, VOCAB, make_model, padded_batch, record_eagle_guesses
 
 SHAPES = {
     "chain": dict(num_speculative_tokens=3),
@@ -84,6 +85,27 @@ def test_eagle_dynamic_tree_matches_plain_generate_on_other_architectures(arch):
     for version in ("eagle", "eagle3"):
         head = trained_head(target, version, expected)
         out = _generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=head, **SHAPES["dynamic"]))
+        assert torch.equal(out.sequences, expected), version
+        assert out.spec_stats.num_accepted_tokens > 0
+
+
+def test_eagle_on_a_target_with_rope_per_layer_type():
+    """Gemma-3 sets RoPE per layer type (local layers at another base than global ones): a head shaped for it takes
+    the full-attention layers' (it attends over the whole context), and drafts losslessly."""
+    torch.manual_seed(0)
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
+    config = Gemma3TextConfig(vocab_size=VOCAB, **{**DECODER, "num_hidden_layers": 4}, head_dim=8, sliding_window=6,
+                              rope_parameters=rope, **SPECIAL)
+    target = Gemma3ForCausalLM(config).eval()
+    assert EagleConfig.for_target(target).rope_parameters == target.config.rope_parameters["full_attention"]
+    ids, mask = padded_batch([11, 6, 9], seed=2, repeat_period=3)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+    for version in ("eagle", "eagle3"):
+        head = trained_head(target, version, expected)
+        out = _generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=head, **SHAPES["dynamic"]),
+                        pad_token_id=0)
         assert torch.equal(out.sequences, expected), version
         assert out.spec_stats.num_accepted_tokens > 0
 

@@ -22,6 +22,15 @@ def default_feature_layers(num_target_layers: int) -> tuple[int, ...]:
     return tuple(min(max(i, 0), last) for i in (2, num_target_layers // 2, num_target_layers - 3))
 
 
+def target_rope_parameters(text_config) -> dict:
+    """The RoPE a head shaped like one layer of the target uses: the target's, or, where it sets one per layer type
+    (Gemma-3: local layers at another base), its full-attention layers' (a head attends over the whole context)."""
+    rope = getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    if "rope_type" not in rope and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    return dict(rope)
+
+
 @dataclass
 class EagleConfig:
     version: EagleVersion
@@ -116,9 +125,7 @@ class EagleConfig:
             vocab_size=text.vocab_size,
             head_dim=getattr(text, "head_dim", None),
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
-            rope_parameters=dict(
-                getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
-            ),
+            rope_parameters=target_rope_parameters(text),
             max_position_embeddings=text.max_position_embeddings,
             base_model_name_or_path=getattr(target.config, "_name_or_path", None) or None,
         )
