@@ -21,6 +21,7 @@ from hf_specdec.schedule.estimates import (
     AcceptanceEstimate,
     CostTable,
     cost_table,
+    lower_quantile,
 )
 
 
@@ -269,3 +270,11 @@ def test_a_narrower_width_stalled_above_a_wider_one_comes_down_to_it():
     assert table.times[(1, 1)] < table.times[(1, 2)]
     table.observe(2, 2, 0.5)  # another batch size's steps leave this one's alone
     assert table.times[(1, 1)] == pytest.approx(1.03125)
+
+
+def test_lower_quantile_is_numpys():
+    rng = np.random.default_rng(0)
+    for count in range(1, TIME_WINDOW + 1):
+        for _ in range(50):
+            values = rng.exponential(size=count).tolist()
+            assert lower_quantile(values) == pytest.approx(float(np.quantile(values, TIME_QUANTILE)), rel=1e-12)
