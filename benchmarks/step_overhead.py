@@ -5,8 +5,11 @@ and a forced-acceptance draft: a proposer that offers each row the target's own 
 once with plain `generate`), so drafts are accepted and a speculative step is exactly one verify forward of
 k + 1 tokens plus the engine's own work. In half precision a (k + 1)-token forward can round a near-tie
 differently from the one-token forward that wrote the continuation; that row's later drafts are then rejected,
-which changes nothing timed (the schedule is fixed: every step still verifies k + 1 tokens per row), and the
-share of drafts accepted is reported beside the times. Per mode (eager; static shapes compiled with transformers'
+which changes nothing timed under the fixed schedule (every step still verifies k + 1 tokens per row), and the
+share of drafts accepted is reported beside the times. Each case runs with `schedule="fixed"` and with the adaptive
+schedule, the default, whose host work each step (its estimates and decision, a timing of the step) is part of the
+overhead users meet; with drafts always accepted it drafts k tokens but for the plain steps it takes now and then to
+measure a plain step's time, which count as steps too. Per mode (eager; static shapes compiled with transformers'
 `CompileConfig`, `mode="reduce-overhead"` = CUDA graphs on CUDA):
 
 - step: hf_specdec's time per verify step, from two runs of different lengths (the difference cancels the prefill
@@ -17,6 +20,10 @@ share of drafts accepted is reported beside the times. Per mode (eager; static s
 
     python benchmarks/step_overhead.py [--batch-size 1 8] [-k 4] [--json out.json]
     python benchmarks/step_overhead.py --smoke   # tiny sizes on the CPU: checks that it runs, measures nothing
+    python benchmarks/step_overhead.py --tiny --batch-size 1 --modes eager   # the host work per step
+
+With `--tiny` the model is the smoke run's (2 layers, hidden 64), whose forward takes about a millisecond on a CPU,
+so that step_ms - forward_ms reads the engine's own work per step in milliseconds, on whatever device runs it.
 """
 
 from __future__ import annotations
@@ -68,9 +75,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def speculative_seconds(target, prompts, oracle, k: int, new_tokens: int, compile_config) -> tuple[float, int, float]:
+def speculative_seconds(target, prompts, oracle, k: int, new_tokens: int, compile_config,
+                        schedule: str = "fixed") -> tuple[float, int, float]:
     """(seconds, verify steps, share of drafts accepted) of one hf_specdec call with the oracle proposer."""
-    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, schedule="fixed")
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, schedule=schedule)
     factory = lambda *_: OracleProposer(oracle, k)  # noqa: E731
     extra = {} if compile_config is None else dict(compile_config=compile_config)
     with mock.patch.dict(base._REGISTRY, {"ngram": factory}):
@@ -111,21 +119,27 @@ def bare_forward_seconds(target, prompts, k: int, context: int, compile_config, 
     return statistics.median(times[2:])
 
 
-def measure(target, prompts, k: int, new_tokens: tuple[int, int], compile_config, repeats: int) -> dict:
+def measure(target, prompts, k: int, new_tokens: tuple[int, int], compile_config, repeats: int,
+            schedules: tuple[str, ...] = ("fixed",)) -> list[dict]:
+    """One case per schedule: its step time, the bare forward's (measured once), and the overhead."""
     with torch.no_grad():
         oracle = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens[1] + k,
                                  do_sample=False, eos_token_id=None)
-    per_step, accepted = [], []
-    for _ in range(repeats + 1):  # the first round warms up (and compiles)
-        short = speculative_seconds(target, prompts, oracle, k, new_tokens[0], compile_config)
-        long = speculative_seconds(target, prompts, oracle, k, new_tokens[1], compile_config)
-        per_step.append((long[0] - short[0]) / (long[1] - short[1]))
-        accepted.append(long[2])
     context = prompts.shape[1] + (new_tokens[0] + new_tokens[1]) // 2
-    step = statistics.median(per_step[1:])
     forward = bare_forward_seconds(target, prompts, k, context, compile_config, repeats)
-    return {"step_ms": 1000 * step, "forward_ms": 1000 * forward, "overhead": step / forward - 1,
-            "repeats_step_ms": [1000 * s for s in per_step[1:]], "accepted_share": min(accepted)}
+    cases = []
+    for schedule in schedules:
+        per_step, accepted = [], []
+        for _ in range(repeats + 1):  # the first round warms up (and compiles)
+            short = speculative_seconds(target, prompts, oracle, k, new_tokens[0], compile_config, schedule)
+            long = speculative_seconds(target, prompts, oracle, k, new_tokens[1], compile_config, schedule)
+            per_step.append((long[0] - short[0]) / (long[1] - short[1]))
+            accepted.append(long[2])
+        step = statistics.median(per_step[1:])
+        cases.append({"schedule": schedule, "step_ms": 1000 * step, "forward_ms": 1000 * forward,
+                      "overhead": step / forward - 1, "repeats_step_ms": [1000 * s for s in per_step[1:]],
+                      "accepted_share": min(accepted)})
+    return cases
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -135,12 +149,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, nargs=2, default=[32, 160], help="the two run lengths")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--schedule", nargs="+", choices=["fixed", "adaptive"], default=["fixed", "adaptive"],
+                        help="the step schedules to measure (default both)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (checks that it runs)")
+    parser.add_argument("--tiny", action="store_true", help="the smoke run's tiny model, full runs and repeats")
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
     parser.add_argument("--json", type=Path, help="write the results here, as JSON")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sizes = SMOKE if args.smoke else ONE_B
+    sizes = SMOKE if args.smoke or args.tiny else ONE_B
     if args.smoke:
         args.batch_size, args.prompt_length, args.new_tokens, args.repeats = [1, 2], 8, [4, 8], 1
     torch.manual_seed(0)
@@ -150,15 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
     compile_config = CompileConfig(fullgraph=True, backend="eager" if args.smoke else "inductor")
     cases = []
     print(f"{environment(device, dtype)['gpu'] or 'CPU'}: random Llama, {parameters / 1e9:.2f}B parameters, k={args.k}")
-    print(f"{'mode':>9} {'batch':>5} {'step ms':>8} {'forward ms':>10} {'overhead':>8} {'accepted':>8}")
-    for mode, config in (("eager", None), ("compiled", compile_config)):
+    print(f"{'mode':>9} {'batch':>5} {'schedule':>9} {'step ms':>8} {'forward ms':>10} {'overhead':>8} {'accepted':>8}")
+    for mode, config in [(mode, {"eager": None, "compiled": compile_config}[mode]) for mode in args.modes]:
         for batch in args.batch_size:
             prompts = torch.randint(3, sizes["vocab_size"], (batch, args.prompt_length), device=device)
-            case = {"mode": mode, "batch": batch,
-                    **measure(target, prompts, args.k, tuple(args.new_tokens), config, args.repeats)}
-            cases.append(case)
-            print(f"{mode:>9} {batch:>5} {case['step_ms']:>8.3f} {case['forward_ms']:>10.3f} {case['overhead']:>7.1%} "
-                  f"{case['accepted_share']:>8.1%}")
+            for measured in measure(target, prompts, args.k, tuple(args.new_tokens), config, args.repeats,
+                                    tuple(args.schedule)):
+                case = {"mode": mode, "batch": batch, **measured}
+                cases.append(case)
+                print(f"{mode:>9} {batch:>5} {case['schedule']:>9} {case['step_ms']:>8.3f} {case['forward_ms']:>10.3f} "
+                      f"{case['overhead']:>7.1%} {case['accepted_share']:>8.1%}")
     write_report(args, cases, device, dtype, parameters=parameters)
     return cases
 

@@ -11,8 +11,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 def test_step_overhead_smoke(tmp_path, benchmark_script):
     cases = benchmark_script("step_overhead").main(["--smoke", "--json", str(tmp_path / "overhead.json")])
     assert json.loads((tmp_path / "overhead.json").read_text())["results"] == cases
-    modes = {(case["mode"], case["batch"]) for case in cases}
-    assert modes == {("eager", 1), ("eager", 2), ("compiled", 1), ("compiled", 2)}
+    modes = {(case["mode"], case["batch"], case["schedule"]) for case in cases}
+    assert modes == {(mode, batch, schedule) for mode in ("eager", "compiled") for batch in (1, 2)
+                     for schedule in ("fixed", "adaptive")}
     # smoke sizes measure nothing (a step can even time below zero): the numbers only have to be there
     assert all(math.isfinite(case["step_ms"]) and case["forward_ms"] > 0 for case in cases)
     # float32: the (k + 1)-token forward keeps the one-token forward's greedy choices, so the oracle is never wrong
