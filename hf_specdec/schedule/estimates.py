@@ -208,12 +208,15 @@ class CostTable:
         self.probe_wait: dict[int, int] = {}
         # per (batch size, width): the batch size's sample count when the width was last measured there
         self.last_measured: dict[tuple[int, int], int] = {}
+        # per (batch size, max_k): `predict`'s answer since the last measurement (the schedule asks every step)
+        self.predicted: dict[tuple[int, int], np.ndarray] = {}
 
     def observe(self, batch_size: int, width: int, seconds: float) -> None:
         """A step of `width` at `batch_size` took `seconds`. A narrower drafting width whose estimate stands above
         this width's comes down to it: a narrower step does not cost more than a wider one, and a width the decision
         stops choosing because of a high estimate is not measured again to correct it."""
         key = (batch_size, width)
+        self.predicted.clear()
         self._keep(key, [*self.recent.get(key, ()), seconds])
         for narrower in range(1, width):  # the plain step's estimate is its own (`plain_due` refreshes it)
             if self.times.get((batch_size, narrower), 0.0) > self.times[key]:
@@ -226,6 +229,7 @@ class CostTable:
         estimate."""
         self.recent[key] = deque(measurements, maxlen=TIME_WINDOW)
         self.times[key] = lower_quantile(self.recent[key])
+        self.predicted.clear()
 
     def plain_due(self, batch_size: int) -> bool:
         """Whether the next step at this batch size should be plain, to measure the plain step's time: never
@@ -300,6 +304,12 @@ class CostTable:
     def predict(self, batch_size: int, max_k: int) -> np.ndarray:
         """[max_k + 1] predicted step time at widths 0..max_k for `batch_size` rows (relative units before any
         measurement: only ratios between widths matter to the decision)."""
+        key = (batch_size, max_k)
+        if key not in self.predicted:
+            self.predicted[key] = self._predict(batch_size, max_k)
+        return self.predicted[key].copy()
+
+    def _predict(self, batch_size: int, max_k: int) -> np.ndarray:
         widths = np.arange(max_k + 1, dtype=float)
         sizes = {b for b, _ in self.times}
         if not sizes:
