@@ -65,7 +65,6 @@ REALIZED_SAMPLES = 4
 PLAIN_REFRESH = 64
 
 
-
 def lower_quantile(values: Sequence[float]) -> float:
     """The `TIME_QUANTILE` quantile of a few values, interpolated linearly between the two nearest order statistics
     (numpy's default method), in plain Python: `np.quantile` costs tens of microseconds per call, every step."""
@@ -74,6 +73,7 @@ def lower_quantile(values: Sequence[float]) -> float:
     below = int(position)
     above = min(below + 1, len(ordered) - 1)
     return ordered[below] + (position - below) * (ordered[above] - ordered[below])
+
 
 class AcceptanceEstimate:
     """Per row and draft position: an exponential moving average of whether the draft there was accepted, updated
@@ -208,7 +208,8 @@ class CostTable:
         self.probe_wait: dict[int, int] = {}
         # per (batch size, width): the batch size's sample count when the width was last measured there
         self.last_measured: dict[tuple[int, int], int] = {}
-        # per (batch size, max_k): `predict`'s answer since the last measurement (the schedule asks every step)
+        # per (batch size, max_k): `predict`'s answer since the last measurement (`_keep` clears it; the schedule
+        # asks every step)
         self.predicted: dict[tuple[int, int], np.ndarray] = {}
 
     def observe(self, batch_size: int, width: int, seconds: float) -> None:
@@ -216,7 +217,6 @@ class CostTable:
         this width's comes down to it: a narrower step does not cost more than a wider one, and a width the decision
         stops choosing because of a high estimate is not measured again to correct it."""
         key = (batch_size, width)
-        self.predicted.clear()
         self._keep(key, [*self.recent.get(key, ()), seconds])
         for narrower in range(1, width):  # the plain step's estimate is its own (`plain_due` refreshes it)
             if self.times.get((batch_size, narrower), 0.0) > self.times[key]:
