@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     cases = []
     print(f"{environment(device, dtype)['gpu'] or 'CPU'}: random Llama, {parameters / 1e9:.2f}B parameters, k={args.k}")
     print(f"{'mode':>9} {'batch':>5} {'schedule':>9} {'step ms':>8} {'forward ms':>10} {'overhead':>8} {'accepted':>8}")
-    for mode, config in [(mode, {"eager": None, "compiled": compile_config}[mode]) for mode in args.modes]:
+    configs = {"eager": None, "compiled": compile_config}
+    for mode in args.modes:
+        config = configs[mode]
         for batch in args.batch_size:
             prompts = torch.randint(3, sizes["vocab_size"], (batch, args.prompt_length), device=device)
             for measured in measure(target, prompts, args.k, tuple(args.new_tokens), config, args.repeats,

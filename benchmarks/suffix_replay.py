@@ -32,10 +32,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from suffix_repeat import parts  # noqa: E402
 
+from hf_specdec import SpeculativeConfig  # noqa: E402
 from hf_specdec.cli.environment import write_report  # noqa: E402
 from hf_specdec.proposers.ngram import find_ngram_continuation  # noqa: E402
 from hf_specdec.suffix import SuffixCache, SuffixConfig  # noqa: E402
 from hf_specdec.suffix.draft import propose_suffix_draft  # noqa: E402
+
+# n-gram lookup's matched n-gram lengths: the engine's defaults
+NGRAM = SpeculativeConfig(method="ngram")
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,8 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], method: str, k: i
             budget = min(k, len(output) - position - 1)  # no draft past the output's last token
             tokens, parents = (), ()
             if budget > 0 and method == "ngram":
-                tokens = tuple(find_ngram_continuation(np.asarray(text), 1, 3, budget).tolist())
+                tokens = tuple(find_ngram_continuation(np.asarray(text), NGRAM.prompt_lookup_min,
+                                                       NGRAM.prompt_lookup_max, budget).tolist())
                 parents = tuple(range(-1, len(tokens) - 1))
             elif budget > 0:
                 draft = propose_suffix_draft(cache, request, text, budget)

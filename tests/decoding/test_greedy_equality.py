@@ -75,25 +75,26 @@ def test_greedy_matches_plain_generate(arch, side):
 # scaled residuals, parallel blocks. Checked with fewer proposers than the architectures above: every proposer
 # reaches the model through the same cache and masks
 NEWER_ARCHITECTURES = {
-    "qwen3": ("Qwen3", {"head_dim": 8}),
-    "qwen3_moe": ("Qwen3Moe", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
-    "gemma3_text": ("Gemma3Text", {"head_dim": 8, "num_hidden_layers": 4, "sliding_window": 6}),
-    "smollm3": ("SmolLM3", {"num_hidden_layers": 4}),
-    "olmo2": ("Olmo2", {}),
-    "gpt_oss": ("GptOss", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
-                           "layer_types": ["sliding_attention", "full_attention"]}),
-    "granite": ("Granite", {}),
-    "cohere": ("Cohere", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "num_hidden_layers": 4, "sliding_window": 6}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"num_hidden_layers": 4}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+                 "layer_types": ["sliding_attention", "full_attention"]}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
 }
 
 
 @pytest.mark.parametrize("arch", sorted(NEWER_ARCHITECTURES))
 def test_newer_architectures_match_plain_generate(arch):
-    prefix, extra = NEWER_ARCHITECTURES[arch]
-    config_class = getattr(transformers, "Gemma3TextConfig" if prefix == "Gemma3Text" else f"{prefix}Config")
-    model_class = getattr(transformers, "Gemma3ForCausalLM" if prefix == "Gemma3Text" else f"{prefix}ForCausalLM")
+    config_name, model_name, extra = NEWER_ARCHITECTURES[arch]
     torch.manual_seed(0)
-    target = model_class(config_class(vocab_size=VOCAB, **{**DECODER, **extra}, **SPECIAL)).eval()
+    config = getattr(transformers, config_name)(vocab_size=VOCAB, **{**DECODER, **extra}, **SPECIAL)
+    target = getattr(transformers, model_name)(config).eval()
     ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = target.generate(ids, **kwargs)
