@@ -27,7 +27,8 @@ from transformers import (
 )
 
 from hf_specdec import SpeculativeConfig
-from hf_specdec.schedule import controller
+from hf_specdec.decoding import loop
+from hf_specdec.schedule import controller, tree_size
 from hf_specdec.schedule.estimates import CostTable
 
 VOCAB = 128
@@ -183,3 +184,22 @@ class InjectedCosts(CostTable):
 def injected_step_costs(monkeypatch):
     """The schedule's step-time tables are `InjectedCosts` in every test (see above)."""
     monkeypatch.setattr(controller, "cost_table", lambda model, key: InjectedCosts())
+
+
+# Likewise `tree_total_tokens="auto"` sizes a tree from timed verify forwards: on a busy machine a width can read
+# costly and shrink the tree to its chain's length (a dynamic tree of 2 nodes over a chain of 2 is two siblings, and
+# nothing at depth 2 is ever drafted). Inside generate every test times widths on a fixed curve instead, a forward of
+# w tokens per row costing 1 + INJECTED_TREE_SLOPE * w; tests/schedule/test_tree_size.py covers the measurement.
+INJECTED_TREE_SLOPE = 0.02
+
+
+def injected_verify_costs(model, batch_size: int, widths: list[int], stop_above: float) -> dict[int, float]:
+    """`tree_size.measure_verify_costs`' answer on the fixed curve above (no forward runs)."""
+    return {width: 1.0 + INJECTED_TREE_SLOPE * width for width in widths}
+
+
+@pytest.fixture(autouse=True)
+def injected_tree_costs(monkeypatch):
+    """generate's automatic tree sizes come from `injected_verify_costs` in every test (see above)."""
+    monkeypatch.setattr(loop, "auto_tree_size", functools.partial(tree_size.auto_tree_size,
+                                                                  measure=injected_verify_costs))
