@@ -9,7 +9,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import (
+    BloomConfig,
+    FalconConfig,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    MptConfig,
+    OPTConfig,
+)
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
@@ -77,7 +85,7 @@ def test_eagle_greedy_matches_plain_generate(version, shape):
     assert stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma2", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma2", "phi3", "gpt2", "opt"])
 def test_eagle_dynamic_tree_matches_plain_generate_on_other_architectures(arch):
     target = make_model(arch)
     ids, mask = padded_batch([11, 6, 9], seed=2, repeat_period=3)
@@ -87,6 +95,28 @@ def test_eagle_dynamic_tree_matches_plain_generate_on_other_architectures(arch):
         out = _generate(target, ids, mask, SpeculativeConfig(method="eagle", heads=head, **SHAPES["dynamic"]))
         assert torch.equal(out.sequences, expected), version
         assert out.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize(("config", "width", "positions"), [
+    (GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128), 128, 128),  # n_inner None: 4 x the width
+    (GPT2Config(n_embd=32, n_layer=2, n_head=4, n_inner=48), 48, 1024),
+    (OPTConfig(hidden_size=32, ffn_dim=80, num_attention_heads=4, max_position_embeddings=64), 80, 64),
+    (FalconConfig(hidden_size=32, num_attention_heads=4, ffn_hidden_size=72), 72, 2048),
+    (MptConfig(d_model=32, n_heads=4, expansion_ratio=3, max_seq_len=96), 96, 96),
+    (BloomConfig(hidden_size=32, n_head=4), 128, 4096),  # ALiBi: no position limit
+])
+def test_eagle_config_for_targets_that_name_their_shapes_otherwise(config, width, positions):
+    """GPT-2-style configs name the MLP width and the context length otherwise than Llama's (`n_inner`, `ffn_dim`,
+    `ffn_hidden_size`, `expansion_ratio`; `n_positions`, `max_seq_len`, none): a head shaped for them reads them."""
+
+    class Target(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = config
+
+    head = EagleConfig.for_target(Target())
+    assert (head.intermediate_size, head.max_position_embeddings) == (width, positions)
+    assert head.hidden_size == 32 and head.num_attention_heads == 4
 
 
 def test_eagle_on_a_target_with_rope_per_layer_type():

@@ -31,6 +31,28 @@ def target_rope_parameters(text_config) -> dict:
     return dict(rope)
 
 
+def target_mlp_width(text_config) -> int:
+    """The width of the target's MLP under the name its family gives it (Llama's `intermediate_size`, GPT-2's
+    `n_inner`, OPT's `ffn_dim`, Falcon's `ffn_hidden_size`, MPT's `expansion_ratio` times the width), or GPT-2's
+    default, four times the hidden size."""
+    for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"):
+        width = getattr(text_config, name, None)
+        if width:
+            return int(width)
+    ratio = getattr(text_config, "expansion_ratio", None)
+    return int((ratio or 4) * text_config.hidden_size)
+
+
+def target_max_positions(text_config) -> int:
+    """The target's longest context under the name its family gives it; 4096 for models without a limit (ALiBi:
+    BLOOM, MPT without `max_seq_len`)."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        length = getattr(text_config, name, None)
+        if length:
+            return int(length)
+    return 4096
+
+
 @dataclass
 class EagleConfig:
     version: EagleVersion
@@ -119,14 +141,14 @@ class EagleConfig:
         values = dict(
             version=version,
             hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
+            intermediate_size=target_mlp_width(text),
             num_attention_heads=text.num_attention_heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
             vocab_size=text.vocab_size,
             head_dim=getattr(text, "head_dim", None),
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
             rope_parameters=target_rope_parameters(text),
-            max_position_embeddings=text.max_position_embeddings,
+            max_position_embeddings=target_max_positions(text),
             base_model_name_or_path=getattr(target.config, "_name_or_path", None) or None,
         )
         if version == "eagle3":
