@@ -4,9 +4,10 @@ Plain `generate` runs the processor list once per token on `input_ids [B, L]`. A
 positions of every row at once (k + 1 chain positions, or every node of a tree), and rows have different lengths,
 so each position must see its row's committed tokens followed by the draft tokens on its path. Processors whose output does not
 depend on the prefix (temperature, top-k, top-p, ...) run once over every position; any other processor runs
-once per distinct prefix length, on the rows that share it. A processor holding per-row state (a tensor whose
-first dimension is the batch, such as the repetition penalty's per-row `prompt_ignore_length`) is called on a
-shallow copy whose row tensors are sliced to the same rows.
+once per distinct prefix length, on the rows that share it. A processor of transformers' that holds per-row state
+(`PER_ROW_STATE`: the repetition penalty's per-row `prompt_ignore_length`) is called on a shallow copy whose row
+tensors are sliced to the same rows; every other tensor a processor holds (the tokens it suppresses, its EOS ids) is
+the same for every row, whatever its length.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
     PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
     SynthIDTextWatermarkLogitsProcessor,
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
@@ -43,6 +45,11 @@ UNSUPPORTED_PROCESSORS = {
          "processor"),
     ),
 }
+
+
+# transformers' processors that keep state per row of the batch: the tensor attributes whose first dimension is the
+# batch (a custom processor holds none: it must be a function of its arguments)
+PER_ROW_STATE = {RepetitionPenaltyLogitsProcessor: ("prompt_ignore_length",)}
 
 
 def check_processors(logits_processor: LogitsProcessorList) -> None:
@@ -93,7 +100,7 @@ class PositionScorer:
             along_path = (column - committed).clamp(min=0, max=max(path_tokens.shape[2] - 1, 0))
             path = path_tokens[rows, cols].gather(1, along_path) if path_tokens.shape[2] else along_path
             prefix = torch.where(column < committed, state.sequences[rows, :length], path)
-            processors = LogitsProcessorList(_select_rows(p, rows, batch) for p in self.logits_processor)
+            processors = LogitsProcessorList(_select_rows(p, rows) for p in self.logits_processor)
             out[rows, cols] = processors(prefix, scores[rows, cols])
         return out
 
@@ -123,12 +130,18 @@ def _by_prefix_length(
         yield length, (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
 
 
-def _select_rows(processor, rows: torch.Tensor, batch_size: int):
-    """The processor as it applies to `rows` of the batch: per-row tensor attributes are sliced."""
+def _select_rows(
+    processor,
+    # [g] long: the rows of the batch it is called on
+    rows: torch.Tensor,
+):
+    """The processor as it applies to `rows` of the batch: its per-row tensor attributes (`PER_ROW_STATE`) are
+    sliced. Other tensors are not, even where their length happens to be the batch size (two suppressed tokens in a
+    batch of two)."""
     row_state = {
         name: value
-        for name, value in vars(processor).items()
-        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size
+        for kind, names in PER_ROW_STATE.items() if isinstance(processor, kind)
+        for name in names if isinstance(value := getattr(processor, name, None), torch.Tensor) and value.dim() >= 1
     }
     if not row_state:
         return processor

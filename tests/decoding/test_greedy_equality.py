@@ -124,6 +124,34 @@ def test_eos_and_processors_match_plain_generate():
         assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("batch", [2, 3])
+def test_token_lists_as_long_as_the_batch_apply_to_every_row(batch):
+    """Processors hold their token lists as tensors (suppressed tokens, the EOS ids of min_length and the length
+    penalty); a list exactly as long as the batch is still one list for every row, not one token per row."""
+    target = make_model("llama")
+    ids, mask = padded_batch([9, 6, 11][:batch], seed=5, repeat_period=3)
+    base = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    free = target.generate(ids, **base)[:, ids.shape[1] :]
+    tokens = list(dict.fromkeys(free[:, :3].flatten().tolist()))[:batch]  # tokens every row's text starts with
+    assert len(tokens) == batch
+    options = {
+        "suppress_tokens": dict(suppress_tokens=tokens),
+        "min_length": dict(eos_token_id=tokens, min_length=ids.shape[1] + 8),
+        "decay": dict(eos_token_id=tokens, exponential_decay_length_penalty=(2, 1.5)),
+    }
+    for name, option in options.items():
+        kwargs = {**base, **option, "return_dict_in_generate": True, "output_scores": True}
+        expected = target.generate(ids, **kwargs)
+        for proposer in ("same_draft", "ngram_tree"):
+            out = hf_specdec.generate(target, ids, speculative=_proposers(target)[proposer], **kwargs)
+            assert torch.equal(out.sequences, expected.sequences), (name, proposer)
+            eos = torch.tensor(option.get("eos_token_id") or [-1])
+            for step, (ours, theirs) in enumerate(zip(out.scores, expected.scores)):
+                # rows not ended yet (an ended row's scores are zeros; plain generate computes them on padding)
+                live = ~torch.isin(out.sequences[:, ids.shape[1] : ids.shape[1] + step], eos).any(dim=1)
+                torch.testing.assert_close(ours[live], theirs[live], msg=f"{name}/{proposer}, step {step}")
+
+
 def test_prefix_seeded_watermark_matches_plain_generate():
     """WatermarkingConfig's green lists are a function of the prefix: each verified position gets its own."""
     target = make_model("llama")
