@@ -1,0 +1,184 @@
+"""Random combinations of architecture, padding, proposer, draft shape, schedule and generate options, each checked
+against plain `generate`: the same sequences, and the same scores, logits and hidden states where asked for (for
+the rows still generating: a row's entries after it ended are zeros here, computed on padding there). Every case
+is seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 48), `HF_SPECDEC_RANDOM_START=S` from case S on.
+Greedy cases compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling deterministic,
+so they compare exactly too (with temperature, top-p, min-p, typical and epsilon warpers in the processor list).
+
+Found with it: token lists as long as the batch applied one token per row (`test_greedy_equality.py`), EAGLE heads
+for GPT-2-style configs (`test_eagle.py`)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, MlpSpeculator, MlpSpeculatorConfig
+from hf_specdec.suffix import SuffixCache
+from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
+
+CASES = int(os.environ.get("HF_SPECDEC_RANDOM_CASES", "48"))
+START = int(os.environ.get("HF_SPECDEC_RANDOM_START", "0"))
+SLIDING = {"phi3", "mistral", "gemma2"}  # right-padded, a short row's last prompt position sees no key in its window
+
+
+@dataclass
+class Case:
+    arch: str
+    ids: torch.Tensor  # [B, P]
+    kwargs: dict  # generate's
+    config: SpeculativeConfig
+    name: str
+
+
+def _noisy_copy(target: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The target with its weights perturbed: drafts accepted often, not always."""
+    draft = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(0.3 * weight.std().clamp(min=1e-3) * torch.randn(weight.shape, generator=generator))
+    return draft
+
+
+def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, SpeculativeConfig]:
+    text = target.config.get_text_config()
+    k = rng.randint(1, 5)
+    shape = rng.choice(["chain", "chain", "branches", "dynamic"])
+    if shape == "dynamic":
+        k = max(k, 3)  # room for the tree's nodes
+    tree = {"chain": {}, "branches": {"tree_width": rng.randint(2, 3)},
+            "dynamic": {"tree_width": 2, "tree_total_tokens": rng.choice([3, 5, "auto"])}}[shape]
+    kind = rng.choice(["draft", "ngram", "suffix", "hybrid", "early_exit", "eagle", "eagle3", "medusa",
+                       "mlp_speculator", "auto"])
+    torch.manual_seed(rng.randint(0, 99))
+    if kind == "draft":
+        draft = rng.choice([lambda: copy.deepcopy(target), lambda: _noisy_copy(target, 1), make_draft])()
+        values = dict(method="draft", draft_model=draft, num_speculative_tokens=k, **tree)
+    elif kind == "ngram":
+        values = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3, **tree)
+    elif kind == "suffix":
+        values = dict(method="suffix", suffix_cache=SuffixCache())
+    elif kind == "hybrid":
+        fallback = SpeculativeConfig(method="draft", draft_model=_noisy_copy(target, 2), num_speculative_tokens=k)
+        values = dict(method="suffix", suffix_cache=SuffixCache(), fallback=fallback, fallback_min_score=1.5)
+    elif kind == "early_exit":
+        values = dict(method="early_exit", early_exit_layer=1, num_speculative_tokens=k, **tree)
+    elif kind in ("eagle", "eagle3"):
+        values = dict(method="eagle", heads=EagleHead(EagleConfig.for_target(target, kind)).eval(),
+                      num_speculative_tokens=k, **tree)
+    elif kind == "medusa":
+        heads = MedusaHeads(MedusaConfig(hidden_size=text.hidden_size, vocab_size=text.vocab_size, num_heads=3))
+        values = dict(method="medusa", heads=heads.eval(), num_speculative_tokens=min(k, 3),
+                      **({"tree_width": 2} if shape != "chain" else {}))
+    elif kind == "mlp_speculator":
+        speculator = MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size))
+        values = dict(method="mlp_speculator", heads=speculator.eval(), num_speculative_tokens=min(k, 3))
+    else:
+        values = dict(method="auto", num_speculative_tokens=k, draft_model=_noisy_copy(target, 3))
+    values["schedule"] = rng.choice(["fixed", "adaptive"])
+    return f"{kind}/{shape}/{values['schedule']}", SpeculativeConfig(**values)
+
+
+def _case(seed: int) -> Case:
+    rng = random.Random(seed)
+    arch = rng.choice(sorted(ARCHITECTURES))
+    target = make_model(arch)
+    sample = rng.random() < 0.3
+    side = "left" if sample and arch in SLIDING else rng.choice(["left", "left", "right"])
+    lengths = [rng.randint(1, 12) for _ in range(rng.choice([1, 2, 3, 4]))]
+    ids, mask = padded_batch(lengths, seed=seed, repeat_period=rng.choice([None, 3, 5]), side=side)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[:, ids.shape[1] :]
+
+    def token() -> int:  # one the rows' own continuations contain: options that name it change the output
+        return int(free[rng.randrange(free.shape[0]), rng.randrange(free.shape[1])])
+
+    kwargs = dict(attention_mask=mask, pad_token_id=0, return_dict_in_generate=True,
+                  eos_token_id=rng.choice([None, token(), [token(), token()]]))
+    if rng.random() < 0.8:
+        kwargs["max_new_tokens"] = rng.randint(1, 30)
+    else:
+        kwargs["max_length"] = ids.shape[1] + rng.randint(1, 30)
+    options = {
+        "repetition_penalty": lambda: rng.choice([0.8, 1.3]),
+        "no_repeat_ngram_size": lambda: rng.randint(1, 3),
+        "min_new_tokens": lambda: rng.randint(1, 10),
+        "min_length": lambda: ids.shape[1] + rng.randint(1, 8),
+        "bad_words_ids": lambda: [[token()], [token(), token()]],
+        "suppress_tokens": lambda: [token() for _ in range(rng.randint(1, 4))],
+        "begin_suppress_tokens": lambda: [token()],
+        "sequence_bias": lambda: {(token(),): -3.0, (token(), token()): 2.0},
+        "exponential_decay_length_penalty": lambda: (rng.randint(1, 5), 1.5),
+        "renormalize_logits": lambda: True,
+        "output_scores": lambda: True,
+        "output_logits": lambda: True,
+        "output_hidden_states": lambda: True,
+        "use_cache": lambda: False,
+        "cache_implementation": lambda: "static",
+    }
+    for name in rng.sample(sorted(options), rng.randint(0, 4)):
+        kwargs[name] = options[name]()
+    if kwargs["eos_token_id"] is None:
+        kwargs.pop("exponential_decay_length_penalty", None)  # a penalty on the EOS: plain generate needs one
+    if kwargs.get("use_cache") is False:
+        kwargs.pop("output_hidden_states", None)  # plain recomputes the pads' states too: compared elsewhere
+    if sample:
+        kwargs.update(do_sample=True, top_k=1, temperature=rng.choice([0.3, 1.0, 1.7]))
+        for name, value in {"top_p": 0.9, "min_p": 0.05, "typical_p": 0.9, "epsilon_cutoff": 3e-4}.items():
+            if rng.random() < 0.3:
+                kwargs[name] = value
+    else:
+        kwargs["do_sample"] = False
+    name, config = _config(rng, target)
+    return Case(arch, ids, kwargs, config, f"{arch}, batch {len(lengths)} {side}, {name}, {sorted(kwargs)}")
+
+
+def _ended_before(
+    # [B, T] generated tokens
+    generated: torch.Tensor,
+    eos: int | list[int] | None,
+) -> torch.Tensor:
+    """[B, T] bool: whether the row emitted an EOS before step t."""
+    eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else eos, dtype=torch.long)
+    hit = torch.isin(generated, eos).long().cumsum(dim=1)
+    return torch.cat([torch.zeros_like(hit[:, :1]), hit[:, :-1]], dim=1) > 0
+
+
+@pytest.mark.parametrize("seed", range(START, START + CASES))
+def test_random_combination_matches_plain_generate(seed):
+    case = _case(seed)
+    try:
+        expected = make_model(case.arch).generate(case.ids, **case.kwargs)
+    except ValueError:  # an option plain generate refuses in this combination
+        pytest.skip("plain generate refuses this combination")
+    target = make_model(case.arch)
+    try:
+        out = hf_specdec.generate(target, case.ids, speculative=case.config, **case.kwargs)
+    except ValueError as error:  # refusals name the option and what to do: combinations that cannot run
+        assert "static" in str(error) and case.kwargs.get("cache_implementation") == "static", (case.name, error)
+        return
+    assert torch.equal(out.sequences, expected.sequences), case.name
+    ended = _ended_before(expected.sequences[:, case.ids.shape[1] :], case.kwargs["eos_token_id"])
+    for field in ("scores", "logits"):
+        if case.kwargs.get(f"output_{field}"):
+            ours, theirs = getattr(out, field), getattr(expected, field)
+            assert len(ours) == len(theirs), case.name
+            for step, (a, b) in enumerate(zip(ours, theirs)):
+                live = ~ended[:, step]
+                torch.testing.assert_close(a[live], b[live], rtol=1e-4, atol=1e-4, msg=f"{case.name}: {field}")
+    if case.kwargs.get("output_hidden_states"):
+        real = case.kwargs["attention_mask"].bool()[:, :, None]  # [B, P, 1]
+        assert len(out.hidden_states) == len(expected.hidden_states), case.name
+        for step, (ours, theirs) in enumerate(zip(out.hidden_states, expected.hidden_states)):
+            live = ~ended[:, step]
+            for a, b in zip(ours, theirs):  # per layer: [B, P, H] at the prefill (real positions), then [B, 1, H]
+                seen = real if step == 0 else torch.ones_like(a[..., :1], dtype=torch.bool)
+                torch.testing.assert_close((a * seen)[live], (b * seen)[live], rtol=1e-4, atol=1e-4, msg=case.name)
