@@ -443,8 +443,10 @@ class DraftModelProposer(Proposer):
         kept_drafts = ((step < result.num_accepted.to(path.device)[:, None]) & (slots >= 0)).long().cumprod(1).sum(1)
         num_kept = torch.where(state.finished.to(path.device), 0, fed + kept_drafts)
         host = state.host
-        # every shape feeds its nodes above the deepest (a tree its frontier); a chain cut to nothing fed none
-        fed_depth = max(self._drafted_depth - 1, 0)
+        # every shape feeds its nodes above the deepest (a tree its frontier); a chain cut to nothing fed none. A
+        # dynamic tree under static shapes drafts every level even where it keeps fewer nodes than levels (3 nodes
+        # over k = 5): its path is no deeper than the tree
+        fed_depth = min(max(self._drafted_depth - 1, 0), path.shape[1])
         if self.total_tokens is None:  # chains and fixed branches feed every node above the deepest
             kept_host = [0 if done else n + min(a, fed_depth)
                          for n, a, done in zip(self._fed_host, host.num_accepted, host.finished)]

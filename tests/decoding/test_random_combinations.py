@@ -171,14 +171,14 @@ def test_random_combination_matches_plain_generate(seed):
         if case.kwargs.get(f"output_{field}"):
             ours, theirs = getattr(out, field), getattr(expected, field)
             assert len(ours) == len(theirs), case.name
-            for step, (a, b) in enumerate(zip(ours, theirs)):
+            for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
                 live = ~ended[:, step]
                 torch.testing.assert_close(a[live], b[live], rtol=1e-4, atol=1e-4, msg=f"{case.name}: {field}")
     if case.kwargs.get("output_hidden_states"):
         real = case.kwargs["attention_mask"].bool()[:, :, None]  # [B, P, 1]
         assert len(out.hidden_states) == len(expected.hidden_states), case.name
-        for step, (ours, theirs) in enumerate(zip(out.hidden_states, expected.hidden_states)):
+        for step, (ours, theirs) in enumerate(zip(out.hidden_states, expected.hidden_states, strict=True)):
             live = ~ended[:, step]
-            for a, b in zip(ours, theirs):  # per layer: [B, P, H] at the prefill (real positions), then [B, 1, H]
+            for a, b in zip(ours, theirs, strict=True):  # per layer: [B, P, H] at the prefill (real positions), then [B, 1, H]
                 seen = real if step == 0 else torch.ones_like(a[..., :1], dtype=torch.bool)
                 torch.testing.assert_close((a * seen)[live], (b * seen)[live], rtol=1e-4, atol=1e-4, msg=case.name)
