@@ -18,8 +18,6 @@ KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", CACHE_KWARG, "use_cache"
                       "output_hidden_states"}
 # Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` does not have.
 NEEDS_PROMPT_IDS = ("draft", "eagle", "mtp", "early_exit")
-# Proposers that read the target's features at every prompt position, which a filled cache does not keep.
-NEEDS_PROMPT_FEATURES = ("eagle", "mtp")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", *STATIC_CACHE_IMPLEMENTATIONS)
 
 
@@ -64,13 +62,6 @@ def check_generation_supported(
             "DynamicCache (what generate returns by default) and takes an empty StaticCache; drop it or pass one "
             "of those"
         )
-    cached = 0 if cache is None else cache.get_seq_length()
-    if cached > 0:
-        if method in NEEDS_PROMPT_FEATURES:
-            raise ValueError(
-                f"{CACHE_KWARG}: method={method!r} reads the target's features at every prompt position, which a "
-                f"filled cache does not keep; start from the whole prompt (no {CACHE_KWARG}) or use another method"
-            )
     if model_kwargs.get("inputs_embeds") is not None and method in NEEDS_PROMPT_IDS:
         raise ValueError(
             f"inputs_embeds: method={method!r} drafts from the prompt's token ids, which a prompt given as "

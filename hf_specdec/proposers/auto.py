@@ -82,8 +82,13 @@ class AutoProposer(Proposer):
             if sub is not None:
                 self.configs[method] = sub
                 self.candidates[method] = build_proposer(sub, target, sampling)
-        layers = sorted({layer for p in self.candidates.values() for layer in (p.target_feature_layers or ())})
-        self.target_feature_layers = tuple(layers) or None
+        # the target features a candidate drafts from (an EAGLE head's layers, in its order; at most one candidate
+        # reads any: auto takes one set of heads)
+        readers = {m: p.target_feature_layers for m, p in self.candidates.items() if p.target_feature_layers}
+        if len(readers) > 1:
+            raise ValueError(f"SpeculativeConfig.method: 'auto' drafts with one candidate that reads the target's "
+                             f"features at a time; candidates {sorted(readers)} each read some")
+        self.target_feature_layers = next(iter(readers.values()), None)
         self.needs_prompt_features = any(p.needs_prompt_features for p in self.candidates.values())
         # the candidates that drafted this step, each with (its proposal, its rows on the host and the device) where
         # rows drafted with several, else None

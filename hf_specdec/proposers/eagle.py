@@ -113,8 +113,14 @@ class EagleProposer(DraftModelProposer):
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         """Prompt token p is to be fed with the target's feature at p - 1 (p >= 1; a row's first real token has no
         feature before it, so it is never fed): in the head's first forward (`_feed_prompt`), so a call whose rows
-        all decode plainly never runs the head over its prompt."""
-        prompt = state.sequences[:, : state.prompt_length]
+        all decode plainly never runs the head over its prompt. A call continuing from a filled cache has the
+        target's features of the new positions only: the head reads those (it drafts over a shorter context than
+        the target's; its drafts are verified all the same)."""
+        # the prompt's positions from the first one whose target feature the prefill computed
+        start = state.prompt_length - state.target_features.shape[1]
+        prompt = state.sequences[:, start : state.prompt_length]
+        if attention_mask is not None:
+            attention_mask = attention_mask[:, start:]
         device = self.draft.device
         self._expect_call(state)
         self.cache.prefill(prompt[:, :0].to(device), None)
@@ -124,7 +130,7 @@ class EagleProposer(DraftModelProposer):
         # lengths after it (on the device), and per row how many of its tokens (the first ones) are the row's (host)
         self._backlog: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
         self._prompt_feed: tuple | None = None  # the prompt's pairs, until the head's first forward feeds them
-        if state.prompt_length < 2:
+        if prompt.shape[1] < 2:
             return
         real = torch.ones_like(prompt[:, 1:], dtype=torch.bool)
         if attention_mask is not None:

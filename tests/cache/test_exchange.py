@@ -76,19 +76,35 @@ def test_no_cache_returned_without_use_cache():
     assert out.past_key_values is None
 
 
-def test_filled_cache_refused_for_eagle_and_other_cache_types():
-    from transformers import StaticCache
+@pytest.mark.parametrize("version", ["eagle", "eagle3"])
+def test_eagle_continues_from_a_filled_cache(version):
+    """The target's features exist for the positions after the filled cache only: the head reads those (a shorter
+    context than the target's), and the output is plain generate's, alone and under method="auto". A two-layer
+    target gives EAGLE-3 the layers (1, 1, 0): auto reads them as the head does, repeats and order kept."""
+    from tests.proposers.test_eagle import trained_head
 
-    from tests.proposers.test_eagle import eagle_head
+    target = make_model("llama")
+    ids, mask = padded_batch([9, 6, 8], seed=2, repeat_period=3)
+    first = target.generate(ids, attention_mask=mask, max_new_tokens=4, **KWARGS)
+    longer = torch.cat([mask, mask.new_ones(3, 4)], dim=1)
+    kwargs = dict(attention_mask=longer, max_new_tokens=12, **KWARGS)
+    expected = target.generate(first.sequences, past_key_values=copy.deepcopy(first.past_key_values), **kwargs)
+    head = trained_head(target, version, expected.sequences)
+    for method in ("eagle", "auto"):
+        config = SpeculativeConfig(method=method, heads=head, num_speculative_tokens=3)
+        out = hf_specdec.generate(target, first.sequences, past_key_values=copy.deepcopy(first.past_key_values),
+                                  speculative=config, **kwargs)
+        assert torch.equal(out.sequences, expected.sequences), method
+        assert out.spec_stats.num_accepted_tokens > 0, method
+
+
+def test_filled_cache_of_another_type_refused():
+    from transformers import StaticCache
 
     target = make_model("llama")
     ids, mask = padded_batch([6, 6], seed=4)
     first = target.generate(ids, attention_mask=mask, max_new_tokens=2, **KWARGS)
     longer = torch.cat([mask, mask.new_ones(2, 2)], dim=1)
-    eagle = SpeculativeConfig(method="eagle", heads=eagle_head(target))
-    with pytest.raises(ValueError, match=f"{CACHE_KWARG}: method='eagle' reads the target's features"):
-        hf_specdec.generate(target, first.sequences, attention_mask=longer, past_key_values=first.past_key_values,
-                            speculative=eagle, max_new_tokens=2)
     static = StaticCache(config=target.config, max_cache_len=32)
     target.generate(ids, attention_mask=mask, past_key_values=static, max_new_tokens=2)  # now filled
     with pytest.raises(ValueError, match=f"{CACHE_KWARG}: a filled StaticCache"):

@@ -1,12 +1,16 @@
 """Random combinations of architecture, padding, proposer, draft shape, schedule and generate options, each checked
 against plain `generate`: the same sequences, and the same scores, logits and hidden states where asked for (for
-the rows still generating: a row's entries after it ended are zeros here, computed on padding there). Every case
-is seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 48), `HF_SPECDEC_RANDOM_START=S` from case S on.
-Greedy cases compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling deterministic,
-so they compare exactly too (with temperature, top-p, min-p, typical and epsilon warpers in the processor list).
+the rows still generating: a row's entries after it ended are zeros here, computed on padding there). A case makes
+two calls with one config (the suffix cache, the schedule's estimates and the drafters' state carry over). Every
+case is seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 48), `HF_SPECDEC_RANDOM_START=S` from case S
+on. Greedy cases compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling
+deterministic, so they compare exactly too (with temperature, top-p, min-p, typical and epsilon warpers in the
+processor list). Right padding is left out of sampling cases on sliding-window models: there a short row's last
+prompt position sees no key in its window, and plain generate samples from NaN scores.
 
 Found with it: token lists as long as the batch applied one token per row (`test_greedy_equality.py`), EAGLE heads
-for GPT-2-style configs (`test_eagle.py`)."""
+for GPT-2-style configs (`test_eagle.py`), a dynamic tree with fewer nodes than levels under static shapes
+(`test_compiled.py`)."""
 
 from __future__ import annotations
 
@@ -17,25 +21,35 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import transformers
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, MlpSpeculator, MlpSpeculatorConfig
 from hf_specdec.suffix import SuffixCache
-from tests.conftest import ARCHITECTURES, make_draft, make_model, padded_batch
+from tests.conftest import ARCHITECTURES, DECODER, SPECIAL, VOCAB, make_draft, make_model, padded_batch
+from tests.decoding.test_greedy_equality import NEWER_ARCHITECTURES
 
 CASES = int(os.environ.get("HF_SPECDEC_RANDOM_CASES", "48"))
 START = int(os.environ.get("HF_SPECDEC_RANDOM_START", "0"))
-SLIDING = {"phi3", "mistral", "gemma2"}  # right-padded, a short row's last prompt position sees no key in its window
+SLIDING = {"phi3", "mistral", "gemma2", "gemma3_text", "gpt_oss"}
+CALLS = 2  # right-padded, a short row's last prompt position sees no key in its window
+
+
+@dataclass
+class Call:
+    ids: torch.Tensor  # [B, P]
+    kwargs: dict  # generate's
+    name: str
 
 
 @dataclass
 class Case:
+    """Calls on one target with one speculative config (its suffix cache, estimates and drafters carry over)."""
+
     arch: str
-    ids: torch.Tensor  # [B, P]
-    kwargs: dict  # generate's
+    calls: list[Call]
     config: SpeculativeConfig
-    name: str
 
 
 def _noisy_copy(target: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -87,10 +101,27 @@ def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, Speculati
     return f"{kind}/{shape}/{values['schedule']}", SpeculativeConfig(**values)
 
 
+def _model(arch: str) -> torch.nn.Module:
+    if arch in ARCHITECTURES:
+        return make_model(arch)
+    config_name, model_name, extra = NEWER_ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(vocab_size=VOCAB, **{**DECODER, **extra}, **SPECIAL)
+    return getattr(transformers, model_name)(config).eval()
+
+
 def _case(seed: int) -> Case:
     rng = random.Random(seed)
-    arch = rng.choice(sorted(ARCHITECTURES))
-    target = make_model(arch)
+    arch = rng.choice(sorted(ARCHITECTURES) + sorted(NEWER_ARCHITECTURES))
+    target = _model(arch)
+    calls = [_call(rng, seed * CALLS + i, arch, target) for i in range(CALLS)]
+    name, config = _config(rng, target)
+    for call in calls:
+        call.name = f"{arch}, {name}, {call.name}"
+    return Case(arch, calls, config)
+
+
+def _call(rng: random.Random, seed: int, arch: str, target: torch.nn.Module) -> Call:
     sample = rng.random() < 0.3
     side = "left" if sample and arch in SLIDING else rng.choice(["left", "left", "right"])
     lengths = [rng.randint(1, 12) for _ in range(rng.choice([1, 2, 3, 4]))]
@@ -137,8 +168,7 @@ def _case(seed: int) -> Case:
                 kwargs[name] = value
     else:
         kwargs["do_sample"] = False
-    name, config = _config(rng, target)
-    return Case(arch, ids, kwargs, config, f"{arch}, batch {len(lengths)} {side}, {name}, {sorted(kwargs)}")
+    return Call(ids, kwargs, f"batch {len(lengths)} {side}, {sorted(kwargs)}")
 
 
 def _ended_before(
@@ -155,30 +185,36 @@ def _ended_before(
 @pytest.mark.parametrize("seed", range(START, START + CASES))
 def test_random_combination_matches_plain_generate(seed):
     case = _case(seed)
-    try:
-        expected = make_model(case.arch).generate(case.ids, **case.kwargs)
-    except ValueError:  # an option plain generate refuses in this combination
-        pytest.skip("plain generate refuses this combination")
-    target = make_model(case.arch)
-    try:
-        out = hf_specdec.generate(target, case.ids, speculative=case.config, **case.kwargs)
-    except ValueError as error:  # refusals name the option and what to do: combinations that cannot run
-        assert "static" in str(error) and case.kwargs.get("cache_implementation") == "static", (case.name, error)
-        return
-    assert torch.equal(out.sequences, expected.sequences), case.name
-    ended = _ended_before(expected.sequences[:, case.ids.shape[1] :], case.kwargs["eos_token_id"])
+    target, plain = _model(case.arch), _model(case.arch)
+    for call in case.calls:
+        try:
+            expected = plain.generate(call.ids, **call.kwargs)
+        except ValueError:  # an option plain generate refuses in this combination
+            continue
+        try:
+            out = hf_specdec.generate(target, call.ids, speculative=case.config, **call.kwargs)
+        except ValueError as error:  # refusals name the option and what to do: combinations that cannot run
+            assert "static" in str(error) and call.kwargs.get("cache_implementation") == "static", (call.name, error)
+            continue
+        _check(call, out, expected)
+
+
+def _check(call: Call, out, expected) -> None:
+    assert torch.equal(out.sequences, expected.sequences), call.name
+    ended = _ended_before(expected.sequences[:, call.ids.shape[1] :], call.kwargs["eos_token_id"])
     for field in ("scores", "logits"):
-        if case.kwargs.get(f"output_{field}"):
+        if call.kwargs.get(f"output_{field}"):
             ours, theirs = getattr(out, field), getattr(expected, field)
-            assert len(ours) == len(theirs), case.name
+            assert len(ours) == len(theirs), call.name
             for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
                 live = ~ended[:, step]
-                torch.testing.assert_close(a[live], b[live], rtol=1e-4, atol=1e-4, msg=f"{case.name}: {field}")
-    if case.kwargs.get("output_hidden_states"):
-        real = case.kwargs["attention_mask"].bool()[:, :, None]  # [B, P, 1]
-        assert len(out.hidden_states) == len(expected.hidden_states), case.name
+                torch.testing.assert_close(a[live], b[live], rtol=1e-4, atol=1e-4, msg=f"{call.name}: {field}")
+    if call.kwargs.get("output_hidden_states"):
+        real = call.kwargs["attention_mask"].bool()[:, :, None]  # [B, P, 1]
+        assert len(out.hidden_states) == len(expected.hidden_states), call.name
         for step, (ours, theirs) in enumerate(zip(out.hidden_states, expected.hidden_states, strict=True)):
             live = ~ended[:, step]
-            for a, b in zip(ours, theirs, strict=True):  # per layer: [B, P, H] at the prefill (real positions), then [B, 1, H]
+            # per layer: [B, P, H] at the prefill (compared at real positions), then [B, 1, H]
+            for a, b in zip(ours, theirs, strict=True):
                 seen = real if step == 0 else torch.ones_like(a[..., :1], dtype=torch.bool)
-                torch.testing.assert_close((a * seen)[live], (b * seen)[live], rtol=1e-4, atol=1e-4, msg=case.name)
+                torch.testing.assert_close((a * seen)[live], (b * seen)[live], rtol=1e-4, atol=1e-4, msg=call.name)
