@@ -96,7 +96,14 @@ def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, Speculati
         speculator = MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size))
         values = dict(method="mlp_speculator", heads=speculator.eval(), num_speculative_tokens=min(k, 3))
     else:
-        values = dict(method="auto", num_speculative_tokens=k, draft_model=_noisy_copy(target, 3))
+        drafters = rng.choice([
+            {"draft_model": _noisy_copy(target, 3)},
+            {"heads": EagleHead(EagleConfig.for_target(target, rng.choice(["eagle", "eagle3"]))).eval()},
+            {"heads": MedusaHeads(MedusaConfig(hidden_size=text.hidden_size, vocab_size=text.vocab_size)).eval()},
+            {"heads": MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size)).eval(),
+             "draft_model": make_draft()},
+        ])
+        values = dict(method="auto", num_speculative_tokens=k, **drafters)
     values["schedule"] = rng.choice(["fixed", "adaptive"])
     return f"{kind}/{shape}/{values['schedule']}", SpeculativeConfig(**values)
 
