@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import DynamicCache, GenerationConfig, StaticCache
@@ -26,7 +27,8 @@ def check_generation_supported(
     generation_config: GenerationConfig,
     model_kwargs: dict[str, Any],
     synced_gpus: bool,
-    method: str,
+    # the config's method, then the methods that draft under it (`SpeculativeConfig.drafting_methods`)
+    methods: Sequence[str],
 ) -> None:
     if model.config.is_encoder_decoder:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_specdec supports decoder-only LMs")
@@ -62,11 +64,14 @@ def check_generation_supported(
             "DynamicCache (what generate returns by default) and takes an empty StaticCache; drop it or pass one "
             "of those"
         )
-    if model_kwargs.get("inputs_embeds") is not None and method in NEEDS_PROMPT_IDS:
+    reading_ids = [m for m in methods if m in NEEDS_PROMPT_IDS]
+    if model_kwargs.get("inputs_embeds") is not None and reading_ids:
+        who = f"method={methods[0]!r}"
+        if reading_ids[0] != methods[0]:
+            who += f" (drafting with {reading_ids[0]!r})"
         raise ValueError(
-            f"inputs_embeds: method={method!r} drafts from the prompt's token ids, which a prompt given as "
-            "embeddings does not have; pass input_ids, or use method 'ngram', 'medusa' or 'mlp_speculator' with "
-            "inputs_embeds"
+            f"inputs_embeds: {who} drafts from the prompt's token ids, which a prompt given as embeddings does not "
+            "have; pass input_ids, or use method 'ngram', 'medusa' or 'mlp_speculator' with inputs_embeds"
         )
     unknown = sorted(k for k, v in model_kwargs.items() if k not in KNOWN_MODEL_KWARGS and v is not None)
     if unknown:

@@ -518,6 +518,18 @@ class SpeculativeConfig:
         return next((method for method in HEADS_CLASS if isinstance(self.heads, heads_class(method))), None)
 
     @property
+    def drafting_methods(self) -> tuple[str, ...]:
+        """Every method that may draft in a call with this config: its own, under `"auto"` its model drafters'
+        (the draft model, the heads), and its hybrid fallback's."""
+        methods = [self.method]
+        if self.method == "auto":
+            drafters = (("draft", self.draft_model), (self.heads_method, self.heads))
+            methods += [method for method, drafter in drafters if drafter is not None]
+        if self.fallback is not None:
+            methods += self.fallback.drafting_methods
+        return tuple(dict.fromkeys(methods))
+
+    @property
     def max_tree_nodes(self) -> int:
         """The most draft nodes a sized tree can keep: for a dynamic tree the candidates its expansion offers (the
         tree_width best nodes of each depth after the first each offer tree_width children); for n-gram lookup's trie

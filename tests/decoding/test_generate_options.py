@@ -11,6 +11,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from tests.conftest import make_draft, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
+from tests.proposers.test_eagle import eagle_head
 from tests.proposers.test_mlp_speculator import random_speculator
 
 GREEDY = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
@@ -69,6 +70,20 @@ def test_inputs_embeds_refused_for_proposers_that_read_prompt_ids():
         with pytest.raises(ValueError, match=f"inputs_embeds: method={config.method!r} drafts from the prompt's token "
                                              "ids"):
             hf_specdec.generate(target, inputs_embeds=embeds, attention_mask=mask, speculative=config, **GREEDY)
+    # method="auto" with a draft model or an EAGLE head, and hybrid drafting with one, are refused alike (they
+    # crashed mid-call before)
+    for config, drafter in ((SpeculativeConfig(method="auto", draft_model=make_draft()), "draft"),
+                            (SpeculativeConfig(method="auto", heads=eagle_head(target)), "eagle"),
+                            (SpeculativeConfig(method="suffix", fallback=SpeculativeConfig(
+                                method="draft", draft_model=make_draft())), "draft")):
+        with pytest.raises(ValueError, match=f"inputs_embeds: method={config.method!r} \\(drafting with "
+                                             f"{drafter!r}\\) drafts from the prompt's token ids"):
+            hf_specdec.generate(target, inputs_embeds=embeds, attention_mask=mask, speculative=config, **GREEDY)
+    # auto with heads that read no ids drafts from embeddings as they do
+    medusa = SpeculativeConfig(method="auto", heads=heads_for(target))
+    expected = target.generate(inputs_embeds=embeds, attention_mask=mask, **GREEDY)
+    out = hf_specdec.generate(target, inputs_embeds=embeds, attention_mask=mask, speculative=medusa, **GREEDY)
+    assert torch.equal(out, expected)
 
 
 def test_use_cache_false_gives_the_same_output():

@@ -254,7 +254,8 @@ def test_hybrid_checks_what_the_fallback_needs():
     target = make_model("llama")
     ids, mask = padded_batch([6, 4], seed=1)
     config = _hybrid(target, SpeculativeConfig(method="eagle", heads=eagle_head(target)), None)
-    with pytest.raises(ValueError, match=r"inputs_embeds: method='eagle' drafts from the prompt's token ids"):
+    with pytest.raises(ValueError, match=r"inputs_embeds: method='suffix' \(drafting with 'eagle'\) drafts from the "
+                                         r"prompt's token ids"):
         hf_specdec.generate(target, inputs_embeds=target.get_input_embeddings()(ids), attention_mask=mask,
                             speculative=config, **GREEDY)
 
