@@ -281,7 +281,8 @@ def test_static_cache_is_accepted_and_comes_back_filled():
 
 
 # every proposer `_every_proposer` builds for a Llama target, one GPU test each (a failure names its proposer)
-CUDA_GRAPH_PROPOSERS = ("ngram", "same_draft", "random_draft_tree", "same_draft_dynamic_tree", "ngram_trie",
+CUDA_GRAPH_PROPOSERS = ("ngram", "same_draft", "random_draft_tree", "same_draft_dynamic_tree",
+                        "same_draft_sparse_dynamic_tree", "ngram_trie",
                         "ngram_sized_trie", "early_exit_dynamic_tree", "mlp_speculator_tree", "medusa_tree",
                         "eagle_dynamic_tree", "eagle_token_map", "medusa_token_map", "draft_token_map")
 
