@@ -2,7 +2,7 @@
 against plain `generate`: the same sequences, and the same scores, logits and hidden states where asked for (for
 the rows still generating: a row's entries after it ended are zeros here, computed on padding there). A case makes
 two calls with one config (the suffix cache, the schedule's estimates and the drafters' state carry over). Every
-case is seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 48), `HF_SPECDEC_RANDOM_START=S` from case S
+case is seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 32), `HF_SPECDEC_RANDOM_START=S` from case S
 on. Greedy cases compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling
 deterministic, so they compare exactly too (with temperature, top-p, min-p, typical and epsilon warpers in the
 processor list). Right padding is left out of sampling cases on sliding-window models: there a short row's last
@@ -30,7 +30,7 @@ from hf_specdec.suffix import SuffixCache
 from tests.conftest import ARCHITECTURES, DECODER, SPECIAL, VOCAB, make_draft, make_model, padded_batch
 from tests.decoding.test_greedy_equality import NEWER_ARCHITECTURES
 
-CASES = int(os.environ.get("HF_SPECDEC_RANDOM_CASES", "48"))
+CASES = int(os.environ.get("HF_SPECDEC_RANDOM_CASES", "32"))
 START = int(os.environ.get("HF_SPECDEC_RANDOM_START", "0"))
 SLIDING = {"phi3", "mistral", "gemma2", "gemma3_text", "gpt_oss"}
 CALLS = 2  # right-padded, a short row's last prompt position sees no key in its window
