@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import numpy as np
@@ -106,6 +107,16 @@ def make_draft(seed: int = 1, vocab: int = VOCAB) -> torch.nn.Module:
     config = LlamaConfig(vocab_size=vocab, **{**DECODER, "hidden_size": 16, "num_hidden_layers": 1,
                                              "intermediate_size": 32}, **SPECIAL)
     return LlamaForCausalLM(config).eval()
+
+
+def noisy_copy(target: torch.nn.Module, scale: float = 0.5, seed: int = 3) -> torch.nn.Module:
+    """The target with noise on its lm_head: drafts often accepted, sometimes rejected."""
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        lm_head = draft.get_output_embeddings()
+        noise = torch.randn(lm_head.weight.shape, generator=torch.Generator().manual_seed(seed))
+        lm_head.weight = torch.nn.Parameter(lm_head.weight + scale * float(lm_head.weight.std()) * noise)
+    return draft
 
 
 def padded_batch(

@@ -138,11 +138,9 @@ def _select_rows(
     """The processor as it applies to `rows` of the batch: its per-row tensor attributes (`PER_ROW_STATE`) are
     sliced. Other tensors are not, even where their length happens to be the batch size (two suppressed tokens in a
     batch of two)."""
-    row_state = {
-        name: value
-        for kind, names in PER_ROW_STATE.items() if isinstance(processor, kind)
-        for name in names if isinstance(value := getattr(processor, name, None), torch.Tensor) and value.dim() >= 1
-    }
+    names = next((names for kind, names in PER_ROW_STATE.items() if isinstance(processor, kind)), ())
+    row_state = {name: getattr(processor, name) for name in names
+                 if isinstance(getattr(processor, name, None), torch.Tensor) and getattr(processor, name).dim() >= 1}
     if not row_state:
         return processor
     selected = copy.copy(processor)

@@ -27,7 +27,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, MlpSpeculator, MlpSpeculatorConfig
 from hf_specdec.suffix import SuffixCache
-from tests.conftest import ARCHITECTURES, DECODER, SPECIAL, VOCAB, make_draft, make_model, padded_batch
+from tests.conftest import ARCHITECTURES, DECODER, SPECIAL, VOCAB, make_draft, make_model, noisy_copy, padded_batch
 from tests.decoding.test_greedy_equality import NEWER_ARCHITECTURES
 
 CASES = int(os.environ.get("HF_SPECDEC_RANDOM_CASES", "32"))
@@ -52,16 +52,6 @@ class Case:
     config: SpeculativeConfig
 
 
-def _noisy_copy(target: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """The target with its weights perturbed: drafts accepted often, not always."""
-    draft = copy.deepcopy(target)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for weight in draft.parameters():
-            weight.add_(0.3 * weight.std().clamp(min=1e-3) * torch.randn(weight.shape, generator=generator))
-    return draft
-
-
 def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, SpeculativeConfig]:
     text = target.config.get_text_config()
     k = rng.randint(1, 5)
@@ -74,14 +64,14 @@ def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, Speculati
                        "mlp_speculator", "auto"])
     torch.manual_seed(rng.randint(0, 99))
     if kind == "draft":
-        draft = rng.choice([lambda: copy.deepcopy(target), lambda: _noisy_copy(target, 1), make_draft])()
+        draft = rng.choice([lambda: copy.deepcopy(target), lambda: noisy_copy(target, seed=1), make_draft])()
         values = dict(method="draft", draft_model=draft, num_speculative_tokens=k, **tree)
     elif kind == "ngram":
         values = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3, **tree)
     elif kind == "suffix":
         values = dict(method="suffix", suffix_cache=SuffixCache())
     elif kind == "hybrid":
-        fallback = SpeculativeConfig(method="draft", draft_model=_noisy_copy(target, 2), num_speculative_tokens=k)
+        fallback = SpeculativeConfig(method="draft", draft_model=noisy_copy(target, seed=2), num_speculative_tokens=k)
         values = dict(method="suffix", suffix_cache=SuffixCache(), fallback=fallback, fallback_min_score=1.5)
     elif kind == "early_exit":
         values = dict(method="early_exit", early_exit_layer=1, num_speculative_tokens=k, **tree)
@@ -97,7 +87,7 @@ def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, Speculati
         values = dict(method="mlp_speculator", heads=speculator.eval(), num_speculative_tokens=min(k, 3))
     else:
         drafters = rng.choice([
-            {"draft_model": _noisy_copy(target, 3)},
+            {"draft_model": noisy_copy(target, seed=3)},
             {"heads": EagleHead(EagleConfig.for_target(target, rng.choice(["eagle", "eagle3"]))).eval()},
             {"heads": MedusaHeads(MedusaConfig(hidden_size=text.hidden_size, vocab_size=text.vocab_size)).eval()},
             {"heads": MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size)).eval(),

@@ -13,7 +13,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.proposers.draft_model import DraftModelProposer
 from hf_specdec.tree.dynamic import Candidates
-from tests.conftest import VOCAB, make_draft, make_model, padded_batch, record_proposed_tokens
+from tests.conftest import VOCAB, make_draft, make_model, noisy_copy, padded_batch, record_proposed_tokens
 
 
 def test_dynamic_tree_nodes_see_exactly_their_ancestors(monkeypatch):
@@ -52,16 +52,6 @@ def test_dynamic_tree_nodes_see_exactly_their_ancestors(monkeypatch):
             assert distance < 1e-4, f"depth {depth} token {token}: no root-to-node path gives its logits ({distance})"
 
 
-def _noisy_copy(target: torch.nn.Module, scale: float = 0.5) -> torch.nn.Module:
-    """The target with noise on its lm_head: drafts often accepted, sometimes rejected."""
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
-        lm_head = draft.get_output_embeddings()
-        noise = torch.randn(lm_head.weight.shape, generator=torch.Generator().manual_seed(3))
-        lm_head.weight = torch.nn.Parameter(lm_head.weight + scale * float(lm_head.weight.std()) * noise)
-    return draft
-
-
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "gemma2"])
 @pytest.mark.parametrize("shape", [dict(num_speculative_tokens=3), dict(top_k=2, depth=3, total_tokens=5)])
 def test_draft_token_map_matches_plain_generate_and_drafts_only_mapped_ids(arch, shape, monkeypatch):
@@ -71,7 +61,7 @@ def test_draft_token_map_matches_plain_generate_and_drafts_only_mapped_ids(arch,
     ids, mask = padded_batch([11, 5, 9], seed=4, repeat_period=2)
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
     expected = target.generate(ids, **kwargs)
-    draft = _noisy_copy(target)
+    draft = noisy_copy(target)
     lm_head = draft.get_output_embeddings()
     token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[: VOCAB // 2]
     token_map = torch.unique(torch.cat([token_map, expected.flatten()[::3]]))  # some of the answer's tokens too
@@ -90,7 +80,7 @@ def test_auto_passes_the_token_map_to_its_draft_candidate_only():
     ids, mask = padded_batch([11, 5, 9], seed=4, repeat_period=2)
     kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
     expected = target.generate(ids, **kwargs)
-    config = SpeculativeConfig(method="auto", draft_model=_noisy_copy(target), draft_token_map=torch.arange(64))
+    config = SpeculativeConfig(method="auto", draft_model=noisy_copy(target), draft_token_map=torch.arange(64))
     assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), expected)
 
 
