@@ -276,6 +276,28 @@ class RaggedKVCache:
                 self.kv.update(keys[:, :, :length], values[:, :, :length], index)
         self._settle_width()
 
+    def prefill_from(
+        self,
+        # per layer ([B, H, L, D] keys, values): an earlier cache's `layers_by_order(L)` for this cache's model
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        # [B] long: that cache's lengths (rows whose slots end before L hold zeros after them)
+        lengths: torch.Tensor,
+        # the same on the host
+        lengths_on_host: Sequence[int],
+        # [B] long: that cache's next position ids
+        next_position: torch.Tensor,
+    ) -> None:
+        """Start from an earlier call's keys and values of this cache's model (a head's context carried with the
+        target's cache, `hf_specdec.cache.carried`): copied, so the source stays as it was; nothing is computed."""
+        width = layers[0][0].shape[2]
+        if self._start_prompt(lengths.shape[0], width, lengths.device, None, None) is not None:
+            self.kv.write_start, self.kv.write_index = 0, None
+            for index, (keys, values) in enumerate(layers):
+                self.kv.update(keys, values, index)
+        self.lengths, self.next_position = lengths.clone(), next_position.clone()
+        self.host_lengths, self.width = list(lengths_on_host), max(lengths_on_host, default=0)
+        self._settle_width()
+
     def _start_prompt(
         self,
         batch: int,

@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StaticCache, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from hf_specdec.cache.carried import attach, carried_by
 from hf_specdec.cache.exchange import fill_static_cache, full_layers, recompute
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import RaggedKVCache
@@ -136,6 +137,7 @@ class SpeculativeDecoder:
             max_length = self.stopper.max_length or generation_config.max_length
             self.proposer.fix_shapes(max_length, self.compile_settings)
         self.schedule = build_schedule(config, model, self.proposer, self.max_depth, self.static_shapes)
+        self.carried: tuple = ()  # what the proposer leaves with the output cache (`hf_specdec.cache.carried`)
 
     def run(
         self,
@@ -147,6 +149,8 @@ class SpeculativeDecoder:
             self.start(input_ids, prompt)
             while not all(self.state.host.finished):
                 self.step()
+            if self.generation_config.return_dict_in_generate and self.generation_config.use_cache:
+                self.carried = self.proposer.carry()  # goes with the output cache
         finally:
             self.proposer.finish(self.state)
         if self.streamer is not None:
@@ -196,6 +200,8 @@ class SpeculativeDecoder:
                                     past_key_values=prompt.past_key_values)
         self.state.target_features = self.cache.hidden_states
         self.state.target_cache = self.cache
+        if prompt.past_key_values is not None:
+            self.state.carried = carried_by(prompt.past_key_values)
         self.proposer.start(self.state, attention_mask)
         proposal = Proposal.no_draft(self.state)
         scores = self.score(proposal, logits)
@@ -508,6 +514,7 @@ def speculative_generate(
         steps = length - input_ids.shape[1]
         # built before the statistics are read: rows that stopped early cost one more target forward here
         past_key_values = decoder.output_cache(length) if generation_config.use_cache else None
+        attach(past_key_values, decoder.carried)
     finally:
         decoder.cache.release()  # the output holds copies, never the cache's buffers
     return SpeculativeGenerateOutput(

@@ -161,6 +161,9 @@ class AutoProposer(Proposer):
             else:
                 commit_own_rows(self.candidates[method], state, result, *mixed)
 
+    def carry(self) -> tuple:
+        return tuple(kept for proposer in self.candidates.values() for kept in proposer.carry())
+
     def finish(self, state: DecodeState | None) -> None:
         for proposer in self.candidates.values():
             proposer.finish(state)

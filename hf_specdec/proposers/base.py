@@ -141,6 +141,12 @@ class Proposer(ABC):
         `state.host` is up to date), with what the target accepted (`result.num_accepted`, and the accepted path
         `result.path_nodes`)."""
 
+    def carry(self) -> tuple:
+        """What this proposer leaves for a later call continuing from the cache this one returns
+        (`hf_specdec.cache.carried`; that call finds it in `DecodeState.carried`): called after the last step, before
+        `finish`, when the output includes the cache. Empty by default."""
+        return ()
+
     def finish(self, state: DecodeState | None) -> None:
         """Called once when the call ends (normally or not), after the last step, with the state as it ends (None
         when the call failed before the prompt's): a proposer that keeps a copy of the text reads the last step's

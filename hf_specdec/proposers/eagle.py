@@ -22,6 +22,7 @@ distribution in chains, so verification stays lossless either way.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -114,8 +115,9 @@ class EagleProposer(DraftModelProposer):
         """Prompt token p is to be fed with the target's feature at p - 1 (p >= 1; a row's first real token has no
         feature before it, so it is never fed): in the head's first forward (`_feed_prompt`), so a call whose rows
         all decode plainly never runs the head over its prompt. A call continuing from a filled cache has the
-        target's features of the new positions only: the head reads those (it drafts over a shorter context than
-        the target's; its drafts are verified all the same)."""
+        target's features of the new positions only: the head reads those after its own context over the earlier
+        text, when the cache comes from a call with this head (`carry`); else it drafts from the new positions alone
+        (a shorter context than the target's; its drafts are verified all the same)."""
         # the prompt's positions from the first one whose target feature the prefill computed
         start = state.prompt_length - state.target_features.shape[1]
         prompt = state.sequences[:, start : state.prompt_length]
@@ -123,7 +125,12 @@ class EagleProposer(DraftModelProposer):
             attention_mask = attention_mask[:, start:]
         device = self.draft.device
         self._expect_call(state)
-        self.cache.prefill(prompt[:, :0].to(device), None)
+        context = next((kept for kept in state.carried if isinstance(kept, HeadContext)
+                        and kept.drafter() is self.draft and kept.lengths.shape[0] == state.batch_size), None)
+        if context is None:
+            self.cache.prefill(prompt[:, :0].to(device), None)
+        else:  # the head's context over the text before the cache's end, from the call that returned the cache
+            self.cache.prefill_from(context.layers, context.lengths, context.lengths_on_host, context.next_position)
         self.cached_lengths = state.lengths.clone()
         self.cached_host = list(state.host.lengths)
         # per step skipped since the last feed: [B, T, F] the features of its committed tokens, [B] the rows'
@@ -141,6 +148,19 @@ class EagleProposer(DraftModelProposer):
         pairs = real.sum(dim=1).tolist()  # once per call, at the prompt
         self._prompt_feed = (prompt[:, 1:].gather(1, order).to(device), real.gather(1, order).to(device), pairs,
                              features)
+
+    def carry(self) -> tuple:
+        """The head's keys and values over this call's text, for a call continuing from the output cache (its tokens
+        that waited for a feed when the call ended are left out: a few, at the end of the text)."""
+        cache = self.cache
+        if cache.lengths is None:
+            return ()
+        lengths = cache.host_lengths if cache.host_lengths is not None else cache.lengths.tolist()
+        layers = cache.layers_by_order(max(lengths, default=0))
+        if not layers:  # the head never ran
+            return ()
+        return (HeadContext(weakref.ref(self.draft), layers, cache.lengths.clone(), list(lengths),
+                            cache.next_position.clone()),)
 
     def _feed_prompt(self) -> None:
         """Feed the prompt's pairs, kept since `start`, to the head (before its first other forward)."""
@@ -201,6 +221,19 @@ class EagleProposer(DraftModelProposer):
         """Keep the committed tokens fed this step and no draft: the accepted ones are fed again next step with
         the target's true features."""
         self._keep_feed(state)
+
+
+@dataclass(frozen=True)
+class HeadContext:
+    """An EAGLE head's (or MTP layers') context over a call's text, carried with the cache that call returned
+    (`hf_specdec.cache.carried`): a filled target cache keeps no features to rebuild it from."""
+
+    drafter: weakref.ref  # the drafter module that computed it
+    # per layer of the drafter ([B, H, L, D] keys, values): its cache's `layers_by_order`
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    lengths: torch.Tensor  # [B] long: slots of each row
+    lengths_on_host: list[int]
+    next_position: torch.Tensor  # [B] long: each row's next position id
 
 
 def backlog_index(

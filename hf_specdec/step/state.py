@@ -83,6 +83,9 @@ class DecodeState:
     # the target's KV cache (`hf_specdec.cache.ragged.RaggedKVCache`), which proposers may read and never write: an
     # early-exit draft starts from the prompt's keys and values in its first layers
     target_cache: Any = field(default=None, repr=False)
+    # what the proposers of the call that returned the prompt's cache left for this one (`Proposer.carry`,
+    # `hf_specdec.cache.carried`); each proposer takes its own
+    carried: tuple = ()
     # per row, the proposer a schedule chose for it this step (`method="auto"`), None otherwise
     draft_methods: tuple[str, ...] | None = None
     # [B]: the host tensor the draft limits travel through (pinned on CUDA), made on the first scheduled step

@@ -1,9 +1,10 @@
 """Random combinations of architecture, padding, proposer, draft shape, schedule and generate options, each checked
 against plain `generate`: the same sequences, and the same scores, logits and hidden states where asked for (for
 the rows still generating: a row's entries after it ended are zeros here, computed on padding there). A case makes
-two calls with one config (the suffix cache, the schedule's estimates and the drafters' state carry over). Every
-case is seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 32), `HF_SPECDEC_RANDOM_START=S` from case S
-on. Greedy cases compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling
+two calls with one config (the suffix cache, the schedule's estimates and the drafters' state carry over); about
+half the calls that return a cache are then continued from it (a few new tokens, greedy), so what proposers carry
+with the cache is exercised too. Every case is seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 32),
+`HF_SPECDEC_RANDOM_START=S` from case S on. Greedy cases compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling
 deterministic, so they compare exactly too (with temperature, top-p, min-p, typical and epsilon warpers in the
 processor list). Right padding is left out of sampling cases on sliding-window models: there a short row's last
 prompt position sees no key in its window, and plain generate samples from NaN scores.
@@ -22,9 +23,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 import transformers
+from transformers import DynamicCache
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, MlpSpeculator, MlpSpeculatorConfig
 from hf_specdec.suffix import SuffixCache
 from tests.conftest import ARCHITECTURES, DECODER, SPECIAL, VOCAB, make_draft, make_model, noisy_copy, padded_batch
@@ -183,6 +186,7 @@ def _ended_before(
 def test_random_combination_matches_plain_generate(seed):
     case = _case(seed)
     target, plain = _model(case.arch), _model(case.arch)
+    continues = random.Random(-1 - seed)  # whether and how a call's output is continued from its cache
     for call in case.calls:
         try:
             expected = plain.generate(call.ids, **call.kwargs)
@@ -194,6 +198,25 @@ def test_random_combination_matches_plain_generate(seed):
             assert "static" in str(error) and call.kwargs.get("cache_implementation") == "static", (call.name, error)
             continue
         _check(call, out, expected)
+        if isinstance(getattr(out, CACHE_KWARG), DynamicCache) and continues.random() < 0.5:
+            _check_continuation(continues, target, plain, case.config, call, out)
+
+
+def _check_continuation(rng: random.Random, target, plain, config: SpeculativeConfig, call: Call, out) -> None:
+    """A next turn from the cache the call returned (with what its proposer carried): a few new tokens after its
+    output, then greedy decoding from that cache, by plain generate and by hf_specdec."""
+    batch = out.sequences.shape[0]
+    generator = torch.Generator().manual_seed(rng.randint(0, 999))
+    new = torch.randint(3, VOCAB, (batch, rng.randint(1, 4)), generator=generator)  # no special token
+    prompt = torch.cat([out.sequences, new], dim=1)
+    mask = call.kwargs["attention_mask"]
+    mask = torch.cat([mask, mask.new_ones(batch, prompt.shape[1] - mask.shape[1])], dim=1)
+    kwargs = dict(attention_mask=mask, pad_token_id=0, return_dict_in_generate=True, eos_token_id=None,
+                  do_sample=False, max_new_tokens=rng.randint(1, 12))
+    cache = getattr(out, CACHE_KWARG)
+    expected = plain.generate(prompt, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
+    ours = hf_specdec.generate(target, prompt, speculative=config, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
+    assert torch.equal(ours.sequences, expected.sequences), f"{call.name}, continued"
 
 
 def _check(call: Call, out, expected) -> None:

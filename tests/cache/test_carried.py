@@ -1,0 +1,115 @@
+"""An EAGLE head's context travels with the cache a call returns: a call continuing from that cache (a
+conversation's next turn) drafts after the head's keys and values over the earlier text, not from the new
+positions alone; output stays plain generate's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.cache.carried import carried_by
+from hf_specdec.cache.ragged import RaggedKVCache
+from hf_specdec.proposers.eagle import HeadContext
+from tests.conftest import make_model, padded_batch
+
+KWARGS = dict(do_sample=False, eos_token_id=None, return_dict_in_generate=True)
+K = 3
+
+
+@pytest.fixture(scope="module")
+def turns():
+    """A target, a head fitted to its text, a padded batch's first turn by hf_specdec, and the second turn's mask."""
+    from tests.proposers.test_eagle import trained_head
+
+    target = make_model("llama")
+    ids, mask = padded_batch([9, 6, 8], seed=2, repeat_period=3)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=20, **KWARGS)
+    head = trained_head(target, "eagle", plain.sequences)
+    config = SpeculativeConfig(method="eagle", heads=head, num_speculative_tokens=K, schedule="fixed")
+    first = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, max_new_tokens=8, **KWARGS)
+    longer = torch.cat([mask, mask.new_ones(3, 8)], dim=1)
+    return target, head, config, first, longer
+
+
+def _context(cache) -> HeadContext:
+    (context,) = [kept for kept in carried_by(cache) if isinstance(kept, HeadContext)]
+    return context
+
+
+def test_the_carried_context_is_the_heads_over_the_whole_text(turns):
+    """The head's keys and values carried from the first call are those it computes over the same text in one call
+    (each fed token's with the target's feature before it, at the same position), for every token but the few at
+    the end of a row that were not fed for good when it finished."""
+    target, _, config, first, longer = turns
+    carried = _context(first.past_key_values)
+    whole = hf_specdec.generate(target, first.sequences, attention_mask=longer, speculative=config, max_new_tokens=4,
+                                **KWARGS)
+    reference = _context(whole.past_key_values)
+    real = longer.sum(dim=1).tolist()
+    for row, length in enumerate(carried.lengths_on_host):
+        # every fed pair but those of the row's last two steps: its last tokens, and the ones fed in the step where it
+        # finished (a finished row keeps no feed)
+        assert real[row] - 1 - 2 * (K + 1) <= length <= real[row] - 1
+        for (keys, values), (whole_keys, whole_values) in zip(carried.layers, reference.layers, strict=True):
+            torch.testing.assert_close(keys[row, :, :length], whole_keys[row, :, :length], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(values[row, :, :length], whole_values[row, :, :length], atol=1e-5, rtol=1e-4)
+    assert carried.next_position.tolist() == carried.lengths_on_host
+
+
+@pytest.mark.parametrize("method", ["eagle", "auto"])
+@pytest.mark.parametrize("static", [False, True])
+def test_the_next_turn_starts_from_the_carried_context(turns, method, static, monkeypatch):
+    """From the returned cache or a deep copy of it, twice, with dynamic or static shapes: the head starts from the
+    carried context (which the call leaves as it was), and the output is plain generate's."""
+    target, head, _, first, longer = turns
+    config = SpeculativeConfig(method=method, heads=head, num_speculative_tokens=K)
+    kwargs = dict(attention_mask=longer, max_new_tokens=12, **KWARGS)
+    shapes = dict(compile_config=CompileConfig(), disable_compile=True) if static else {}
+    expected = target.generate(first.sequences, past_key_values=copy.deepcopy(first.past_key_values), **kwargs)
+    carried = _context(first.past_key_values)
+    before = [tensor.clone() for pair in carried.layers for tensor in pair]
+    restored = []
+    prefill_from = RaggedKVCache.prefill_from
+
+    def spy(cache, *args):  # the head's cache after the restore: the carried slots, every row's length
+        prefill_from(cache, *args)
+        restored.append(([t for pair in cache.layers_by_order(max(carried.lengths_on_host)) for t in pair],
+                         cache.lengths.tolist()))
+
+    monkeypatch.setattr(RaggedKVCache, "prefill_from", spy)
+    for cache in (first.past_key_values, copy.deepcopy(first.past_key_values), first.past_key_values):
+        out = hf_specdec.generate(target, first.sequences, past_key_values=cache, speculative=config, **shapes,
+                                  **kwargs)
+        assert torch.equal(out.sequences, expected.sequences)
+        assert out.spec_stats.num_accepted_tokens > 0
+    assert len(restored) == 3
+    for tensors, lengths in restored:
+        assert lengths == carried.lengths_on_host
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
+    after = [tensor for pair in carried.layers for tensor in pair]  # the calls left the carried context as it was
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_cache_changed_since_carries_nothing(turns):
+    """Extended by plain generate, cropped, or returned by a call without a head: no context, and the output is
+    still plain generate's."""
+    target, _, config, first, longer = turns
+    assert carried_by(first.past_key_values)
+    cropped = copy.deepcopy(first.past_key_values)
+    cropped.crop(-2)
+    assert carried_by(cropped) == ()
+    extended = copy.deepcopy(first.past_key_values)
+    target.generate(first.sequences, attention_mask=longer, past_key_values=extended,
+                    max_new_tokens=2, do_sample=False, eos_token_id=None)
+    assert carried_by(extended) == ()
+    ngram = hf_specdec.generate(target, first.sequences[:, :-8], attention_mask=longer[:, :-8], spec_method="ngram",
+                                max_new_tokens=8, **KWARGS)
+    assert carried_by(ngram.past_key_values) == ()
+    assert carried_by(hf_specdec.generate(target, first.sequences[:, :-8], attention_mask=longer[:, :-8],
+                                          speculative=config, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                          return_dict_in_generate=True, use_cache=False).past_key_values) == ()
