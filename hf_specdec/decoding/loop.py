@@ -150,7 +150,7 @@ class SpeculativeDecoder:
             while not all(self.state.host.finished):
                 self.step()
             if self.generation_config.return_dict_in_generate and self.generation_config.use_cache:
-                self.carried = self.proposer.carry()  # goes with the output cache
+                self.carried = self.proposer.carry(self.state)  # goes with the output cache
         finally:
             self.proposer.finish(self.state)
         if self.streamer is not None:

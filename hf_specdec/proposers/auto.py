@@ -161,8 +161,8 @@ class AutoProposer(Proposer):
             else:
                 commit_own_rows(self.candidates[method], state, result, *mixed)
 
-    def carry(self) -> tuple:
-        return tuple(kept for proposer in self.candidates.values() for kept in proposer.carry())
+    def carry(self, state: DecodeState) -> tuple:
+        return tuple(kept for proposer in self.candidates.values() for kept in proposer.carry(state))
 
     def finish(self, state: DecodeState | None) -> None:
         for proposer in self.candidates.values():

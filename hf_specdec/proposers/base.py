@@ -141,7 +141,7 @@ class Proposer(ABC):
         `state.host` is up to date), with what the target accepted (`result.num_accepted`, and the accepted path
         `result.path_nodes`)."""
 
-    def carry(self) -> tuple:
+    def carry(self, state: DecodeState) -> tuple:
         """What this proposer leaves for a later call continuing from the cache this one returns
         (`hf_specdec.cache.carried`; that call finds it in `DecodeState.carried`): called after the last step, before
         `finish`, when the output includes the cache. Empty by default."""

@@ -248,12 +248,11 @@ class DraftModelProposer(Proposer):
             self._keep_feed(state)
 
     def _keep_feed(self, state: DecodeState) -> None:
-        """End the step keeping the committed tokens fed at its start, and no draft."""
-        kept = torch.where(state.finished, 0, self._fed)
-        kept_host = [0 if done else n for n, done in zip(self._fed_host, state.host.finished)]
-        self.cache.commit(kept.to(self.draft.device), kept_on_host=kept_host)
-        self.cached_lengths = self.cached_lengths + kept
-        self.cached_host = [n + k for n, k in zip(self.cached_host, kept_host)]
+        """End the step keeping the committed tokens fed at its start (a row's that finished this step too: they
+        are its text, which the context carried with the output cache holds), and no draft."""
+        self.cache.commit(self._fed.to(self.draft.device), kept_on_host=self._fed_host)
+        self.cached_lengths = self.cached_lengths + self._fed
+        self.cached_host = [n + k for n, k in zip(self.cached_host, self._fed_host)]
 
     def _propose_chain(
         self,

@@ -22,7 +22,7 @@ distribution in chains, so verification stays lossless either way.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.heads.eagle import EagleHead
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.draft_model import DraftModelProposer, select_positions
-from hf_specdec.step import DecodeState, VerificationResult
+from hf_specdec.step import DecodeState, Proposal, VerificationResult
 
 
 class EagleDrafter(nn.Module):
@@ -137,6 +137,7 @@ class EagleProposer(DraftModelProposer):
         # lengths after it (on the device), and per row how many of its tokens (the first ones) are the row's (host)
         self._backlog: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
         self._prompt_feed: tuple | None = None  # the prompt's pairs, until the head's first forward feeds them
+        self._live = [True] * state.batch_size  # the rows generating at the start of the last step
         if prompt.shape[1] < 2:
             return
         real = torch.ones_like(prompt[:, 1:], dtype=torch.bool)
@@ -149,18 +150,30 @@ class EagleProposer(DraftModelProposer):
         self._prompt_feed = (prompt[:, 1:].gather(1, order).to(device), real.gather(1, order).to(device), pairs,
                              features)
 
-    def carry(self) -> tuple:
-        """The head's keys and values over this call's text, for a call continuing from the output cache (its tokens
-        that waited for a feed when the call ended are left out: a few, at the end of the text)."""
+    def carry(self, state: DecodeState) -> tuple:
+        """The head's keys and values over this call's text, for a call continuing from the output cache. The
+        committed tokens that wait for a feed (the last step's, those of steps the head skipped) are fed first, in
+        one forward of the head, for the rows that took part in the last step; a row that finished before it lacks
+        its last step's tokens (their features are gone). A call in which the head never ran (every step plain)
+        carries nothing: the head is not run for a continuation that may never come."""
         cache = self.cache
-        if cache.lengths is None:
+        if cache.lengths is None or self._prompt_feed is not None:
             return ()
+        if any(live and length > seen for live, length, seen in zip(self._live, state.host.lengths, self.cached_host)):
+            live = replace(state, finished=torch.tensor([not row for row in self._live], device=state.finished.device),
+                           host=replace(state.host, finished=[not row for row in self._live]))
+            self._feed_unseen(live)
+            self._keep_feed(live)
         lengths = cache.host_lengths if cache.host_lengths is not None else cache.lengths.tolist()
         layers = cache.layers_by_order(max(lengths, default=0))
         if not layers:  # the head never ran
             return ()
         return (HeadContext(weakref.ref(self.draft), layers, cache.lengths.clone(), list(lengths),
                             cache.next_position.clone()),)
+
+    def propose(self, state: DecodeState) -> Proposal:
+        self._live = [not done for done in state.host.finished]
+        return super().propose(state)
 
     def _feed_prompt(self) -> None:
         """Feed the prompt's pairs, kept since `start`, to the head (before its first other forward)."""
@@ -197,6 +210,7 @@ class EagleProposer(DraftModelProposer):
         """Keep the last step's committed tokens' features for the next feed (each row's own number of them: their
         target features are kept for one step only); feed them now past `BACKLOG_LIMIT` waiting tokens in a row, or
         under fixed shapes (a feed of fixed width)."""
+        self._live = [not done for done in state.host.finished]
         host, waiting = state.host, self._waiting()
         counts = [0 if done else length - seen - wait
                   for length, seen, wait, done in zip(host.lengths, self.cached_host, waiting, host.finished)]

@@ -90,8 +90,8 @@ class HybridProposer(Proposer):
         if self._fallback_rows is not None:
             commit_own_rows(self.fallback, state, result, self._fallback, self._fallback_rows)
 
-    def carry(self) -> tuple:
-        return self.suffix.carry() + self.fallback.carry()
+    def carry(self, state: DecodeState) -> tuple:
+        return self.suffix.carry(state) + self.fallback.carry(state)
 
     def finish(self, state: DecodeState | None) -> None:
         self.suffix.finish(state)
