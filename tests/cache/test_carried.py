@@ -114,3 +114,26 @@ def test_a_cache_changed_since_carries_nothing(turns):
     assert carried_by(hf_specdec.generate(target, first.sequences[:, :-8], attention_mask=longer[:, :-8],
                                           speculative=config, max_new_tokens=8, do_sample=False, eos_token_id=None,
                                           return_dict_in_generate=True, use_cache=False).past_key_values) == ()
+
+
+def test_mtp_layers_carry_their_context(monkeypatch):
+    """MTP layers draft like an EAGLE head (from the target's features): they carry their context too."""
+    from tests.proposers.test_mtp import mtp_layers, mtp_target
+
+    target = mtp_target("deepseek_v3", num_layers=2)
+    ids, mask = padded_batch([12, 7, 10], seed=3, repeat_period=5)
+    config = SpeculativeConfig(method="mtp", heads=mtp_layers(target), num_speculative_tokens=3)
+    first = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, max_new_tokens=6, **KWARGS)
+    carried = _context(first.past_key_values)
+    assert max(carried.lengths_on_host) == int(mask.sum(dim=1).max()) + 6 - 1
+    restored = []
+    prefill_from = RaggedKVCache.prefill_from
+    monkeypatch.setattr(RaggedKVCache, "prefill_from",
+                        lambda cache, *args: (restored.append(list(args[2])), prefill_from(cache, *args))[1])
+    longer = torch.cat([mask, mask.new_ones(3, 6)], dim=1)
+    kwargs = dict(attention_mask=longer, max_new_tokens=10, **KWARGS)
+    expected = target.generate(first.sequences, past_key_values=copy.deepcopy(first.past_key_values), **kwargs)
+    out = hf_specdec.generate(target, first.sequences, past_key_values=first.past_key_values, speculative=config,
+                              **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert restored == [carried.lengths_on_host]
