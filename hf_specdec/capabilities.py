@@ -17,7 +17,7 @@ from hf_specdec.compile import STATIC_CACHE_IMPLEMENTATIONS
 KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", CACHE_KWARG, "use_cache", "logits_to_keep",
                       "cache_position", "token_type_ids", "inputs_embeds", "output_attentions",
                       "output_hidden_states"}
-# Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` does not have.
+# Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` alone does not have.
 NEEDS_PROMPT_IDS = ("draft", "eagle", "mtp", "early_exit")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", *STATIC_CACHE_IMPLEMENTATIONS)
 
@@ -29,6 +29,8 @@ def check_generation_supported(
     synced_gpus: bool,
     # the config's method, then the methods that draft under it (`SpeculativeConfig.drafting_methods`)
     methods: Sequence[str],
+    # the prompt's token ids given with it (the output's first columns; generate's `input_ids`)
+    prompt_ids: int = 0,
 ) -> None:
     if model.config.is_encoder_decoder:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_specdec supports decoder-only LMs")
@@ -65,13 +67,17 @@ def check_generation_supported(
             "of those"
         )
     reading_ids = [m for m in methods if m in NEEDS_PROMPT_IDS]
-    if model_kwargs.get("inputs_embeds") is not None and reading_ids:
+    embeds = model_kwargs.get("inputs_embeds")
+    if embeds is not None and reading_ids and prompt_ids < embeds.shape[1]:
+        # with ids for every embedded position the drafter reads those: drafts guessed from the ids' text, verified
+        # by the target on the embeddings like any other
         who = f"method={methods[0]!r}"
         if reading_ids[0] != methods[0]:
             who += f" (drafting with {reading_ids[0]!r})"
         raise ValueError(
             f"inputs_embeds: {who} drafts from the prompt's token ids, which a prompt given as embeddings does not "
-            "have; pass input_ids, or use method 'ngram', 'medusa' or 'mlp_speculator' with inputs_embeds"
+            f"have ({embeds.shape[1]} embedded positions, {prompt_ids} token ids); pass input_ids for every embedded "
+            "position as well, or use method 'ngram', 'medusa' or 'mlp_speculator' with inputs_embeds alone"
         )
     unknown = sorted(k for k, v in model_kwargs.items() if k not in KNOWN_MODEL_KWARGS and v is not None)
     if unknown:

@@ -489,7 +489,7 @@ def speculative_generate(
     if speculative_config is None:
         raise ValueError("speculative_config: hf_specdec's custom_generate needs a SpeculativeConfig")
     check_generation_supported(model, generation_config, model_kwargs, synced_gpus,
-                               speculative_config.drafting_methods)
+                               speculative_config.drafting_methods, prompt_ids=input_ids.shape[1])
     speculative_config = with_tree_size(speculative_config, model, input_ids.shape[0])
     past = model_kwargs.get(CACHE_KWARG)
     static_cache = past if isinstance(past, StaticCache) and past is spec_user_cache else None

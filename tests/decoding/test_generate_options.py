@@ -86,6 +86,37 @@ def test_inputs_embeds_refused_for_proposers_that_read_prompt_ids():
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_proposers_that_read_ids_draft_from_the_ids_given_with_embeddings(arch):
+    """Token ids for every embedded position: the draft model, early exit, an EAGLE head, MTP-style features and
+    `method="auto"` draft from the ids' text while the target encodes the embeddings (noisy here, so the two
+    differ): the output is plain generate's on the embeddings."""
+    from tests.proposers.test_eagle import trained_head
+
+    target = make_model(arch)
+    ids, mask = padded_batch([9, 6, 8], seed=2, repeat_period=3)
+    noise = torch.randn(*ids.shape, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    embeds = target.get_input_embeddings()(ids).detach() + noise
+    kwargs = dict(inputs_embeds=embeds, attention_mask=mask, return_dict_in_generate=True, **GREEDY)
+    expected = target.generate(ids, **kwargs)
+    assert not torch.equal(expected.sequences, target.generate(ids, attention_mask=mask, **GREEDY))
+    for config in (SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3),
+                   SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3,
+                                     tree_width=2),
+                   SpeculativeConfig(method="early_exit", early_exit_layer=1, num_speculative_tokens=3),
+                   SpeculativeConfig(method="eagle", heads=trained_head(target, "eagle", expected.sequences),
+                                     num_speculative_tokens=3),
+                   SpeculativeConfig(method="auto", draft_model=copy.deepcopy(target), num_speculative_tokens=3)):
+        out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+        assert torch.equal(out.sequences, expected.sequences), config.method
+        assert out.spec_stats.num_draft_tokens > 0, config.method
+    # ids for some embedded positions only: refused, naming both counts
+    with pytest.raises(ValueError, match=r"inputs_embeds: method='draft' drafts from the prompt's token ids, .*\(9 "
+                                         r"embedded positions, 5 token ids\)"):
+        hf_specdec.generate(target, ids[:, -5:], inputs_embeds=embeds, attention_mask=mask,
+                            speculative=SpeculativeConfig(method="draft", draft_model=make_draft()), **GREEDY)
+
+
 def test_use_cache_false_gives_the_same_output():
     """Speculation keeps its own cache whatever `use_cache` says; the tokens are plain generate's."""
     target = make_model("qwen2")
