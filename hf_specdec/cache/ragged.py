@@ -286,11 +286,13 @@ class RaggedKVCache:
         lengths_on_host: Sequence[int],
         # [B] long: that cache's next position ids
         next_position: torch.Tensor,
+        # [B, L] bool: that cache's slots holding a real token
+        valid: torch.Tensor,
     ) -> None:
-        """Start from an earlier call's keys and values of this cache's model (a head's context carried with the
+        """Start from an earlier call's keys and values of this cache's model (a drafter's context carried with the
         target's cache, `hf_specdec.cache.carried`): copied, so the source stays as it was; nothing is computed."""
         width = layers[0][0].shape[2]
-        if self._start_prompt(lengths.shape[0], width, lengths.device, None, None) is not None:
+        if self._start_prompt(lengths.shape[0], width, lengths.device, valid, None) is not None:
             self.kv.write_start, self.kv.write_index = 0, None
             for index, (keys, values) in enumerate(layers):
                 self.kv.update(keys, values, index)

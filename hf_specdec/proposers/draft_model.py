@@ -26,6 +26,7 @@ import copy
 import functools
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -122,6 +123,22 @@ def mapped_draft(
         return view
 
 
+@dataclass(frozen=True)
+class DrafterContext:
+    """A drafter's keys and values over a call's text, carried with the cache that call returned
+    (`hf_specdec.cache.carried`): a call continuing from that cache starts from them instead of encoding the text
+    again (a draft model), or at all (an EAGLE head: a filled target cache keeps no features to rebuild them from)."""
+
+    drafter: weakref.ref  # the drafter module that computed it
+    # per layer of the drafter ([B, H, L, D] keys, values): its cache's `layers_by_order(L)`
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    lengths: torch.Tensor  # [B] long: slots of each row
+    lengths_on_host: list[int]
+    next_position: torch.Tensor  # [B] long: each row's next position id
+    valid: torch.Tensor  # [B, L] bool: slots holding a real token (False at the prompt's padding)
+    seen: list[int]  # per row: the text's tokens (its first columns, padding included) the drafter had seen
+
+
 class DraftModelProposer(Proposer):
     """Drafts with a causal LM on its own ragged KV cache. Subclasses drafting with another model (EAGLE heads)
     override `_drafter` and give each forward extra inputs through `_feed_inputs` / `_draft_inputs`.
@@ -210,12 +227,72 @@ class DraftModelProposer(Proposer):
         return {}
 
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
-        # The last prompt token is left for the first proposal, so every proposal has a token to feed.
+        """Encode the prompt but its last token, which is left for the first proposal (every proposal has a token to
+        feed); after the drafter's context carried with a filled cache (`carry`), only the columns it had not seen."""
         device = self.draft.device
         self._expect_call(state)
-        self._prefill(state, None if attention_mask is None else attention_mask[:, :-1].to(device))
+        context = self._carried(state)
+        if context is None or max(context.seen) > state.prompt_length - 1:
+            self._prefill(state, None if attention_mask is None else attention_mask[:, :-1].to(device))
+        else:
+            self._restore(context)
+            self._prefill_unseen(state, attention_mask, context.seen)
         self.cached_lengths = state.lengths - 1
         self.cached_host = [length - 1 for length in state.host.lengths]
+
+    # whether `carry` leaves the drafter's context with the output cache (an early-exit draft has no need: its prefill
+    # copies the target's own keys and values)
+    carries_context = True
+
+    def carry(self, state: DecodeState) -> tuple:
+        """The drafter's keys and values over this call's text (`DrafterContext`), for a call continuing from the
+        output cache."""
+        cache = self.cache
+        if not self.carries_context or cache.lengths is None:
+            return ()
+        lengths = cache.host_lengths if cache.host_lengths is not None else cache.lengths.tolist()
+        width = max(lengths, default=0)
+        layers = cache.layers_by_order(width)
+        if not layers:  # the drafter never ran
+            return ()
+        return (DrafterContext(weakref.ref(self.draft), layers, cache.lengths.clone(), list(lengths),
+                               cache.next_position.clone(), cache.valid[:, :width].clone(), list(self.cached_host)),)
+
+    def _carried(self, state: DecodeState) -> DrafterContext | None:
+        """This drafter's context carried with the prompt's cache, if any."""
+        return next((kept for kept in state.carried if isinstance(kept, DrafterContext)
+                     and kept.drafter() is self.draft and kept.lengths.shape[0] == state.batch_size), None)
+
+    def _restore(self, context: DrafterContext) -> None:
+        self.cache.prefill_from(context.layers, context.lengths, context.lengths_on_host, context.next_position,
+                                context.valid)
+
+    def _prefill_unseen(
+        self,
+        state: DecodeState,
+        # [B, P] or None
+        attention_mask: torch.Tensor | None,
+        # per row: the columns the carried context covers
+        seen: list[int],
+    ) -> None:
+        """Encode each row's prompt columns from `seen` on but the last, after the restored context: its real tokens
+        as one chain (its padding is not encoded)."""
+        end = state.prompt_length - 1
+        width = end - min(seen)
+        if width <= 0:
+            return
+        device = self.draft.device
+        here = state.sequences.device
+        columns = torch.tensor(seen, device=here)[:, None] + torch.arange(width, device=here)[None, :]
+        inside = columns < end
+        columns = columns.clamp(max=end - 1)
+        real = inside
+        if attention_mask is not None:
+            real = inside & attention_mask.to(here).gather(1, columns).bool()
+        order = (~real).long().argsort(dim=1, stable=True)  # each row's real tokens first, in order
+        last_only = {"logits_to_keep": 1} if getattr(self.draft, "_supports_logits_to_keep", lambda: False)() else {}
+        self.cache.prefill_chain(state.sequences.gather(1, columns).gather(1, order).to(device),
+                                 real.gather(1, order).to(device), real.sum(dim=1).tolist(), **last_only)
 
     def _prefill(
         self,

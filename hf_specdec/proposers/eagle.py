@@ -22,7 +22,7 @@ distribution in chains, so verification stays lossless either way.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -125,12 +125,11 @@ class EagleProposer(DraftModelProposer):
             attention_mask = attention_mask[:, start:]
         device = self.draft.device
         self._expect_call(state)
-        context = next((kept for kept in state.carried if isinstance(kept, HeadContext)
-                        and kept.drafter() is self.draft and kept.lengths.shape[0] == state.batch_size), None)
+        context = self._carried(state)
         if context is None:
             self.cache.prefill(prompt[:, :0].to(device), None)
         else:  # the head's context over the text before the cache's end, from the call that returned the cache
-            self.cache.prefill_from(context.layers, context.lengths, context.lengths_on_host, context.next_position)
+            self._restore(context)
         self.cached_lengths = state.lengths.clone()
         self.cached_host = list(state.host.lengths)
         # per step skipped since the last feed: [B, T, F] the features of its committed tokens, [B] the rows'
@@ -156,20 +155,14 @@ class EagleProposer(DraftModelProposer):
         one forward of the head, for the rows that took part in the last step; a row that finished before it lacks
         its last step's tokens (their features are gone). A call in which the head never ran (every step plain)
         carries nothing: the head is not run for a continuation that may never come."""
-        cache = self.cache
-        if cache.lengths is None or self._prompt_feed is not None:
+        if self.cache.lengths is None or self._prompt_feed is not None:
             return ()
         if any(live and length > seen for live, length, seen in zip(self._live, state.host.lengths, self.cached_host)):
             live = replace(state, finished=torch.tensor([not row for row in self._live], device=state.finished.device),
                            host=replace(state.host, finished=[not row for row in self._live]))
             self._feed_unseen(live)
             self._keep_feed(live)
-        lengths = cache.host_lengths if cache.host_lengths is not None else cache.lengths.tolist()
-        layers = cache.layers_by_order(max(lengths, default=0))
-        if not layers:  # the head never ran
-            return ()
-        return (HeadContext(weakref.ref(self.draft), layers, cache.lengths.clone(), list(lengths),
-                            cache.next_position.clone()),)
+        return super().carry(state)
 
     def propose(self, state: DecodeState) -> Proposal:
         self._live = [not done for done in state.host.finished]
@@ -235,19 +228,6 @@ class EagleProposer(DraftModelProposer):
         """Keep the committed tokens fed this step and no draft: the accepted ones are fed again next step with
         the target's true features."""
         self._keep_feed(state)
-
-
-@dataclass(frozen=True)
-class HeadContext:
-    """An EAGLE head's (or MTP layers') context over a call's text, carried with the cache that call returned
-    (`hf_specdec.cache.carried`): a filled target cache keeps no features to rebuild it from."""
-
-    drafter: weakref.ref  # the drafter module that computed it
-    # per layer of the drafter ([B, H, L, D] keys, values): its cache's `layers_by_order`
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
-    lengths: torch.Tensor  # [B] long: slots of each row
-    lengths_on_host: list[int]
-    next_position: torch.Tensor  # [B] long: each row's next position id
 
 
 def backlog_index(

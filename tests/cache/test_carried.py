@@ -1,6 +1,6 @@
-"""An EAGLE head's context travels with the cache a call returns: a call continuing from that cache (a
-conversation's next turn) drafts after the head's keys and values over the earlier text, not from the new
-positions alone; output stays plain generate's."""
+"""A drafter's context travels with the cache a call returns: a call continuing from that cache (a conversation's
+next turn) drafts after an EAGLE head's keys and values over the earlier text, not from the new positions alone,
+and a draft model encodes only the new text; output stays plain generate's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.carried import carried_by
 from hf_specdec.cache.ragged import RaggedKVCache
-from hf_specdec.proposers.eagle import HeadContext
+from hf_specdec.proposers.draft_model import DrafterContext
 from tests.conftest import make_model, padded_batch
 
 KWARGS = dict(do_sample=False, eos_token_id=None, return_dict_in_generate=True)
@@ -36,8 +36,8 @@ def turns():
     return target, head, config, first, longer
 
 
-def _context(cache) -> HeadContext:
-    (context,) = [kept for kept in carried_by(cache) if isinstance(kept, HeadContext)]
+def _context(cache) -> DrafterContext:
+    (context,) = [kept for kept in carried_by(cache) if isinstance(kept, DrafterContext)]
     return context
 
 
@@ -137,3 +137,57 @@ def test_mtp_layers_carry_their_context(monkeypatch):
                               **kwargs)
     assert torch.equal(out.sequences, expected.sequences)
     assert restored == [carried.lengths_on_host]
+
+
+def test_a_draft_model_carries_its_cache_and_encodes_only_the_new_text(monkeypatch):
+    """A draft model's context carried with the cache holds its keys and values over the first turn (as its own
+    forward over that text computes them, left padding masked); the next turn restores it and encodes only the
+    columns after it, with the same output as plain generate."""
+    from hf_specdec.proposers.draft_model import DraftModelProposer
+    from tests.conftest import noisy_copy
+
+    target = make_model("llama")
+    draft = noisy_copy(target, seed=1)
+    ids, mask = padded_batch([9, 6, 8], seed=2, repeat_period=3)
+    config = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=K)
+    first = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, max_new_tokens=8, **KWARGS)
+    carried = _context(first.past_key_values)
+    longer = torch.cat([mask, mask.new_ones(3, 8)], dim=1)
+    positions = (longer.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        own = draft(first.sequences, attention_mask=longer, position_ids=positions, use_cache=True).past_key_values
+    for row, seen in enumerate(carried.seen):
+        assert first.sequences.shape[1] - 1 - (K + 1) <= seen  # all but the last step's tokens
+        real = longer[row, :seen].bool()
+        assert torch.equal(carried.valid[row, :seen], real)
+        for (keys, values), layer in zip(carried.layers, own.layers, strict=True):
+            torch.testing.assert_close(keys[row, :, :seen][:, real], layer.keys[row, :, :seen][:, real], atol=1e-5,
+                                       rtol=1e-4)
+            torch.testing.assert_close(values[row, :, :seen][:, real], layer.values[row, :, :seen][:, real],
+                                       atol=1e-5, rtol=1e-4)
+    prefilled, chains = [], []
+    monkeypatch.setattr(DraftModelProposer, "_prefill", lambda *args: prefilled.append(None))
+    prefill_chain = RaggedKVCache.prefill_chain
+
+    def spy(cache, ids, *args, **kwargs):  # the draft's chains (the target's cache encodes the new tokens too)
+        if cache.model is draft:
+            chains.append(ids.shape[1])
+        return prefill_chain(cache, ids, *args, **kwargs)
+
+    monkeypatch.setattr(RaggedKVCache, "prefill_chain", spy)
+    restored = []
+    prefill_from = RaggedKVCache.prefill_from
+
+    def restore(cache, *args):  # the restored cache masks the carried padding
+        prefill_from(cache, *args)
+        restored.append(torch.equal(cache.valid[:, : carried.valid.shape[1]], carried.valid) and cache.padded)
+
+    monkeypatch.setattr(RaggedKVCache, "prefill_from", restore)
+    new = torch.randint(3, 128, (3, 4), generator=torch.Generator().manual_seed(5))
+    prompt = torch.cat([first.sequences, new], dim=1)
+    kwargs = dict(attention_mask=torch.cat([longer, longer.new_ones(3, 4)], dim=1), max_new_tokens=10, **KWARGS)
+    expected = target.generate(prompt, past_key_values=copy.deepcopy(first.past_key_values), **kwargs)
+    out = hf_specdec.generate(target, prompt, past_key_values=first.past_key_values, speculative=config, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert out.spec_stats.num_accepted_tokens > 0
+    assert prefilled == [] and chains == [prompt.shape[1] - 1 - min(carried.seen)] and restored == [True]
