@@ -98,6 +98,23 @@ def test_streamer_receives_every_token_in_order(enabled, method):
     assert ours.ended and plain.ended
 
 
+@pytest.mark.parametrize("eos", [False, True])
+def test_streamer_receives_every_rows_tokens_column_by_column(enabled, eos):
+    """A batch of 2, left padded: the streamer gets each step's [B] tokens as plain generate puts them (a finished
+    row's as padding), not the first row's alone, nor stopping when the first row stops."""
+    target = make_model("llama")
+    ids, mask = padded_batch([5, 7], seed=1, repeat_period=3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    if eos:  # a token the first row emits early
+        free = target.generate(ids, **kwargs)
+        kwargs["eos_token_id"] = int(free[0, ids.shape[1] + 1])
+    plain, ours = Recorder(), Recorder()
+    expected = target.generate(ids, streamer=plain, **kwargs)
+    assert torch.equal(target.generate(ids, streamer=ours, spec_method="ngram", **kwargs), expected)
+    assert ours.chunks == plain.chunks and ours.ended
+    assert len(plain.chunks) == 1 + 8 and all(len(chunk) == 2 for chunk in plain.chunks[1:])
+
+
 def test_one_token_prompt_with_draft():
     target = make_model("gpt_neox")
     ids = torch.tensor([[5], [9]])

@@ -124,8 +124,9 @@ class SpeculativeDecoder:
         self.logit_log = ScoreLog(0)
         self.rows: torch.Tensor | None = None  # [B_held]: the batch row of each row the target cache holds; None: all
         self.held_rows: list[int] = []  # the same on the host (all rows until some are dropped)
-        # the host needs each step's tokens: to stream them, or for a proposer that matches on the text
-        self.report_tokens = streamer is not None or self.proposer.reads_emitted_tokens
+        # the host needs each step's tokens for a proposer that matches on the text (a streamer reads the output's
+        # columns itself, `stream`)
+        self.report_tokens = self.proposer.reads_emitted_tokens
         # static shapes and compiled forwards (`hf_specdec.compile`); the compile checks come before any forward
         self.static_cache = static_cache
         self.static_shapes = uses_static_shapes(generation_config, static_cache)
@@ -154,8 +155,25 @@ class SpeculativeDecoder:
         finally:
             self.proposer.finish(self.state)
         if self.streamer is not None:
+            self.stream(until=self.output_length())
             self.streamer.end()
         return self.state
+
+    def stream(self, until: int | None = None) -> None:
+        """Put the output's columns that every row has now to the streamer, one column ([B] tokens) at a time, as
+        plain generate puts each step's tokens (a finished row's are padding); `until`: all of them up to that
+        length (the call's end). Rows emit different numbers of tokens a step: a column goes once the slowest
+        generating row has it."""
+        host = self.state.host
+        if until is None:
+            generating = [length for length, done in zip(host.lengths, host.finished) if not done]
+            until = min(generating, default=self.output_length())
+        if until <= self.streamed:
+            return
+        columns = self.state.sequences[:, self.streamed : until].cpu()  # the step's one read of tokens, when streaming
+        for column in columns.unbind(dim=1):
+            self.streamer.put(column)
+        self.streamed = until
 
     def start(
         self,
@@ -193,6 +211,7 @@ class SpeculativeDecoder:
                                     self.cache.output_attentions, whole_sequence=not config.use_cache)
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
+            self.streamed = input_ids.shape[1]  # the output's columns the streamer has
         self.prompt, self.prompt_ids = prompt, input_ids
         self.cache.expected_slots = self.state.sequences.shape[1]
         logits = self.cache.prefill(input_ids, attention_mask, position_ids=prompt.position_ids,
@@ -317,8 +336,7 @@ class SpeculativeDecoder:
         if self.generation_config.output_logits:
             self.logit_log.add(scores_of_emitted(result, logits.float()), host.num_emitted)
         if self.streamer is not None:
-            for token in host.emitted[0, : host.num_emitted[0]].tolist():
-                self.streamer.put(torch.tensor([token]))
+            self.stream()
 
     def commit_tokens(
         self,

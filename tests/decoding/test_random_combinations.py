@@ -4,7 +4,7 @@ the rows still generating: a row's entries after it ended are zeros here, comput
 two calls with one config (the suffix cache, the schedule's estimates and the drafters' state carry over); about
 half the calls that return a cache are then continued from it (a few new tokens, greedy), so what proposers carry
 with the cache is exercised too. The options include the prompt's embeddings given with its ids (noisy, so drafters
-that read the ids see other text than the target). Every case is seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them
+that read the ids see other text than the target) and a streamer (what it receives is compared too). Every case is seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them
 (default 32), `HF_SPECDEC_RANDOM_START=S` from case S on. Greedy cases compare with plain greedy decoding; sampling
 cases use `top_k=1`, which makes sampling deterministic, so they compare exactly too (with temperature, top-p,
 min-p, typical and epsilon warpers in the processor list). Right padding is left out of sampling cases on
@@ -26,6 +26,7 @@ import pytest
 import torch
 import transformers
 from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
@@ -157,6 +158,7 @@ def _call(rng: random.Random, seed: int, arch: str, target: torch.nn.Module) -> 
         "use_cache": lambda: False,
         "cache_implementation": lambda: "static",
         # the prompt's embeddings, not those of its ids (which drafters that read ids read)
+        "streamer": lambda: True,  # a recorder each for plain and hf_specdec (`_streamed`)
         "inputs_embeds": lambda: (target.get_input_embeddings()(ids)
                                   + 0.5 * torch.randn(*ids.shape, target.config.get_text_config().hidden_size,
                                                       generator=torch.Generator().manual_seed(seed))).detach(),
@@ -194,18 +196,41 @@ def test_random_combination_matches_plain_generate(seed):
     target, plain = _model(case.arch), _model(case.arch)
     continues = random.Random(-1 - seed)  # whether and how a call's output is continued from its cache
     for call in case.calls:
+        streamed = {}
         try:
-            expected = plain.generate(call.ids, **call.kwargs)
+            expected = plain.generate(call.ids, **_streamed(call.kwargs, streamed, "plain"))
         except ValueError:  # an option plain generate refuses in this combination
             continue
         try:
-            out = hf_specdec.generate(target, call.ids, speculative=case.config, **call.kwargs)
+            out = hf_specdec.generate(target, call.ids, speculative=case.config,
+                                      **_streamed(call.kwargs, streamed, "ours"))
         except ValueError as error:  # refusals name the option and what to do: combinations that cannot run
             assert "static" in str(error) and call.kwargs.get("cache_implementation") == "static", (call.name, error)
             continue
         _check(call, out, expected)
+        if streamed:  # the prompt, then one column of the batch at a time, then the end
+            assert streamed["ours"].chunks == streamed["plain"].chunks, f"{call.name}: streamed"
         if isinstance(getattr(out, CACHE_KWARG), DynamicCache) and continues.random() < 0.5:
             _check_continuation(continues, target, plain, case.config, call, out)
+
+
+class Recorder(BaseStreamer):
+    def __init__(self) -> None:
+        self.chunks: list = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.chunks.append(value.tolist())
+
+    def end(self) -> None:
+        self.chunks.append("end")
+
+
+def _streamed(kwargs: dict, recorders: dict, name: str) -> dict:
+    """generate's kwargs with a recorder of its own as the streamer, when the call streams."""
+    if not kwargs.get("streamer"):
+        return kwargs
+    recorders[name] = Recorder()
+    return {**kwargs, "streamer": recorders[name]}
 
 
 def _check_continuation(rng: random.Random, target, plain, config: SpeculativeConfig, call: Call, out) -> None:
