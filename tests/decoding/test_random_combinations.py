@@ -1,15 +1,15 @@
 """Random combinations of architecture, padding, proposer, draft shape, schedule and generate options, each checked
-against plain `generate`: the same sequences, and the same scores, logits and hidden states where asked for (for
-the rows still generating: a row's entries after it ended are zeros here, computed on padding there). A case makes
-two calls with one config (the suffix cache, the schedule's estimates and the drafters' state carry over); about
-half the calls that return a cache are then continued from it (a few new tokens, greedy), so what proposers carry
-with the cache is exercised too. The options include the prompt's embeddings given with its ids (noisy, so drafters
-that read the ids see other text than the target) and a streamer (what it receives is compared too). Every case
-is seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 32), `HF_SPECDEC_RANDOM_START=S` from case S on.
-Greedy cases compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling deterministic,
-so they compare exactly too (with temperature, top-p, min-p, typical and epsilon warpers in the processor list). Right padding is left out of sampling cases on
-sliding-window models: there a short row's last prompt position sees no key in its window, and plain generate
-samples from NaN scores.
+against plain `generate`: the same sequences, and the same scores, logits and hidden states where asked for (for the
+rows still generating: a row's entries after it ended are zeros here, computed on padding there). A case makes two
+calls with one config (the suffix cache, the schedule's estimates and the drafters' state carry over); about half
+the calls that return a cache are then continued from it (a few new tokens, greedy), so what proposers carry with
+the cache is exercised too. The options include the prompt's embeddings given with its ids (noisy, so drafters that
+read the ids see other text than the target) and a streamer (what it receives is compared too). Every case is
+seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 32), `HF_SPECDEC_RANDOM_START=S` from case S on. Greedy
+cases compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling deterministic, so they
+compare exactly too (with temperature, top-p, min-p, typical and epsilon warpers in the processor list). Right
+padding is left out of sampling cases on sliding-window models: there a short row's last prompt position sees no key
+in its window, and plain generate samples from NaN scores.
 
 Found with it: token lists as long as the batch applied one token per row (`test_greedy_equality.py`), EAGLE heads
 for GPT-2-style configs (`test_eagle.py`), a dynamic tree with fewer nodes than levels under static shapes
