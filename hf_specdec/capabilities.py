@@ -29,8 +29,8 @@ def check_generation_supported(
     synced_gpus: bool,
     # the config's method, then the methods that draft under it (`SpeculativeConfig.drafting_methods`)
     methods: Sequence[str],
-    # the prompt's token ids given with it (the output's first columns; generate's `input_ids`)
-    prompt_ids: int = 0,
+    # how many token ids the prompt comes with (the output's first columns; generate's `input_ids`)
+    prompt_ids: int,
 ) -> None:
     if model.config.is_encoder_decoder:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_specdec supports decoder-only LMs")

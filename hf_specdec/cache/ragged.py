@@ -271,9 +271,8 @@ class RaggedKVCache:
         and first layers (an early-exit draft) computes those very keys and values over the prompt, so its prefill
         computes nothing."""
         if self._start_prompt(source.batch_size, length, source.lengths.device, attention_mask, None) is not None:
-            self.kv.write_start, self.kv.write_index = 0, None
-            for index, (keys, values) in enumerate(source.kv.buffers()[: self.num_layers]):
-                self.kv.update(keys[:, :, :length], values[:, :, :length], index)
+            self._write_layers([(keys[:, :, :length], values[:, :, :length])
+                                for keys, values in source.kv.buffers()[: self.num_layers]])
         self._settle_width()
 
     def prefill_from(
@@ -293,12 +292,20 @@ class RaggedKVCache:
         target's cache, `hf_specdec.cache.carried`): copied, so the source stays as it was; nothing is computed."""
         width = layers[0][0].shape[2]
         if self._start_prompt(lengths.shape[0], width, lengths.device, valid, None) is not None:
-            self.kv.write_start, self.kv.write_index = 0, None
-            for index, (keys, values) in enumerate(layers):
-                self.kv.update(keys, values, index)
+            self._write_layers(layers)
         self.lengths, self.next_position = lengths.clone(), next_position.clone()
         self.host_lengths, self.width = list(lengths_on_host), max(lengths_on_host, default=0)
         self._settle_width()
+
+    def _write_layers(
+        self,
+        # per layer ([B, H, L, D] keys, values)
+        layers,
+    ) -> None:
+        """Copy keys and values computed elsewhere into the first L slots of every row."""
+        self.kv.write_start, self.kv.write_index = 0, None
+        for index, (keys, values) in enumerate(layers):
+            self.kv.update(keys, values, index)
 
     def _start_prompt(
         self,
@@ -349,9 +356,7 @@ class RaggedKVCache:
         chain, kept whole."""
         cached = past_key_values.get_seq_length()
         batch, length = attention_mask.shape
-        self.kv.write_start, self.kv.write_index = 0, None
-        for index, (keys, values) in enumerate(filled_layers(past_key_values, cached)):
-            self.kv.update(keys, values, index)
+        self._write_layers(filled_layers(past_key_values, cached))
         self.lengths = self.lengths.new_full((batch,), cached)
         self.host_lengths, self.width = [cached] * batch, cached
         rest = {"position_ids": position_ids[:, cached:]}

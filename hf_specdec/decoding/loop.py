@@ -124,9 +124,8 @@ class SpeculativeDecoder:
         self.logit_log = ScoreLog(0)
         self.rows: torch.Tensor | None = None  # [B_held]: the batch row of each row the target cache holds; None: all
         self.held_rows: list[int] = []  # the same on the host (all rows until some are dropped)
-        # the host needs each step's tokens for a proposer that matches on the text (a streamer reads the output's
-        # columns itself, `stream`)
-        self.report_tokens = self.proposer.reads_emitted_tokens
+        # the host needs each step's tokens: to stream them, or for a proposer that matches on the text
+        self.report_tokens = streamer is not None or self.proposer.reads_emitted_tokens
         # static shapes and compiled forwards (`hf_specdec.compile`); the compile checks come before any forward
         self.static_cache = static_cache
         self.static_shapes = uses_static_shapes(generation_config, static_cache)
@@ -160,20 +159,23 @@ class SpeculativeDecoder:
         return self.state
 
     def stream(self, until: int | None = None) -> None:
-        """Put the output's columns that every row has now to the streamer, one column ([B] tokens) at a time, as
-        plain generate puts each step's tokens (a finished row's are padding); `until`: all of them up to that
-        length (the call's end). Rows emit different numbers of tokens a step: a column goes once the slowest
-        generating row has it."""
+        """Take the step's emitted tokens (`state.host.emitted`) and put the output's columns that every generating
+        row has now to the streamer, one column ([B] tokens) at a time, as plain generate puts each step's tokens
+        (a finished row's are padding); `until`: every column up to that output length (the call's end)."""
         host = self.state.host
         if until is None:
-            generating = [length for length, done in zip(host.lengths, host.finished) if not done]
-            until = min(generating, default=self.output_length())
-        if until <= self.streamed:
-            return
-        columns = self.state.sequences[:, self.streamed : until].cpu()  # the step's one read of tokens, when streaming
-        for column in columns.unbind(dim=1):
-            self.streamer.put(column)
-        self.streamed = until
+            for pending, count, tokens in zip(self.unstreamed, host.num_emitted, host.emitted):
+                pending.extend(tokens[:count].tolist())
+            columns = min((len(pending) for pending, done in zip(self.unstreamed, host.finished) if not done),
+                          default=0)
+        else:
+            columns = until - self.streamed
+        pad = self.state.pad_token_id
+        for column in range(columns):
+            self.streamer.put(torch.tensor([pending[column] if column < len(pending) else pad
+                                            for pending in self.unstreamed]))
+        self.unstreamed = [pending[columns:] for pending in self.unstreamed]
+        self.streamed += columns
 
     def start(
         self,
@@ -212,6 +214,7 @@ class SpeculativeDecoder:
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
             self.streamed = input_ids.shape[1]  # the output's columns the streamer has
+            self.unstreamed: list[list[int]] = [[] for _ in range(input_ids.shape[0])]  # per row, tokens not put yet
         self.prompt, self.prompt_ids = prompt, input_ids
         self.cache.expected_slots = self.state.sequences.shape[1]
         logits = self.cache.prefill(input_ids, attention_mask, position_ids=prompt.position_ids,

@@ -232,7 +232,7 @@ class DraftModelProposer(Proposer):
         device = self.draft.device
         self._expect_call(state)
         context = self._carried(state)
-        if context is None or max(context.seen) > state.prompt_length - 1:
+        if context is None:
             self._prefill(state, None if attention_mask is None else attention_mask[:, :-1].to(device))
         else:
             self._restore(context)
@@ -240,15 +240,11 @@ class DraftModelProposer(Proposer):
         self.cached_lengths = state.lengths - 1
         self.cached_host = [length - 1 for length in state.host.lengths]
 
-    # whether `carry` leaves the drafter's context with the output cache (an early-exit draft has no need: its prefill
-    # copies the target's own keys and values)
-    carries_context = True
-
     def carry(self, state: DecodeState) -> tuple:
         """The drafter's keys and values over this call's text (`DrafterContext`), for a call continuing from the
         output cache."""
         cache = self.cache
-        if not self.carries_context or cache.lengths is None:
+        if cache.lengths is None:
             return ()
         lengths = cache.host_lengths if cache.host_lengths is not None else cache.lengths.tolist()
         width = max(lengths, default=0)

@@ -32,7 +32,7 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.heads.eagle import EagleHead
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.draft_model import DraftModelProposer, select_positions
-from hf_specdec.step import DecodeState, Proposal, VerificationResult
+from hf_specdec.step import DecodeState, VerificationResult
 
 
 class EagleDrafter(nn.Module):
@@ -136,7 +136,6 @@ class EagleProposer(DraftModelProposer):
         # lengths after it (on the device), and per row how many of its tokens (the first ones) are the row's (host)
         self._backlog: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
         self._prompt_feed: tuple | None = None  # the prompt's pairs, until the head's first forward feeds them
-        self._live = [True] * state.batch_size  # the rows generating at the start of the last step
         if prompt.shape[1] < 2:
             return
         real = torch.ones_like(prompt[:, 1:], dtype=torch.bool)
@@ -157,16 +156,14 @@ class EagleProposer(DraftModelProposer):
         carries nothing: the head is not run for a continuation that may never come."""
         if self.cache.lengths is None or self._prompt_feed is not None:
             return ()
-        if any(live and length > seen for live, length, seen in zip(self._live, state.host.lengths, self.cached_host)):
-            live = replace(state, finished=torch.tensor([not row for row in self._live], device=state.finished.device),
-                           host=replace(state.host, finished=[not row for row in self._live]))
-            self._feed_unseen(live)
-            self._keep_feed(live)
+        done = [emitted == 0 for emitted in state.host.num_emitted]  # the rows of the last step emitted its tokens
+        if any(not row_done and length > seen
+               for row_done, length, seen in zip(done, state.host.lengths, self.cached_host)):
+            last_step = replace(state, finished=torch.tensor(done, device=state.finished.device),
+                                host=replace(state.host, finished=done))
+            self._feed_unseen(last_step)
+            self._keep_feed(last_step)
         return super().carry(state)
-
-    def propose(self, state: DecodeState) -> Proposal:
-        self._live = [not done for done in state.host.finished]
-        return super().propose(state)
 
     def _feed_prompt(self) -> None:
         """Feed the prompt's pairs, kept since `start`, to the head (before its first other forward)."""
@@ -203,7 +200,6 @@ class EagleProposer(DraftModelProposer):
         """Keep the last step's committed tokens' features for the next feed (each row's own number of them: their
         target features are kept for one step only); feed them now past `BACKLOG_LIMIT` waiting tokens in a row, or
         under fixed shapes (a feed of fixed width)."""
-        self._live = [not done for done in state.host.finished]
         host, waiting = state.host, self._waiting()
         counts = [0 if done else length - seen - wait
                   for length, seen, wait, done in zip(host.lengths, self.cached_host, waiting, host.finished)]

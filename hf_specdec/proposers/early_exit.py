@@ -110,7 +110,9 @@ def _share_modules(mine: nn.Module, theirs: nn.Module, prefix: str, containers: 
 
 class EarlyExitProposer(DraftModelProposer):
     role = "the early-exit draft"
-    carries_context = False  # its prefill copies the target's keys and values: nothing to save
+
+    def carry(self, state: DecodeState) -> tuple:
+        return ()  # its prefill copies the target's own keys and values: nothing to save
 
     def _drafter(self, config: SpeculativeConfig, target: nn.Module) -> nn.Module:
         return early_exit_draft(target, config.early_exit_layer)
