@@ -34,7 +34,7 @@ from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward, uses_static_shapes
 from hf_specdec.config import TREE_SIZE_AUTO, SpeculativeConfig
-from hf_specdec.decoding.outputs import OutputLog
+from hf_specdec.decoding.outputs import OutputLog, over_static_cache
 from hf_specdec.decoding.scores import PositionScorer
 from hf_specdec.decoding.stopping import TokenStopper
 from hf_specdec.proposers import DraftSampling, build_proposer
@@ -232,7 +232,7 @@ class SpeculativeDecoder:
         self.commit_tokens(proposal, result, num_emitted, logits.shape[1])
         self.log(result, scores, logits)
         if self.cache.output_hidden_states or self.cache.output_attentions:
-            self.output_log.prefill(self.cache.model_outputs)
+            self.output_log.prefill(self.cache.model_outputs, prompt.past_key_values)
 
     def make_static(self, prompt_length: int) -> None:
         """The target cache at a fixed capacity: every committed token (up to the length limit), then one verify
@@ -544,6 +544,7 @@ def speculative_generate(
         logits=decoder.logit_log.steps()[:steps] if generation_config.output_logits else None,
         **{CACHE_KWARG: past_key_values},
         hidden_states=decoder.output_log.hidden_steps(steps),
-        attentions=decoder.output_log.attention_steps(steps),
+        attentions=over_static_cache(decoder.output_log.attention_steps(steps),
+                                     past if generation_config.use_cache else None),
         spec_stats=replace(decoder.stats.finish(schedule_stats), tree_total_tokens=speculative_config.tree_total_tokens),
     )

@@ -12,12 +12,17 @@ With `use_cache=False` plain generate runs the whole sequence at every step, so 
 ([B, P + t, H]; [B, heads, P + t, P + t], sliding layers keeping their whole rows): the prefill's rows, then one row
 per generated position, each as computed when it was verified (causal attention makes them the same). Left-padding
 positions attend to nothing; they keep the prefill's values, where plain generate recomputes them to other ones.
+
+With a static cache plain generate's attention weights span each layer's whole cache (its `max_cache_len`, a sliding
+layer's window), zeros on the slots not written yet: `over_static_cache` lays the entries out the same way.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache, StaticCache
 
 from hf_specdec.cache.ragged import ModelOutputs
 
@@ -35,7 +40,18 @@ class OutputLog:
         # the keys each layer keeps for a query at order o: o + 1, or the window for sliding layers
         self.windows = [getattr(layer, "sliding_window", None) for layer in layers]
 
-    def prefill(self, outputs: ModelOutputs) -> None:
+    def prefill(self, outputs: ModelOutputs, past: Cache | None = None) -> None:
+        """The prompt's forward; `past`: the filled cache it continued, whose sliding-window layers hold only their
+        last keys (transformers keeps window - 1): plain generate's first entry there spans those and the new
+        positions' keys, where this forward's spans the whole conversation (zeros outside the window)."""
+        if past is not None and outputs.attentions:
+            held = [_held_keys(layer) if window is not None else None
+                    for layer, window in zip(past.layers, self.windows, strict=False)]
+            outputs = replace(outputs, attentions=tuple(
+                weights if layer >= len(held) or held[layer] is None
+                else weights[..., weights.shape[-1] - held[layer] - weights.shape[-2]:]
+                for layer, weights in enumerate(outputs.attentions)
+            ))
         self.first = outputs
 
     def add(
@@ -124,6 +140,26 @@ class OutputLog:
                 for layer in range(len(first))
             ))
         return tuple(entries)
+
+
+def over_static_cache(entries: tuple | None, cache: object) -> tuple | None:
+    """The attention entries laid out over `cache`'s slots when it is the StaticCache plain generate would have
+    used (the caller's, or the one transformers prepared for `cache_implementation="static"`): each layer's keys
+    padded with zeros up to the layer's capacity (a prefill longer than a sliding window keeps its keys)."""
+    if not entries or not isinstance(cache, StaticCache):
+        return entries
+    capacities = [getattr(layer, "max_cache_len", None) for layer in cache.layers]
+    return tuple(
+        tuple(weights if capacity is None else _pad_keys(weights, max(capacity, weights.shape[-1]))
+              for weights, capacity in zip(step, capacities, strict=True)) if step else step
+        for step in entries
+    )
+
+
+def _held_keys(layer) -> int | None:
+    """The keys a cache layer holds (a sliding-window layer: at most its window), None if it holds none yet."""
+    keys = getattr(layer, "keys", None)
+    return None if keys is None or not getattr(layer, "is_initialized", True) else keys.shape[-2]
 
 
 def _pad_keys(

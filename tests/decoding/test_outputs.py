@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from transformers import StaticCache
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cache.naming import CACHE_KWARG
 from tests.conftest import make_draft, make_model, padded_batch
 
 
@@ -67,3 +71,58 @@ def test_sdpa_attentions_are_empty_as_in_plain_generate():
     expected = target.generate(ids, **kwargs)
     out = hf_specdec.generate(target, ids, spec_method="ngram", **kwargs)
     assert [len(step) for step in out.attentions] == [len(step) for step in expected.attentions]
+
+
+@pytest.mark.parametrize("lengths", [[3, 2], [9, 6]])
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_attentions_span_a_static_cache_as_in_plain_generate(arch, lengths):
+    """Plain generate's weights over a static cache span each layer's whole capacity (a sliding layer's window of 6
+    here: prompts shorter and longer than it), zeros on the slots not written yet; a StaticCache passed in too.
+    Before, they spanned the keys written so far, as over a dynamic cache."""
+    target = make_model(arch)
+    target.config._attn_implementation = "eager"
+    ids, mask = padded_batch(lengths, seed=1, repeat_period=3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                  return_dict_in_generate=True, output_attentions=True)
+    for static in ({"cache_implementation": "static"},
+                   {CACHE_KWARG: lambda: StaticCache(config=target.config, max_cache_len=40)}):
+        made = {name: value() if callable(value) else value for name, value in static.items()}
+        expected = target.generate(ids, **kwargs, **made)
+        made = {name: value() if callable(value) else value for name, value in static.items()}
+        out = hf_specdec.generate(target, ids, speculative=_configs()["ngram"], **kwargs, **made)
+        assert torch.equal(out.sequences, expected.sequences)
+        assert out.spec_stats.num_draft_tokens > 0
+        assert [[a.shape for a in step] for step in out.attentions] == \
+            [[a.shape for a in step] for step in expected.attentions]
+        # the prompt's queries at real positions (a left pad's query attends to nothing: uniform weights over the
+        # keys either cache holds), then the generated tokens'
+        real = mask.bool()[:, None, :, None]
+        assert _max_diff((tuple(a * real for a in out.attentions[0]),) + out.attentions[1:],
+                         (tuple(a * real for a in expected.attentions[0]),) + expected.attentions[1:]) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_attentions_continuing_a_cache_span_the_keys_its_sliding_layers_hold(arch):
+    """Continued from a filled cache, plain generate's first entry spans, in a sliding-window layer, only the keys
+    the cache's layer holds (transformers keeps the last window - 1) and the new positions'; full layers span the
+    whole conversation. Before, every layer's first entry spanned the whole conversation."""
+    target = make_model(arch)
+    target.config._attn_implementation = "eager"
+    ids, mask = padded_batch([9, 6], seed=1, repeat_period=3)
+    first = target.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            return_dict_in_generate=True)
+    prompt = torch.cat([first.sequences, first.sequences[:, -3:]], dim=1)
+    kwargs = dict(attention_mask=torch.cat([mask, mask.new_ones(2, prompt.shape[1] - mask.shape[1])], dim=1),
+                  max_new_tokens=5, do_sample=False, eos_token_id=None, return_dict_in_generate=True,
+                  output_attentions=True)
+    cache = getattr(first, CACHE_KWARG)
+    expected = target.generate(prompt, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
+    out = hf_specdec.generate(target, prompt, speculative=_configs()["ngram"], **{CACHE_KWARG: copy.deepcopy(cache)},
+                              **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert out.spec_stats.num_draft_tokens > 0
+    # the sliding layers' first entry is narrower than the conversation (gemma2's full layers span all of it)
+    assert min(a.shape[-1] for a in expected.attentions[0]) < prompt.shape[1]
+    assert [[a.shape for a in step] for step in out.attentions] == \
+        [[a.shape for a in step] for step in expected.attentions]
+    assert _max_diff(out.attentions, expected.attentions) < 1e-5

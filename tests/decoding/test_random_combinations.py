@@ -1,6 +1,7 @@
 """Random combinations of architecture, padding, proposer, draft shape, schedule and generate options, each checked
 against plain `generate`: the same sequences, and the same scores, logits and hidden states where asked for (for the
-rows still generating: a row's entries after it ended are zeros here, computed on padding there). A case makes two
+rows still generating: a row's entries after it ended are zeros here, computed on padding there); about a quarter of
+the cases run eager attention and compare the attention weights too, laid out over plain's cache. A case makes two
 calls with one config (the suffix cache, the schedule's estimates and the drafters' state carry over); about half
 the calls that return a cache are then continued from it (a few new tokens, greedy), so what proposers carry with
 the cache is exercised too. The options include the prompt's embeddings given with its ids (noisy, so drafters that
@@ -39,6 +40,7 @@ from tests.decoding.test_greedy_equality import NEWER_ARCHITECTURES
 CASES = int(os.environ.get("HF_SPECDEC_RANDOM_CASES", "32"))
 START = int(os.environ.get("HF_SPECDEC_RANDOM_START", "0"))
 SLIDING = {"phi3", "mistral", "gemma2", "gemma3_text", "gpt_oss"}
+ATTENDING = 10**6  # seeds the draw of the cases that ask for attention weights, apart from the others
 CALLS = 2  # right-padded, a short row's last prompt position sees no key in its window
 
 
@@ -195,7 +197,14 @@ def test_random_combination_matches_plain_generate(seed):
     case = _case(seed)
     target, plain = _model(case.arch), _model(case.arch)
     continues = random.Random(-1 - seed)  # whether and how a call's output is continued from its cache
+    # about a quarter of the cases run eager attention and ask for the attention weights as well
+    attends = random.Random(-ATTENDING - seed).random() < 0.25
+    if attends:
+        for model in (target, plain):
+            model.set_attn_implementation("eager")
     for call in case.calls:
+        if attends:
+            call = Call(call.ids, {**call.kwargs, "output_attentions": True}, f"{call.name}, output_attentions")
         streamed = {}
         try:
             expected = plain.generate(call.ids, **_streamed(call.kwargs, streamed, "plain"))
@@ -243,14 +252,25 @@ def _check_continuation(rng: random.Random, target, plain, config: SpeculativeCo
     mask = call.kwargs["attention_mask"]
     mask = torch.cat([mask, mask.new_ones(batch, prompt.shape[1] - mask.shape[1])], dim=1)
     kwargs = dict(attention_mask=mask, pad_token_id=0, return_dict_in_generate=True, eos_token_id=None,
-                  do_sample=False, max_new_tokens=rng.randint(1, 12))
+                  do_sample=False, max_new_tokens=rng.randint(1, 12),
+                  output_attentions=bool(call.kwargs.get("output_attentions")))
     cache = getattr(out, CACHE_KWARG)
     expected = plain.generate(prompt, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
     ours = hf_specdec.generate(target, prompt, speculative=config, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
-    assert torch.equal(ours.sequences, expected.sequences), f"{call.name}, continued"
+    continued = Call(prompt, kwargs, f"{call.name}, continued")
+    # the first forward's queries: the positions the cache does not hold (the output's last token and the new ones)
+    uncached = torch.ones(batch, prompt.shape[1] - cache.get_seq_length(), dtype=torch.bool)
+    _check(continued, ours, expected, first_queries=uncached)
 
 
-def _check(call: Call, out, expected) -> None:
+def _check(
+    call: Call,
+    out,
+    expected,
+    # [B, Q]: which of the first forward's queries to compare (default: the prompt's real positions; a left pad's
+    # query attends to nothing, uniformly over whatever keys the cache holds)
+    first_queries: torch.Tensor | None = None,
+) -> None:
     assert torch.equal(out.sequences, expected.sequences), call.name
     ended = _ended_before(expected.sequences[:, call.ids.shape[1] :], call.kwargs["eos_token_id"])
     for field in ("scores", "logits"):
@@ -269,3 +289,14 @@ def _check(call: Call, out, expected) -> None:
             for a, b in zip(ours, theirs, strict=True):
                 seen = real if step == 0 else torch.ones_like(a[..., :1], dtype=torch.bool)
                 torch.testing.assert_close((a * seen)[live], (b * seen)[live], rtol=1e-4, atol=1e-4, msg=call.name)
+    if call.kwargs.get("output_attentions") and call.kwargs.get("use_cache") is not False:
+        queries = call.kwargs["attention_mask"].bool() if first_queries is None else first_queries
+        assert len(out.attentions) == len(expected.attentions), call.name
+        for step, (ours, theirs) in enumerate(zip(out.attentions, expected.attentions, strict=True)):
+            live = ~ended[:, step]
+            # per layer: [B, heads, Q, keys], as plain lays them out over its cache
+            for a, b in zip(ours, theirs, strict=True):
+                assert a.shape == b.shape, f"{call.name}: attentions at step {step}"
+                seen = queries[:, None, :, None] if step == 0 else torch.ones_like(a, dtype=torch.bool)
+                torch.testing.assert_close((a * seen)[live], (b * seen)[live], rtol=1e-4, atol=1e-5,
+                                           msg=f"{call.name}: attentions")
