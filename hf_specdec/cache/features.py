@@ -6,10 +6,14 @@ the last, EAGLE-3 three, MTP the last). `FeatureTap` keeps only those: the input
 (entry 0 is the embeddings' output, which layer 0 takes), and the final norm's output for the last entry (which
 transformers' causal LMs report there). Models whose decoder does not expose `layers` and `norm` are asked for
 `output_hidden_states` as before (`FeatureTap.supported`).
+
+The hooks sit on the model's modules, which `generate` calls in other threads share: a tap records the forwards run
+in the thread that entered it, and no other.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +22,8 @@ from torch import nn
 
 class FeatureTap:
     """Hooks on the decoder that record the hidden states at `entries` (indices into the model's `hidden_states`,
-    negative ones from its end) during the forwards run inside `with tap:`; `features()` returns them in order."""
+    negative ones from its end) during the forwards run inside `with tap:` by the thread that entered it;
+    `features()` returns them in order."""
 
     def __init__(self, model: nn.Module, entries: Sequence[int]) -> None:
         get_decoder = getattr(model, "get_decoder", None)
@@ -44,6 +49,7 @@ class FeatureTap:
 
     def __enter__(self) -> FeatureTap:
         self._recorded = {}
+        self._thread = threading.get_ident()
         for entry, module in self._modules.items():
             if entry == self._count:
                 self._handles.append(module.register_forward_hook(self._output_hook(entry)))
@@ -58,12 +64,14 @@ class FeatureTap:
 
     def _input_hook(self, entry: int):
         def hook(module, args, kwargs):
-            self._recorded[entry] = args[0] if args else kwargs["hidden_states"]
+            if threading.get_ident() == self._thread:
+                self._recorded[entry] = args[0] if args else kwargs["hidden_states"]
         return hook
 
     def _output_hook(self, entry: int):
         def hook(module, args, output):
-            self._recorded[entry] = output
+            if threading.get_ident() == self._thread:
+                self._recorded[entry] = output
         return hook
 
     def features(self) -> list[torch.Tensor]:

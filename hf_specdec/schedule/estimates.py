@@ -9,6 +9,8 @@ call), or from an optimistic prior on the first call.
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -179,6 +181,17 @@ class AcceptanceEstimate:
         self.values = self.raw[np.arange(source.shape[0])[:, None], source]
 
 
+def _locked(method):
+    """`method` run under its table's lock: `generate` calls in threads on one model share its tables."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class CostTable:
     """Wall time of a step, by (rows computed, width): lower quartiles of recent measurements, and a prediction for every
     width at a batch size (measured widths as measured; the others on a line through the measured ones, or the
@@ -187,9 +200,12 @@ class CostTable:
 
     The line through a batch size's measurements is fitted once and kept: refitted when a width is measured there
     for the first time, and otherwise after `REFIT_SAMPLES` more samples at that batch size (measured widths always
-    read their latest estimates; only the widths never measured wait for the refit)."""
+    read their latest estimates; only the widths never measured wait for the refit).
+
+    Shared by every call on the model (`cost_table`), in any thread: its methods hold the table's lock."""
 
     def __init__(self) -> None:
+        self._lock = threading.RLock()
         # [K]: the acceptance estimates rows ended earlier calls with, averaged (a new call's rows start there)
         self.acceptance: np.ndarray | None = None
         # per (batch size, width): the estimate (the lower quartile of `recent`), and the last measurements
@@ -212,6 +228,7 @@ class CostTable:
         # asks every step)
         self.predicted: dict[tuple[int, int], np.ndarray] = {}
 
+    @_locked
     def observe(self, batch_size: int, width: int, seconds: float) -> None:
         """A step of `width` at `batch_size` took `seconds`. A narrower drafting width whose estimate stands above
         this width's comes down to it: a narrower step does not cost more than a wider one, and a width the decision
@@ -231,6 +248,7 @@ class CostTable:
         self.times[key] = lower_quantile(self.recent[key])
         self.predicted.clear()
 
+    @_locked
     def plain_due(self, batch_size: int) -> bool:
         """Whether the next step at this batch size should be plain, to measure the plain step's time: never
         measured; last measured `PLAIN_REFRESH` or more steps ago; or at or above what a wider step measured since.
@@ -248,6 +266,7 @@ class CostTable:
         return any(seconds <= plain and self.last_measured[(size, width)] > plain_at
                    for (size, width), seconds in self.times.items() if size == batch_size and width > 0)
 
+    @_locked
     def observe_realized(self, batch_size: int, width: int, tokens: float, seconds: float, rows: int) -> None:
         """A step of `rows` generating rows that drafted at `width`: the tokens it emitted over its wall time. When
         this width's steps come to beat a plain step (probes, say, after the text became predictable), what the
@@ -267,6 +286,7 @@ class CostTable:
             for key in [key for key in self.realized if key[0] == batch_size and key[1] != width]:
                 del self.realized[key]
 
+    @_locked
     def unpaid_widths(self, batch_size: int, rows: int) -> set[int]:
         """The widths whose steps at this batch size (`REALIZED_SAMPLES` or more) emitted fewer tokens per second
         than a plain step of `rows` generating rows does (`rows` tokens in its measured time): the estimates chose
@@ -278,12 +298,14 @@ class CostTable:
         return {width for (size, width), (rate, count) in self.realized.items()
                 if size == batch_size and count >= REALIZED_SAMPLES and rate * plain < rows}
 
+    @_locked
     def acceptance_prior(self, max_k: int) -> np.ndarray | None:
         """[max_k] where a new call's rows start their acceptance estimates: what earlier calls ended with (None
         before any, or for another k)."""
         kept = self.acceptance
         return kept.copy() if kept is not None and kept.shape[0] == max_k else None
 
+    @_locked
     def class_estimate(self, num_classes: int, max_k: int) -> AcceptanceEstimate:
         """The acceptance of each draft class (row c: class c; row 0, no draft, is never observed), kept for the
         life of the process like the step times."""
@@ -293,6 +315,7 @@ class CostTable:
                                                        prior_count=CLASS_PRIOR_COUNT)
         return self.class_acceptance
 
+    @_locked
     def record_acceptance(self, estimate: AcceptanceEstimate) -> None:
         """A call ended: its rows' estimates, averaged, move the prior of later calls towards them (by
         `CALL_PRIOR_WEIGHT`)."""
@@ -301,6 +324,7 @@ class CostTable:
         self.acceptance = (ended if kept is None or kept.shape != ended.shape
                            else kept + CALL_PRIOR_WEIGHT * (ended - kept))
 
+    @_locked
     def predict(self, batch_size: int, max_k: int) -> np.ndarray:
         """[max_k + 1] predicted step time at widths 0..max_k for `batch_size` rows (relative units before any
         measurement: only ratios between widths matter to the decision)."""

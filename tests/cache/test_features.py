@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -57,3 +59,57 @@ def test_generate_reads_features_without_asking_for_every_layer():
                               speculative=config)
     assert torch.equal(out, expected)
     assert asked and not any(asked)
+
+
+def test_a_tap_records_its_own_threads_forwards_only():
+    """`generate` calls in threads share the model and its modules' hooks: a forward another thread runs while a tap
+    is entered is not recorded by it (before, the last forward of any thread was, and a concurrent EAGLE call read
+    another call's features, of another batch size)."""
+    model = make_model("llama")
+    ids, mask = padded_batch([7, 4], seed=1)
+    other, other_mask = padded_batch([5, 6, 3], seed=2)
+    tap = FeatureTap(model, (-1,))
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        with tap:
+            model(ids, attention_mask=mask)
+            thread = threading.Thread(target=lambda: model(other, attention_mask=other_mask))
+            thread.start()
+            thread.join()
+    (recorded,) = tap.features()
+    torch.testing.assert_close(recorded, expected, rtol=0, atol=0)
+
+
+def test_concurrent_generate_calls_with_eagle_heads_match_plain_generate():
+    """Threads generating on one model with one EAGLE head, each its own prompts: every output is plain generate's
+    (before, calls crashed reading features another thread's forward had recorded)."""
+    import hf_specdec
+    from hf_specdec import SpeculativeConfig
+    from tests.proposers.test_eagle import eagle_head
+
+    model = make_model("llama")
+    config = SpeculativeConfig(method="eagle", heads=eagle_head(model, "eagle"), num_speculative_tokens=3)
+    batches = [padded_batch([5 + i, 4, 9][: 1 + i % 3], seed=10 + i, repeat_period=3) for i in range(12)]
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = [model.generate(ids, attention_mask=mask, **kwargs) for ids, mask in batches]
+    results, errors = {}, []
+    start = threading.Barrier(4)
+
+    def work(thread: int) -> None:
+        start.wait()
+        for i in range(thread, len(batches), 4):
+            try:
+                ids, mask = batches[i]
+                results[i] = hf_specdec.generate(model, ids, attention_mask=mask, speculative=config, **kwargs)
+            except Exception as error:  # noqa: BLE001 - reported below with the call
+                errors.append((i, repr(error)))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for i, out in results.items():
+        assert torch.equal(out, expected[i]), i
+    assert len(results) == len(batches)

@@ -5,12 +5,13 @@ the cases run eager attention and compare the attention weights too, laid out ov
 calls with one config (the suffix cache, the schedule's estimates and the drafters' state carry over); about half
 the calls that return a cache are then continued from it (a few new tokens, greedy), so what proposers carry with
 the cache is exercised too. The options include the prompt's embeddings given with its ids (noisy, so drafters that
-read the ids see other text than the target) and a streamer (what it receives is compared too). Every case is
-seeded; `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 32), `HF_SPECDEC_RANDOM_START=S` from case S on. Greedy
-cases compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling deterministic, so they
-compare exactly too (with temperature, top-p, min-p, typical and epsilon warpers in the processor list). Right
-padding is left out of sampling cases on sliding-window models: there a short row's last prompt position sees no key
-in its window, and plain generate samples from NaN scores.
+read the ids see other text than the target), a streamer (what it receives is compared too) and stop strings (the
+text of a row's own tokens, through the test bed's byte-level tokenizer). Every case is seeded;
+`HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 32), `HF_SPECDEC_RANDOM_START=S` from case S on. Greedy cases
+compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling deterministic, so they compare
+exactly too (with temperature, top-p, min-p, typical and epsilon warpers in the processor list, and sometimes
+`num_return_sequences`). Right padding is left out of sampling cases on sliding-window models: there a short row's
+last prompt position sees no key in its window, and plain generate samples from NaN scores.
 
 Found with it: token lists as long as the batch applied one token per row (`test_greedy_equality.py`), EAGLE heads
 for GPT-2-style configs (`test_eagle.py`), a dynamic tree with fewer nodes than levels under static shapes
@@ -19,6 +20,7 @@ for GPT-2-style configs (`test_eagle.py`), a dynamic tree with fewer nodes than 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import random
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import transformers
-from transformers import DynamicCache
+from transformers import AutoTokenizer, DynamicCache, StopStringCriteria
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
@@ -34,6 +36,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, MlpSpeculator, MlpSpeculatorConfig
 from hf_specdec.suffix import SuffixCache
+from hf_specdec.testbed.loading import testbed_dir
 from tests.conftest import ARCHITECTURES, DECODER, SPECIAL, VOCAB, make_draft, make_model, noisy_copy, padded_batch
 from tests.decoding.test_greedy_equality import NEWER_ARCHITECTURES
 
@@ -137,6 +140,11 @@ def _call(rng: random.Random, seed: int, arch: str, target: torch.nn.Module) -> 
     def token() -> int:  # one the rows' own continuations contain: options that name it change the output
         return int(free[rng.randrange(free.shape[0]), rng.randrange(free.shape[1])])
 
+    def stop_string() -> str:  # the text of one or two tokens of a row's own continuation
+        row, start = free[rng.randrange(free.shape[0])], rng.randrange(free.shape[1])
+        text = _tokenizer().decode(row[start : start + rng.randint(1, 2)])
+        return text if text.strip() and text.isprintable() else "X"
+
     kwargs = dict(attention_mask=mask, pad_token_id=0, return_dict_in_generate=True,
                   eos_token_id=rng.choice([None, token(), [token(), token()]]))
     if rng.random() < 0.8:
@@ -153,6 +161,7 @@ def _call(rng: random.Random, seed: int, arch: str, target: torch.nn.Module) -> 
         "begin_suppress_tokens": lambda: [token()],
         "sequence_bias": lambda: {(token(),): -3.0, (token(), token()): 2.0},
         "exponential_decay_length_penalty": lambda: (rng.randint(1, 5), 1.5),
+        "stop_strings": lambda: [stop_string()],
         "renormalize_logits": lambda: True,
         "output_scores": lambda: True,
         "output_logits": lambda: True,
@@ -167,6 +176,8 @@ def _call(rng: random.Random, seed: int, arch: str, target: torch.nn.Module) -> 
     }
     for name in rng.sample(sorted(options), rng.randint(0, 4)):
         kwargs[name] = options[name]()
+    if "stop_strings" in kwargs:
+        kwargs["tokenizer"] = _tokenizer()
     if kwargs["eos_token_id"] is None:
         kwargs.pop("exponential_decay_length_penalty", None)  # a penalty on the EOS: plain generate needs one
     if kwargs.get("use_cache") is False:
@@ -176,19 +187,36 @@ def _call(rng: random.Random, seed: int, arch: str, target: torch.nn.Module) -> 
         for name, value in {"top_p": 0.9, "min_p": 0.05, "typical_p": 0.9, "epsilon_cutoff": 3e-4}.items():
             if rng.random() < 0.3:
                 kwargs[name] = value
+        if rng.random() < 0.2:
+            kwargs["num_return_sequences"] = rng.randint(2, 3)
     else:
         kwargs["do_sample"] = False
     return Call(ids, kwargs, f"batch {len(lengths)} {side}, {sorted(kwargs)}")
 
 
+@functools.cache
+def _tokenizer():
+    """The committed test bed's tokenizer: byte-level, so the random models' ids decode to text (stop strings)."""
+    return AutoTokenizer.from_pretrained(testbed_dir() / "tokenizer")
+
+
 def _ended_before(
-    # [B, T] generated tokens
-    generated: torch.Tensor,
-    eos: int | list[int] | None,
+    # [B, P + T] the output sequences
+    sequences: torch.Tensor,
+    prompt_length: int,
+    kwargs: dict,
 ) -> torch.Tensor:
-    """[B, T] bool: whether the row emitted an EOS before step t."""
+    """[B, T] bool: whether the row had ended before step t: it emitted an EOS, or, where an EOS criterion pads
+    finished rows, its text ended with a stop string."""
+    eos = kwargs["eos_token_id"]
+    generated = sequences[:, prompt_length:]
     eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else eos, dtype=torch.long)
-    hit = torch.isin(generated, eos).long().cumsum(dim=1)
+    hit = torch.isin(generated, eos).long()
+    if kwargs.get("stop_strings") and kwargs["eos_token_id"] is not None:
+        criterion = StopStringCriteria(kwargs["tokenizer"], kwargs["stop_strings"])
+        hit |= torch.stack([criterion(sequences[:, : prompt_length + t + 1], None).long()
+                            for t in range(generated.shape[1])], dim=1)
+    hit = hit.cumsum(dim=1)
     return torch.cat([torch.zeros_like(hit[:, :1]), hit[:, :-1]], dim=1) > 0
 
 
@@ -249,7 +277,7 @@ def _check_continuation(rng: random.Random, target, plain, config: SpeculativeCo
     generator = torch.Generator().manual_seed(rng.randint(0, 999))
     new = torch.randint(3, VOCAB, (batch, rng.randint(1, 4)), generator=generator)  # no special token
     prompt = torch.cat([out.sequences, new], dim=1)
-    mask = call.kwargs["attention_mask"]
+    mask = _prompt_mask(call)
     mask = torch.cat([mask, mask.new_ones(batch, prompt.shape[1] - mask.shape[1])], dim=1)
     kwargs = dict(attention_mask=mask, pad_token_id=0, return_dict_in_generate=True, eos_token_id=None,
                   do_sample=False, max_new_tokens=rng.randint(1, 12),
@@ -263,6 +291,11 @@ def _check_continuation(rng: random.Random, target, plain, config: SpeculativeCo
     _check(continued, ours, expected, first_queries=uncached)
 
 
+def _prompt_mask(call: Call) -> torch.Tensor:
+    """[B * n, P]: the prompt's mask for every output row (`num_return_sequences` = n repeats each row n times)."""
+    return call.kwargs["attention_mask"].repeat_interleave(call.kwargs.get("num_return_sequences", 1), dim=0)
+
+
 def _check(
     call: Call,
     out,
@@ -272,7 +305,7 @@ def _check(
     first_queries: torch.Tensor | None = None,
 ) -> None:
     assert torch.equal(out.sequences, expected.sequences), call.name
-    ended = _ended_before(expected.sequences[:, call.ids.shape[1] :], call.kwargs["eos_token_id"])
+    ended = _ended_before(expected.sequences, call.ids.shape[1], call.kwargs)
     for field in ("scores", "logits"):
         if call.kwargs.get(f"output_{field}"):
             ours, theirs = getattr(out, field), getattr(expected, field)
@@ -281,7 +314,7 @@ def _check(
                 live = ~ended[:, step]
                 torch.testing.assert_close(a[live], b[live], rtol=1e-4, atol=1e-4, msg=f"{call.name}: {field}")
     if call.kwargs.get("output_hidden_states"):
-        real = call.kwargs["attention_mask"].bool()[:, :, None]  # [B, P, 1]
+        real = _prompt_mask(call).bool()[:, :, None]  # [B, P, 1]
         assert len(out.hidden_states) == len(expected.hidden_states), call.name
         for step, (ours, theirs) in enumerate(zip(out.hidden_states, expected.hidden_states, strict=True)):
             live = ~ended[:, step]
@@ -290,7 +323,7 @@ def _check(
                 seen = real if step == 0 else torch.ones_like(a[..., :1], dtype=torch.bool)
                 torch.testing.assert_close((a * seen)[live], (b * seen)[live], rtol=1e-4, atol=1e-4, msg=call.name)
     if call.kwargs.get("output_attentions") and call.kwargs.get("use_cache") is not False:
-        queries = call.kwargs["attention_mask"].bool() if first_queries is None else first_queries
+        queries = _prompt_mask(call).bool() if first_queries is None else first_queries
         assert len(out.attentions) == len(expected.attentions), call.name
         for step, (ours, theirs) in enumerate(zip(out.attentions, expected.attentions, strict=True)):
             live = ~ended[:, step]

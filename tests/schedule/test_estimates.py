@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import sys
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -278,3 +282,34 @@ def test_lower_quantile_is_numpys():
         for _ in range(50):
             values = rng.exponential(size=count).tolist()
             assert lower_quantile(values) == pytest.approx(float(np.quantile(values, TIME_QUANTILE)), rel=1e-12)
+
+
+def test_a_table_shared_by_threads_stays_consistent():
+    """Calls in threads on one model share its table: its methods hold a lock (before, a prediction iterating the
+    table while another thread measured a new width raised "dictionary changed size during iteration")."""
+    table, errors = CostTable(), []
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(3000):
+                batch, width = rng.choice([1, 2, 4, 8, 16, 32]), rng.randint(0, 6)
+                table.observe(batch, width, rng.random())
+                table.predict(batch, 6)
+                table.plain_due(batch)
+                table.observe_realized(batch, width, 10 * rng.random(), rng.random(), batch)
+                table.unpaid_widths(batch, batch)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(repr(error))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns as often as they can
+    try:
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors
