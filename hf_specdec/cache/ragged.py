@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from hf_specdec.cache.attention import PACKED_SDPA, packed_attention
 from hf_specdec.cache.exchange import filled_layers
@@ -59,6 +60,9 @@ from hf_specdec.kernels.tree_mask import ancestry_attention_mask
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# names of the embedding tables of learned absolute positions (GPT-2 and GPT-BigCode: `wpe`; OPT, BioGPT:
+# `embed_positions`)
+LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 SUPPORTED_ATTENTION = ("sdpa", "eager", PACKED_SDPA)  # the last: inside another call's forward, or set so
 
 
@@ -189,6 +193,10 @@ class RaggedKVCache:
         # slots a row can need in the call at most (its length limit plus one step's region), when known: the first
         # allocation is no larger (a short generation after a long prompt does not pay for twice the prompt)
         self.expected_slots: int | None = None
+        # a drafter's cache: the last position id its model's table of learned positions holds (GPT-2, OPT), to
+        # which the positions of drafting nodes past it are cut (nodes deeper than their row's budget, in blocks of
+        # fixed width, whose drafts are dropped: the target verifies whatever is drafted); None: no cut
+        self.last_drafting_position: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -437,9 +445,17 @@ class RaggedKVCache:
         self.region = end
         self.dense_region &= real is None and visible is None
         mask = self._dense_mask(batch, width, depths.device) if self._dense() else self._mask(orders, visible, start)
+        positions = self.next_position[:, None] + depths
+        if real is not None:
+            # a dummy (a node past its row's draft, in a block as wide as the widest row's) takes its row's position
+            # before this step's first token: never past what plain generate feeds, where a model's table of learned
+            # positions ends (GPT-2, OPT), and seen by nobody
+            positions = torch.where(real, positions, (self.next_position[:, None] - 1).clamp(min=0))
+        if self.last_drafting_position is not None:
+            positions = positions.clamp(max=self.last_drafting_position)
         inputs = dict(
             input_ids=input_ids,
-            position_ids=self.next_position[:, None] + depths,
+            position_ids=positions,
             attention_mask=mask,
             **{self.cache_keyword: self.kv},
             use_cache=True,
@@ -648,3 +664,15 @@ def _causal_tail_mask(batch: int, width: int, num_slots: int, dtype: torch.dtype
     blocked = torch.full((width, width), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
     mask[:, num_slots - width :] = blocked
     return mask.expand(batch, 1, width, num_slots)
+
+
+def learned_positions(model: nn.Module) -> int | None:
+    """The number of position ids a model's table of learned positions holds (GPT-2's `wpe`, OPT's
+    `embed_positions`, ...); None for a model without one (rotary or no positions: any position id runs)."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    size = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    tables = [name for name, module in model.named_modules()
+              if isinstance(module, nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES]
+    return size if tables and size else None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_specdec.cache.ragged import RaggedKVCache
+from hf_specdec.cache.ragged import RaggedKVCache, learned_positions
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.heads.token_map import TokenMapLMHead, token_map_lm_head
@@ -164,6 +164,8 @@ class DraftModelProposer(Proposer):
         lm_head = self.draft.get_output_embeddings()
         self._tree_ids = lm_head.ids if isinstance(lm_head, TokenMapLMHead) and not sampling.do_sample else None
         self.cache = RaggedKVCache(self.draft)
+        table = learned_positions(self.draft)  # fixed-width blocks may go past it with nodes whose drafts are dropped
+        self.cache.last_drafting_position = None if table is None else table - 1
         self.cached_lengths: torch.Tensor | None = None  # [B]: tokens of each row the draft has seen
         self.cached_host: list[int] = []  # the same on the host
         self._fed: torch.Tensor | None = None  # [B]: committed tokens fed at the start of this step

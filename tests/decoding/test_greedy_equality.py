@@ -198,6 +198,26 @@ def test_max_new_tokens_is_exact_with_full_acceptance():
         assert torch.equal(out, target.generate(ids, **kwargs)), new_tokens
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_generating_to_the_last_learned_position_matches_plain_generate(arch):
+    """Models with a table of learned positions (GPT-2, OPT) generate up to its end: the final steps' blocks are as
+    wide as the widest row's draft (static shapes: always the full width), and their dummy nodes once took positions
+    past the table (an IndexError)."""
+    target = make_model(arch)
+    limit = getattr(target.config, "n_positions", None) or target.config.max_position_embeddings
+    ids, mask = padded_batch([limit - 20, limit - 26, limit - 23], seed=1, repeat_period=3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=limit + 1 - ids.shape[1], do_sample=False, eos_token_id=None,
+                  pad_token_id=0)
+    expected = target.generate(ids, **kwargs)  # it feeds positions up to the table's last
+    for config, extra in [(SpeculativeConfig(method="ngram", num_speculative_tokens=5), {}),
+                          (SpeculativeConfig(method="suffix"), {}),
+                          (SpeculativeConfig(method="ngram", num_speculative_tokens=5), {"cache_implementation": "static"}),
+                          (SpeculativeConfig(method="draft", draft_model=make_model(arch), num_speculative_tokens=4,
+                                             tree_width=2, tree_total_tokens=5), {"cache_implementation": "static"})]:
+        out = hf_specdec.generate(target, ids, speculative=config, **kwargs, **extra)
+        assert torch.equal(out, expected), (config.method, extra)
+
+
 def test_output_scores_and_logits_match_plain_generate():
     target = make_model("llama")
     ids, mask = padded_batch([7, 7], seed=6)
