@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -137,6 +139,21 @@ def padded_batch(
         ids[row, start : start + length] = tokens
         mask[row, start : start + length] = 1
     return ids, mask
+
+
+def run_racing_threads(work, count: int) -> None:
+    """work(i) for i < count, each in its own thread, with the interpreter switching threads as often as it can (so
+    races show); returns once every thread has ended."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def draft_shapes(method: str, chain_k: int, **drafter) -> dict[str, SpeculativeConfig]:

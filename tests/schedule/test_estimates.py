@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import sys
-import threading
 
 import numpy as np
 import pytest
@@ -27,6 +25,7 @@ from hf_specdec.schedule.estimates import (
     cost_table,
     lower_quantile,
 )
+from tests.conftest import run_racing_threads
 
 
 def test_acceptance_updates_only_observed_positions():
@@ -302,14 +301,5 @@ def test_a_table_shared_by_threads_stays_consistent():
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(repr(error))
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads take turns as often as they can
-    try:
-        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_racing_threads(work, 4)
     assert not errors

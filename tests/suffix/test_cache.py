@@ -4,7 +4,6 @@ concurrent requests in threads, the vocabulary binding, and what it reports."""
 from __future__ import annotations
 
 import random
-import sys
 import threading
 import time
 import tracemalloc
@@ -12,6 +11,7 @@ import tracemalloc
 import pytest
 
 from hf_specdec.suffix import SuffixCache, SuffixConfig, propose_suffix_draft
+from tests.conftest import run_racing_threads
 from tests.suffix.reference import string_counts
 
 
@@ -126,16 +126,7 @@ def test_concurrent_requests_from_threads_keep_the_global_tree_exact():
         except BaseException as error:  # reported by the main thread
             errors.append(error)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible, so races would show
-    try:
-        threads = [threading.Thread(target=serve, args=(worker,)) for worker in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_racing_threads(serve, 8)
     assert not errors, errors
     with cache.reading() as tree:
         held = [tree.sequence(seq).tolist() for seq in tree.sequence_ids()]
