@@ -125,7 +125,12 @@ def test_mtp_layers_carry_their_context(monkeypatch):
     config = SpeculativeConfig(method="mtp", heads=mtp_layers(target), num_speculative_tokens=3)
     first = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, max_new_tokens=6, **KWARGS)
     carried = _context(first.past_key_values)
-    assert max(carried.lengths_on_host) == int(mask.sum(dim=1).max()) + 6 - 1
+    # every row's context lacks at most its final token; the rows that took part in the last step (the call's last
+    # rows to finish, at least one) hold all of it (a row that finished a step earlier lacks that step's tokens:
+    # which rows those are depends on the drafts accepted, which near-ties in the draft can move)
+    full = [int(real) + 6 - 1 for real in mask.sum(dim=1)]
+    assert all(length <= whole for length, whole in zip(carried.lengths_on_host, full, strict=True))
+    assert any(length == whole for length, whole in zip(carried.lengths_on_host, full, strict=True))
     restored = []
     prefill_from = RaggedKVCache.prefill_from
     monkeypatch.setattr(RaggedKVCache, "prefill_from",
