@@ -489,9 +489,11 @@ class RaggedKVCache:
                                 for row, (length, kept) in enumerate(zip(self.host_lengths, kept_on_host))
                                 if kept and length != self.width])
         elif self.region:
-            count = self.region if sources is None else sources.shape[1]
+            # a row keeps at most the region's slots: a path's entries past them (a path as long as the draft's
+            # depth, over a tree of fewer nodes) are padding, whose writes could fall past the reserved room
+            count = self.region if sources is None else min(sources.shape[1], self.region)
             steps = torch.arange(count, device=num_kept.device)[None, :]
-            read = self.width + (steps if sources is None else sources)
+            read = self.width + (steps if sources is None else sources[:, :count])
             self.kv.move(read.expand(self.batch_size, -1), self.lengths[:, None] + steps)
         self.lengths = self.lengths + num_kept
         self.next_position = self.next_position + num_kept

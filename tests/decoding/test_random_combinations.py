@@ -333,3 +333,20 @@ def _check(
                 seen = queries[:, None, :, None] if step == 0 else torch.ones_like(a, dtype=torch.bool)
                 torch.testing.assert_close((a * seen)[live], (b * seen)[live], rtol=1e-4, atol=1e-5,
                                            msg=f"{call.name}: attentions")
+
+
+def test_a_long_call_keeps_a_tree_path_within_the_reserved_room():
+    """Case 108's first call run to 133 new tokens (n-gram's dynamic tree of 3 nodes under a depth of 5, batch 4,
+    Mistral): a path is as long as the depth, and its padding entries past the tree's slots were written past the
+    cache's room once that room was tight (an IndexError at the 60-odd-th slot); long calls are beyond the cases'
+    30 tokens."""
+    case = _case(108)
+    assert (case.arch, case.config.method, case.config.tree_total_tokens, case.config.num_speculative_tokens) == (
+        "mistral", "ngram", 3, 5)
+    call = case.calls[0]
+    kwargs = {name: value for name, value in call.kwargs.items() if name not in ("streamer", "max_length")}
+    kwargs["max_new_tokens"] = 133
+    expected = _model(case.arch).generate(call.ids, **kwargs)
+    out = hf_specdec.generate(_model(case.arch), call.ids, speculative=case.config, **kwargs)
+    assert out.spec_stats.num_draft_tokens > 0
+    _check(Call(call.ids, kwargs, call.name), out, expected)
