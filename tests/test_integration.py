@@ -213,7 +213,6 @@ NGRAM = SpeculativeConfig(method="ngram")
         (dict(speculative=NGRAM, num_beams=2), "num_beams=2: beam search cannot be combined"),
         (dict(speculative=NGRAM, penalty_alpha=0.6, top_k=4), "generation mode 'contrastive_search'"),
         (dict(speculative=NGRAM, cache_implementation="offloaded"), "cache_implementation='offloaded'"),
-        (dict(speculative=NGRAM, prefix_allowed_tokens_fn=lambda b, ids: [3]), "prefix_allowed_tokens_fn"),
         (dict(speculative=NGRAM, guidance_scale=1.5), "guidance_scale: classifier-free guidance runs the model"),
         (dict(speculative=NGRAM, watermarking_config=SynthIDTextWatermarkingConfig(keys=[5, 9, 13], ngram_len=3)),
          r"watermarking_config: a SynthIDTextWatermarkingConfig's processor keeps state"),

@@ -7,7 +7,8 @@ depend on the prefix (temperature, top-k, top-p, ...) run once over every positi
 once per distinct prefix length, on the rows that share it. A processor of transformers' that holds per-row state
 (`PER_ROW_STATE`: the repetition penalty's per-row `prompt_ignore_length`) is called on a shallow copy whose row
 tensors are sliced to the same rows; every other tensor a processor holds (the tokens it suppresses, its EOS ids) is
-the same for every row, whatever its length.
+the same for every row, whatever its length. `prefix_allowed_tokens_fn` is called with the index of the row's prompt in
+the batch, as in plain `generate` (rows keep their place in the batch for the whole call).
 """
 
 from __future__ import annotations
@@ -30,10 +31,6 @@ from hf_specdec.step.state import DecodeState
 # processor must be a function of its (input_ids, scores) arguments: a verify step calls it on many positions at
 # once, on subsets of rows, and more than once per emitted token.
 UNSUPPORTED_PROCESSORS = {
-    PrefixConstrainedLogitsProcessor: (
-        "prefix_allowed_tokens_fn",
-        "its callback indexes rows by batch position, which speculation reorders and drops as rows finish",
-    ),
     SynthIDTextWatermarkLogitsProcessor: (
         "watermarking_config",
         ("a SynthIDTextWatermarkingConfig's processor keeps state that assumes one call per generated token, in "
@@ -137,7 +134,10 @@ def _select_rows(
 ):
     """The processor as it applies to `rows` of the batch: its per-row tensor attributes (`PER_ROW_STATE`) are
     sliced. Other tensors are not, even where their length happens to be the batch size (two suppressed tokens in a
-    batch of two)."""
+    batch of two). A `prefix_allowed_tokens_fn` is called with each prefix's row of the batch, not its place among
+    `rows`."""
+    if isinstance(processor, PrefixConstrainedLogitsProcessor):
+        return _with_batch_rows(processor, rows)
     names = next((names for kind, names in PER_ROW_STATE.items() if isinstance(processor, kind)), ())
     row_state = {name: getattr(processor, name) for name in names
                  if isinstance(getattr(processor, name, None), torch.Tensor) and getattr(processor, name).dim() >= 1}
@@ -147,3 +147,16 @@ def _select_rows(
     for name, value in row_state.items():
         setattr(selected, name, value[rows.to(value.device)])
     return selected
+
+
+def _with_batch_rows(
+    processor: PrefixConstrainedLogitsProcessor,
+    # [g] long: the batch row of each prefix the processor is called on
+    rows: torch.Tensor,
+) -> PrefixConstrainedLogitsProcessor:
+    """The processor whose callback gets `(batch_id, prefix)` for the prefix at place i of its input, `batch_id`
+    as plain `generate` gives it: the index of the row's prompt (transformers builds the processor with
+    `num_return_sequences` as its beam count, so a prompt's copies share their prompt's index)."""
+    prompts = [row // processor._num_beams for row in rows.tolist()]
+    allowed = processor._prefix_allowed_tokens_fn
+    return PrefixConstrainedLogitsProcessor(lambda place, prefix: allowed(prompts[place], prefix), num_beams=1)

@@ -124,6 +124,35 @@ def test_eos_and_processors_match_plain_generate():
         assert torch.equal(out, expected)
 
 
+def _allowed_by_row(batch_id: int, prefix: torch.Tensor) -> list[int]:
+    """A `prefix_allowed_tokens_fn` that depends on the row's index in the batch and on its last token."""
+    return [t for t in range(VOCAB) if (t + batch_id + int(prefix[-1])) % 3]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_prefix_allowed_tokens_fn_gets_each_rows_batch_index(arch, side):
+    """The callback is asked, as in plain generate, with the index of the row's prompt and the row's prefix, at
+    every verified position (drafts it bans are rejected); in sampling, the copies `num_return_sequences` makes
+    share their prompt's index (top-k 1 makes sampling deterministic, so the output compares exactly)."""
+    target = make_model(arch)
+    ids, mask = padded_batch([9, 6, 11, 4], seed=5, repeat_period=3, side=side)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                  prefix_allowed_tokens_fn=_allowed_by_row)
+    expected = target.generate(ids, **kwargs)
+    assert not torch.equal(expected, target.generate(ids, **(kwargs | dict(prefix_allowed_tokens_fn=None))))
+    accepted = {}
+    for name, config in _proposers(target).items():
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected), name
+        accepted[name] = out.spec_stats.num_accepted_tokens
+    assert accepted["same_draft"] > 0 and accepted["ngram_tree"] > 0, accepted
+    sampling = kwargs | dict(do_sample=True, top_k=1, num_return_sequences=2)
+    expected = target.generate(ids, **sampling)
+    out = hf_specdec.generate(target, ids, speculative=_proposers(target)["ngram_tree"], **sampling)
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("batch", [2, 3])
 def test_token_lists_as_long_as_the_batch_apply_to_every_row(batch):
     """Processors hold their token lists as tensors (suppressed tokens, the EOS ids of min_length and the length

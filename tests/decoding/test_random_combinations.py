@@ -5,8 +5,9 @@ the cases run eager attention and compare the attention weights too, laid out ov
 calls with one config (the suffix cache, the schedule's estimates and the drafters' state carry over); about half
 the calls that return a cache are then continued from it (a few new tokens, greedy), so what proposers carry with
 the cache is exercised too. The options include the prompt's embeddings given with its ids (noisy, so drafters that
-read the ids see other text than the target), a streamer (what it receives is compared too) and stop strings (the
-text of a row's own tokens, through the test bed's byte-level tokenizer). Every case is seeded;
+read the ids see other text than the target), a streamer (what it receives is compared too), stop strings (the
+text of a row's own tokens, through the test bed's byte-level tokenizer) and a `prefix_allowed_tokens_fn` (a
+half to a quarter of the vocabulary banned, by the prompt's index and the last token). Every case is seeded;
 `HF_SPECDEC_RANDOM_CASES=N` runs N of them (default 32), `HF_SPECDEC_RANDOM_START=S` from case S on. Greedy cases
 compare with plain greedy decoding; sampling cases use `top_k=1`, which makes sampling deterministic, so they compare
 exactly too (with temperature, top-p, min-p, typical and epsilon warpers in the processor list, and sometimes
@@ -44,6 +45,7 @@ CASES = int(os.environ.get("HF_SPECDEC_RANDOM_CASES", "32"))
 START = int(os.environ.get("HF_SPECDEC_RANDOM_START", "0"))
 SLIDING = {"phi3", "mistral", "gemma2", "gemma3_text", "gpt_oss"}
 ATTENDING = 10**6  # seeds the draw of the cases that ask for attention weights, apart from the others
+CONSTRAINING = 2 * 10**6  # seeds the draw of the calls with a `prefix_allowed_tokens_fn`, apart from the others
 CALLS = 2  # right-padded, a short row's last prompt position sees no key in its window
 
 
@@ -176,6 +178,9 @@ def _call(rng: random.Random, seed: int, arch: str, target: torch.nn.Module) -> 
     }
     for name in rng.sample(sorted(options), rng.randint(0, 4)):
         kwargs[name] = options[name]()
+    constraining = random.Random(-CONSTRAINING - seed)
+    if constraining.random() < 0.15:
+        kwargs["prefix_allowed_tokens_fn"] = _allowed_by_prompt(constraining.randint(2, 4))
     if "stop_strings" in kwargs:
         kwargs["tokenizer"] = _tokenizer()
     if kwargs["eos_token_id"] is None:
@@ -192,6 +197,12 @@ def _call(rng: random.Random, seed: int, arch: str, target: torch.nn.Module) -> 
     else:
         kwargs["do_sample"] = False
     return Call(ids, kwargs, f"batch {len(lengths)} {side}, {sorted(kwargs)}")
+
+
+def _allowed_by_prompt(period: int):
+    """A `prefix_allowed_tokens_fn` that bans one token in `period`, chosen by the prompt's index and the last
+    token."""
+    return lambda batch_id, prefix: [t for t in range(VOCAB) if (t + batch_id + int(prefix[-1])) % period]
 
 
 @functools.cache

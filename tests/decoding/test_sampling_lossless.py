@@ -18,7 +18,12 @@ import pytest
 import torch
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+from transformers.generation.logits_process import (
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
 import hf_specdec
 import hf_specdec.verify.verifier as verifier
@@ -55,9 +60,10 @@ def target():
     return make_target()
 
 
-def exact_law(model, temperature: float) -> torch.Tensor:
-    """[VOCAB] * NEW_TOKENS float64: P(t1, ..., t4) after temperature and top-k, from the target's logits."""
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(TOP_K)])
+def exact_law(model, temperature: float, processors: tuple = ()) -> torch.Tensor:
+    """[VOCAB] * NEW_TOKENS float64: P(t1, ..., t4) after `processors` (as generate orders them: before the
+    warpers), temperature and top-k, from the target's logits."""
+    warpers = LogitsProcessorList([*processors, TemperatureLogitsWarper(temperature), TopKLogitsWarper(TOP_K)])
     law = torch.ones((), dtype=torch.float64)
     prefixes = PROMPT
     for _ in range(NEW_TOKENS):
@@ -75,10 +81,11 @@ def marginal(law: torch.Tensor, pair: tuple[int, int]) -> torch.Tensor:
     return law.sum(dim=others).flatten()
 
 
-def draws(model, temperature: float, speculative: SpeculativeConfig | None) -> torch.Tensor:
-    """[N, NEW_TOKENS]"""
+def draws(model, temperature: float, speculative: SpeculativeConfig | None, **options) -> torch.Tensor:
+    """[N, NEW_TOKENS]; `options`: more of generate's"""
     prompts = PROMPT.expand(N, -1)
-    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=temperature, top_k=TOP_K, top_p=1.0)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=temperature, top_k=TOP_K, top_p=1.0,
+                  **options)
     if speculative is None:
         torch.manual_seed(5)
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **kwargs)
@@ -257,6 +264,34 @@ def test_sampling_matches_exact_target_law(target, name):
     law = exact_law(target, TEMPERATURE)
     assert all(int((marginal(law, pair) > 0).sum()) >= 6 for pair in MARGINALS)
     pvalues = chi_square_pvalues(draws(target, TEMPERATURE, PROPOSERS[name](target)), law)
+    assert accepted(pvalues), f"{name}: p = {pvalues}"
+
+
+def _no_successor(batch_id: int, prefix: torch.Tensor) -> list[int]:
+    """A `prefix_allowed_tokens_fn`: every token but the one after the last (mod the vocabulary)."""
+    return [t for t in range(VOCAB) if t != (int(prefix[-1]) + 1) % VOCAB]
+
+
+# processors that read the prefix, so each verified position must see its own path: a repetition penalty and a
+# prefix constraint, as generate options and as the processors the exact law applies
+PREFIX_OPTIONS = dict(repetition_penalty=1.5, prefix_allowed_tokens_fn=_no_successor)
+PREFIX_PROCESSORS = (RepetitionPenaltyLogitsProcessor(1.5), PrefixConstrainedLogitsProcessor(_no_successor, 1))
+
+
+@pytest.mark.parametrize("name", ["noisy_draft", "noisy_draft_dynamic_tree", "eagle"])
+def test_sampling_with_prefix_processors_matches_exact_target_law(target, name):
+    """Drafters apply only the processors that read no prefix, so their drafts come from another law than the
+    processed target's; the verifier still keeps the processed target's law exactly. The processors change the
+    law enough to be seen (power against the law without them)."""
+    law = exact_law(target, TEMPERATURE, PREFIX_PROCESSORS)
+    assert _power(law, exact_law(target, TEMPERATURE)) > 0.99
+    config = PROPOSERS[name](target)
+    prompts = PROMPT.expand(300, -1)
+    spec = hf_specdec.generate(target, prompts, attention_mask=torch.ones_like(prompts), speculative=config,
+                               max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                               return_dict_in_generate=True, **PREFIX_OPTIONS).spec_stats
+    assert 0 < spec.accepted_per_position[1] and spec.num_accepted_tokens < spec.num_draft_tokens, spec
+    pvalues = chi_square_pvalues(draws(target, TEMPERATURE, PROPOSERS[name](target), **PREFIX_OPTIONS), law)
     assert accepted(pvalues), f"{name}: p = {pvalues}"
 
 
