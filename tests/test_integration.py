@@ -294,3 +294,27 @@ def test_text_iterator_streamer_yields_the_same_text(enabled):
         texts.append("".join(streamer))
         thread.join()
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_text_generation_pipeline_takes_the_keywords(enabled):
+    """A transformers `pipeline` hands its generate keywords to `model.generate`: batched, left-padded prompts
+    give the texts plain `generate` gives."""
+    from transformers import pipeline
+
+    from hf_specdec.testbed import load_testbed
+
+    tokenizer, model, small_model = load_testbed()
+    tokenizer.padding_side = "left"
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    prompts = ["def parse_args(argv):\n", "import os\nimport sys\n\n", "class Point:\n    def __init__(self"]
+    options = dict(max_new_tokens=16, do_sample=False, batch_size=3)
+    plain = generator(prompts, **options)
+    assert all(text[0]["generated_text"].startswith(prompt) and text[0]["generated_text"] != prompt
+               for text, prompt in zip(plain, prompts, strict=True))
+    calls = {"target": 0, "draft": 0}
+    model.register_forward_hook(lambda *_: calls.__setitem__("target", calls["target"] + 1))
+    small_model.register_forward_hook(lambda *_: calls.__setitem__("draft", calls["draft"] + 1))
+    config = SpeculativeConfig(method="draft", draft_model=small_model, num_speculative_tokens=4)
+    assert generator(prompts, speculative=config, **options) == plain
+    assert calls["draft"] > 0 and calls["target"] < options["max_new_tokens"]  # drafts were verified
+    assert generator(prompts, spec_method="ngram", **options) == plain
