@@ -512,6 +512,7 @@ def speculative_generate(
     check_generation_supported(model, generation_config, model_kwargs, synced_gpus,
                                speculative_config.drafting_methods, prompt_ids=input_ids.shape[1])
     speculative_config = with_tree_size(speculative_config, model, input_ids.shape[0])
+    input_ids = input_ids.long()  # as plain generate's output, whatever the prompt's integer type
     past = model_kwargs.get(CACHE_KWARG)
     static_cache = past if isinstance(past, StaticCache) and past is spec_user_cache else None
     decoder = SpeculativeDecoder(

@@ -179,3 +179,16 @@ def test_batch_without_pad_token_when_nothing_stops_early():
     ids, _ = padded_batch([6, 6], seed=8, repeat_period=3)
     kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=None)
     assert torch.equal(hf_specdec.generate(target, ids, spec_method="ngram", **kwargs), target.generate(ids, **kwargs))
+
+
+def test_int32_prompt_ids():
+    """Plain generate takes int32 prompt ids and returns int64 sequences; so does speculation."""
+    target = make_model("llama")
+    ids, mask = padded_batch([9, 6], seed=3, repeat_period=4)
+    expected = target.generate(ids.int(), attention_mask=mask, **GREEDY)
+    assert expected.dtype == torch.int64
+    configs = _configs(target) | {"eagle": SpeculativeConfig(method="eagle", heads=eagle_head(target),
+                                                             num_speculative_tokens=3)}
+    for name, config in configs.items():
+        out = hf_specdec.generate(target, ids.int(), attention_mask=mask, speculative=config, **GREEDY)
+        assert out.dtype == torch.int64 and torch.equal(out, expected), name
