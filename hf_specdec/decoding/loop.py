@@ -109,6 +109,7 @@ class SpeculativeDecoder:
         if config.lossy_typical_acceptance:
             typical = TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
         self.verifier = Verifier(do_sample, generator, typical)
+        self.do_sample = do_sample
         self.scorer = PositionScorer(logits_processor)
         self.stopper = TokenStopper(stopping_criteria, model.device)
         sampling = DraftSampling(do_sample, prefix_free(logits_processor), generator)
@@ -314,6 +315,7 @@ class SpeculativeDecoder:
         Returns [B] the tokens each row emits."""
         state = self.state
         num_emitted = torch.where(state.finished, 0, result.num_accepted + 1)
+        self.unsampleable = unsampleable_rows(result, scores, num_emitted) if self.do_sample else None
         state.write(result.output_token_ids.clamp(min=0), num_emitted)
         emitted_scores = scores_of_emitted(result, scores) if self.stopper.needs_scores else None
         decision = self.stopper.check(state, result.output_token_ids, num_emitted, emitted_scores)
@@ -361,7 +363,16 @@ class SpeculativeDecoder:
         state.finished |= self.finished_rows()
         if self.cache.hidden_states is not None:
             self.keep_target_features(result, num_verified)
-        state.report(num_emitted, result.num_accepted, result.output_token_ids if self.report_tokens else None)
+        host = state.report(num_emitted, result.num_accepted,
+                            result.output_token_ids if self.report_tokens else None, self.unsampleable)
+        if host.unsampleable is not None and any(host.unsampleable):
+            row = host.unsampleable.index(True)
+            raise RuntimeError(
+                f"sampling: row {row} has no token with a finite score to sample at new token "
+                f"{host.lengths[row] - self.state.prompt_length} (the logits processors left every token at -inf, "
+                "e.g. no_repeat_ngram_size=1 once every token has been used, or the model's logits are nan); plain "
+                "generate stops there too (torch.multinomial: probability tensor contains inf, nan or element < 0)"
+            )
 
     def commit(
         self,
@@ -479,6 +490,20 @@ def scores_of_emitted(
     """[B, D + 1, V]: the scores each emitted token was chosen under."""
     positions = result.path_nodes
     return scores.gather(1, positions[..., None].expand(-1, -1, scores.shape[2]))
+
+
+def unsampleable_rows(
+    result: VerificationResult,
+    # [B, N, V]
+    scores: torch.Tensor,
+    # [B]: tokens each row emits
+    num_emitted: torch.Tensor,
+) -> torch.Tensor:
+    """[B] bool: rows that emit a token chosen under scores with no finite maximum (every token at -inf, or nan):
+    no distribution to sample from, where plain generate's `torch.multinomial` raises."""
+    peaks = scores.amax(dim=-1).gather(1, result.path_nodes)  # [B, D + 1]
+    column = torch.arange(peaks.shape[1], device=peaks.device)[None, :]
+    return (~torch.isfinite(peaks) & (column < num_emitted[:, None])).any(dim=1)
 
 
 def with_tree_size(config: SpeculativeConfig, model: Any, batch_size: int) -> SpeculativeConfig:

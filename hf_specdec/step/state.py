@@ -30,6 +30,8 @@ class HostView:
     num_accepted: list[int]
     # [B, W]: the last step's output tokens (row b emitted its first num_emitted[b]); None unless asked for
     emitted: np.ndarray | None = None
+    # per row, whether it emitted a token sampled from no distribution (`unsampleable_rows`); None when greedy
+    unsampleable: list[bool] | None = None
 
     @classmethod
     def start(cls, batch_size: int, prompt_length: int) -> HostView:
@@ -203,19 +205,25 @@ class DecodeState:
         num_accepted: torch.Tensor,
         # [B, W] or None: the step's output tokens, when the host needs them (a streamer, a host-side proposer)
         tokens: torch.Tensor | None = None,
+        # [B] bool or None: rows that sampled from no distribution (when sampling)
+        unsampleable: torch.Tensor | None = None,
     ) -> HostView:
         """Copy what the host needs to `self.host`: one device-to-host transfer, the step's one host sync."""
         columns = [self.lengths, self.finished.long(), num_emitted, num_accepted]
+        if unsampleable is not None:
+            columns.append(unsampleable.long())
         packed = torch.stack([c.to(self.lengths.device) for c in columns], dim=1)
         if tokens is not None:
             packed = torch.cat([packed, tokens.to(packed.device)], dim=1)
         values = packed.tolist()  # the one host read
         emitted = None
         if tokens is not None:
-            emitted = np.array([row[4:] for row in values], dtype=np.int64).reshape(len(values), tokens.shape[1])
+            first = len(columns)
+            emitted = np.array([row[first:] for row in values], dtype=np.int64).reshape(len(values), tokens.shape[1])
         self.host = HostView(lengths=[row[0] for row in values], finished=[bool(row[1]) for row in values],
                              num_emitted=[row[2] for row in values], num_accepted=[row[3] for row in values],
-                             emitted=emitted)
+                             emitted=emitted,
+                             unsampleable=None if unsampleable is None else [bool(row[4]) for row in values])
         return self.host
 
     def write(

@@ -192,3 +192,23 @@ def test_int32_prompt_ids():
     for name, config in configs.items():
         out = hf_specdec.generate(target, ids.int(), attention_mask=mask, speculative=config, **GREEDY)
         assert out.dtype == torch.int64 and torch.equal(out, expected), name
+
+
+def test_sampling_with_every_token_banned_fails_as_plain_generate():
+    """`no_repeat_ngram_size=1` over more new tokens than the vocabulary holds bans every token in the end: plain
+    generate's sampling raises there (torch.multinomial), and so does speculation, with an error that says why,
+    rather than emitting a token drawn from no distribution. Greedy decoding takes the first token then, in both."""
+    target = make_model("llama")
+    ids, mask = padded_batch([9, 6], seed=3, repeat_period=4)
+    banned = dict(attention_mask=mask, max_new_tokens=140, no_repeat_ngram_size=1, pad_token_id=0, eos_token_id=None)
+    sampling = banned | dict(do_sample=True, top_k=4)
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        target.generate(ids, **sampling)
+    greedy = target.generate(ids, **banned, do_sample=False)
+    configs = {"ngram_tree": _configs(target)["ngram_tree"], "random_draft_tree": _configs(target)["random_draft_tree"],
+               "eagle": SpeculativeConfig(method="eagle", heads=eagle_head(target), num_speculative_tokens=3)}
+    for name, config in configs.items():
+        with pytest.raises(RuntimeError, match=r"sampling: row \d has no token with a finite score to sample at new "
+                                               r"token 1[23]\d \(the logits processors left every token at -inf"):
+            hf_specdec.generate(target, ids, speculative=config, **sampling)
+        assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **banned, do_sample=False), greedy)
