@@ -1,6 +1,6 @@
 """Dynamic trees sized by the schedule's width against full-size trees, interleaved in one process.
 
-    python benchmarks/tree_size_ab.py [--cases eagle auto] [--rounds 2] [--json PATH]
+    python benchmarks/tree_size_ab.py [--cases eagle auto] [--rounds 2] [--prompts 6] [--json PATH]
 
 Under the adaptive schedule a step narrowed to d < k levels keeps ceil(tree_total_tokens * d / k) nodes (`scaled`,
 what the library does). `full` keeps `tree_total_tokens` at every width, as the library did before, emulated here by
@@ -39,13 +39,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds after the warm-up (default 2)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=6,
+                        help="the first N of the six questions, one per Spec-Bench category (default 6)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="write the per-round results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, tokenizer = load_real_model(dtype=getattr(torch, args.dtype))
     heads = {mode: drafters.load_drafter("smollm2", "eagle", target) for mode in MODES}
-    prompts = [torch.tensor([ids]) for _, ids in spec_bench_prompts(tokenizer, num_per_category=1)]
+    prompts = [torch.tensor([ids]) for _, ids in spec_bench_prompts(tokenizer, num_per_category=1)][: args.prompts]
     select, current = dynamic.Candidates.select, {"mode": "scaled"}
 
     def select_for_mode(self, root_token_ids, total, budget, device):

@@ -20,7 +20,7 @@ def test_scaled_and_full_trees_run_in_every_round(benchmark_script, smollm2_fetc
     monkeypatch.setattr(dynamic.Candidates, "select", counting)
     module = benchmark_script("tree_size_ab")
     out = tmp_path / "ab.json"
-    module.main(["--cases", "eagle", "--rounds", "1", "--max-new-tokens", "6", "--json", str(out)])
+    module.main(["--cases", "eagle", "--rounds", "1", "--max-new-tokens", "6", "--prompts", "1", "--json", str(out)])
     assert dynamic.Candidates.select is counting  # the script put back what it found
     results = json.loads(out.read_text())["results"]
     assert sorted((r["round"], r["mode"]) for r in results) == [(0, "full"), (0, "scaled"), (1, "full"),

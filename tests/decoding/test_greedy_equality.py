@@ -133,7 +133,8 @@ def _allowed_by_row(batch_id: int, prefix: torch.Tensor) -> list[int]:
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_prefix_allowed_tokens_fn_gets_each_rows_batch_index(arch, side):
     """The callback is asked, as in plain generate, with the index of the row's prompt and the row's prefix, at
-    every verified position (drafts it bans are rejected); in sampling, the copies `num_return_sequences` makes
+    every verified position (a chain, a trie, a dynamic tree, suffix and draft-model rows in one step; drafts it
+    bans are rejected); in sampling, the copies `num_return_sequences` makes
     share their prompt's index (top-k 1 makes sampling deterministic, so the output compares exactly)."""
     target = make_model(arch)
     ids, mask = padded_batch([9, 6, 11, 4], seed=5, repeat_period=3, side=side)
@@ -142,14 +143,16 @@ def test_prefix_allowed_tokens_fn_gets_each_rows_batch_index(arch, side):
     expected = target.generate(ids, **kwargs)
     assert not torch.equal(expected, target.generate(ids, **(kwargs | dict(prefix_allowed_tokens_fn=None))))
     accepted = {}
-    for name, config in _proposers(target).items():
+    proposers = _proposers(target)
+    for name in ("same_draft", "ngram_tree", "random_draft_dynamic_tree", "suffix_hybrid"):
+        config = proposers[name]
         out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, expected), name
         accepted[name] = out.spec_stats.num_accepted_tokens
     assert accepted["same_draft"] > 0 and accepted["ngram_tree"] > 0, accepted
     sampling = kwargs | dict(do_sample=True, top_k=1, num_return_sequences=2)
     expected = target.generate(ids, **sampling)
-    out = hf_specdec.generate(target, ids, speculative=_proposers(target)["ngram_tree"], **sampling)
+    out = hf_specdec.generate(target, ids, speculative=proposers["ngram_tree"], **sampling)
     assert torch.equal(out, expected)
 
 

@@ -278,7 +278,7 @@ PREFIX_OPTIONS = dict(repetition_penalty=1.5, prefix_allowed_tokens_fn=_no_succe
 PREFIX_PROCESSORS = (RepetitionPenaltyLogitsProcessor(1.5), PrefixConstrainedLogitsProcessor(_no_successor, 1))
 
 
-@pytest.mark.parametrize("name", ["noisy_draft", "noisy_draft_dynamic_tree", "eagle"])
+@pytest.mark.parametrize("name", ["noisy_draft", "noisy_draft_dynamic_tree"])
 def test_sampling_with_prefix_processors_matches_exact_target_law(target, name):
     """Drafters apply only the processors that read no prefix, so their drafts come from another law than the
     processed target's; the verifier still keeps the processed target's law exactly. The processors change the
