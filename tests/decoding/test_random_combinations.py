@@ -258,7 +258,8 @@ def test_random_combination_matches_plain_generate(seed):
         except RuntimeError as error:  # sampling with every token banned (a long call, no_repeat_ngram_size=1)
             assert "probability tensor contains" in str(error), (call.name, error)
             with pytest.raises(RuntimeError, match="no token with a finite score"):
-                hf_specdec.generate(target, call.ids, speculative=case.config, **call.kwargs)
+                hf_specdec.generate(target, call.ids, speculative=case.config,
+                                    **_streamed(call.kwargs, streamed, "ours"))
             continue
         try:
             out = hf_specdec.generate(target, call.ids, speculative=case.config,
