@@ -109,7 +109,6 @@ class SpeculativeDecoder:
         if config.lossy_typical_acceptance:
             typical = TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
         self.verifier = Verifier(do_sample, generator, typical)
-        self.do_sample = do_sample
         self.scorer = PositionScorer(logits_processor)
         self.stopper = TokenStopper(stopping_criteria, model.device)
         sampling = DraftSampling(do_sample, prefix_free(logits_processor), generator)
@@ -315,7 +314,7 @@ class SpeculativeDecoder:
         Returns [B] the tokens each row emits."""
         state = self.state
         num_emitted = torch.where(state.finished, 0, result.num_accepted + 1)
-        self.unsampleable = unsampleable_rows(result, scores, num_emitted) if self.do_sample else None
+        self.unsampleable = unsampleable_rows(result, scores, num_emitted) if self.verifier.do_sample else None
         state.write(result.output_token_ids.clamp(min=0), num_emitted)
         emitted_scores = scores_of_emitted(result, scores) if self.stopper.needs_scores else None
         decision = self.stopper.check(state, result.output_token_ids, num_emitted, emitted_scores)

@@ -124,9 +124,10 @@ def test_eos_and_processors_match_plain_generate():
         assert torch.equal(out, expected)
 
 
-def _allowed_by_row(batch_id: int, prefix: torch.Tensor) -> list[int]:
-    """A `prefix_allowed_tokens_fn` that depends on the row's index in the batch and on its last token."""
-    return [t for t in range(VOCAB) if (t + batch_id + int(prefix[-1])) % 3]
+def allowed_by_prompt(period: int):
+    """A `prefix_allowed_tokens_fn` that bans one token in `period`, chosen by the prompt's index in the batch and
+    the last token."""
+    return lambda batch_id, prefix: [t for t in range(VOCAB) if (t + batch_id + int(prefix[-1])) % period]
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -139,7 +140,7 @@ def test_prefix_allowed_tokens_fn_gets_each_rows_batch_index(arch, side):
     target = make_model(arch)
     ids, mask = padded_batch([9, 6, 11, 4], seed=5, repeat_period=3, side=side)
     kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
-                  prefix_allowed_tokens_fn=_allowed_by_row)
+                  prefix_allowed_tokens_fn=allowed_by_prompt(3))
     expected = target.generate(ids, **kwargs)
     assert not torch.equal(expected, target.generate(ids, **(kwargs | dict(prefix_allowed_tokens_fn=None))))
     accepted = {}

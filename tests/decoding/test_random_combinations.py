@@ -40,7 +40,7 @@ from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, 
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed.loading import testbed_dir
 from tests.conftest import ARCHITECTURES, DECODER, SPECIAL, VOCAB, make_draft, make_model, noisy_copy, padded_batch
-from tests.decoding.test_greedy_equality import NEWER_ARCHITECTURES
+from tests.decoding.test_greedy_equality import NEWER_ARCHITECTURES, allowed_by_prompt
 
 CASES = int(os.environ.get("HF_SPECDEC_RANDOM_CASES", "32"))
 START = int(os.environ.get("HF_SPECDEC_RANDOM_START", "0"))
@@ -182,7 +182,7 @@ def _call(rng: random.Random, seed: int, arch: str, target: torch.nn.Module) -> 
         kwargs[name] = options[name]()
     constraining = random.Random(-CONSTRAINING - seed)
     if constraining.random() < 0.15:
-        kwargs["prefix_allowed_tokens_fn"] = _allowed_by_prompt(constraining.randint(2, 4))
+        kwargs["prefix_allowed_tokens_fn"] = allowed_by_prompt(constraining.randint(2, 4))
     if "stop_strings" in kwargs:
         kwargs["tokenizer"] = _tokenizer()
     if kwargs["eos_token_id"] is None:
@@ -203,12 +203,6 @@ def _call(rng: random.Random, seed: int, arch: str, target: torch.nn.Module) -> 
     else:
         kwargs["do_sample"] = False
     return Call(ids, kwargs, f"batch {len(lengths)} {side}, {sorted(kwargs)}")
-
-
-def _allowed_by_prompt(period: int):
-    """A `prefix_allowed_tokens_fn` that bans one token in `period`, chosen by the prompt's index and the last
-    token."""
-    return lambda batch_id, prefix: [t for t in range(VOCAB) if (t + batch_id + int(prefix[-1])) % period]
 
 
 @functools.cache
