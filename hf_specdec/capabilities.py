@@ -66,8 +66,10 @@ def check_generation_supported(
             "DynamicCache (what generate returns by default) and takes an empty StaticCache; drop it or pass one "
             "of those"
         )
-    reading_ids = [m for m in methods if m in NEEDS_PROMPT_IDS]
     embeds = model_kwargs.get("inputs_embeds")
+    _check_prompt_covers_mask_and_cache(prompt_ids if embeds is None else embeds.shape[1],
+                                        model_kwargs.get("attention_mask"), cache)
+    reading_ids = [m for m in methods if m in NEEDS_PROMPT_IDS]
     if embeds is not None and reading_ids and prompt_ids < embeds.shape[1]:
         # with ids for every embedded position the drafter reads those: drafts guessed from the ids' text, verified
         # by the target on the embeddings like any other
@@ -82,3 +84,30 @@ def check_generation_supported(
     unknown = sorted(k for k, v in model_kwargs.items() if k not in KNOWN_MODEL_KWARGS and v is not None)
     if unknown:
         raise ValueError(f"model inputs {unknown} are not supported by speculative decoding (text input_ids only)")
+
+
+def _check_prompt_covers_mask_and_cache(
+    # the prompt's positions: its token ids, or its embeddings when given as `inputs_embeds`
+    prompt_length: int,
+    # [B, M] or None
+    attention_mask: Any,
+    cache: Any,
+) -> None:
+    """Speculative decoding reads the whole conversation: its token ids (the drafters' context, the output's first
+    columns) and, when a filled cache continues it, the positions that cache lacks. Plain `generate` also takes only
+    the new tokens with a mask over the whole conversation, or a cache that already holds the whole prompt (it then
+    feeds prompt tokens a second time); neither gives the engine a context to draft from."""
+    filled = 0 if cache is None else cache.get_seq_length()
+    if attention_mask is not None and attention_mask.shape[-1] != prompt_length:
+        cached = f" and {CACHE_KWARG} holds {filled}" if filled else ""
+        raise ValueError(
+            f"attention_mask covers {attention_mask.shape[-1]} positions but the prompt has {prompt_length}{cached}: "
+            "speculative decoding needs the token ids of every position the mask covers (the cached ones too); pass "
+            "the whole conversation as input_ids, with a mask of the same length"
+        )
+    if filled and filled >= prompt_length:
+        raise ValueError(
+            f"{CACHE_KWARG} already holds {filled} positions and the prompt has {prompt_length}: a filled cache "
+            "continues a conversation, so the prompt must be that conversation (the cached tokens) followed by at "
+            "least one new token"
+        )

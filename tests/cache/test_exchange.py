@@ -110,3 +110,28 @@ def test_filled_cache_of_another_type_refused():
     with pytest.raises(ValueError, match=f"{CACHE_KWARG}: a filled StaticCache"):
         hf_specdec.generate(target, first.sequences, attention_mask=longer, past_key_values=static,
                             spec_method="ngram", max_new_tokens=2)
+
+
+@pytest.mark.parametrize("case", ["new tokens only", "cache holds the prompt", "cache longer than the prompt"])
+def test_a_prompt_that_does_not_extend_the_cache_is_refused_before_any_forward(case, forward_counter):
+    """Plain generate takes only the new tokens with a mask over the whole conversation, and a cache holding the
+    whole prompt or more (feeding prompt tokens again); speculation needs every position's token id and a prompt
+    that extends the cache, and says so before any forward."""
+    from transformers import DynamicCache
+
+    target = make_model("llama")
+    ids, mask = padded_batch([12, 9], seed=4)
+    cached, prompt = {"new tokens only": (8, slice(8, None)), "cache holds the prompt": (12, slice(None)),
+                      "cache longer than the prompt": (12, slice(None, 10))}[case]
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(ids[:, :cached], attention_mask=mask[:, :cached], **{CACHE_KWARG: cache})
+    inputs = dict(attention_mask=mask if case == "new tokens only" else mask[:, prompt], max_new_tokens=4,
+                  do_sample=False, **{CACHE_KWARG: cache})
+    target.generate(ids[:, prompt], **copy.deepcopy(inputs))  # plain generate runs, whatever it makes of it
+    message = ("attention_mask covers 12 positions but the prompt has 4 and cache holds 8" if case == "new tokens only"
+               else f"{CACHE_KWARG} already holds 12 positions and the prompt has {ids[:, prompt].shape[1]}")
+    forwards = forward_counter(target)
+    with pytest.raises(ValueError, match=message):
+        hf_specdec.generate(target, ids[:, prompt], spec_method="ngram", **inputs)
+    assert forwards() == 0
