@@ -816,6 +816,8 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --early-exit-layer {args.early_exit_layer}: expected a layer >= 1")
     if args.max_new_tokens < 1 or args.repeats < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise SystemExit("error: --max-new-tokens, --repeats and --num-prompts must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"error: --threads {args.threads}: expected 1 or more (leave it out for torch's choice)")
     if args.plot is not None:
         if importlib.util.find_spec("matplotlib") is None:
             raise SystemExit(f"error: --plot {args.plot} needs matplotlib: pip install \"hf-specdec[bench]\"")
@@ -959,7 +961,7 @@ def write_report(
 def run(args: argparse.Namespace) -> int:
     _check(args)
     args.methods = _methods(args)
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     state = PartialState(cpu=not torch.cuda.is_available())
     dtype = DTYPES[args.dtype]

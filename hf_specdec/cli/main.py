@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from hf_specdec.cli import bench, demo, train
+from hf_specdec.testbed.real_model import ModelSourceError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,4 +34,7 @@ def _add_command(commands, name: str, module, summary: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except ModelSourceError as error:  # --model / --wheel: what was passed and what to pass instead
+        raise SystemExit(f"error: {error}") from error

