@@ -197,6 +197,10 @@ class RaggedKVCache:
         # which the positions of drafting nodes past it are cut (nodes deeper than their row's budget, in blocks of
         # fixed width, whose drafts are dropped: the target verifies whatever is drafted); None: no cut
         self.last_drafting_position: int | None = None
+        # a drafter's cache: how many token ids its model embeds when that is fewer than the target's vocabulary (a
+        # draft whose vocabulary is padded less, or that lacks tokens added to the target's); a larger id is fed as
+        # the last one it has (only what the draft reads changes: the target verifies every draft); None: every id
+        self.embedded_ids: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -622,6 +626,8 @@ class RaggedKVCache:
         """The model's logits (run by `call`); also its features (`feature_layers`) of the last `keep_hidden`
         tokens, and its per-layer hidden states and attentions when `output_hidden_states` / `output_attentions` are
         set (with `orders`, [B, S] or a function giving it: the order of every key slot)."""
+        if self.embedded_ids is not None and inputs.get("input_ids") is not None:
+            inputs = {**inputs, "input_ids": inputs["input_ids"].clamp(max=self.embedded_ids - 1)}
         record = self.feature_layers is not None
         # the features through hooks that keep only their layers' states, when every forward runs eagerly and need
         # not return every layer's anyway (compiled forwards ask for `output_hidden_states`, whose capturing hooks

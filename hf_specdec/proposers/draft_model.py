@@ -53,6 +53,14 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(model.config.get_text_config(decoder=True).vocab_size)
 
 
+def embedding_rows(model: torch.nn.Module) -> int | None:
+    """How many token ids a drafter's input embedding holds; None for a drafter that embeds otherwise (an EAGLE
+    head or MTP layers take the target's embedding as a module of their own)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if get is not None else None
+    return embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else None
+
+
 def check_draft_compatible(target: torch.nn.Module, draft: torch.nn.Module) -> None:
     """Raise ValueError unless the draft can share the target's tokenizer."""
     target_vocab, draft_vocab = vocab_size(target), vocab_size(draft)
@@ -166,6 +174,8 @@ class DraftModelProposer(Proposer):
         self.cache = RaggedKVCache(self.draft)
         table = learned_positions(self.draft)  # fixed-width blocks may go past it with nodes whose drafts are dropped
         self.cache.last_drafting_position = None if table is None else table - 1
+        embedded = embedding_rows(self.draft)
+        self.cache.embedded_ids = embedded if embedded is not None and embedded < self.target_vocab else None
         self.cached_lengths: torch.Tensor | None = None  # [B]: tokens of each row the draft has seen
         self.cached_host: list[int] = []  # the same on the host
         self._fed: torch.Tensor | None = None  # [B]: committed tokens fed at the start of this step

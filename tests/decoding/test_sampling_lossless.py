@@ -146,6 +146,19 @@ def _noisy_draft(target):
     return draft
 
 
+def _draft_lacking_ids(target, missing: int = 5):
+    """The noisy draft with a vocabulary `missing` ids short of the target's (a draft whose vocabulary is padded less
+    than its target's, or that lacks tokens added to the target's): it is fed the prompt's ids 3 to 5, which it
+    lacks, and drafts only the ids it has (those the target samples here)."""
+    noisy = _noisy_draft(target)
+    config = copy.deepcopy(noisy.config)
+    config.vocab_size = VOCAB - missing
+    draft = LlamaForCausalLM(config).eval()
+    rows = ("model.embed_tokens.weight", "lm_head.weight")
+    draft.load_state_dict({k: v[: VOCAB - missing] if k in rows else v for k, v in noisy.state_dict().items()})
+    return draft
+
+
 def _eagle_head(target, version: str) -> EagleHead:
     """A random head with damped outputs: its drafts are spread over many tokens, so the target accepts some and
     rejects others (EAGLE-1: small fc and a pass-through layer before the target's lm_head; EAGLE-3: a zero
@@ -191,6 +204,8 @@ PROPOSERS = {
     "noisy_draft": lambda target: SpeculativeConfig(method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=3, seed=1),
     "same_draft": lambda target: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3, seed=2),
     "ngram": lambda target: SpeculativeConfig(method="ngram", num_speculative_tokens=3, seed=3),
+    "draft_lacking_ids": lambda target: SpeculativeConfig(method="draft", draft_model=_draft_lacking_ids(target),
+                                                          num_speculative_tokens=3, seed=29),
     "noisy_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=_noisy_draft(target),
                                                           num_speculative_tokens=2, tree_width=3, seed=5),
     "same_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target),

@@ -96,3 +96,25 @@ def test_bad_draft_token_maps_are_refused_before_any_forward():
     config = SpeculativeConfig(method="draft", draft_model=draft, draft_token_map=torch.tensor([3, VOCAB]))
     with pytest.raises(ValueError, match=rf"ids up to {VOCAB}, but the draft's lm_head has {VOCAB} rows"):
         hf_specdec.generate(target, torch.tensor([[5, 6, 7]]), speculative=config, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("shape", [dict(num_speculative_tokens=3), dict(top_k=2, depth=3, total_tokens=5)])
+def test_a_draft_with_fewer_ids_than_the_target_reads_the_ids_it_lacks_as_its_last(arch, shape, monkeypatch):
+    """A draft whose vocabulary is shorter than the target's (padded less, as a family's small model against its
+    large one, or without tokens added to the target's) is fed the prompt's and output's ids past its own as its
+    last id, and drafts only ids it has; the output is plain generate's."""
+    target = make_model(arch)
+    short = VOCAB - 32
+    draft = noisy_copy(target, scale=0.2)
+    draft.resize_token_embeddings(short)
+    ids, mask = padded_batch([11, 5, 9], seed=4, repeat_period=2)
+    assert int(ids.max()) >= short  # the prompts hold ids the draft lacks
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    proposals = record_proposed_tokens(monkeypatch, DraftModelProposer)
+    config = SpeculativeConfig(method="draft", draft_model=draft, schedule="fixed", **shape)
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.num_accepted_tokens > 0
+    assert int(torch.cat(proposals).max()) < short
