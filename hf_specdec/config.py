@@ -116,7 +116,8 @@ class SpeculativeConfig:
     posterior_alpha: float = field(default=0.3, metadata={"help": "typical acceptance: entropy scale"})
     seed: int | None = field(
         default=None,
-        metadata={"help": "seed of the torch.Generator used for sampling; None uses torch's global RNG"},
+        metadata={"help": "seed of the torch.Generator used for sampling; None uses torch's global RNG. Reproducible "
+                          "text from a seed needs schedule='fixed' (the adaptive widths follow measured step times)"},
     )
     schedule: Schedule = field(
         default="adaptive",

@@ -212,3 +212,25 @@ def test_sampling_with_every_token_banned_fails_as_plain_generate():
                                                r"token 1[23]\d \(the logits processors left every token at -inf"):
             hf_specdec.generate(target, ids, speculative=config, **sampling)
         assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **banned, do_sample=False), greedy)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampling_with_a_pinned_schedule_is_reproducible_from_a_seed(method):
+    """With `schedule="fixed"` a seed, the config's or torch's global one, gives the same text every call, and
+    another seed other text. (The adaptive schedule's widths follow measured step times, so there the same seed can
+    draw other text, with the same law.)"""
+    target = make_model("llama")
+    ids, mask = padded_batch([12, 7, 10], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=True, temperature=1.5, eos_token_id=None)
+    drafter = dict(draft_model=make_draft()) if method == "draft" else {}
+
+    def sample(seed=None, global_seed=None):
+        if global_seed is not None:
+            torch.manual_seed(global_seed)
+        config = SpeculativeConfig(method=method, schedule="fixed", seed=seed, num_speculative_tokens=3, **drafter)
+        return hf_specdec.generate(target, ids, speculative=config, **kwargs)
+
+    assert torch.equal(sample(seed=5), sample(seed=5))
+    assert not torch.equal(sample(seed=5), sample(seed=6))
+    assert torch.equal(sample(global_seed=5), sample(global_seed=5))
+    assert not torch.equal(sample(global_seed=5), sample(global_seed=6))
