@@ -194,8 +194,9 @@ class RaggedKVCache:
         # allocation is no larger (a short generation after a long prompt does not pay for twice the prompt)
         self.expected_slots: int | None = None
         # a drafter's cache: the last position id its model's table of learned positions holds (GPT-2, OPT), to
-        # which the positions of drafting nodes past it are cut (nodes deeper than their row's budget, in blocks of
-        # fixed width, whose drafts are dropped: the target verifies whatever is drafted); None: no cut
+        # which every position it is fed is cut: drafting nodes deeper than their row's budget (in blocks of fixed
+        # width, whose drafts are dropped), and a context longer than the table (its drafts then read wrong
+        # positions and are rarely kept: the target verifies whatever is drafted); None: no cut
         self.last_drafting_position: int | None = None
         # a drafter's cache: how many token ids its model embeds when that is fewer than the target's vocabulary (a
         # draft whose vocabulary is padded less, or that lacks tokens added to the target's); a larger id is fed as
@@ -248,6 +249,8 @@ class RaggedKVCache:
             self._settle_width()
             return None
         attention_mask, position_ids = prompt
+        if self.last_drafting_position is not None:
+            position_ids = position_ids.clamp(max=self.last_drafting_position)
         if past_key_values is not None:
             return self._prefill_after(past_key_values, input_ids, attention_mask, position_ids, token_type_ids,
                                        inputs_embeds, logits_to_keep)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -309,6 +310,13 @@ class DraftModelProposer(Proposer):
         attention_mask: torch.Tensor | None,
     ) -> None:
         """Encode every prompt token but the last in the draft cache."""
+        table = self.cache.last_drafting_position
+        if table is not None and state.max_length - 2 > table:  # the last position fed: the one before the last
+            warnings.warn(
+                f"the draft model's table of learned positions holds {table + 1} positions and this call reaches "
+                f"{state.max_length} (prompt and max_new_tokens): it reads every later position as its last one, so "
+                "its drafts there are rarely accepted (the output is still exact); use a draft with a longer context",
+                stacklevel=2)
         self.cache.prefill(state.sequences[:, : state.prompt_length - 1].to(self.draft.device), attention_mask)
 
     def propose(self, state: DecodeState) -> Proposal:

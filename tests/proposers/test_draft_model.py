@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -118,3 +119,30 @@ def test_a_draft_with_fewer_ids_than_the_target_reads_the_ids_it_lacks_as_its_la
     assert torch.equal(out.sequences, expected)
     assert out.spec_stats.num_accepted_tokens > 0
     assert int(torch.cat(proposals).max()) < short
+
+
+@pytest.mark.parametrize(("prompt", "new"), [(20, 30), (40, 10)])
+def test_a_context_longer_than_the_drafts_learned_positions_is_exact_and_warned(prompt, new):
+    """A draft whose table of learned positions (GPT-2's, 32 here) is shorter than the call, a prompt longer than it
+    too: every position past the table is read as its last one; the output is plain generate's, and a warning says
+    why the drafts there are rarely kept. A call that feeds no position past the table does not warn."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.conftest import SPECIAL
+
+    target = make_model("llama")
+    torch.manual_seed(0)
+    draft = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32,
+                                       **SPECIAL)).eval()
+    ids, mask = padded_batch([prompt, prompt - 5], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None)
+    for shape in (dict(num_speculative_tokens=3), dict(top_k=2, depth=3, total_tokens=5)):
+        config = SpeculativeConfig(method="draft", draft_model=draft, **shape)
+        with pytest.warns(UserWarning, match=f"holds 32 positions and this call reaches {prompt + new}"):
+            out = hf_specdec.generate(target, ids, speculative=config, max_new_tokens=new, **kwargs)
+        assert torch.equal(out, target.generate(ids, max_new_tokens=new, **kwargs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        short = padded_batch([20, 15], seed=3, repeat_period=5)[0]
+        hf_specdec.generate(target, short, speculative=SpeculativeConfig(method="draft", draft_model=draft),
+                            max_new_tokens=33 - 20, do_sample=False, eos_token_id=None)
