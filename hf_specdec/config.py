@@ -137,6 +137,19 @@ class SpeculativeConfig:
             "sees the drafter's distributions only"
         },
     )
+    parallel_drafting: bool = field(
+        default=False,
+        metadata={
+            "help": "method 'draft' with a parallel draft model (PARD): each step feeds the committed tokens and k - 1 "
+            "mask tokens in one draft forward and drafts the k tokens it predicts there (the mask tokens' keys and "
+            "values are dropped), instead of k forwards; chains only (vLLM's name)"
+        },
+    )
+    pard_token: int | None = field(
+        default=None,
+        metadata={"help": "parallel_drafting: the mask token id the draft fills; None: the draft's config "
+                          "`pard_token` (PARD checkpoints) or `mask_token_id`"},
+    )
     disable_by_batch_size: int | None = field(
         default=None,
         metadata={"help": "no speculation while this many rows or more are generating (vLLM's name)"},
@@ -371,6 +384,7 @@ class SpeculativeConfig:
                 f"SpeculativeConfig.schedule: unknown schedule {self.schedule!r}; expected one of {list(SCHEDULES)}"
             )
         self._check_draft_confidence()
+        self._check_parallel_drafting()
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
         if self.num_speculative_tokens_per_batch_size is not None:
@@ -400,6 +414,30 @@ class SpeculativeConfig:
                 f"{list(CONFIDENCE_METHODS)}, 'auto' with a draft model or an EAGLE head); {problem}. Drop "
                 "draft_confidence"
             )
+
+    def _check_parallel_drafting(self) -> None:
+        if not isinstance(self.parallel_drafting, bool):
+            raise ValueError(
+                f"SpeculativeConfig.parallel_drafting: expected True or False, got {self.parallel_drafting!r}")
+        if not self.parallel_drafting:
+            if self.pard_token is not None:
+                raise ValueError("SpeculativeConfig.pard_token: the mask id of a parallel draft model, used only with "
+                                 "parallel_drafting=True; set it or drop pard_token")
+            return
+        if self.pard_token is not None:
+            _check_int("pard_token", self.pard_token, 0, None)
+        problem = None
+        if self.method != "draft":
+            problem = f"it runs a draft model, which method={self.method!r} does not (use method='draft')"
+        elif self.draft_tokenizer is not None:
+            problem = "a draft with another tokenizer drafts text, not the target's tokens"
+        elif self.tree_width > 1 or self.tree_total_tokens is not None:
+            problem = "it drafts one chain: the k tokens the draft predicts after the mask tokens"
+        elif self.draft_confidence is not None:
+            problem = ("draft_confidence stops a chain drafted position by position, and it drafts every position "
+                       "at once")
+        if problem is not None:
+            raise ValueError(f"SpeculativeConfig.parallel_drafting: {problem}; drop parallel_drafting or that option")
 
     def _check_draft_quantization(self) -> None:
         if self.draft_quantization is None:

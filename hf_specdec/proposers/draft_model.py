@@ -62,6 +62,26 @@ def embedding_rows(model: torch.nn.Module) -> int | None:
     return embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else None
 
 
+def parallel_mask_token(config: SpeculativeConfig, draft: torch.nn.Module) -> int:
+    """The mask token id a parallel draft fills: `config.pard_token`, else the draft config's `pard_token` (PARD
+    checkpoints) or `mask_token_id`; it must be one of the draft's ids."""
+    draft_config = draft.config.get_text_config(decoder=True)
+    token = config.pard_token
+    for name in ("pard_token", "mask_token_id"):
+        if token is None:
+            token = getattr(draft_config, name, None)
+    if token is None:
+        raise ValueError(
+            "SpeculativeConfig.parallel_drafting: the draft model's config names no mask token (PARD checkpoints "
+            "give it as `pard_token`); pass SpeculativeConfig(pard_token=<the id its training filled>), or use a "
+            "draft trained for parallel drafting")
+    rows = embedding_rows(draft)
+    if not isinstance(token, int) or token < 0 or (rows is not None and token >= rows):
+        raise ValueError(f"SpeculativeConfig.parallel_drafting: mask token {token!r} is not one of the draft model's "
+                         f"{rows} token ids")
+    return token
+
+
 def check_draft_compatible(target: torch.nn.Module, draft: torch.nn.Module) -> None:
     """Raise ValueError unless the draft can share the target's tokenizer."""
     target_vocab, draft_vocab = vocab_size(target), vocab_size(draft)
@@ -185,6 +205,12 @@ class DraftModelProposer(Proposer):
         self._drafted_depth = 0  # positions (chains) or levels (trees) drafted this step: what `commit` can keep
         self._node_slots: torch.Tensor | None = None  # [B, N]: region slot (after the feed) of each node, or -1
         self._root_hidden: torch.Tensor | None = None  # [B, F]: the drafter's output after the fed tokens, if kept
+        # a parallel draft's mask token id (`SpeculativeConfig.parallel_drafting`), else None
+        self.mask_token = parallel_mask_token(config, self.draft) if config.parallel_drafting else None
+        if self.mask_token is not None:
+            self.static_shapes_refusal = (
+                "SpeculativeConfig.parallel_drafting: a parallel draft's feed is as wide as each row's unseen tokens "
+                "and mask tokens, which static shapes (a static cache or compile_config) cannot take; drop one of them")
 
     def _drafter(self, config: SpeculativeConfig, target: torch.nn.Module) -> torch.nn.Module:
         check_draft_compatible(target, config.draft_model)
@@ -323,6 +349,8 @@ class DraftModelProposer(Proposer):
         budget = state.draft_budget().clamp(max=self.k)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]
         depth = state.step_width(self.k) if self.fixed_shapes else max(budget_host)  # the step's draft depth
+        if self.mask_token is not None:
+            return self._propose_parallel(state, depth, budget, budget_host)
         logits = self._feed_unseen(state)
         if self.total_tokens is not None:
             return self._propose_dynamic_tree(state, depth, budget, logits)
@@ -398,28 +426,58 @@ class DraftModelProposer(Proposer):
                                   dense=all(count == self._drafted_depth for count in counts))
         return proposal if cut is None else proposal.with_host_depths(counts, computed)
 
-    def _feed_unseen(self, state: DecodeState) -> torch.Tensor:
-        """Feed each row's committed tokens the draft has not seen (at least its last token); returns the draft's
-        logits after them [B, V_draft]."""
+    def _propose_parallel(
+        self,
+        state: DecodeState,
+        depth: int,
+        # [B]
+        budget: torch.Tensor,
+        budget_host: list[int],
+    ) -> Proposal:
+        """A parallel draft's chain: `depth` drafts from one forward, the one after each row's last committed token
+        and one after each of the `depth - 1` mask tokens fed behind it. The draft keeps none of them: `commit`
+        keeps the fed tokens only, and the next step feeds the accepted ones."""
+        logits = self._feed_unseen(state, masks=depth - 1)  # [B, depth, V_draft]
+        batch = state.batch_size
+        tokens, probs = self._draw(logits.reshape(batch * depth, -1))
+        target_device = state.sequences.device
+        self._drafted_depth = 0  # no drafted token was fed
+        self._node_slots = torch.full((batch, 1 + depth), -1, dtype=torch.long, device=target_device)  # none fed
+        draft_probs = None if probs is None else probs.reshape(batch, depth, -1).to(target_device)
+        return Proposal.chain(state.last_tokens(), tokens.reshape(batch, depth).to(target_device), budget,
+                              draft_probs, dense=all(b == depth for b in budget_host))
+
+    def _feed_unseen(self, state: DecodeState, masks: int = 0) -> torch.Tensor:
+        """Feed each row's committed tokens the draft has not seen (at least its last token), and `masks` mask
+        tokens right after them (a parallel draft's); returns the draft's logits after the last committed token
+        [B, V_draft], or with masks after it and after each mask [B, 1 + masks, V_draft]."""
         host = state.host
         self._fed_host = [0 if done else length - seen
                           for length, seen, done in zip(host.lengths, self.cached_host, host.finished)]
         fed = torch.where(state.finished, 0, state.lengths - self.cached_lengths)  # >= 1 for unfinished rows
-        width = self._feed_width = self._max_feed() if self.fixed_shapes else max(1, max(self._fed_host, default=0))
+        feed = self._max_feed() if self.fixed_shapes else max(1, max(self._fed_host, default=0))
+        width = self._feed_width = feed + masks
         column = _arange(width, fed.device)[None, :]
         index = (self.cached_lengths[:, None] + column).clamp(max=state.sequences.shape[1] - 1)
         unseen = state.sequences.gather(1, index)
+        if masks:
+            unseen = torch.where(column < fed[:, None], unseen, self.mask_token)
         device = self.draft.device
         self._fed = fed
-        dense = not self.fixed_shapes and all(n == width for n in self._fed_host)
-        real = None if dense else (column < fed[:, None]).to(device)
-        last = (fed.clamp(min=1) - 1).to(device)[:, None]  # [B, 1]: each row's last fed token
+        dense = not self.fixed_shapes and all(n == feed for n in self._fed_host)
+        # a row's real tokens: its unseen ones, then its masks (none for a finished row, which feeds nothing)
+        real = None if dense else (column < torch.where(fed > 0, fed + masks, 0)[:, None]).to(device)
+        # [B, 1 + masks]: each row's last fed token, then its mask tokens
+        last = (fed.clamp(min=1) - 1).to(device)[:, None] + _arange(1 + masks, device)[None, :]
         selected = {"logits_at": last} if self.selects_logits else {}
         logits = self.cache.forward(unseen.to(device), column.to(device).expand(unseen.shape[0], -1), real,
                                     **self._feed_inputs(state, width), **selected)
+        logits = logits if selected else select_positions(logits, last)
+        if masks:
+            return logits
         hidden = self.cache.hidden_states
         self._root_hidden = None if hidden is None else select_positions(hidden, last)[:, 0]
-        return logits[:, 0] if selected else select_positions(logits, last)[:, 0]
+        return logits[:, 0]
 
     def _propose_tree(self, state: DecodeState, depth: int, budget: torch.Tensor, logits: torch.Tensor) -> Proposal:
         """Top-w first tokens, each continued as a chain of `depth`: one draft forward per depth for all branches."""

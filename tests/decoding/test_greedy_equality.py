@@ -37,6 +37,9 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
         "random_draft_auto_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
                                                     tree_width=2, tree_total_tokens="auto"),
         "suffix": SpeculativeConfig(method="suffix", suffix_cache=SuffixCache()),
+        # k drafts from one forward over the unseen tokens and k - 1 mask tokens (PARD)
+        "parallel_draft": SpeculativeConfig(method="draft", draft_model=make_draft(), parallel_drafting=True,
+                                            pard_token=VOCAB - 1, num_speculative_tokens=4),
         # suffix rows and draft-model rows in the same steps (the score threshold sits between the two)
         "suffix_hybrid": SpeculativeConfig(
             method="suffix", suffix_cache=SuffixCache(), fallback_min_score=1.5,

@@ -204,6 +204,11 @@ PROPOSERS = {
     "noisy_draft": lambda target: SpeculativeConfig(method="draft", draft_model=_noisy_draft(target), num_speculative_tokens=3, seed=1),
     "same_draft": lambda target: SpeculativeConfig(method="draft", draft_model=copy.deepcopy(target), num_speculative_tokens=3, seed=2),
     "ngram": lambda target: SpeculativeConfig(method="ngram", num_speculative_tokens=3, seed=3),
+    # the mask token is the target's likeliest token here, so the noisy draft's guesses after it are often the
+    # target's next tokens and drafts are accepted at depth 2 and 3 as well
+    "noisy_draft_parallel": lambda target: SpeculativeConfig(method="draft", draft_model=_noisy_draft(target),
+                                                             parallel_drafting=True, pard_token=2,
+                                                             num_speculative_tokens=3, seed=30),
     "draft_lacking_ids": lambda target: SpeculativeConfig(method="draft", draft_model=_draft_lacking_ids(target),
                                                           num_speculative_tokens=3, seed=29),
     "noisy_draft_tree": lambda target: SpeculativeConfig(method="draft", draft_model=_noisy_draft(target),

@@ -146,3 +146,65 @@ def test_a_context_longer_than_the_drafts_learned_positions_is_exact_and_warned(
         short = padded_batch([20, 15], seed=3, repeat_period=5)[0]
         hf_specdec.generate(target, short, speculative=SpeculativeConfig(method="draft", draft_model=draft),
                             max_new_tokens=33 - 20, do_sample=False, eos_token_id=None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+def test_a_parallel_draft_proposes_what_one_forward_over_the_context_and_masks_predicts(arch, monkeypatch):
+    """Each step's k drafts are the draft's greedy tokens after the row's whole committed text followed by k - 1
+    mask tokens, as one fresh forward over them computes: the mask tokens sit at the positions after the text and
+    none stays in the draft's cache. Rows of a padded batch accept different counts; the output is plain
+    generate's."""
+    target = make_model(arch)
+    draft = noisy_copy(target, scale=0.3)
+    mask_token, k = VOCAB - 1, 3
+    draft.config.pard_token = mask_token
+    ids, mask = padded_batch([11, 5, 9], seed=4, repeat_period=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    steps = []  # per step: each row's committed text and its drafts
+    propose = DraftModelProposer._propose_parallel
+
+    def recording(self, state, *args):
+        proposal = propose(self, state, *args)
+        steps.append(([state.sequences[b, : int(state.lengths[b])].clone() for b in range(state.batch_size)],
+                      proposal.tree.token_ids[:, 1:].clone(), proposal.tree.valid[:, 1:].clone()))
+        return proposal
+
+    monkeypatch.setattr(DraftModelProposer, "_propose_parallel", recording)
+    config = SpeculativeConfig(method="draft", draft_model=draft, parallel_drafting=True, num_speculative_tokens=k,
+                               schedule="fixed")
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected)
+    assert 0 < out.spec_stats.num_accepted_tokens < out.spec_stats.num_draft_tokens
+    assert len(steps) > 3
+    for texts, drafts, valid in steps:
+        for row, text in enumerate(texts):
+            if not bool(valid[row].any()):
+                continue
+            real = torch.cat([text[: mask.shape[1]][mask[row].bool()], text[mask.shape[1]:]])
+            fresh = torch.cat([real, real.new_full((k - 1,), mask_token)])[None]
+            with torch.no_grad():
+                greedy = draft(fresh).logits[0, -k:].argmax(-1)
+            assert torch.equal(drafts[row][valid[row]], greedy[: int(valid[row].sum())]), (arch, row)
+
+
+def test_parallel_drafting_is_refused_where_it_cannot_run():
+    target = make_model("llama")
+    draft = make_draft()
+    with pytest.raises(ValueError, match="parallel_drafting: it runs a draft model, which method='ngram' does not"):
+        SpeculativeConfig(method="ngram", parallel_drafting=True)
+    with pytest.raises(ValueError, match="parallel_drafting: it drafts one chain"):
+        SpeculativeConfig(method="draft", draft_model=draft, parallel_drafting=True, tree_width=2)
+    with pytest.raises(ValueError, match="pard_token: the mask id of a parallel draft model, used only with"):
+        SpeculativeConfig(method="draft", draft_model=draft, pard_token=5)
+    prompt = torch.tensor([[5, 6, 7, 5, 6]])
+    with pytest.raises(ValueError, match=r"config names no mask token .*pard_token=<the id its training filled>"):
+        hf_specdec.generate(target, prompt, max_new_tokens=4,
+                            speculative=SpeculativeConfig(method="draft", draft_model=draft, parallel_drafting=True))
+    with pytest.raises(ValueError, match=rf"mask token {VOCAB} is not one of the draft model's {VOCAB} token ids"):
+        hf_specdec.generate(target, prompt, max_new_tokens=4, speculative=SpeculativeConfig(
+            method="draft", draft_model=draft, parallel_drafting=True, pard_token=VOCAB))
+    with pytest.raises(ValueError, match="parallel_drafting: a parallel draft's feed .* static shapes"):
+        hf_specdec.generate(target, prompt, max_new_tokens=4, cache_implementation="static",
+                            speculative=SpeculativeConfig(method="draft", draft_model=draft, parallel_drafting=True,
+                                                          pard_token=3))
