@@ -180,3 +180,49 @@ def test_a_draft_for_another_model_or_a_damaged_folder_is_refused(base, trained,
     with pytest.raises(SystemExit, match="target_layers: expected distinct increasing layer indices"):
         main(["train", "draft", "--base", str(base), "--data", *map(str, DATA), "--out", str(tmp_path / "x"),
               "--target-layers", "2", "1", "--steps", "1"])
+
+
+def test_the_parallel_loss_is_the_kl_after_the_text_and_masks_a_drafting_step_feeds(base):  # noqa: F811
+    """With parallel_tokens N, the loss is the mean of KL(target at j || draft after x_0 .. x_{j-i} and i mask
+    tokens) over offsets i < N and trained positions j >= i: what one forward over the text and its mask copies
+    computes equals fresh forwards over each chain, as parallel drafting feeds it."""
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    pard = 3
+    config = DraftTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, target_layers=[0, -1],
+                              parallel_tokens=3, pard_token=pard)
+    torch.manual_seed(0)
+    rows = TrainingRows(torch.randint(4, 4096, (3, 12)), torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
+    objective = make_objective(config, target, rows)
+    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    with torch.no_grad():
+        loss, metrics = objective(batch, target)
+        log_target = torch.log_softmax(target(rows.input_ids).logits.float(), -1)
+        terms = []
+        for row in range(3):
+            for j in range(11):
+                if not rows.starts[row] <= j + 1 < rows.lengths[row]:
+                    continue
+                for ahead in range(3):
+                    if j - ahead < 0:
+                        continue
+                    chain = torch.cat([rows.input_ids[row, : j - ahead + 1], torch.full((ahead,), pard)])[None]
+                    log_draft = torch.log_softmax(objective.draft(chain).logits[0, -1].float(), -1)
+                    terms.append((log_target[row, j].exp() * (log_target[row, j] - log_draft)).sum())
+    assert float(loss) > 0.01 and float(loss) == pytest.approx(float(torch.stack(terms).mean()), rel=1e-4)
+    assert {"accuracy", "accuracy_2", "accuracy_3"} <= set(metrics)
+
+
+def test_a_draft_adapted_to_parallel_drafting_saves_its_mask_token_and_drafts_losslessly(
+        base, trained, tmp_path):  # noqa: F811
+    adapted = _train(base, tmp_path / "pard", steps=3,
+                     extra=["--parallel-tokens", "3", "--pard-token", "3", "--init-draft", str(trained)])
+    assert json.loads((adapted / "config.json").read_text())["pard_token"] == 3
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    draft = load_pruned_draft(adapted, target)
+    ids = torch.tensor([[1, 1, 5, 9, 17, 5, 9], [3, 3, 8, 3, 3, 8, 3]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=1)
+    config = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3, parallel_drafting=True)
+    assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), target.generate(ids, **kwargs))
+    with pytest.raises(ValueError, match="pard_token: the mask token id parallel drafting feeds; give it exactly"):
+        DraftTrainConfig(base=base, data=DATA, out=base, parallel_tokens=3)
