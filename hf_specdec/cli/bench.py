@@ -94,8 +94,8 @@ from hf_specdec.testbed.other_tokenizer import permuted
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "no-drafts", "draft", "draft-xtok", "draft-parallel", "ngram", "medusa", "eagle", "eagle3", "mlp_speculator",
-         "early_exit", "suffix", "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto", "auto+draft", "auto+medusa",
+CASES = ("plain", "no-drafts", "draft", "draft-xtok", "draft-parallel", "ngram", "medusa", "eagle", "eagle3",
+         "mlp_speculator", "early_exit", "suffix", "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto", "auto+draft", "auto+medusa",
          "auto+eagle", "auto+eagle3", "auto+mlp_speculator", "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
 # cases that never draft, so take no k: plain generate, and hf_specdec's engine with speculation switched off
 UNDRAFTED_CASES = ("plain", "no-drafts")
