@@ -450,7 +450,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, tree_nodes=tree_nodes,
                     category=category, schedule=schedule, quantization=quantization, identical=None if kwargs.get("do_sample") else True)
     outputs = []
-    drafter = draft if case in NEEDS_DRAFT else None
+    drafter = draft if case in NEEDS_DRAFT or case == PARALLEL_CASE else None
     if case == "early_exit":  # the target's first layers, timed apart from the target's own forwards
         drafter = early_exit_draft(target, early_exit_layer)
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(drafter)

@@ -477,5 +477,6 @@ def test_draft_parallel_drafts_with_the_parallel_draft_given(tmp_path, monkeypat
                  "--json", str(out)]) == 0
     rows = {r["case"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["draft-parallel"]["identical_to_plain"] is True and parallel and set(parallel) == {3}
+    assert rows["draft-parallel"]["draft_forward_ms"] is not None  # its draft's forwards are timed
     with pytest.raises(SystemExit, match="--method draft-parallel needs --parallel-draft"):
         main(["bench", "--method", "plain", "draft-parallel", *TINY])
