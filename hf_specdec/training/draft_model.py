@@ -99,7 +99,7 @@ class DraftObjective(Objective):
             embed = target.get_input_embeddings()
             embeds = embed(batch.input_ids).to(dtype)  # [B, L, H]
         batch_size, length = batch.input_ids.shape
-        keep = batch.ahead(1)[1]  # [B, L]: the position predicts a trained token
+        keep = trained = batch.ahead(1)[1]  # [B, L]: the position predicts a trained token
         lm_head, vocab = target.get_output_embeddings(), None
         if self.token_map is not None:  # a draft with a token map learns over the map, as it drafts
             vocab = map_mask(self.token_map, lm_head.weight.shape[0])  # [V]
@@ -129,8 +129,8 @@ class DraftObjective(Objective):
             guess = log_draft.argmax(-1)
             if self.token_map is not None:
                 guess = self.token_map[guess]
-            # top tokens outside a map count as missed
-            correct = (guess == batch.argmax[rows]).float().sum() / rows.sum().clamp(min=1)
+            # over every trained position with text before the masks: top tokens outside a map count as missed
+            correct = (guess == batch.argmax[rows]).float().sum() / trained[:, ahead:].sum().clamp(min=1)
             metrics["accuracy" if ahead == 0 else f"accuracy_{ahead + 1}"] = float(correct)
         return total / max(counted, 1), metrics
 
