@@ -95,8 +95,9 @@ from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
 CASES = ("plain", "no-drafts", "draft", "draft-xtok", "draft-parallel", "ngram", "medusa", "eagle", "eagle3",
-         "mlp_speculator", "early_exit", "suffix", "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto", "auto+draft", "auto+medusa",
-         "auto+eagle", "auto+eagle3", "auto+mlp_speculator", "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
+         "mlp_speculator", "early_exit", "suffix", "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto",
+         "auto+draft", "auto+medusa", "auto+eagle", "auto+eagle3", "auto+mlp_speculator", "hf-assistant", "hf-uag",
+         "hf-lookup", "hf-early-exit")
 # cases that never draft, so take no k: plain generate, and hf_specdec's engine with speculation switched off
 UNDRAFTED_CASES = ("plain", "no-drafts")
 # hf_specdec's cases, which run under each --schedule
@@ -128,7 +129,7 @@ TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+e
 # every composite case and the case whose drafter it loads
 DRAFTER_OF = {**HYBRID_CASES, **AUTO_CASES}
 # cases drafting with a model of their own, which run under each --draft-quantization
-QUANTIZABLE_CASES = ("draft", "draft-xtok", "draft-parallel", *HEAD_CASES, *HYBRID_CASES, *AUTO_CASES)
+QUANTIZABLE_CASES = ("draft", "draft-xtok", PARALLEL_CASE, *HEAD_CASES, *HYBRID_CASES, *AUTO_CASES)
 DRAFT_QUANTIZATIONS = ("none", *DRAFT_QUANTIZATION_NAMES)
 TESTBED_WORKLOADS = ("completion", "edit", "long")
 CHAT_WORKLOADS = ("spec-bench", "code", "repeat")

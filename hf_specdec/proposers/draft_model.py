@@ -466,9 +466,13 @@ class DraftModelProposer(Proposer):
         self._fed = fed
         dense = not self.fixed_shapes and all(n == feed for n in self._fed_host)
         # a row's real tokens: its unseen ones, then its masks (none for a finished row, which feeds nothing)
-        real = None if dense else (column < torch.where(fed > 0, fed + masks, 0)[:, None]).to(device)
-        # [B, 1 + masks]: each row's last fed token, then its mask tokens
-        last = (fed.clamp(min=1) - 1).to(device)[:, None] + _arange(1 + masks, device)[None, :]
+        real = None
+        if not dense:
+            ends = torch.where(fed > 0, fed + masks, 0) if masks else fed
+            real = (column < ends[:, None]).to(device)
+        last = (fed.clamp(min=1) - 1).to(device)[:, None]  # [B, 1]: each row's last fed token
+        if masks:  # [B, 1 + masks]: and its mask tokens
+            last = last + _arange(1 + masks, device)[None, :]
         selected = {"logits_at": last} if self.selects_logits else {}
         logits = self.cache.forward(unseen.to(device), column.to(device).expand(unseen.shape[0], -1), real,
                                     **self._feed_inputs(state, width), **selected)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from hf_specdec.heads.token_map import map_mask, most_frequent_tokens
+from hf_specdec.heads.token_map import TokenMapLMHead, map_mask, most_frequent_tokens
 from hf_specdec.pruned_draft import check_target_layers, load_pruned_draft, pruned_copy, save_pruned_draft
 from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import TrainingRows
@@ -50,8 +50,8 @@ class DraftTrainConfig(TrainConfig):
         default=None, metadata={"help": "with --parallel-tokens > 1: the mask token id (one the text never holds; "
                                         "saved in the draft's config)"})
     init_draft: str | None = field(
-        default=None, metadata={"help": "start from the draft saved in this folder (its layers and token map) instead "
-                                        "of the target's layers"})
+        default=None, metadata={"help": "start from the draft saved in this folder (cut from --target-layers, which "
+                                        "must match; with its token map) instead of the target's layers"})
 
     def _check(self) -> None:
         self.target_layers = tuple(int(i) for i in self.target_layers)
@@ -166,9 +166,15 @@ def make_objective(config: DraftTrainConfig, target: nn.Module, rows: TrainingRo
     parallel = dict(parallel_tokens=config.parallel_tokens, pard_token=config.pard_token)
     if config.init_draft is not None:  # its own layers train in float32, as a fresh cut's
         draft = load_pruned_draft(config.init_draft, target)
+        layers = check_target_layers(target.config.get_text_config(decoder=True).num_hidden_layers,
+                                     config.target_layers)
+        if list(layers) != list(draft.config.pruned_draft["target_layers"]):
+            raise ValueError(f"DraftTrainConfig.init_draft: the draft in {config.init_draft} was cut from the "
+                             f"target's layers {draft.config.pruned_draft['target_layers']}, not target_layers "
+                             f"{list(layers)}; pass those layers")
         draft.model.layers.float()
         draft.model.norm.float()
-        token_map = draft.lm_head.ids if hasattr(draft.lm_head, "ids") else None
+        token_map = draft.lm_head.ids if isinstance(draft.lm_head, TokenMapLMHead) else None
         return DraftObjective(draft.train(), token_map, **parallel)
     token_map = None
     if config.token_map_size is not None:

@@ -39,15 +39,26 @@ def trained(base, tmp_path_factory):  # noqa: F811
     return _train(base, tmp_path_factory.mktemp("draft"), steps=25)
 
 
+def _objective(base: Path, **options):  # noqa: F811
+    """The test bed's target, three rows of 12 random tokens trained from tokens 0, 5 and 7 on (row 2 ends at 10), and
+    the draft objective of its layers 0 and -1 with `options`."""
+    target = LlamaForCausalLM.from_pretrained(base).eval()
+    config = DraftTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, target_layers=[0, -1],
+                              **options)
+    torch.manual_seed(0)
+    rows = TrainingRows(torch.randint(2, 4096, (3, 12)), torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
+    return target, rows, make_objective(config, target, rows)
+
+
+def _batch(target, rows: TrainingRows, objective):
+    return target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+
+
 def test_the_loss_is_the_kl_from_the_target_after_each_trained_token(base):  # noqa: F811
     """The objective against the draft's own logits, position by position: KL(target || draft) of the next-token
     distributions at t where x_{t+1} is trained (rows 1 and 2 are trained from tokens 5 and 7 on; row 2 ends at 10)."""
-    target = LlamaForCausalLM.from_pretrained(base).eval()
-    config = DraftTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, target_layers=[0, -1])
-    torch.manual_seed(0)
-    rows = TrainingRows(torch.randint(2, 4096, (3, 12)), torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
-    objective = make_objective(config, target, rows)
-    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    target, rows, objective = _objective(base)
+    batch = _batch(target, rows, objective)
     with torch.no_grad():
         loss, _ = objective(batch, target)
         log_target = torch.log_softmax(target(rows.input_ids).logits.float(), -1)
@@ -66,18 +77,14 @@ def test_with_a_token_map_the_kl_is_over_the_map_where_the_target_top_token_is_i
     """KL(target || draft) of both next-token distributions restricted to the map (each renormalised over it), at
     positions whose next token is trained and whose target top token is in the map; accuracy counts the others as
     missed."""
-    target = LlamaForCausalLM.from_pretrained(base).eval()
-    config = DraftTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, target_layers=[0, -1])
-    torch.manual_seed(0)
-    rows = TrainingRows(torch.randint(2, 4096, (3, 12)), torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
+    target, rows, objective = _objective(base)
     with torch.no_grad():
         top = target(rows.input_ids).logits.argmax(-1)  # [3, 12]
     trained = [(row, t) for row in range(3) for t in range(11) if rows.starts[row] <= t + 1 < rows.lengths[row]]
     tops = sorted({int(top[row, t]) for row, t in trained})
     kept = sorted(set(tops[::2]) | set(range(2000, 2100)))  # half the trained positions' top tokens, and others
-    objective = make_objective(config, target, rows)
     objective.token_map = torch.tensor(kept)
-    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    batch = _batch(target, rows, objective)
     with torch.no_grad():
         loss, metrics = objective(batch, target)
         log_target = torch.log_softmax(target(rows.input_ids).logits.float()[..., kept], -1)
@@ -186,14 +193,9 @@ def test_the_parallel_loss_is_the_kl_after_the_text_and_masks_a_drafting_step_fe
     """With parallel_tokens N, the loss is the mean of KL(target at j || draft after x_0 .. x_{j-i} and i mask
     tokens) over offsets i < N and trained positions j >= i: what one forward over the text and its mask copies
     computes equals fresh forwards over each chain, as parallel drafting feeds it."""
-    target = LlamaForCausalLM.from_pretrained(base).eval()
     pard = 3
-    config = DraftTrainConfig(base=base, data=DATA, out=base, seq_len=12, prompt_len=4, target_layers=[0, -1],
-                              parallel_tokens=3, pard_token=pard)
-    torch.manual_seed(0)
-    rows = TrainingRows(torch.randint(4, 4096, (3, 12)), torch.tensor([12, 12, 10]), torch.tensor([0, 5, 7]))
-    objective = make_objective(config, target, rows)
-    batch = target_batch(target, rows, torch.arange(3), torch.device("cpu"), None, objective.feature_layers)
+    target, rows, objective = _objective(base, parallel_tokens=3, pard_token=pard)
+    batch = _batch(target, rows, objective)
     with torch.no_grad():
         loss, metrics = objective(batch, target)
         log_target = torch.log_softmax(target(rows.input_ids).logits.float(), -1)
@@ -226,3 +228,7 @@ def test_a_draft_adapted_to_parallel_drafting_saves_its_mask_token_and_drafts_lo
     assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), target.generate(ids, **kwargs))
     with pytest.raises(ValueError, match="pard_token: the mask token id parallel drafting feeds; give it exactly"):
         DraftTrainConfig(base=base, data=DATA, out=base, parallel_tokens=3)
+    with pytest.raises(ValueError, match=r"init_draft: the draft in .* was cut from the target's layers \[0, 3\], not "
+                                         r"target_layers \[0, 1\]; pass those layers"):
+        make_objective(DraftTrainConfig(base=base, data=DATA, out=base, target_layers=[0, 1], init_draft=str(trained)),
+                       target, None)
