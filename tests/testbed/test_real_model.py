@@ -4,6 +4,7 @@ manifest, damaged caches rebuilt, local folders, and every error."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import zipfile
 
@@ -122,6 +123,21 @@ def test_a_damaged_cache_is_rebuilt(wheel, tmp_path):
     (real_model_dir(tmp_path) / "manifest.json").unlink()
     with pytest.warns(UserWarning, match="no readable manifest.json"):
         load_real_model(wheel=wheel, cache_dir=tmp_path, progress=False)
+
+
+def test_a_conversion_that_another_process_finished_first_is_used(wheel, tmp_path, monkeypatch):
+    """Two processes converting into one cache at once (test workers, ranks of a launch): the one that finishes
+    second finds the other's complete folder in place and loads it."""
+    write_manifest = real_model.write_manifest
+
+    def and_another_process_finishes(building, source):
+        write_manifest(building, source)
+        shutil.copytree(building, real_model_dir(tmp_path))
+
+    monkeypatch.setattr(real_model, "write_manifest", and_another_process_finishes)
+    model, _ = load_real_model(wheel=wheel, cache_dir=tmp_path, dtype=torch.float32, progress=False)
+    assert model.config.num_hidden_layers == LAYERS
+    assert sorted(p.name for p in tmp_path.iterdir()) == [real_model_dir(tmp_path).name]
 
 
 def test_cache_location_follows_the_environment(tmp_path, monkeypatch):

@@ -4,9 +4,6 @@ training-time-test mask is EAGLE-3's, the draft vocabulary keeps the most freque
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -22,8 +19,8 @@ from hf_specdec.training.config import GENERATED_FILE
 from hf_specdec.training.eagle import EagleTrainConfig, build_draft_vocab, make_objective, ttt_attention_mask
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.target_features import target_batch
+from tests.conftest import run_under_accelerate
 
-ROOT = Path(__file__).resolve().parents[2]
 DATA = [Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"]
 
 
@@ -215,12 +212,9 @@ def test_bad_training_input(base, tmp_path):
 
 
 def test_two_cpu_processes_under_accelerate(base, tmp_path):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "hf_specdec.cli", "train", "eagle",
-               *_args(base, tmp_path, "eagle3", steps=2, extra=["--num-samples", "3", "--prompt-len", "24"])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    result = run_under_accelerate(["train", "eagle", *_args(base, tmp_path, "eagle3", steps=2,
+                                                            extra=["--num-samples", "3", "--prompt-len", "24"])],
+                                  tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert load_file(tmp_path / GENERATED_FILE)["input_ids"].shape == (3, 32)
     assert EagleHead.from_pretrained(tmp_path).config.version == "eagle3"

@@ -4,9 +4,6 @@ stages)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -22,8 +19,7 @@ from hf_specdec.training.config import GENERATED_FILE
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.medusa import MedusaTrainConfig, make_objective
 from hf_specdec.training.target_features import target_batch
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import run_under_accelerate
 
 
 @pytest.fixture(scope="module")
@@ -153,11 +149,7 @@ def test_bad_training_input(base, tmp_path):
 @pytest.mark.parametrize("stage", [["--stage", "1", "--num-samples", "4", "--prompt-len", "60"],
                                    ["--stage", "2", "--self-distillation", "--lora-r", "2", "--data-source", "text"]])
 def test_two_cpu_processes_under_accelerate(base, tmp_path, stage):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "hf_specdec.cli", *_args(base, tmp_path, steps=2, extra=[*stage, "--tree-nodes", "4"])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    result = run_under_accelerate(_args(base, tmp_path, steps=2, extra=[*stage, "--tree-nodes", "4"]), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "adapter_model.safetensors").is_file()
     assert (tmp_path / "lora" / "adapter_model.safetensors").is_file() == ("2" in stage)

@@ -6,9 +6,6 @@ and 2 processes run."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +22,8 @@ from hf_specdec.training.config import GENERATED_FILE
 from hf_specdec.training.generated import TrainingRows
 from hf_specdec.training.mlp_speculator import MlpSpeculatorTrainConfig, make_objective
 from hf_specdec.training.target_features import target_batch
-from tests.training.test_eagle_training import DATA, ROOT, base  # noqa: F401  (base is a fixture)
+from tests.conftest import run_under_accelerate
+from tests.training.test_eagle_training import DATA, base  # noqa: F401  (base is a fixture)
 
 
 def _args(target: Path, out: Path, steps: int, extra: list[str] = ()) -> list[str]:
@@ -231,12 +229,8 @@ def test_bad_options_are_clear_errors(base, stage1, tmp_path):  # noqa: F811
 
 
 def test_two_cpu_processes_under_accelerate(base, tmp_path):  # noqa: F811
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "hf_specdec.cli", *_args(base, tmp_path, steps=2, extra=["--num-samples", "3", "--prompt-len",
-                                                                               "24"])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    result = run_under_accelerate(_args(base, tmp_path, steps=2, extra=["--num-samples", "3", "--prompt-len", "24"]),
+                                  tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert load_file(tmp_path / GENERATED_FILE)["input_ids"].shape == (3, 32)
     assert len(_metrics(tmp_path)["loss_history"]) == 2

@@ -5,9 +5,6 @@ refused."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -21,8 +18,8 @@ from hf_specdec.training import skeleton
 from hf_specdec.training.config import TrainConfig
 from hf_specdec.training.generated import read_source
 from hf_specdec.training.skeleton import split_rows
+from tests.conftest import run_under_accelerate
 
-ROOT = Path(__file__).resolve().parents[2]
 DATA = [Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"]
 SEQ_LEN = 32
 
@@ -178,11 +175,7 @@ def test_weight_decay_is_applied_and_a_negative_one_refused_before_training(base
 def test_two_cpu_processes_measure_once_and_keep_in_step(base, tmp_path):
     """Under accelerate with 2 processes the main one measures the held-out rows while the other waits at the next
     step's gradient exchange; the run ends with every measurement."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_specdec.cli",
-               *_argv(base, tmp_path, 4, "--eval-rows", "8", "--eval-every", "2")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    result = run_under_accelerate(_argv(base, tmp_path, 4, "--eval-rows", "8", "--eval-every", "2"), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads((tmp_path / "train_metrics.json").read_text())["eval_history"]
     assert [m["step"] for m in measured] == [2, 4]
