@@ -48,12 +48,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from hf_specdec.cache.attention import PACKED_SDPA, packed_attention
 from hf_specdec.cache.exchange import filled_layers
 from hf_specdec.cache.features import FeatureTap
 from hf_specdec.cache.naming import cache_keyword
+from hf_specdec.cache.reach import DrafterReach
 from hf_specdec.cache.storage import MIN_CAPACITY, SlotCache
 from hf_specdec.compile import CompiledForward, static_room
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
@@ -62,7 +62,6 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 # names of the embedding tables of learned absolute positions (GPT-2 and GPT-BigCode: `wpe`; OPT, BioGPT:
 # `embed_positions`)
-LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 SUPPORTED_ATTENTION = ("sdpa", "eager", PACKED_SDPA)  # the last: inside another call's forward, or set so
 
 
@@ -193,15 +192,10 @@ class RaggedKVCache:
         # slots a row can need in the call at most (its length limit plus one step's region), when known: the first
         # allocation is no larger (a short generation after a long prompt does not pay for twice the prompt)
         self.expected_slots: int | None = None
-        # a drafter's cache: the last position id its model's table of learned positions holds (GPT-2, OPT), to
-        # which every position it is fed is cut: drafting nodes deeper than their row's budget (in blocks of fixed
-        # width, whose drafts are dropped), and a context longer than the table (its drafts then read wrong
-        # positions and are rarely kept: the target verifies whatever is drafted); None: no cut
-        self.last_drafting_position: int | None = None
-        # a drafter's cache: how many token ids its model embeds when that is fewer than the target's vocabulary (a
-        # draft whose vocabulary is padded less, or that lacks tokens added to the target's); a larger id is fed as
-        # the last one it has (only what the draft reads changes: the target verifies every draft); None: every id
-        self.embedded_ids: int | None = None
+        # a drafter's cache: the position ids and token ids its model can read (`DrafterReach`), to which every
+        # forward's are cut: drafting nodes deeper than their row's budget (in blocks of fixed width, whose drafts
+        # are dropped), a context longer than its table of learned positions, ids it does not embed
+        self.reach = DrafterReach()
 
     @property
     def batch_size(self) -> int:
@@ -249,8 +243,7 @@ class RaggedKVCache:
             self._settle_width()
             return None
         attention_mask, position_ids = prompt
-        if self.last_drafting_position is not None:
-            position_ids = position_ids.clamp(max=self.last_drafting_position)
+        position_ids = self.reach.positions(position_ids)
         if past_key_values is not None:
             return self._prefill_after(past_key_values, input_ids, attention_mask, position_ids, token_type_ids,
                                        inputs_embeds, logits_to_keep)
@@ -458,8 +451,7 @@ class RaggedKVCache:
             # before this step's first token: never past what plain generate feeds, where a model's table of learned
             # positions ends (GPT-2, OPT), and seen by nobody
             positions = torch.where(real, positions, (self.next_position[:, None] - 1).clamp(min=0))
-        if self.last_drafting_position is not None:
-            positions = positions.clamp(max=self.last_drafting_position)
+        positions = self.reach.positions(positions)
         inputs = dict(
             input_ids=input_ids,
             position_ids=positions,
@@ -629,8 +621,8 @@ class RaggedKVCache:
         """The model's logits (run by `call`); also its features (`feature_layers`) of the last `keep_hidden`
         tokens, and its per-layer hidden states and attentions when `output_hidden_states` / `output_attentions` are
         set (with `orders`, [B, S] or a function giving it: the order of every key slot)."""
-        if self.embedded_ids is not None and inputs.get("input_ids") is not None:
-            inputs = {**inputs, "input_ids": inputs["input_ids"].clamp(max=self.embedded_ids - 1)}
+        if self.reach.embedded_ids is not None and inputs.get("input_ids") is not None:
+            inputs = {**inputs, "input_ids": self.reach.ids(inputs["input_ids"])}
         record = self.feature_layers is not None
         # the features through hooks that keep only their layers' states, when every forward runs eagerly and need
         # not return every layer's anyway (compiled forwards ask for `output_hidden_states`, whose capturing hooks
@@ -675,15 +667,3 @@ def _causal_tail_mask(batch: int, width: int, num_slots: int, dtype: torch.dtype
     blocked = torch.full((width, width), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
     mask[:, num_slots - width :] = blocked
     return mask.expand(batch, 1, width, num_slots)
-
-
-def learned_positions(model: nn.Module) -> int | None:
-    """The number of position ids a model's table of learned positions holds (GPT-2's `wpe`, OPT's
-    `embed_positions`, ...); None for a model without one (rotary or no positions: any position id runs)."""
-    config = getattr(model, "config", None)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
-    size = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    tables = [name for name, module in model.named_modules()
-              if isinstance(module, nn.Embedding) and name.rsplit(".", 1)[-1] in LEARNED_POSITION_TABLES]
-    return size if tables and size else None

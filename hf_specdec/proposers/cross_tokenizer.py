@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.cache.ragged import RaggedKVCache
+from hf_specdec.cache.reach import DrafterReach
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer
 from hf_specdec.proposers.draft_model import select_positions
@@ -140,6 +141,8 @@ class CrossTokenizerProposer(Proposer):
                                          vocab_size(self.draft)).to(self.draft.device)
         self.draft_vocab = len(self.draft_tokenizer)
         self.cache = RaggedKVCache(self.draft)
+        self.cache.reach = DrafterReach.of(self.draft, self.draft_vocab)
+        self._warned_positions = False  # this call warned that the draft's table of positions ends before its text
         self.text: HostText | None = None  # the target's tokens of every row
         self.rows: list[RowText] = []
         self._fed_host: list[int] = []  # draft tokens each row fed at the start of this step
@@ -147,6 +150,7 @@ class CrossTokenizerProposer(Proposer):
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         self.text = HostText(state, attention_mask)  # the prompt without its padding, left or right
         self.rows = []
+        self._warned_positions = False
         for b in range(state.batch_size):
             ids = self.text.row(b).tolist()
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -199,6 +203,10 @@ class CrossTokenizerProposer(Proposer):
         self._catch_up(state)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]  # 0 for finished rows
         num_drafted = max(budget_host)
+        if not self._warned_positions:  # the last position fed: the one before the last draft's
+            longest = max(len(row.draft) for row in self.rows) + num_drafted - 1
+            self._warned_positions = self.cache.reach.warn_past_positions(
+                longest - 1, f"{longest} tokens of the draft's tokenizer")
         logits, fed = self._feed(state)
         fed = fed[:, None]  # [B, 1]
         tokens, feeds, probs = [], [], []

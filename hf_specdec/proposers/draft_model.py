@@ -25,13 +25,13 @@ from __future__ import annotations
 import copy
 import functools
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from hf_specdec.cache.ragged import RaggedKVCache, learned_positions
+from hf_specdec.cache.ragged import RaggedKVCache
+from hf_specdec.cache.reach import DrafterReach, embedding_rows
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.heads.token_map import TokenMapLMHead, token_map_lm_head
@@ -52,14 +52,6 @@ SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def vocab_size(model: torch.nn.Module) -> int:
     return int(model.config.get_text_config(decoder=True).vocab_size)
-
-
-def embedding_rows(model: torch.nn.Module) -> int | None:
-    """How many token ids a drafter's input embedding holds; None for a drafter that embeds otherwise (an EAGLE
-    head or MTP layers take the target's embedding as a module of their own)."""
-    get = getattr(model, "get_input_embeddings", None)
-    embedding = get() if get is not None else None
-    return embedding.num_embeddings if isinstance(embedding, torch.nn.Embedding) else None
 
 
 def parallel_mask_token(config: SpeculativeConfig, draft: torch.nn.Module) -> int:
@@ -193,10 +185,7 @@ class DraftModelProposer(Proposer):
         lm_head = self.draft.get_output_embeddings()
         self._tree_ids = lm_head.ids if isinstance(lm_head, TokenMapLMHead) and not sampling.do_sample else None
         self.cache = RaggedKVCache(self.draft)
-        table = learned_positions(self.draft)  # fixed-width blocks may go past it with nodes whose drafts are dropped
-        self.cache.last_drafting_position = None if table is None else table - 1
-        embedded = embedding_rows(self.draft)
-        self.cache.embedded_ids = embedded if embedded is not None and embedded < self.target_vocab else None
+        self.cache.reach = DrafterReach.of(self.draft, self.target_vocab)
         self.cached_lengths: torch.Tensor | None = None  # [B]: tokens of each row the draft has seen
         self.cached_host: list[int] = []  # the same on the host
         self._fed: torch.Tensor | None = None  # [B]: committed tokens fed at the start of this step
@@ -336,13 +325,9 @@ class DraftModelProposer(Proposer):
         attention_mask: torch.Tensor | None,
     ) -> None:
         """Encode every prompt token but the last in the draft cache."""
-        table = self.cache.last_drafting_position
-        if table is not None and state.max_length - 2 > table:  # the last position fed: the one before the last
-            warnings.warn(
-                f"the draft model's table of learned positions holds {table + 1} positions and this call reaches "
-                f"{state.max_length} (prompt and max_new_tokens): it reads every later position as its last one, so "
-                "its drafts there are rarely accepted (the output is still exact); use a draft with a longer context",
-                stacklevel=2)
+        # the last position fed is the one before the call's last
+        self.cache.reach.warn_past_positions(state.max_length - 2, f"{state.max_length} (prompt and max_new_tokens)",
+                                             stacklevel=2)
         self.cache.prefill(state.sequences[:, : state.prompt_length - 1].to(self.draft.device), attention_mask)
 
     def propose(self, state: DecodeState) -> Proposal:

@@ -52,6 +52,29 @@ def test_greedy_matches_plain_generate(testbed, other_drafts, side):
             assert out.spec_stats.num_accepted_tokens >= 0.8 * shared.spec_stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_draft_whose_learned_positions_end_before_its_text_is_exact_and_warned(testbed, do_sample):
+    """A GPT-2 draft whose table holds 64 positions, drafting byte by byte: its text passes the table within the
+    call; every later position is read as its last one, the output is plain generate's, and one warning says why
+    the drafts there are rarely kept."""
+    tokenizer, target, _ = testbed
+    tokenizer.padding_side = "left"
+    batch = tokenizer([PROMPTS[0] * 2, PROMPTS[1]], return_tensors="pt", padding=True)
+    draft_tokenizer, draft = byte_level(learned_positions=64)
+    config = SpeculativeConfig(method="draft", draft_model=draft, draft_tokenizer=draft_tokenizer,
+                               tokenizer=tokenizer, num_speculative_tokens=4)
+    kwargs = dict(max_new_tokens=12, do_sample=do_sample, eos_token_id=None)
+    torch.manual_seed(0)
+    expected = target.generate(**batch, **kwargs)
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="holds 64 positions and this call reaches .* tokens of the draft's") as seen:
+        out = hf_specdec.generate(target, **batch, **kwargs, speculative=config, return_dict_in_generate=True)
+    assert sum("learned positions" in str(w.message) for w in seen) == 1
+    assert out.spec_stats.num_draft_tokens > 0
+    if not do_sample:
+        assert torch.equal(out.sequences, expected)
+
+
 def test_greedy_drafts_report_their_retokenised_depths(testbed, other_drafts, monkeypatch):
     """Greedy drafts are re-tokenised on the host, so the proposal tells the schedule each row's real draft depth
     (the bytes draft's k draft tokens make fewer target tokens): no position past it counts as rejected."""
