@@ -8,14 +8,20 @@ best score plain `generate` scored the token the method took at the first differ
 spacing at the best score; `hf_specdec.lossless`, which `hf-specdec demo` reports the same way), and how many of
 the differences are near-ties (at most `TIE_SPACINGS` spacings). The same runs in float32 must all be identical.
 
-Run: python benchmarks/low_precision_ties.py [--model testbed|smollm2|PATH] [--dtype bfloat16] [--prompts 32]
-     [--max-new-tokens 64] [--json OUT.json]
+With `--dynamic-int8` the target's linear layers are quantized with torch.ao's dynamic int8 quantization (float32
+otherwise), which scales each forward's whole input at once: a token's logits then depend on the other tokens in
+its forward, and the counts say how often that parts a method's output from plain `generate`'s (the gaps are in
+float32 spacings).
+
+Run: python benchmarks/low_precision_ties.py [--model testbed|smollm2|PATH] [--dtype bfloat16 | --dynamic-int8]
+     [--prompts 32] [--max-new-tokens 64] [--json OUT.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -110,15 +116,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dynamic-int8", action="store_true",
+                        help="quantize the float32 target's linear layers with torch.ao dynamic int8 (instead of "
+                             "--dtype)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     report = {}
-    for dtype in (getattr(torch, args.dtype), torch.float32):
+    runs = {"dynamic_int8": torch.float32} if args.dynamic_int8 else {
+        str(dtype).removeprefix("torch."): dtype for dtype in (getattr(torch, args.dtype), torch.float32)}
+    for label, dtype in runs.items():
         target, found, prompts = load(args.model, dtype)
-        print(f"{args.model} in {dtype}, {min(args.prompts, len(prompts))} prompts, {args.max_new_tokens} new tokens")
-        report[str(dtype).removeprefix("torch.")] = run(target, found, prompts[: args.prompts], dtype,
-                                                        args.max_new_tokens)
+        if args.dynamic_int8:
+            torch.ao.quantization.quantize_dynamic(target, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        print(f"{args.model} in {label}, {min(args.prompts, len(prompts))} prompts, {args.max_new_tokens} new tokens")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".* is dynamically quantized")  # what this run measures
+            report[label] = run(target, found, prompts[: args.prompts], dtype, args.max_new_tokens)
     write_report(args, [{"dtype": dtype, "case": case, **cell} for dtype, cells in report.items()
                         for case, cell in cells.items()], torch.device("cpu"), None)
 

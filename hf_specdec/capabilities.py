@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,9 @@ KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", CACHE_KWARG, "use_cache"
 # Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` alone does not have.
 NEEDS_PROMPT_IDS = ("draft", "eagle", "mtp", "early_exit")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", *STATIC_CACHE_IMPLEMENTATIONS)
+# where the modules live whose output for a token depends on the other tokens of the same forward: torch.ao's
+# dynamically quantized layers quantize their whole input with one scale, taken from its range
+TOKEN_COUPLED_MODULES = "torch.ao.nn.quantized.dynamic"
 
 
 def check_generation_supported(
@@ -34,6 +38,7 @@ def check_generation_supported(
 ) -> None:
     if model.config.is_encoder_decoder:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hf_specdec supports decoder-only LMs")
+    _warn_if_forwards_couple_tokens(model)
     AttentionLayout.from_model(model)  # what the layers attend with, before anything reads the cache
     if generation_config.num_beams != 1:
         raise ValueError(
@@ -111,3 +116,21 @@ def _check_prompt_covers_mask_and_cache(
             "continues a conversation, so the prompt must be that conversation (the cached tokens) followed by at "
             "least one new token"
         )
+
+
+
+def _warn_if_forwards_couple_tokens(model: Any) -> None:
+    """A target whose layers quantize each forward's input as a whole (torch.ao dynamic quantization) scores a token
+    differently beside other tokens: a verify forward's greedy choice can then differ from plain decoding's."""
+    coupled = next((name for name, module in model.named_modules()
+                    if type(module).__module__.startswith(TOKEN_COUPLED_MODULES)), None)
+    if coupled is None:
+        return
+    warnings.warn(
+        f"{type(model).__name__}.{coupled} is dynamically quantized (torch.ao): it quantizes each forward's input "
+        "with one scale taken from all its tokens, so a token's logits depend on the other tokens in the forward. "
+        "Speculative decoding verifies several tokens per forward, so greedy output can part from plain "
+        "generate's where its two best tokens are close (as plain generate's own output changes with the batch), "
+        "and sampling follows the target as the verify forward computes it. For output identical to plain "
+        "generate, run the target unquantized (float32 or bfloat16) or with weight-only quantization",
+        stacklevel=4)

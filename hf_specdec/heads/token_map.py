@@ -21,6 +21,8 @@ import weakref
 import torch
 from torch import nn
 
+from hf_specdec.heads.target_weights import bias_of, weight_of
+
 
 def most_frequent_tokens(
     # [...] token ids (any shape), e.g. the target's answers a head trains on
@@ -73,12 +75,12 @@ class TokenMapLMHead(nn.Module):
         compact: bool = False,
     ) -> None:
         super().__init__()
-        weight = lm_head.weight
+        weight = weight_of(lm_head)
         ids = token_map.to(weight.device)
         self.vocab_size, self.compact = vocab_size, compact
         self.register_buffer("ids", ids)
         self.register_buffer("weight", weight.detach().index_select(0, ids))
-        bias = getattr(lm_head, "bias", None)
+        bias = bias_of(lm_head)
         self.register_buffer("bias", None if bias is None else bias.detach().index_select(0, ids))
         # a module computing the [..., D] projection in place of `linear(hidden, weight, bias)` (an int8 copy of
         # the rows: `hf_specdec.proposers.int8_drafter`), or None
@@ -132,7 +134,7 @@ def token_map_lm_head(
     token_map: torch.Tensor,
 ) -> TokenMapLMHead:
     """The lm_head's rows at `token_map`, sliced once per lm_head and map (again after either changes)."""
-    weight = lm_head.weight
+    weight = weight_of(lm_head)
     version = (weight._version, weight.data_ptr(), weight.dtype, weight.device, token_map._version)
     with _SLICES_LOCK:
         slices = _SLICES.setdefault(lm_head, {})
@@ -190,7 +192,7 @@ class TokenMapMixin:
         """The projection drafts use: the target's lm_head at the token map, or all of it without one."""
         if self.token_map is None:
             return target_lm_head
-        vocab, last = target_lm_head.weight.shape[0], int(self.token_map[-1])  # ascending: the largest id
+        vocab, last = weight_of(target_lm_head).shape[0], int(self.token_map[-1])  # ascending: the largest id
         if last >= vocab:
             raise ValueError(f"{type(self).__name__}: its token map holds ids up to {last}, past the target's "
                              f"vocabulary ({vocab}); these heads were made for another model")

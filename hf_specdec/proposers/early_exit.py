@@ -91,15 +91,16 @@ def _build_view(target: PreTrainedModel, layer: int) -> PreTrainedModel:
 
 def _share_modules(mine: nn.Module, theirs: nn.Module, prefix: str, containers: set[str]) -> None:
     """Replace every child of `mine` outside `containers` by `theirs`' module of the same name (a child of a module
-    list by index), and give the containers `theirs`' own parameters and buffers."""
+    list by index), whatever its class (a quantized or adapted layer in place of the config's: the view's forward
+    calls it as the target's own does), and give the containers `theirs`' own parameters and buffers."""
     for name, child in list(mine.named_children()):
         path = f"{prefix}{name}"
-        source = theirs.get_submodule(name)
+        source = theirs._modules.get(name)
+        if source is None:
+            raise ValueError(f"SpeculativeConfig.early_exit_layer: {type(theirs).__name__} has no module {path!r}, "
+                             "which a model of its config has; early exit does not support this model")
         if path in containers:
             _share_modules(child, source, f"{path}.", containers)
-        elif type(source) is not type(child):
-            raise ValueError(f"SpeculativeConfig.early_exit_layer: {type(theirs).__name__}.{name} is a "
-                             f"{type(source).__name__}, where a model of its config has a {type(child).__name__}")
         else:
             mine._modules[name] = source
     for name in mine._parameters:

@@ -61,6 +61,35 @@ def test_draft_is_the_targets_first_layers_sharing_its_modules(arch):
         assert not torch.allclose(mine, target(ids, attention_mask=mask, use_cache=False).logits)
 
 
+class Wrapped(torch.nn.Module):
+    """A layer in place of a linear one (as an adapter or a quantization library puts its own), computing the same."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner(hidden)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_target_with_replaced_layers_drafts_with_them(arch):
+    """A target whose linear layers (lm_head included) were replaced by modules of another class drafts with those
+    very modules, its output plain generate's."""
+    target = make_model(arch)
+    for name, module in list(target.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, child_name, Wrapped(child))
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+    config = SpeculativeConfig(method="early_exit", early_exit_layer=1, schedule="fixed")
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, target.generate(ids, **kwargs))
+    assert out.spec_stats.num_accepted_tokens > 0
+    assert isinstance(target.lm_head, Wrapped) and early_exit_draft(target, 1).lm_head is target.lm_head
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_draft_cache_starts_from_the_targets_prompt_keys_and_values(arch):
     """The draft's prompt cache is the target's first layers' over every prompt token but the last: what the

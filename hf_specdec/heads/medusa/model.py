@@ -21,6 +21,7 @@ from hf_specdec.heads.adapter import AdapterMixin
 from hf_specdec.heads.medusa.config import MedusaConfig
 from hf_specdec.heads.medusa.convert import read_published
 from hf_specdec.heads.medusa.tree import default_tree
+from hf_specdec.heads.target_weights import weight_of
 from hf_specdec.heads.token_map import TokenMapMixin
 
 
@@ -81,7 +82,8 @@ class MedusaHeads(AdapterMixin, TokenMapMixin, nn.Module):
             return outputs
         if lm_head is None:
             raise ValueError("MedusaHeads.forward: lm_head: expected the target's lm_head (these heads share it)")
-        return lm_head(outputs.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype))
+        weight = weight_of(lm_head)
+        return lm_head(outputs.to(device=weight.device, dtype=weight.dtype))
 
     def tree(self) -> list[list[int]]:
         """The static tree for these heads: the one fitted to them in training, else every path over the first
@@ -98,7 +100,8 @@ class MedusaHeads(AdapterMixin, TokenMapMixin, nn.Module):
             lm_head = target.get_output_embeddings()
             if lm_head is None:
                 raise ValueError("SpeculativeConfig.heads: these heads share the target's lm_head; the target has none")
-            sizes = {"hidden_size": lm_head.weight.shape[1], "vocab_size": lm_head.weight.shape[0]}
+            weight = weight_of(lm_head)
+            sizes = {"hidden_size": weight.shape[1], "vocab_size": weight.shape[0]}
         for name, expected in sizes.items():
             mine = getattr(self.config, name)
             if mine is not None and mine != expected:

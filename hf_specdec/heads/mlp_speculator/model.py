@@ -58,6 +58,7 @@ from torch import nn
 from hf_specdec.heads.adapter import AdapterMixin, write_json, write_safetensors
 from hf_specdec.heads.mlp_speculator.config import MlpSpeculatorConfig
 from hf_specdec.heads.mlp_speculator.convert import PUBLISHED_WEIGHTS_NAME, read_published, to_fms_extras
+from hf_specdec.heads.target_weights import bias_of, weight_of
 from hf_specdec.heads.token_map import TokenMapLMHead, TokenMapMixin
 
 NORM_EPS = 1e-6  # fms-extras' and vLLM's
@@ -210,7 +211,7 @@ class MlpSpeculator(AdapterMixin, TokenMapMixin, nn.Module):
         vocab = self._vocab(vocab, "stage_logits")
         if vocab is None:
             return head(state).float()
-        weight = vocab.lm_head.weight
+        weight = weight_of(vocab.lm_head)
         return vocab.lm_head(head(state).to(weight.device, weight.dtype)).float()
 
     def forward(
@@ -288,12 +289,12 @@ class MlpSpeculator(AdapterMixin, TokenMapMixin, nn.Module):
             return self
         self.check_target(target, "MlpSpeculator.materialize")
         lm_head = target.get_output_embeddings()
-        if getattr(lm_head, "bias", None) is not None:
+        if bias_of(lm_head) is not None:
             raise ValueError("MlpSpeculator.materialize: the target's lm_head has a bias, which the published layout's "
                              "head cannot hold")
         vocab = self.config.vocab_size
-        embeddings = target.get_input_embeddings().weight[:vocab].to(self.device, torch.float32)  # [V, emb_dim]
-        scores = lm_head.weight[:vocab].to(self.device, torch.float32)  # [V, emb_dim]
+        embeddings = weight_of(target.get_input_embeddings())[:vocab].to(self.device, torch.float32)  # [V, emb_dim]
+        scores = weight_of(lm_head)[:vocab].to(self.device, torch.float32)  # [V, emb_dim]
         config = replace(self.config, shared_vocab=False, token_map_size=None)
         own = MlpSpeculator(config).to(self.device, self.dtype)
         for stage in range(len(self.emb_map)):

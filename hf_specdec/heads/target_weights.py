@@ -1,0 +1,25 @@
+"""The target's lm_head and embedding weights as heads read them, whatever module holds them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _read(module: nn.Module, name: str) -> torch.Tensor | None:
+    # a layer quantized by torch.ao's dynamic quantization gives its weight and bias by methods (packed int8)
+    value = getattr(module, name, None)
+    if callable(value):
+        value = value()
+    return value.dequantize() if value is not None and value.is_quantized else value
+
+
+def weight_of(module: nn.Module) -> torch.Tensor:
+    """A linear or embedding layer's weight [out, in] as a float tensor: its `weight`, or, for a layer quantized by
+    torch.ao's dynamic quantization, that weight dequantized."""
+    return _read(module, "weight")
+
+
+def bias_of(module: nn.Module) -> torch.Tensor | None:
+    """A linear layer's bias [out] (dequantized likewise), or None."""
+    return _read(module, "bias")

@@ -1,0 +1,62 @@
+"""Heads read the target's lm_head and embedding whatever module holds them: plain layers as they are, layers
+quantized by torch.ao's dynamic quantization dequantized; every head, with and without a token map, then drafts
+for such a target."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.heads.target_weights import bias_of, weight_of
+from tests.conftest import VOCAB, make_model, padded_batch
+from tests.heads.medusa.test_model import heads_for
+from tests.heads.test_token_map import shared_medusa
+from tests.proposers.test_eagle import eagle_head
+from tests.proposers.test_mlp_speculator import random_speculator
+
+
+def _quantized(module: torch.nn.Module) -> torch.nn.Module:
+    return torch.ao.quantization.quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def test_plain_layers_give_their_own_tensors_and_quantized_ones_their_dequantized_weights():
+    torch.manual_seed(0)
+    linear, embedding = torch.nn.Linear(16, 8), torch.nn.Embedding(8, 16)
+    assert weight_of(linear) is linear.weight and bias_of(linear) is linear.bias
+    assert weight_of(embedding) is embedding.weight and bias_of(embedding) is None
+    packed = _quantized(torch.nn.Sequential(linear))[0]
+    assert callable(packed.weight)  # what the heads used to read as a tensor
+    assert weight_of(packed).dtype == torch.float32 and not weight_of(packed).is_quantized
+    torch.testing.assert_close(weight_of(packed), linear.weight, atol=0.01, rtol=0)
+    torch.testing.assert_close(bias_of(packed), linear.bias)
+    assert bias_of(_quantized(torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False)))[0]) is None
+
+
+def _heads(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
+    medusa_map = shared_medusa(target)
+    medusa_map.set_token_map(torch.arange(0, VOCAB, 3))
+    eagle_map = eagle_head(target, seed=1)
+    eagle_map.set_token_map(torch.arange(0, VOCAB, 2))
+    return {"eagle": SpeculativeConfig(method="eagle", heads=eagle_head(target)),
+            "eagle_token_map": SpeculativeConfig(method="eagle", heads=eagle_map),
+            "medusa": SpeculativeConfig(method="medusa", heads=heads_for(target)),
+            "medusa_token_map": SpeculativeConfig(method="medusa", heads=medusa_map),
+            "mlp_speculator": SpeculativeConfig(method="mlp_speculator", heads=random_speculator(target))}
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle_token_map", "medusa", "medusa_token_map", "mlp_speculator"])
+def test_heads_draft_for_a_dynamically_quantized_target(name):
+    base = make_model("llama")
+    config = _heads(base)[name]
+    target = _quantized(copy.deepcopy(base))
+    ids, mask = padded_batch([9, 6], seed=3, repeat_period=4)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".* is dynamically quantized")  # tests/test_capabilities.py
+        out = hf_specdec.generate(target, ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                  speculative=config, return_dict_in_generate=True)
+    assert out.spec_stats.num_draft_tokens > 0
