@@ -79,7 +79,10 @@ class EagleDrafter(nn.Module):
         embeds = self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))
         hidden = self.head(embeds.to(self.device), features.to(self.device), position_ids.to(self.device),
                            attention_mask, cache, from_target=from_target)
-        logits = self.head.logits(select_positions(hidden, logits_at), self.lm_head)
+        if logits_at is not None and logits_at.shape[1] == 0:  # a feed that needs none: no projection at all
+            logits = hidden.new_empty(hidden.shape[0], 0, self.head.config.vocab_size, dtype=torch.float32)
+        else:
+            logits = self.head.logits(select_positions(hidden, logits_at), self.lm_head)
         return CausalLMOutputWithPast(logits=logits, hidden_states=(hidden,))
 
 

@@ -1,6 +1,6 @@
 """Heads read the target's lm_head and embedding whatever module holds them: plain layers as they are, layers
-quantized by torch.ao's dynamic quantization dequantized; every head, with and without a token map, then drafts
-for such a target."""
+quantized by torch.ao's dynamic quantization and weights held as tensor subclasses (torchao's) dequantized; every
+head, with and without a token map, then drafts for such a target."""
 
 from __future__ import annotations
 
@@ -35,6 +35,46 @@ def test_plain_layers_give_their_own_tensors_and_quantized_ones_their_dequantize
     torch.testing.assert_close(weight_of(packed), linear.weight, atol=0.01, rtol=0)
     torch.testing.assert_close(bias_of(packed), linear.bias)
     assert bias_of(_quantized(torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False)))[0]) is None
+
+
+class Packed(torch.Tensor):
+    """A weight held as a tensor subclass, as torchao's quantized weights are: the lm_head's forward runs, slicing
+    its rows does not, nor does the layer take an empty input (torchao's dynamic activation scales fail on one)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.index_select, torch.index_select):
+            raise NotImplementedError("Packed: index_select")
+        if func is torch.nn.functional.linear and args[0].numel() == 0:
+            raise RuntimeError("Packed: no scale for an empty input")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+    def dequantize(self) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor) * 1
+
+
+def test_a_tensor_subclass_weight_is_read_dequantized():
+    linear = torch.nn.Linear(16, 8)
+    plain = linear.weight.detach().clone()
+    linear.weight = torch.nn.Parameter(plain.as_subclass(Packed), requires_grad=False)
+    with pytest.raises(NotImplementedError):
+        linear.weight.index_select(0, torch.tensor([1]))
+    assert type(weight_of(linear)) is torch.Tensor and torch.equal(weight_of(linear), plain)
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle_token_map", "medusa_token_map", "mlp_speculator"])
+def test_heads_draft_for_a_target_whose_lm_head_weight_is_a_tensor_subclass(name):
+    """The output stays plain generate's: the subclass computes what the plain weight does."""
+    target = make_model("llama")
+    config = _heads(target)[name]
+    ids, mask = padded_batch([9, 6], seed=3, repeat_period=4)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False)
+    expected = target.generate(ids, **kwargs)
+    weight = target.lm_head.weight.detach().clone()
+    target.lm_head.weight = torch.nn.Parameter(weight.as_subclass(Packed), requires_grad=False)
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.num_draft_tokens > 0
 
 
 def _heads(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
