@@ -14,6 +14,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers import StoppingCriteriaList
@@ -21,8 +22,16 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 from hf_specdec.cache.naming import given_cache
-from hf_specdec.config import (HEADS_CLASS, SPEC_METHODS, SpeculativeConfig, describe, heads_class, is_causal_lm,
-                               is_mtp_model, method_hint)
+from hf_specdec.config import (
+    HEADS_CLASS,
+    SPEC_METHODS,
+    SpeculativeConfig,
+    describe,
+    heads_class,
+    is_causal_lm,
+    is_mtp_model,
+    method_hint,
+)
 from hf_specdec.decoding.loop import speculative_generate
 
 SUPPORTED_TRANSFORMERS = (Version("5.23.0"), Version("5.25.0"))  # [low, high): the versions the suite runs on
@@ -218,8 +227,28 @@ def _speculation_asked(speculative: Any, assistant: Any, spec_method: str | None
     return speculative is not None or assistant is not None or spec_method is not None or _early_exit_asked(kwargs)
 
 
+# transformers' assisted-generation options, which its own loop runs one row at a time, and hf_specdec's spelling
+TRANSFORMERS_ASSISTED = {"assistant_model": "assistant=<the draft model>",
+                         "prompt_lookup_num_tokens": "spec_method='ngram'"}
+
+
+def _check_assisted_batch(args: tuple, kwargs: dict[str, Any]) -> None:
+    """transformers' own assisted generation on a batch: say how to get it batched before transformers refuses."""
+    asked = [name for name in TRANSFORMERS_ASSISTED if kwargs.get(name) is not None]
+    names = ("input_ids", "inputs", "inputs_embeds")
+    inputs = args[0] if args else next((kwargs[name] for name in names if kwargs.get(name) is not None), None)
+    rows = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else 1
+    if asked and rows > 1:
+        name = asked[0]
+        raise ValueError(
+            f"{name}=: transformers' own assisted generation runs one row at a time, and this batch has {rows}; "
+            f"hf_specdec drafts for the whole batch: pass {TRANSFORMERS_ASSISTED[name]} instead of {name}= (or "
+            "speculative=SpeculativeConfig(...)), or generate row by row")
+
+
 def _patched_generate(self, *args: Any, speculative=None, assistant=None, spec_method=None, **kwargs: Any):
     if not _speculation_asked(speculative, assistant, spec_method, kwargs):
+        _check_assisted_batch(args, kwargs)
         return _TRANSFORMERS_GENERATE(self, *args, **kwargs)
     return _generate(_TRANSFORMERS_GENERATE, self, args, kwargs, speculative, assistant, spec_method)
 

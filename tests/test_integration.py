@@ -40,6 +40,23 @@ def test_enable_is_idempotent_and_disable_restores(enabled):
     hf_specdec.enable()
 
 
+@pytest.mark.parametrize("option", [{"assistant_model": "draft"}, {"prompt_lookup_num_tokens": 3}])
+def test_transformers_assisted_generation_on_a_batch_says_how_to_batch_it(enabled, option, forward_counter):
+    """transformers' own assisted generation stays its own (one row), and on a batch the error names hf_specdec's
+    spelling before any forward."""
+    target, draft = make_model("llama"), make_draft()
+    option = {name: draft if value == "draft" else value for name, value in option.items()}
+    (name, _), = option.items()
+    ids, mask = padded_batch([9, 6], seed=3, repeat_period=4)
+    count = forward_counter(target)
+    with pytest.raises(ValueError, match=rf"{name}=: transformers' own assisted generation runs one row at a time, "
+                                         r"and this batch has 2; hf_specdec drafts for the whole batch: pass "):
+        target.generate(ids, attention_mask=mask, **option, **GREEDY)
+    assert count() == 0
+    one = padded_batch([9], seed=3, repeat_period=4)[0]
+    assert torch.equal(target.generate(one, **option, **GREEDY), target.generate(one, **GREEDY))
+
+
 def test_all_spellings_agree(enabled):
     target = make_model("llama")
     draft = make_draft()
