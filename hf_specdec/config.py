@@ -140,9 +140,10 @@ class SpeculativeConfig:
     parallel_drafting: bool = field(
         default=False,
         metadata={
-            "help": "method 'draft' with a parallel draft model (PARD): each step feeds the committed tokens and k - 1 "
-            "mask tokens in one draft forward and drafts the k tokens it predicts there (the mask tokens' keys and "
-            "values are dropped), instead of k forwards; chains only (vLLM's name)"
+            "help": "method 'draft' (or 'auto' with a draft model) with a parallel draft model (PARD): each step "
+            "feeds the committed tokens and k - 1 mask tokens in one draft forward and drafts the k tokens it "
+            "predicts there (the mask tokens' keys and values are dropped), instead of k forwards; chains only "
+            "(vLLM's name)"
         },
     )
     pard_token: int | None = field(
@@ -427,8 +428,10 @@ class SpeculativeConfig:
         if self.pard_token is not None:
             _check_int("pard_token", self.pard_token, 0, None)
         problem = None
-        if self.method != "draft":
+        if self.method not in ("draft", "auto"):
             problem = f"it runs a draft model, which method={self.method!r} does not (use method='draft')"
+        elif self.draft_model is None:
+            problem = f"method={self.method!r} drafts in parallel with a draft model; pass draft_model"
         elif self.draft_tokenizer is not None:
             problem = "a draft with another tokenizer drafts text, not the target's tokens"
         elif self.tree_width > 1 or self.tree_total_tokens is not None:

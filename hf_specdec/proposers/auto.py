@@ -53,6 +53,8 @@ def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
         values.update(draft_quantization=None)
     if method not in CONFIDENCE_METHODS:  # nor a drafter's confidence
         values.update(draft_confidence=defaults["draft_confidence"])
+    if method != "draft":  # a parallel draft model is the draft candidate's
+        values.update(parallel_drafting=False, pard_token=None)
     values.update(method=method, **fields)
     return SpeculativeConfig(**values)
 

@@ -17,9 +17,10 @@ import hf_specdec.proposers.auto as auto
 from hf_specdec import SpeculativeConfig
 from hf_specdec.proposers.auto import AutoProposer
 from hf_specdec.proposers.base import DraftSampling
+from hf_specdec.proposers.draft_model import DraftModelProposer
 from hf_specdec.schedule import controller, estimates
 from hf_specdec.suffix import SuffixCache, SuffixConfig
-from tests.conftest import make_model, padded_batch
+from tests.conftest import VOCAB, make_model, padded_batch
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_eagle import eagle_head, trained_head
@@ -163,6 +164,7 @@ def _drafter_configs(target, expected):
         "eagle_dynamic_tree": dict(heads=head, tree_width=2, tree_total_tokens=4),
         "draft": dict(draft_model=copy.deepcopy(target)),
         "draft_dynamic_tree": dict(draft_model=copy.deepcopy(target), tree_width=2, tree_total_tokens=4),
+        "draft_parallel": dict(draft_model=copy.deepcopy(target), parallel_drafting=True, pard_token=VOCAB - 1),
         "medusa": dict(heads=heads_for(target)),
         "mlp_speculator": dict(heads=fitted_speculator(target, expected, n_predict=3, steps=30)),
     }
@@ -173,7 +175,8 @@ def _drafter_configs(target, expected):
 def test_rows_drafting_with_different_candidates_in_one_step_match_plain_generate(
         arch, static, rows_in_turn, cycled_widths, region_moves_checked):  # noqa: F811
     """Every model drafter auto takes (an EAGLE head's chain, its top-2 tree (n-gram lookup's a trie) and its dynamic
-    tree (n-gram lookup's a chain), a draft model's chain and dynamic tree, Medusa heads, an MLP speculator), with
+    tree (n-gram lookup's a chain), a draft model's chain, dynamic tree and parallel drafts (PARD), Medusa heads, an
+    MLP speculator), with
     n-gram lookup and suffix decoding, on a left-padded batch: in each step the rows draft with
     different candidates (their trees merged into one proposal; chains with trees), each row 0, some or all of k,
     with plain steps between. The output is plain generate's, the steps did mix candidates, and each candidate
@@ -196,15 +199,22 @@ def test_rows_drafting_with_different_candidates_in_one_step_match_plain_generat
         assert out.spec_stats.num_accepted_tokens > 0, name
 
 
-def test_rows_drafting_with_different_candidates_sample_the_exact_target_law(rows_in_turn,
+@pytest.mark.parametrize("drafter", ["eagle", "parallel_draft"])
+def test_rows_drafting_with_different_candidates_sample_the_exact_target_law(drafter, rows_in_turn, monkeypatch,
                                                                              cycled_widths):  # noqa: F811
     """The chi-square test of tests/decoding/test_sampling_lossless.py over one call whose steps mix candidates
-    across rows: the EAGLE head's sampled chains (with their draft distributions) next to n-gram lookup's and suffix
-    decoding's deterministic drafts in one proposal, rows drafting 0 to k. The suffix cache first reads a call's
-    outputs of the same prompts, so the suffix rows have drafts (each candidate's drafts are counted)."""
+    across rows: the model drafter's sampled chains (an EAGLE head's, or a parallel draft's from one forward over
+    mask tokens; with their draft distributions) next to n-gram lookup's and suffix decoding's deterministic drafts
+    in one proposal, rows drafting 0 to k. The suffix cache first reads a call's outputs of the same prompts, so the
+    suffix rows have drafts (each candidate's drafts are counted)."""
     target = lossless.make_target()
     law = lossless.exact_law(target, lossless.TEMPERATURE)
-    config = SpeculativeConfig(method="auto", heads=lossless._eagle_head(target, "eagle"), num_speculative_tokens=3,
+    model_drafter = (dict(heads=lossless._eagle_head(target, "eagle")) if drafter == "eagle" else
+                     dict(draft_model=lossless._noisy_draft(target), parallel_drafting=True, pard_token=2))
+    parallel, propose_parallel = [], DraftModelProposer._propose_parallel
+    monkeypatch.setattr(DraftModelProposer, "_propose_parallel",
+                        lambda self, *args: parallel.append(1) or propose_parallel(self, *args))
+    config = SpeculativeConfig(method="auto", **model_drafter, num_speculative_tokens=3,
                                seed=29, suffix_cache=SuffixCache(SuffixConfig(max_spec_offset=2.0,
                                                                               min_token_prob=0.02)))
     prompts = lossless.PROMPT.expand(lossless.N, -1)
@@ -227,6 +237,7 @@ def test_rows_drafting_with_different_candidates_sample_the_exact_target_law(row
     finally:
         auto.merge_trees = merge
     assert min(drafted.values()) > 1000, drafted
+    assert (len(parallel) > 0) == (drafter == "parallel_draft")
     spec = out.spec_stats
     assert min(spec.schedule.method_steps.values()) > 1000, spec.schedule.method_steps
     assert rows_in_turn.merged > 0

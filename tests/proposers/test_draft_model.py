@@ -193,6 +193,9 @@ def test_parallel_drafting_is_refused_where_it_cannot_run():
     draft = make_draft()
     with pytest.raises(ValueError, match="parallel_drafting: it runs a draft model, which method='ngram' does not"):
         SpeculativeConfig(method="ngram", parallel_drafting=True)
+    with pytest.raises(ValueError, match="parallel_drafting: method='auto' drafts in parallel with a draft model; pass "
+                                         "draft_model"):
+        SpeculativeConfig(method="auto", parallel_drafting=True)
     with pytest.raises(ValueError, match="parallel_drafting: it drafts one chain"):
         SpeculativeConfig(method="draft", draft_model=draft, parallel_drafting=True, tree_width=2)
     with pytest.raises(ValueError, match="pard_token: the mask id of a parallel draft model, used only with"):
