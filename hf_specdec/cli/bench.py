@@ -96,8 +96,8 @@ from hf_specdec.testbed.workloads import load_workload
 
 CASES = ("plain", "no-drafts", "draft", "draft-xtok", "draft-parallel", "ngram", "medusa", "eagle", "eagle3",
          "mlp_speculator", "early_exit", "suffix", "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto",
-         "auto+draft", "auto+medusa", "auto+eagle", "auto+eagle3", "auto+mlp_speculator", "hf-assistant", "hf-uag",
-         "hf-lookup", "hf-early-exit")
+         "auto+draft", "auto+draft-parallel", "auto+medusa", "auto+eagle", "auto+eagle3", "auto+mlp_speculator",
+         "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
 # cases that never draft, so take no k: plain generate, and hf_specdec's engine with speculation switched off
 UNDRAFTED_CASES = ("plain", "no-drafts")
 # hf_specdec's cases, which run under each --schedule
@@ -122,7 +122,7 @@ GREEDY_ONLY_CASES = ("hf-uag",)
 # hybrid suffix cases and the case whose drafter they fall back to (with the same k)
 HYBRID_CASES = {"suffix+eagle": "eagle", "suffix+eagle3": "eagle3", "suffix+draft": "draft"}
 # method="auto" cases with a drafter beside n-gram lookup and suffix decoding (`auto` alone has none), and its case
-AUTO_CASES = {f"auto+{case}": case for case in ("draft", "medusa", "eagle", "eagle3", "mlp_speculator")}
+AUTO_CASES = {f"auto+{case}": case for case in ("draft", PARALLEL_CASE, "medusa", "eagle", "eagle3", "mlp_speculator")}
 # cases that take --tree-width: w > 1 drafts a token tree (for auto cases, the drafter's EAGLE-2 dynamic tree)
 TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+eagle", "auto+eagle3",
               "auto+mlp_speculator")
@@ -365,7 +365,9 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
     common = dict(num_speculative_tokens=k, schedule=schedule, draft_quantization=quantization or None)
     if case == "auto" or case in AUTO_CASES:  # n-gram lookup and suffix decoding (a cache of its own), and a drafter
         base = AUTO_CASES.get(case)
-        drafter = dict(draft_model=draft) if base == "draft" else dict(heads=heads[base]) if base else {}
+        drafter = (dict(draft_model=draft) if base == "draft" else
+                   dict(draft_model=draft, parallel_drafting=True) if base == PARALLEL_CASE else
+                   dict(heads=heads[base]) if base else {})
         # tree_width > 1: the drafter's EAGLE-2 dynamic tree (the lookups draft chains)
         tree = dict(tree_width=tree_width, tree_total_tokens=tree_nodes or k * tree_width) if tree_width > 1 else {}
         return SpeculativeConfig(method="auto", prompt_lookup_max=PROMPT_LOOKUP_MAX, suffix_cache=SuffixCache(),
@@ -451,7 +453,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     m = Measurement(case=case, batch_size=batch_size, k=k, tree_width=tree_width, tree_nodes=tree_nodes,
                     category=category, schedule=schedule, quantization=quantization, identical=None if kwargs.get("do_sample") else True)
     outputs = []
-    drafter = draft if case in NEEDS_DRAFT or case == PARALLEL_CASE else None
+    drafter = draft if case in NEEDS_DRAFT or DRAFTER_OF.get(case, case) == PARALLEL_CASE else None
     if case == "early_exit":  # the target's first layers, timed apart from the target's own forwards
         drafter = early_exit_draft(target, early_exit_layer)
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(drafter)
@@ -882,7 +884,7 @@ class BenchModels:
 
     def draft_for(self, case: str):
         """The draft model `case` drafts with."""
-        if case == PARALLEL_CASE:
+        if DRAFTER_OF.get(case, case) == PARALLEL_CASE:
             return self.parallel_draft
         return self.other_tokenizer.draft if case in OTHER_TOKENIZER_CASES else self.draft
 
@@ -911,7 +913,7 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.devi
     other = None
     if wanted & set(OTHER_TOKENIZER_CASES):  # built once, shared by both cases
         other = OtherTokenizer(*permuted(tokenizer, draft), target_tokenizer=tokenizer)
-    parallel = _load_draft(args.parallel_draft, target, None) if PARALLEL_CASE in args.methods else None
+    parallel = _load_draft(args.parallel_draft, target, None) if PARALLEL_CASE in wanted else None
     return BenchModels(tokenizer, target, draft, heads, other, parallel)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -457,8 +458,8 @@ def test_ignore_eos_writes_every_prompt_to_its_length(tmp_path, monkeypatch):
 
 
 def test_draft_parallel_drafts_with_the_parallel_draft_given(tmp_path, monkeypatch):
-    """draft-parallel runs --parallel-draft with parallel_drafting (one draft forward per step), exactly; without
-    the option it is refused with what to pass."""
+    """draft-parallel runs --parallel-draft with parallel_drafting (one draft forward per step), exactly, and
+    auto+draft-parallel as auto's draft candidate; without the option both are refused with what to pass."""
     import shutil
 
     from hf_specdec.proposers.draft_model import DraftModelProposer
@@ -473,10 +474,13 @@ def test_draft_parallel_drafts_with_the_parallel_draft_given(tmp_path, monkeypat
     monkeypatch.setattr(DraftModelProposer, "_propose_parallel",
                         lambda self, *args: parallel.append(self.mask_token) or propose(self, *args))
     out = tmp_path / "results.json"
-    assert main(["bench", "--method", "plain", "draft-parallel", "--parallel-draft", str(folder), *TINY,
-                 "--json", str(out)]) == 0
+    assert main(["bench", "--method", "plain", "draft-parallel", "auto+draft-parallel", "--parallel-draft",
+                 str(folder), *TINY, "--json", str(out)]) == 0
     rows = {r["case"]: r for r in json.loads(out.read_text())["results"]}
-    assert rows["draft-parallel"]["identical_to_plain"] is True and parallel and set(parallel) == {3}
-    assert rows["draft-parallel"]["draft_forward_ms"] is not None  # its draft's forwards are timed
-    with pytest.raises(SystemExit, match="--method draft-parallel needs --parallel-draft"):
-        main(["bench", "--method", "plain", "draft-parallel", *TINY])
+    for case in ("draft-parallel", "auto+draft-parallel"):
+        assert rows[case]["identical_to_plain"] is True, case
+        assert rows[case]["draft_forward_ms"] is not None, case  # its draft's forwards are timed
+    assert parallel and set(parallel) == {3}
+    for case in ("draft-parallel", "auto+draft-parallel"):
+        with pytest.raises(SystemExit, match=re.escape(f"--method {case} needs --parallel-draft")):
+            main(["bench", "--method", "plain", case, *TINY])
