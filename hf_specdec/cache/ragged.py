@@ -60,8 +60,6 @@ from hf_specdec.kernels.tree_mask import ancestry_attention_mask
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-# names of the embedding tables of learned absolute positions (GPT-2 and GPT-BigCode: `wpe`; OPT, BioGPT:
-# `embed_positions`)
 SUPPORTED_ATTENTION = ("sdpa", "eager", PACKED_SDPA)  # the last: inside another call's forward, or set so
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# names of the embedding modules that hold learned positions (GPT-2's `wpe`, OPT's `embed_positions`, ...)
+# names of the embedding tables of learned absolute positions (GPT-2 and GPT-BigCode: `wpe`; OPT, BioGPT:
+# `embed_positions`)
 LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
