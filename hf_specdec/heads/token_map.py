@@ -21,7 +21,7 @@ import weakref
 import torch
 from torch import nn
 
-from hf_specdec.heads.target_weights import bias_of, weight_of
+from hf_specdec.heads.target_weights import bias_of, layer_spec, weight_of, weight_version
 
 
 def most_frequent_tokens(
@@ -134,14 +134,13 @@ def token_map_lm_head(
     token_map: torch.Tensor,
 ) -> TokenMapLMHead:
     """The lm_head's rows at `token_map`, sliced once per lm_head and map (again after either changes)."""
-    weight = weight_of(lm_head)
-    version = (weight._version, weight.data_ptr(), weight.dtype, weight.device, token_map._version)
+    version = (*weight_version(lm_head), token_map._version)
     with _SLICES_LOCK:
         slices = _SLICES.setdefault(lm_head, {})
         kept = slices.get(id(token_map))
         if kept is not None and kept[0] == version:
             return kept[2]
-        sliced = TokenMapLMHead(lm_head, token_map, weight.shape[0])
+        sliced = TokenMapLMHead(lm_head, token_map, layer_spec(lm_head).shape[0])
         slices.pop(id(token_map), None)
         while len(slices) >= SLICES_PER_LM_HEAD:
             del slices[next(iter(slices))]  # the oldest
@@ -192,7 +191,7 @@ class TokenMapMixin:
         """The projection drafts use: the target's lm_head at the token map, or all of it without one."""
         if self.token_map is None:
             return target_lm_head
-        vocab, last = weight_of(target_lm_head).shape[0], int(self.token_map[-1])  # ascending: the largest id
+        vocab, last = layer_spec(target_lm_head).shape[0], int(self.token_map[-1])  # ascending: the largest id
         if last >= vocab:
             raise ValueError(f"{type(self).__name__}: its token map holds ids up to {last}, past the target's "
                              f"vocabulary ({vocab}); these heads were made for another model")

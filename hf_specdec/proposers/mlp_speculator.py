@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from hf_specdec.config import SpeculativeConfig
-from hf_specdec.heads.target_weights import weight_of
+from hf_specdec.heads.target_weights import layer_spec
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, int8_view
 from hf_specdec.sampling import draw_draft, fit_vocab, warp
@@ -62,7 +62,7 @@ class MlpSpeculatorProposer(Proposer):
         self.total = config.tree_total_tokens
         self.sampling = sampling
         # the width of the target's logits, which drafted distributions must have
-        self.target_vocab = weight_of(target.get_output_embeddings()).shape[0]
+        self.target_vocab = layer_spec(target.get_output_embeddings()).shape[0]
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         return self.k

@@ -12,7 +12,8 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
-from hf_specdec.heads.target_weights import bias_of, weight_of
+from hf_specdec.heads.target_weights import bias_of, layer_spec, weight_of
+from hf_specdec.heads.token_map import token_map_lm_head
 from tests.conftest import VOCAB, make_model, padded_batch
 from tests.heads.medusa.test_model import heads_for
 from tests.heads.test_token_map import shared_medusa
@@ -35,6 +36,18 @@ def test_plain_layers_give_their_own_tensors_and_quantized_ones_their_dequantize
     torch.testing.assert_close(weight_of(packed), linear.weight, atol=0.01, rtol=0)
     torch.testing.assert_close(bias_of(packed), linear.bias)
     assert bias_of(_quantized(torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False)))[0]) is None
+
+
+def test_spec_and_token_map_slices_of_a_quantized_layer_read_no_weight_data(monkeypatch):
+    """What drafting reads every step (shape, input dtype, device) and the token map's slice, kept across calls, come
+    without dequantizing the packed weight again."""
+    packed = _quantized(torch.nn.Sequential(torch.nn.Linear(16, 8)))[0]
+    token_map = torch.tensor([1, 4, 6])
+    sliced = token_map_lm_head(packed, token_map)
+    torch.testing.assert_close(sliced.weight, weight_of(packed)[token_map])
+    monkeypatch.setattr(type(packed), "weight", lambda self: pytest.fail("the packed weight was read"))
+    assert layer_spec(packed) == (torch.Size((8, 16)), torch.float32, torch.device("cpu"))
+    assert token_map_lm_head(packed, token_map) is sliced
 
 
 class Packed(torch.Tensor):

@@ -39,7 +39,7 @@ from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.heads.adapter import AdapterMixin, resolve_folder, write_json, write_safetensors
 from hf_specdec.heads.eagle.config import EagleConfig, resolve_feature_layers
 from hf_specdec.heads.eagle.convert import SPECULATORS_WEIGHTS_NAME, read_published, to_speculators
-from hf_specdec.heads.target_weights import weight_of
+from hf_specdec.heads.target_weights import layer_spec
 from hf_specdec.heads.token_map import TokenMapMixin
 
 
@@ -165,7 +165,7 @@ class EagleHead(AdapterMixin, TokenMapMixin, nn.Module):
     ) -> torch.Tensor:
         """Float logits [..., V_target]; ids outside an EAGLE-3 draft vocabulary get -inf."""
         if self.config.version == "eagle":
-            return target_lm_head(hidden.to(weight_of(target_lm_head).dtype)).float()
+            return target_lm_head(hidden.to(layer_spec(target_lm_head).dtype)).float()
         draft_logits = self.lm_head(self.norm(hidden)).float()
         full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
         target_ids = torch.arange(draft_logits.shape[-1], device=self.d2t.device) + self.d2t

@@ -21,7 +21,7 @@ from hf_specdec.heads.adapter import AdapterMixin
 from hf_specdec.heads.medusa.config import MedusaConfig
 from hf_specdec.heads.medusa.convert import read_published
 from hf_specdec.heads.medusa.tree import default_tree
-from hf_specdec.heads.target_weights import weight_of
+from hf_specdec.heads.target_weights import layer_spec
 from hf_specdec.heads.token_map import TokenMapMixin
 
 
@@ -82,8 +82,8 @@ class MedusaHeads(AdapterMixin, TokenMapMixin, nn.Module):
             return outputs
         if lm_head is None:
             raise ValueError("MedusaHeads.forward: lm_head: expected the target's lm_head (these heads share it)")
-        weight = weight_of(lm_head)
-        return lm_head(outputs.to(device=weight.device, dtype=weight.dtype))
+        spec = layer_spec(lm_head)
+        return lm_head(outputs.to(device=spec.device, dtype=spec.dtype))
 
     def tree(self) -> list[list[int]]:
         """The static tree for these heads: the one fitted to them in training, else every path over the first
@@ -100,8 +100,8 @@ class MedusaHeads(AdapterMixin, TokenMapMixin, nn.Module):
             lm_head = target.get_output_embeddings()
             if lm_head is None:
                 raise ValueError("SpeculativeConfig.heads: these heads share the target's lm_head; the target has none")
-            weight = weight_of(lm_head)
-            sizes = {"hidden_size": weight.shape[1], "vocab_size": weight.shape[0]}
+            vocab, hidden = layer_spec(lm_head).shape
+            sizes = {"hidden_size": hidden, "vocab_size": vocab}
         for name, expected in sizes.items():
             mine = getattr(self.config, name)
             if mine is not None and mine != expected:

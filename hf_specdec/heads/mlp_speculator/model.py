@@ -58,7 +58,7 @@ from torch import nn
 from hf_specdec.heads.adapter import AdapterMixin, write_json, write_safetensors
 from hf_specdec.heads.mlp_speculator.config import MlpSpeculatorConfig
 from hf_specdec.heads.mlp_speculator.convert import PUBLISHED_WEIGHTS_NAME, read_published, to_fms_extras
-from hf_specdec.heads.target_weights import bias_of, weight_of
+from hf_specdec.heads.target_weights import bias_of, layer_spec, weight_of
 from hf_specdec.heads.token_map import TokenMapLMHead, TokenMapMixin
 
 NORM_EPS = 1e-6  # fms-extras' and vLLM's
@@ -211,8 +211,8 @@ class MlpSpeculator(AdapterMixin, TokenMapMixin, nn.Module):
         vocab = self._vocab(vocab, "stage_logits")
         if vocab is None:
             return head(state).float()
-        weight = weight_of(vocab.lm_head)
-        return vocab.lm_head(head(state).to(weight.device, weight.dtype)).float()
+        spec = layer_spec(vocab.lm_head)
+        return vocab.lm_head(head(state).to(spec.device, spec.dtype)).float()
 
     def forward(
         self,
