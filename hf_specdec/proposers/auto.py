@@ -54,7 +54,7 @@ def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
     if method not in CONFIDENCE_METHODS:  # nor a drafter's confidence
         values.update(draft_confidence=defaults["draft_confidence"])
     if method != "draft":  # a parallel draft model is the draft candidate's
-        values.update(parallel_drafting=False, pard_token=None)
+        values.update({name: defaults[name] for name in ("parallel_drafting", "pard_token")})
     values.update(method=method, **fields)
     return SpeculativeConfig(**values)
 

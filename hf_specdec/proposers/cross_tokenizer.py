@@ -142,7 +142,9 @@ class CrossTokenizerProposer(Proposer):
         self.draft_vocab = len(self.draft_tokenizer)
         self.cache = RaggedKVCache(self.draft)
         self.cache.reach = DrafterReach.of(self.draft, self.draft_vocab)
-        self._warned_positions = False  # this call warned that the draft's table of positions ends before its text
+        # whether this call has nothing more to say of the draft's table of learned positions: it has none, or a
+        # warning already said that the draft's text passed it
+        self._positions_told = True
         self.text: HostText | None = None  # the target's tokens of every row
         self.rows: list[RowText] = []
         self._fed_host: list[int] = []  # draft tokens each row fed at the start of this step
@@ -150,7 +152,7 @@ class CrossTokenizerProposer(Proposer):
     def start(self, state: DecodeState, attention_mask: torch.Tensor | None) -> None:
         self.text = HostText(state, attention_mask)  # the prompt without its padding, left or right
         self.rows = []
-        self._warned_positions = False
+        self._positions_told = self.cache.reach.last_position is None
         for b in range(state.batch_size):
             ids = self.text.row(b).tolist()
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -203,9 +205,9 @@ class CrossTokenizerProposer(Proposer):
         self._catch_up(state)
         budget_host = [min(b, self.k) for b in state.host_draft_budget()]  # 0 for finished rows
         num_drafted = max(budget_host)
-        if not self._warned_positions:  # the last position fed: the one before the last draft's
+        if not self._positions_told:  # the last position fed: the one before the last draft's
             longest = max(len(row.draft) for row in self.rows) + num_drafted - 1
-            self._warned_positions = self.cache.reach.warn_past_positions(
+            self._positions_told = self.cache.reach.warn_past_positions(
                 longest - 1, f"{longest} tokens of the draft's tokenizer")
         logits, fed = self._feed(state)
         fed = fed[:, None]  # [B, 1]

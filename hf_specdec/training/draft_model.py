@@ -19,6 +19,7 @@ is saved in the draft's config as `pard_token`). `init_draft` starts from a save
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,6 +141,7 @@ class DraftObjective(Objective):
         save_pruned_draft(self.draft, out, token_map=self.token_map)
 
 
+@functools.lru_cache(maxsize=8)  # the same few row lengths every step
 def parallel_attention(
     length: int,
     copies: int,
@@ -148,7 +150,8 @@ def parallel_attention(
 ) -> torch.Tensor:
     """[1, 1, N L, N L] additive mask (0 where attended, the dtype's minimum elsewhere) over the text (copy 0) and
     N - 1 copies of mask tokens, each L long: copy 0 is causal; copy i at position j attends to the text at
-    positions <= j - i and to copy m at position j - i + m for 1 <= m <= i (itself included)."""
+    positions <= j - i and to copy m at position j - i + m for 1 <= m <= i (itself included). Kept for later steps of
+    the same shape: read it, never write into it."""
     index = torch.arange(copies * length, device=device)
     copy, position = index // length, index % length  # [N L] each
     query_copy, query_pos = copy[:, None], position[:, None]
