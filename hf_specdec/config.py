@@ -12,13 +12,15 @@ from hf_specdec.tree.dynamic import candidate_count
 from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTemplate
 
 SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "mtp", "mlp_speculator", "early_exit", "suffix",
-                     "auto"]
+                     "recycling", "auto"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 Schedule = Literal["adaptive", "fixed"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 DraftQuantization = Literal["int8"]
 # SpeculativeConfig.tree_total_tokens: the tree's size from measured verify costs (hf_specdec.schedule.tree_size)
 TREE_SIZE_AUTO = "auto"
+# method='recycling' keeps this many candidates per token: its trees' ranks are below it
+RECYCLED_CANDIDATES = 8
 # methods whose drafter drafts position by position, so that draft_confidence can stop a row's chain
 CONFIDENCE_METHODS = ("draft", "eagle", "mtp", "early_exit", "auto")
 DRAFT_QUANTIZATIONS: tuple[str, ...] = get_args(DraftQuantization)
@@ -28,6 +30,10 @@ QUANTIZABLE_METHODS = ("draft", "medusa", "eagle", "mlp_speculator")
 # Beyond this many draft tokens per step the verify forward is mostly wasted work; vLLM caps at 128.
 MAX_SPECULATIVE_TOKENS = 64
 DEFAULT_SPECULATIVE_TOKENS = 5
+# method='recycling' without tree_paths or tree_total_tokens: draft nodes of its default tree
+DEFAULT_RECYCLING_NODES = 12
+# methods whose static trees are rank paths (tree_paths)
+STATIC_TREE_METHODS = ("medusa", "recycling")
 # methods a suffix config may fall back to when its draft scores low (hybrid drafting)
 FALLBACK_METHODS = ("draft", "medusa", "eagle")
 # SpeculativeConfig's suffix settings (vLLM's names), the SuffixConfig fields they set, and their defaults (its own)
@@ -73,7 +79,8 @@ class SpeculativeConfig:
         metadata={
             "help": "method='medusa': a static tree as a list of rank paths (Medusa choices); 'default' for the "
             "heads' own tree (fitted to them in training, else the built-in 34-node tree for 4 heads, or its "
-            "rank-sum <= 2 paths over fewer heads); None for a chain"
+            "rank-sum <= 2 paths over fewer heads); None for a chain. method='recycling': its tree's rank paths "
+            "(ranks < 8; default: the tree_total_tokens paths of highest prior acceptance)"
         },
     )
     num_speculative_tokens: int | None = field(
@@ -101,7 +108,8 @@ class SpeculativeConfig:
             "draft model, EAGLE head or MLP speculator drafts such trees, n-gram lookup and suffix decoding chains); "
             "'auto': the most nodes whose verify forward costs at most 10% more than the chain's, measured once "
             "per model, dtype, device, batch size and k (hf_specdec.schedule.tree_size); ngram with tree_width > 1: "
-            "the most draft nodes its trie of matched continuations keeps"
+            "the most draft nodes its trie of matched continuations keeps; recycling: the draft nodes of its default "
+            f"tree (default {DEFAULT_RECYCLING_NODES}, at most k deep)"
         },
     )
     lossy_typical_acceptance: bool = field(
@@ -313,10 +321,14 @@ class SpeculativeConfig:
         elif self.early_exit_layer is not None:
             raise ValueError(f"SpeculativeConfig.early_exit_layer: only method='early_exit' uses it, got "
                              f"method={self.method!r}")
-        if self.tree_paths is not None and self.method != "medusa":
+        if self.tree_paths is not None and self.method not in STATIC_TREE_METHODS:
             raise ValueError(
-                f"SpeculativeConfig.tree_paths: static trees; only method='medusa' uses them, got method={self.method!r}"
+                f"SpeculativeConfig.tree_paths: static trees of rank paths; only methods {list(STATIC_TREE_METHODS)} "
+                f"use them, got method={self.method!r}"
             )
+        if self.tree_paths == "default" and self.method == "recycling":
+            raise ValueError("SpeculativeConfig.tree_paths='default' names Medusa heads' own tree; method='recycling' "
+                             "drafts its default tree without tree_paths (sized by tree_total_tokens)")
         if self.tree_paths == "default":  # the heads' own tree: fitted to them in training, else the built-in one
             own_tree = getattr(self.heads, "tree", None)
             self.tree_paths = own_tree() if callable(own_tree) else DEFAULT_MEDUSA_TREE
@@ -340,6 +352,7 @@ class SpeculativeConfig:
                 f"tokens has {1 + self.tree_width * self.num_speculative_tokens} nodes, over the budget of "
                 f"{MAX_TREE_NODES}"
             )
+        self._check_recycling()
         if self.tree_total_tokens is not None:
             if self.method not in SIZED_TREE_METHODS:
                 raise ValueError(
@@ -393,6 +406,28 @@ class SpeculativeConfig:
 
             self.num_speculative_tokens_per_batch_size = check_batch_size_schedule(
                 self.num_speculative_tokens_per_batch_size, self.num_speculative_tokens)
+
+    def _check_recycling(self) -> None:
+        if self.method != "recycling":
+            return
+        if self.tree_width != 1:
+            raise ValueError(
+                f"SpeculativeConfig.tree_width={self.tree_width}: method='recycling' drafts a tree of rank paths; "
+                "size it with tree_total_tokens, or give its paths with tree_paths, and drop tree_width"
+            )
+        if self.tree_paths is not None:
+            if self.tree_total_tokens is not None:
+                raise ValueError("SpeculativeConfig.tree_total_tokens: method='recycling' takes its tree from "
+                                 "tree_paths or builds one of tree_total_tokens nodes; give one of the two")
+            deepest = max(max(path) for path in self.tree_paths)
+            if deepest >= RECYCLED_CANDIDATES:
+                raise ValueError(
+                    f"SpeculativeConfig.tree_paths: rank {deepest} in a path; method='recycling' keeps the "
+                    f"{RECYCLED_CANDIDATES} best candidates per token (ranks 0 to {RECYCLED_CANDIDATES - 1})"
+                )
+        if self.tree_total_tokens == TREE_SIZE_AUTO:
+            raise ValueError("SpeculativeConfig.tree_total_tokens='auto' sizes dynamic trees; method='recycling' "
+                             f"takes a count of draft nodes (default {DEFAULT_RECYCLING_NODES})")
 
     def _check_draft_confidence(self) -> None:
         value = self.draft_confidence
@@ -578,6 +613,8 @@ class SpeculativeConfig:
         its tree_width continuations of k tokens."""
         if self.method == "ngram":
             return self.tree_width * self.num_speculative_tokens
+        if self.method == "recycling":  # rank paths of up to k tokens over RECYCLED_CANDIDATES ranks
+            return sum(RECYCLED_CANDIDATES ** depth for depth in range(1, self.num_speculative_tokens + 1))
         return candidate_count(self.tree_width, self.num_speculative_tokens)
 
     @property
@@ -592,7 +629,7 @@ class SpeculativeConfig:
 HEADS_CLASS = {"medusa": "hf_specdec.heads.MedusaHeads", "eagle": "hf_specdec.heads.EagleHead",
                "mlp_speculator": "hf_specdec.heads.MlpSpeculator"}
 # the methods whose trees take tree_total_tokens: the dynamic (EAGLE-2) trees, and n-gram lookup's trie of matches
-SIZED_TREE_METHODS = ("draft", "eagle", "mtp", "mlp_speculator", "early_exit", "auto", "ngram")
+SIZED_TREE_METHODS = ("draft", "eagle", "mtp", "mlp_speculator", "early_exit", "auto", "ngram", "recycling")
 
 
 def heads_class(method: str) -> type:

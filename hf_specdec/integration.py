@@ -81,7 +81,7 @@ def _assistant_fields(assistant: Any, spec_method: str | None) -> dict[str, Any]
                          "speculative=SpeculativeConfig(method='early_exit', early_exit_layer=N)")
     if method == "mtp":  # the target's own MTP layers: loaded from its checkpoint unless given
         return {"method": method, "heads": assistant}
-    if method in ("ngram", "suffix"):
+    if method in ("ngram", "suffix", "recycling"):
         if assistant is not None:
             fallback = " (a fallback drafter: speculative=SpeculativeConfig(method='suffix', fallback=...))"
             raise ValueError(

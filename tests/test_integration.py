@@ -182,7 +182,7 @@ def test_transformers_version_range():
         (dict(method="ngram", tree_width=200, num_speculative_tokens=5), "over the budget of 512"),
         (dict(method="medusa", heads=MEDUSA, tree_total_tokens=4),
          r"trees of a chosen size need a method of \['draft', 'eagle', 'mtp', 'mlp_speculator', 'early_exit', 'auto', "
-         r"'ngram'\], got 'medusa'"),
+         r"'ngram', 'recycling'\], got 'medusa'"),
         (dict(method="ngram", tree_total_tokens=4),
          "n-gram lookup drafts a trie of tree_width continuations and tree_width is 1, a chain of k tokens; set "
          "tree_width"),

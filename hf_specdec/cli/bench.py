@@ -7,7 +7,8 @@ the drafters committed for the test bed or, with `--model smollm2`, for SmolLM2-
 given; with --tree-width w > 1 Medusa uses the tree fitted to its heads (its --tree-nodes likeliest paths), and
 EAGLE, the MLP speculator and the draft model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes,
 k * w by default; n-gram lookup a trie of w matched continuations, cut to its best --tree-nodes nodes; several
---tree-nodes values give a row each), `suffix` (suffix
+--tree-nodes values give a row each), `recycling` (token recycling: its default tree, or one of --tree-nodes draft
+nodes, at most k deep), `suffix` (suffix
 decoding, k its most draft tokens a step), the hybrids `suffix+eagle` / `suffix+eagle3` / `suffix+draft` (suffix
 drafts where they score at least the fallback's k, the EAGLE head's or the draft model's chain of k otherwise),
 `auto` (method="auto" over n-gram lookup and suffix decoding) and `auto+<case>` for `draft`, `medusa`, `eagle`,
@@ -78,7 +79,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.environment import environment
-from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, empty_suffix_cache
+from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, forget_earlier_calls
 from hf_specdec.cli.timing import paired_speedup, time_interleaved
 from hf_specdec.config import DRAFT_QUANTIZATIONS as DRAFT_QUANTIZATION_NAMES
 from hf_specdec.config import SCHEDULES, TREE_SIZE_AUTO
@@ -94,8 +95,8 @@ from hf_specdec.testbed.other_tokenizer import permuted
 from hf_specdec.testbed.real_model import SMOLLM2, load_real_model
 from hf_specdec.testbed.workloads import load_workload
 
-CASES = ("plain", "no-drafts", "draft", "draft-xtok", "draft-parallel", "ngram", "medusa", "eagle", "eagle3",
-         "mlp_speculator", "early_exit", "suffix", "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto",
+CASES = ("plain", "no-drafts", "draft", "draft-xtok", "draft-parallel", "ngram", "recycling", "medusa", "eagle",
+         "eagle3", "mlp_speculator", "early_exit", "suffix", "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto",
          "auto+draft", "auto+draft-parallel", "auto+medusa", "auto+eagle", "auto+eagle3", "auto+mlp_speculator",
          "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
 # cases that never draft, so take no k: plain generate, and hf_specdec's engine with speculation switched off
@@ -126,6 +127,8 @@ AUTO_CASES = {f"auto+{case}": case for case in ("draft", PARALLEL_CASE, "medusa"
 # cases that take --tree-width: w > 1 drafts a token tree (for auto cases, the drafter's EAGLE-2 dynamic tree)
 TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+eagle", "auto+eagle3",
               "auto+mlp_speculator")
+# cases whose static tree --tree-nodes sizes (counts only), without --tree-width
+NODE_COUNT_CASES = ("recycling",)
 # every composite case and the case whose drafter it loads
 DRAFTER_OF = {**HYBRID_CASES, **AUTO_CASES}
 # cases drafting with a model of their own, which run under each --draft-quantization
@@ -230,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _node_counts(tree_nodes: list[int | str] | None, case: str) -> list[int | str | None]:
     """The --tree-nodes values a tree case runs with: Medusa's static tree takes counts only ('auto' sizes dynamic
     trees and n-gram tries)."""
-    counts = [n for n in tree_nodes or () if case != "medusa" or n != TREE_SIZE_AUTO]
+    counts = [n for n in tree_nodes or () if case not in ("medusa", *NODE_COUNT_CASES) or n != TREE_SIZE_AUTO]
     return counts or [None]
 
 
@@ -394,6 +397,8 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
         return SpeculativeConfig(method="draft", draft_model=draft, parallel_drafting=True, **common)
     if case == "early_exit":
         return SpeculativeConfig(method="early_exit", early_exit_layer=early_exit_layer, **tree, **common)
+    if case == "recycling":  # its default tree, or one of tree_nodes draft nodes
+        return SpeculativeConfig(method="recycling", tree_total_tokens=tree_nodes, **common)
     # tree_width > 1: a trie of matched continuations, all of its nodes or its best tree_nodes
     trie = dict(tree_width=tree_width, tree_total_tokens=tree_nodes) if tree_width > 1 else {}
     return SpeculativeConfig(method="ngram", prompt_lookup_max=PROMPT_LOOKUP_MAX, **trie, **common)
@@ -457,7 +462,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
     if case == "early_exit":  # the target's first layers, timed apart from the target's own forwards
         drafter = early_exit_draft(target, early_exit_layer)
     target_timer, draft_timer = ForwardTimer(target), ForwardTimer(drafter)
-    empty_suffix_cache(config)
+    forget_earlier_calls(config, target)
     differing = []  # batch indices whose output differs from plain's
     start = time.perf_counter()
     try:  # instrumented run: counts, component costs, statistics, and the output check
@@ -497,7 +502,7 @@ def _measure(case: str, category: str, batch_size: int, k: int | None, tree_widt
             m.faults += not found.near_tie
 
     def timed_pass() -> None:
-        empty_suffix_cache(config)
+        forget_earlier_calls(config, target)
         for ids, mask in batches:
             generate(ids, attention_mask=mask, **kwargs)
 
@@ -1003,7 +1008,8 @@ def run(args: argparse.Namespace) -> int:
             for case in cases
             for k in ([None] if case in UNDRAFTED_CASES else args.ks)
             for w in (args.tree_widths if case in TREE_CASES else [1])
-            for nodes in (_node_counts(args.tree_nodes, case) if w > 1 and case in TREE_CASES else [None])
+            for nodes in (_node_counts(args.tree_nodes, case)
+                          if (w > 1 and case in TREE_CASES) or case in NODE_COUNT_CASES else [None])
             for schedule in (args.schedules if case in SCHEDULED_CASES else [""])
             for quantization in (quantizations if case in QUANTIZABLE_CASES else [""])
             if not (case in NATIVE_CASES and b > 1)]

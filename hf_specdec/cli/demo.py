@@ -37,7 +37,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_specdec import SpeculativeConfig
-from hf_specdec.cli.runs import Generation, empty_suffix_cache, run_generate
+from hf_specdec.cli.runs import Generation, forget_earlier_calls, run_generate
 from hf_specdec.cli.timing import MIN_NOISE, Repeats, noise_note, paired_speedup, time_interleaved
 from hf_specdec.heads import EagleHead, MedusaHeads
 from hf_specdec.lossless import TIE_SPACINGS, Divergence, PlainScores, same_output
@@ -220,9 +220,9 @@ def method_config(name: str, models: DemoModels, k: int) -> SpeculativeConfig:
 
 def generate_once(models: DemoModels, ids: torch.Tensor, mask: torch.Tensor, kwargs: dict,
                   config: SpeculativeConfig | None) -> Generation:
-    """One call of plain generate (config None) or of a method; suffix decoding starts from an empty cache, so that
-    no call drafts from the answer an earlier call gave to the same prompt."""
-    empty_suffix_cache(config)
+    """One call of plain generate (config None) or of a method; suffix decoding starts from an empty cache and token
+    recycling from an empty table, so that no call drafts from the answer an earlier call gave to the same prompt."""
+    forget_earlier_calls(config, models.target)
     return run_generate(models.target, ids, mask, kwargs, config)
 
 

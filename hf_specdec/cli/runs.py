@@ -17,6 +17,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.proposers.recycling import forget_recycled_tokens
 from hf_specdec.stats import SpecStats
 
 # generate options of every speculative call (see the module docstring)
@@ -65,11 +66,16 @@ class ForwardTimer:
             handle.remove()
 
 
-def empty_suffix_cache(config: SpeculativeConfig | None) -> None:
-    """Empty the suffix cache a config was given (a no-op for other configs): a measured pass then drafts only from
-    the outputs of requests earlier in the same pass, never from an earlier pass's answers to the same prompts."""
-    if config is not None and config.suffix_cache is not None:
+def forget_earlier_calls(config: SpeculativeConfig | None, target: torch.nn.Module) -> None:
+    """Empty what a config drafts from across calls: the suffix cache it was given, and the target's recycled
+    tokens for token recycling (a no-op for other configs). A measured pass then drafts only from the requests
+    earlier in the same pass, never from an earlier pass's answers to the same prompts."""
+    if config is None:
+        return
+    if config.suffix_cache is not None:
         config.suffix_cache.clear()
+    if "recycling" in config.drafting_methods:
+        forget_recycled_tokens(target)
 
 
 def count_new_tokens(sequences: torch.Tensor, prompt_length: int, pad_token_id: int | None) -> int:

@@ -227,6 +227,8 @@ class SpeculativeDecoder:
         self.proposer.start(self.state, attention_mask)
         proposal = Proposal.no_draft(self.state)
         scores = self.score(proposal, logits)
+        if self.proposer.reads_target_scores:
+            self.proposer.observe_scores(self.state, proposal.tree, scores)
         result = self.verifier(proposal, scores)
         num_emitted = self.emit(result, scores, logits)
         self.commit_tokens(proposal, result, num_emitted, logits.shape[1])
@@ -268,6 +270,8 @@ class SpeculativeDecoder:
             self.schedule.look_ahead(self.state)
         logits = self.verify(proposal)
         scores = self.score(proposal, logits)
+        if self.proposer.reads_target_scores:
+            self.proposer.observe_scores(self.state, proposal.tree, scores)
         result = self.verifier(proposal, scores)
         num_emitted = self.emit(result, scores, logits)
         self.commit(proposal, result, num_emitted, logits.shape[1], drafting)

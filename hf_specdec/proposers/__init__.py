@@ -9,6 +9,7 @@ from hf_specdec.proposers import (  # noqa: F401  (registration)
     mlp_speculator,
     mtp,
     ngram,
+    recycling,
     suffix,
 )
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer, register_proposer

@@ -13,6 +13,7 @@ from transformers import LogitsProcessorList
 from hf_specdec.compile import CompileSettings
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
+from hf_specdec.tree.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,20 @@ class Proposer(ABC):
         """[B] int: how deep each row's draft goes now, called after `draft_classes` in the same step (suffix
         decoding: its best tree's depth, often shorter than k; 0 for no draft). Reads the host only."""
         raise NotImplementedError(f"{type(self).__name__} does not know its draft depths before drafting")
+
+    # reads the target's scores at every verified node, every step (`observe_scores`)
+    reads_target_scores: bool = False
+
+    def observe_scores(
+        self,
+        state: DecodeState,
+        # the step's verified tree (this proposer's proposal, or each row's last token alone on a step it skipped)
+        tree: TokenTree,
+        # [B, N, V]: the target's processed scores at every node of `tree`
+        scores: torch.Tensor,
+    ) -> None:
+        """For a proposer that `reads_target_scores`: called every step after verification, before `commit` or
+        after `skip`, with what the target scored at each node (token recycling keeps its top candidates)."""
 
     def commit(self, state: DecodeState, result: VerificationResult) -> None:
         """Called after `state` took the step's tokens (finished rows are marked in `state.finished`, and

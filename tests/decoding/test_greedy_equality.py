@@ -37,6 +37,10 @@ def _proposers(target: torch.nn.Module) -> dict[str, SpeculativeConfig]:
         "random_draft_auto_tree": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3,
                                                     tree_width=2, tree_total_tokens="auto"),
         "suffix": SpeculativeConfig(method="suffix", suffix_cache=SuffixCache()),
+        # token recycling's default tree, and a tree of its own rank paths (the table carries over from the first)
+        "recycling": SpeculativeConfig(method="recycling"),
+        "recycling_paths": SpeculativeConfig(method="recycling", num_speculative_tokens=3,
+                                             tree_paths=[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
         # k drafts from one forward over the unseen tokens and k - 1 mask tokens (PARD)
         "parallel_draft": SpeculativeConfig(method="draft", draft_model=make_draft(), parallel_drafting=True,
                                             pard_token=VOCAB - 1, num_speculative_tokens=4),
@@ -102,7 +106,8 @@ def test_newer_architectures_match_plain_generate(arch):
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = target.generate(ids, **kwargs)
     configs = {name: config for name, config in _proposers(target).items()
-               if name in ("random_draft", "same_draft_tree", "ngram", "random_draft_dynamic_tree", "suffix")}
+               if name in ("random_draft", "same_draft_tree", "ngram", "random_draft_dynamic_tree", "suffix",
+                           "recycling")}
     configs["early_exit"] = SpeculativeConfig(method="early_exit", early_exit_layer=1, num_speculative_tokens=3)
     for name, config in configs.items():
         out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)

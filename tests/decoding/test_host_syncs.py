@@ -155,6 +155,7 @@ def _configs(target) -> dict[str, SpeculativeConfig]:
         "early_exit_dynamic_tree": SpeculativeConfig(method="early_exit", early_exit_layer=1, top_k=2, depth=3,
                                                      total_tokens=5),
         "suffix": SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_cache=SuffixCache()),
+        "recycling": SpeculativeConfig(method="recycling", num_speculative_tokens=3, tree_total_tokens=6),
         "suffix_hybrid_draft": SpeculativeConfig(
             method="suffix", num_speculative_tokens=4, suffix_cache=SuffixCache(), fallback_min_score=2.0,
             fallback=SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3)),

@@ -76,7 +76,7 @@ def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, Speculati
     tree = {"chain": {}, "branches": {"tree_width": rng.randint(2, 3)},
             "dynamic": {"tree_width": 2, "tree_total_tokens": rng.choice([3, 5, "auto"])}}[shape]
     kind = rng.choice(["draft", "ngram", "suffix", "hybrid", "early_exit", "eagle", "eagle3", "medusa",
-                       "mlp_speculator", "auto"])
+                       "mlp_speculator", "recycling", "auto"])
     torch.manual_seed(rng.randint(0, 99))
     if kind == "draft":
         draft = rng.choice([lambda: copy.deepcopy(target), lambda: noisy_copy(target, seed=1), make_draft])()
@@ -97,6 +97,10 @@ def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, Speculati
         heads = MedusaHeads(MedusaConfig(hidden_size=text.hidden_size, vocab_size=text.vocab_size, num_heads=3))
         values = dict(method="medusa", heads=heads.eval(), num_speculative_tokens=min(k, 3),
                       **({"tree_width": 2} if shape != "chain" else {}))
+    elif kind == "recycling":  # a chain of best candidates, or its default tree of some size
+        tree = ({"tree_paths": [(0,) * depth for depth in range(1, k + 1)]} if shape == "chain" else
+                {"tree_total_tokens": rng.choice([2, 6, 12])})
+        values = dict(method="recycling", num_speculative_tokens=k, **tree)
     elif kind == "mlp_speculator":
         speculator = MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size))
         values = dict(method="mlp_speculator", heads=speculator.eval(), num_speculative_tokens=min(k, 3))

@@ -265,6 +265,9 @@ PROPOSERS = {
     "suffix": lambda target: SpeculativeConfig(
         method="suffix", num_speculative_tokens=3, seed=16,
         suffix_cache=SuffixCache(SuffixConfig(max_spec_offset=2.0, min_token_prob=0.02))),
+    # token recycling: a tree of the target's earlier top candidates, its table fed by every row of the batch
+    "recycling": lambda target: SpeculativeConfig(method="recycling", num_speculative_tokens=3, tree_total_tokens=6,
+                                                  seed=31),
     # suffix rows (deterministic nodes, one-hot draft distributions) and sampled draft-model rows in one proposal
     "suffix_hybrid": lambda target: SpeculativeConfig(
         method="suffix", num_speculative_tokens=3, suffix_cache=SuffixCache(), seed=17, fallback_min_score=1.0,

@@ -342,7 +342,8 @@ def test_eagle_spellings_and_bad_input():
         SpeculativeConfig(method="eagle")
     with pytest.raises(ValueError, match="method='eagle' needs hf_specdec.heads.EagleHead, got an object"):
         SpeculativeConfig(method="eagle", heads=object())
-    with pytest.raises(ValueError, match="tree_paths: static trees; only method='medusa'"):
+    with pytest.raises(ValueError,
+                       match=r"tree_paths: static trees of rank paths; only methods \['medusa', 'recycling'\]"):
         SpeculativeConfig(method="eagle", heads=head, tree_paths=[(0,)])
     other = make_model("gemma2")
     with pytest.raises(ValueError, match="vocab_size 128 does not match|hidden_size"):

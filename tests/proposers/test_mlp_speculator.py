@@ -184,7 +184,8 @@ def test_wrong_drafter_for_the_method_is_named():
     speculator = MlpSpeculator(MlpSpeculatorConfig(emb_dim=32, vocab_size=128))
     with pytest.raises(ValueError, match="MlpSpeculator is for method='mlp_speculator'"):
         SpeculativeConfig(method="medusa", heads=speculator)
-    with pytest.raises(ValueError, match="SpeculativeConfig.tree_paths: static trees; only method='medusa'"):
+    with pytest.raises(ValueError, match=r"SpeculativeConfig.tree_paths: static trees of rank paths; only "
+                                         r"methods \['medusa', 'recycling'\]"):
         SpeculativeConfig(method="mlp_speculator", heads=speculator, tree_paths=[(0,)])
 
 

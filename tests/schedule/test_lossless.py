@@ -45,6 +45,7 @@ def _configs(target):
                                                tree_width=2),
         "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4),
         "ngram_tree": SpeculativeConfig(method="ngram", num_speculative_tokens=3, tree_width=2),
+        "recycling": SpeculativeConfig(method="recycling", num_speculative_tokens=3, tree_total_tokens=6),
         "medusa_tree": SpeculativeConfig(method="medusa", heads=heads_for(target),
                                          tree_paths=[(0,), (1,), (0, 0), (1, 0)]),
         "auto": SpeculativeConfig(method="auto", draft_model=copy.deepcopy(target), num_speculative_tokens=3),

@@ -1,0 +1,189 @@
+"""Token recycling (arXiv 2408.08696): drafts from the candidates the target scored at earlier steps, no drafter.
+
+Every verify forward scores the whole vocabulary at every verified node, and decoding keeps one token of it. Token
+recycling keeps the rest: for each token id, the `RECYCLED_CANDIDATES` tokens the target scored highest after it
+the last time it was verified (`RecycledTokens`, a [V, K] table on the target's device). A step drafts a static
+token tree from the table: the node at rank path (r0, r1, ...) is the root's rank-r0 successor, then that token's
+rank-r1 successor, and so on (`tree_paths`, as Medusa's; by default the `tree_total_tokens` paths of highest prior
+acceptance, `recycling_tree`). After verification, the table row of every verified node's token takes that node's
+top candidates: every node, accepted or not, since a row is the target's view of what follows the token in some
+recent context. The table lives as long as the target in the process, so a later call starts warm (the paper's
+hot start), and every row of a batch reads and feeds the same table.
+
+Drafts are point masses chosen from earlier steps' scores only (never from the scores of the positions being
+decided), so verification keeps greedy output identical to plain `generate` and sampling exact. Drafting is a
+gather per tree depth and the update one top-k and one scatter per step, all on the device: no host sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from hf_specdec.config import DEFAULT_RECYCLING_NODES, RECYCLED_CANDIDATES, SpeculativeConfig
+from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.step import DecodeState, Proposal
+from hf_specdec.tree.template import TreeTemplate
+from hf_specdec.tree.tree import TokenTree
+
+# how often the rank-r candidate was the next token, r = 0..7, at the root of 7 x 16 greedy SmolLM2-135M-Instruct
+# answers to Spec-Bench and coding requests (`python benchmarks/recycling_replay.py record` then `replay`): the
+# default tree keeps the paths whose product of these is highest
+RANK_PRIOR = (0.26, 0.095, 0.054, 0.024, 0.02, 0.013, 0.008, 0.006)
+
+
+def recycling_tree(num_draft_nodes: int, max_depth: int) -> TreeTemplate:
+    """The `num_draft_nodes` rank paths of at most `max_depth` tokens with the highest product of `RANK_PRIOR`
+    (prefix-closed: a path's prefix scores higher, and a path is offered only once its parent is kept)."""
+    frontier = [(-RANK_PRIOR[rank], (rank,)) for rank in range(RECYCLED_CANDIDATES)]
+    heapq.heapify(frontier)
+    paths: list[tuple[int, ...]] = []
+    while frontier and len(paths) < num_draft_nodes:
+        score, path = heapq.heappop(frontier)
+        paths.append(path)
+        if len(path) < max_depth:
+            for rank in range(RECYCLED_CANDIDATES):
+                heapq.heappush(frontier, (score * RANK_PRIOR[rank], path + (rank,)))
+    return TreeTemplate.from_paths(paths)
+
+
+class RecycledTokens:
+    """[V, K] per token id, the top-K tokens the target scored after it when it was last verified (-1: not yet
+    seen), on the target's device, plus a spare row that absorbs the updates of padding nodes."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.successors = torch.full((vocab_size + 1, RECYCLED_CANDIDATES), -1, dtype=torch.long, device=device)
+
+    def update(
+        self,
+        # [B, N]: the verified nodes' tokens
+        token_ids: torch.Tensor,
+        # [B, N] bool: nodes whose scores count (real nodes of unfinished rows)
+        counted: torch.Tensor,
+        # [B, N, V]: the target's processed scores at every node
+        scores: torch.Tensor,
+    ) -> None:
+        top = scores.topk(RECYCLED_CANDIDATES, dim=-1).indices  # [B, N, K]
+        rows = torch.where(counted, token_ids, self.vocab_size)  # padding goes to the spare row
+        self.successors.index_copy_(0, rows.reshape(-1), top.reshape(-1, RECYCLED_CANDIDATES))
+
+
+# one table per target model and vocabulary size, for the life of the model (a later call starts warm)
+_TABLES: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, str], RecycledTokens]] = \
+    weakref.WeakKeyDictionary()
+_TABLES_LOCK = threading.Lock()
+
+
+def recycled_tokens(target: torch.nn.Module, vocab_size: int, device: torch.device) -> RecycledTokens:
+    """The target's table for this vocabulary size and device (made empty on first use)."""
+    with _TABLES_LOCK:
+        tables = _TABLES.setdefault(target, {})
+        key = (vocab_size, str(device))
+        if key not in tables:
+            tables[key] = RecycledTokens(vocab_size, device)
+        return tables[key]
+
+
+def forget_recycled_tokens(target: torch.nn.Module) -> None:
+    """Empty the target's tables: its next call with method='recycling' starts cold, as the first one did."""
+    with _TABLES_LOCK:
+        _TABLES.pop(target, None)
+
+
+@dataclass(frozen=True)
+class _Levels:
+    # per depth d = 1..D: [n_d] the nodes at depth d, [n_d] their parents, [n_d] their ranks
+    nodes: tuple[torch.Tensor, ...]
+    parents: tuple[torch.Tensor, ...]
+    ranks: tuple[torch.Tensor, ...]
+    # [N] each node's depth
+    depths: torch.Tensor
+
+
+@functools.lru_cache(maxsize=16)
+def _levels(template: TreeTemplate, device: torch.device) -> _Levels:
+    """The template's nodes grouped by depth, as index tensors on `device` (built once)."""
+    by_depth = [[i for i, d in enumerate(template.depths) if d == depth] for depth in range(1, template.max_depth + 1)]
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return _Levels(nodes=tuple(tensor(nodes) for nodes in by_depth),
+                   parents=tuple(tensor([template.parents[i] for i in nodes]) for nodes in by_depth),
+                   ranks=tuple(tensor([template.ranks[i] for i in nodes]) for nodes in by_depth),
+                   depths=tensor(template.depths))
+
+
+@functools.lru_cache(maxsize=64)
+def _cut(template: TreeTemplate, depth: int) -> TreeTemplate:
+    """The template's nodes up to `depth` (a prefix of its breadth-first order)."""
+    keep = sum(1 for d in template.depths if d <= depth)
+    return TreeTemplate(parents=template.parents[:keep], ranks=template.ranks[:keep], depths=template.depths[:keep])
+
+
+class RecyclingProposer(Proposer):
+    reads_target_scores = True
+
+    def __init__(self, config: SpeculativeConfig, target: torch.nn.Module) -> None:
+        self.target = target
+        if config.tree_paths is not None:
+            self.template = TreeTemplate.from_paths(config.tree_paths)
+        else:
+            nodes = DEFAULT_RECYCLING_NODES if config.tree_total_tokens is None else config.tree_total_tokens
+            self.template = recycling_tree(nodes, config.num_speculative_tokens)
+        self.table: RecycledTokens | None = None
+
+    def draft_depth(self, config: SpeculativeConfig) -> int:
+        return self.template.max_depth
+
+    def num_nodes(self, config: SpeculativeConfig) -> int:
+        return self.template.num_nodes
+
+    def _table(self, scores: torch.Tensor) -> RecycledTokens:
+        if self.table is None:
+            self.table = recycled_tokens(self.target, scores.shape[-1], scores.device)
+        return self.table
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState) -> Proposal:
+        budget = state.draft_budget()  # [B]
+        template = self.template if self.fixed_shapes else _cut(self.template, state.step_width(
+            self.template.max_depth))
+        levels = _levels(template, state.sequences.device)
+        roots = state.last_tokens()  # [B]
+        tokens = roots.new_full((roots.shape[0], template.num_nodes), -1)
+        tokens[:, 0] = roots
+        if self.table is not None:  # before the first verify forward nothing was seen: no drafts
+            successors = self.table.successors
+            for nodes, parents, ranks in zip(levels.nodes, levels.parents, levels.ranks):
+                parent_tokens = tokens[:, parents]  # [B, n_d]
+                found = successors[parent_tokens.clamp(min=0), ranks[None, :]]
+                tokens[:, nodes] = torch.where(parent_tokens >= 0, found, -1)
+        # a node is real when its token was seen (then so was every ancestor's) and it is within the row's budget
+        valid = (tokens >= 0) & (levels.depths[None, :] <= budget[:, None])
+        return Proposal(TokenTree.from_template(template, tokens.clamp(min=0), valid))
+
+    @torch.no_grad()
+    def observe_scores(
+        self,
+        state: DecodeState,
+        # the verified tree (this proposer's, or the root alone on a step it skipped)
+        tree: TokenTree,
+        # [B, N, V]: the target's processed scores at every node
+        scores: torch.Tensor,
+    ) -> None:
+        counted = tree.valid & ~state.finished[:, None]
+        self._table(scores).update(tree.token_ids, counted, scores)
+
+
+def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:
+    return RecyclingProposer(config, target)
+
+
+register_proposer("recycling", _build)
