@@ -64,8 +64,8 @@ MODEST_SPEEDUP = 1.25
 LINE_WIDTH = 116
 # every method the demo runs, in table order, and the drafter each needs (None: none)
 METHODS: dict[str, str | None] = {
-    "ngram": None, "ngram-tree": None, "suffix": None, "draft": "draft", "draft-tree": "draft", "medusa": "medusa",
-    "medusa-tree": "medusa", "eagle": "eagle", "eagle-tree": "eagle", "eagle3": "eagle3", "auto+eagle3": "eagle3",
+    "ngram": None, "ngram-tree": None, "suffix": None, "recycling": None, "draft": "draft", "draft-tree": "draft",
+    "medusa": "medusa", "medusa-tree": "medusa", "eagle": "eagle", "eagle-tree": "eagle", "eagle3": "eagle3", "auto+eagle3": "eagle3",
 }
 # the default: the two methods without a drafter, the best trained head, method="auto" choosing among the three each
 # step, and the draft model
@@ -204,6 +204,8 @@ def method_config(name: str, models: DemoModels, k: int) -> SpeculativeConfig:
         return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
     if name == "ngram-tree":
         return SpeculativeConfig(method="ngram", num_speculative_tokens=k, tree_width=3)
+    if name == "recycling":  # its table emptied before every call (`generate_once`): each call starts cold
+        return SpeculativeConfig(method="recycling", num_speculative_tokens=k)
     if name == "suffix":  # a cache of its own, emptied before every call (`generate_once`)
         return SpeculativeConfig(method="suffix", num_speculative_tokens=k, suffix_cache=SuffixCache())
     if name == "auto+eagle3":  # n-gram lookup, suffix decoding (a cache of its own, likewise) and the EAGLE-3 head

@@ -167,7 +167,8 @@ def test_default_methods_are_a_few_and_all_runs_every_one():
     assert _methods(_demo_args("--testbed")) == list(DEFAULT_METHODS)
     assert _methods(_demo_args("--model", "org/model")) == ["ngram", "suffix"]  # no drafters committed for it
     assert _methods(_demo_args("--testbed", "--methods", "all")) == list(METHODS)
-    assert _methods(_demo_args("--model", "org/model", "--methods", "all")) == ["ngram", "ngram-tree", "suffix"]
+    assert _methods(_demo_args("--model", "org/model", "--methods", "all")) == ["ngram", "ngram-tree", "suffix",
+                                                                                "recycling"]
     assert _methods(_demo_args("--testbed", "--methods", "eagle", "ngram", "eagle")) == ["eagle", "ngram"]
 
 

@@ -4,6 +4,9 @@ static shapes are in tests/decoding/."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 
@@ -11,21 +14,32 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.config import DEFAULT_RECYCLING_NODES, RECYCLED_CANDIDATES
 from hf_specdec.proposers import recycling
-from hf_specdec.proposers.recycling import RecycledTokens, RecyclingProposer, forget_recycled_tokens, recycling_tree
+from hf_specdec.proposers.recycling import (
+    RANK_PRIOR,
+    RecycledTokens,
+    RecyclingProposer,
+    forget_recycled_tokens,
+    recycling_tree,
+)
 from hf_specdec.step import DecodeState
 from tests.conftest import VOCAB, make_model, padded_batch
 
 GREEDY = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
 
 
+def _prior(path: tuple[int, ...]) -> float:
+    return math.prod(RANK_PRIOR[rank] for rank in path)
+
+
 def test_the_default_tree_keeps_the_likeliest_rank_paths_within_k():
-    tree = recycling_tree(6, max_depth=5)
-    # by the product of the rank priors: 0.26, 0.095, 0.26^2, 0.054, 0.26 * 0.095 (both orders); then
-    # 0.024 and 0.02 for ranks 3 and 4, then 0.26^3 for (0, 0, 0)
-    paths = {tuple(_path(tree, node)) for node in range(1, tree.num_nodes)}
-    assert paths == {(0,), (1,), (0, 0), (2,), (0, 1), (1, 0)}
-    deeper = recycling_tree(9, max_depth=5)
-    assert (0, 0, 0) in {tuple(_path(deeper, node)) for node in range(1, deeper.num_nodes)}
+    for nodes, depth in ((6, 5), (12, 3), (30, 4)):
+        tree = recycling_tree(nodes, max_depth=depth)
+        kept = {tuple(_path(tree, node)) for node in range(1, tree.num_nodes)}
+        assert len(kept) == nodes and max(map(len, kept)) <= depth
+        # no path left out (of depth <= 3 here) is likelier than a path kept
+        others = {path for length in range(1, min(depth, 3) + 1)
+                  for path in itertools.product(range(RECYCLED_CANDIDATES), repeat=length)} - kept
+        assert min(map(_prior, kept)) >= max(map(_prior, others))
     assert recycling_tree(40, max_depth=2).max_depth == 2
     assert recycling_tree(3, max_depth=1).num_nodes == 4  # the root and the ranks 0, 1, 2
     assert max(recycling_tree(100, max_depth=5).ranks) < RECYCLED_CANDIDATES
