@@ -82,7 +82,7 @@ def test_medusa_spelling_and_bad_input():
             method="medusa", heads=heads, tree_paths=[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]), **kwargs)
     with pytest.raises(ValueError, match="method='medusa' needs hf_specdec.heads.MedusaHeads, got None"):
         SpeculativeConfig(method="medusa")
-    with pytest.raises(ValueError, match="only method='medusa' uses them"):
+    with pytest.raises(ValueError, match="only methods \\['medusa', 'recycling'\\] use them"):
         SpeculativeConfig(method="ngram", tree_paths=[(0,)])
     with pytest.raises(ValueError, match=r"needs its prefix"):
         SpeculativeConfig(method="medusa", heads=heads, tree_paths=[(0, 1)])
