@@ -8,10 +8,12 @@ of each size, in seconds of CPU instead of a bench run per shape.
 `record` (SmolLM2-135M-Instruct in bf16) takes each prompt's greedy answer of --max-new-tokens tokens and one
 forward over prompt and answer, and keeps the target's top 8 tokens at every position. `replay` walks each answer
 as the engine would: at each step the draft tree is read from a table of the top 8 after each token (recycled from
-the positions seen so far), the step keeps the longest path that matches the answer plus one token, and the table
-takes the top 8 of the root and the kept positions. It counts only what the answer's own positions show, so it
-leaves out the candidates the engine also recycles from rejected nodes: its tokens per forward are a lower bound
-of the engine's. Calls run in the recording's order with the table kept across them, as in one process, unless
+the positions seen so far, after the prompt seeded it as the engine does: each prompt token's row takes its followers
+in the prompt first, `RecycledTokens.seed`), the step keeps the longest path that matches the answer plus one
+token, and the table takes the top 8 of the root and the kept positions; `--no-prompt-seed` leaves the prompt out.
+It counts only what the answer's own positions show, so it leaves out the candidates the engine also recycles from
+rejected nodes: its tokens per forward are a lower bound of the engine's. Calls run in the recording's order with
+the table kept across them, as in one process, unless
 `--cold` (each call starts empty). It also replays n-gram lookup (the most recent match of the longest suffix
 n-gram, n = 3 down to 1, continued for k tokens) for comparison.
 """
@@ -27,7 +29,7 @@ import torch
 
 from hf_specdec.config import RECYCLED_CANDIDATES
 from hf_specdec.proposers.ngram import find_ngram_continuation
-from hf_specdec.proposers.recycling import recycling_tree
+from hf_specdec.proposers.recycling import RecycledTokens, recycling_tree
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import spec_bench_prompts
 from hf_specdec.tree.template import TreeTemplate
@@ -74,11 +76,12 @@ def _accepted(template: TreeTemplate | None, table: np.ndarray, tokens: list[int
     return min(best, end - root - 1) if root + best >= end else best
 
 
-def replay_one(calls: list[dict], template: TreeTemplate | None, ngram_k: int, cold: bool
+def replay_one(calls: list[dict], template: TreeTemplate | None, ngram_k: int, cold: bool, prompt_seed: bool = True,
                ) -> tuple[float, dict[str, float], list[float]]:
     """(tokens per forward overall, per category, how often rank r at the root was the next token)."""
     vocab = 1 + max(max(call["tokens"]) for call in calls)
-    table = np.full((max(vocab, 1) + 1, RECYCLED_CANDIDATES), -1, dtype=np.int64)
+    recycled = RecycledTokens(vocab, torch.device("cpu"))
+    table = recycled.successors.numpy()  # the same memory
     totals, per_category = [0, 0], {}
     hits = np.zeros(RECYCLED_CANDIDATES)
     for call in calls:
@@ -86,6 +89,8 @@ def replay_one(calls: list[dict], template: TreeTemplate | None, ngram_k: int, c
             table.fill(-1)
         tokens, top = call["tokens"], np.asarray(call["top"])
         root = call["prompt_length"] - 1
+        if prompt_seed:
+            recycled.seed([np.asarray(tokens[: root + 1])])
         steps = emitted = 0
         while root < len(tokens) - 1:
             ngram = (find_ngram_continuation(np.asarray(tokens[: root + 1]), 1, 3, ngram_k).tolist()
@@ -110,15 +115,16 @@ def replay(args: argparse.Namespace) -> None:
     results, rank_hits = {}, {}
     for name, template in cases.items():
         ngram_k = int(name.split("k=")[1].split()[0]) if name.startswith("n-gram") else 0
-        tau, categories, rank_hits[name] = replay_one(calls, template, ngram_k, args.cold)
+        tau, categories, rank_hits[name] = replay_one(calls, template, ngram_k, args.cold, not args.no_prompt_seed)
         results[name] = {"tokens_per_forward": round(tau, 3),
                          "per_category": {c: round(v, 2) for c, v in categories.items()}}
         print(f"{name:28s} {tau:.3f}  " + " ".join(f"{c} {v:.2f}" for c, v in categories.items()))
     largest = f"tree n={max(args.nodes)}"
     print(f"how often rank r at the root was the next token ({largest}): {rank_hits[largest]}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"cold": args.cold, "depth": args.depth, "rank_hit_rates": rank_hits[largest],
-                                         "cases": results}, indent=1, sort_keys=True))
+        args.json.write_text(json.dumps({"cold": args.cold, "prompt_seed": not args.no_prompt_seed, "depth": args.depth,
+                                         "rank_hit_rates": rank_hits[largest], "cases": results},
+                                        indent=1, sort_keys=True))
 
 
 def main() -> None:
@@ -136,6 +142,7 @@ def main() -> None:
     rep.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5])
     rep.add_argument("--depth", type=int, default=5, help="the trees' deepest level (k)")
     rep.add_argument("--cold", action="store_true", help="every call starts from an empty table")
+    rep.add_argument("--no-prompt-seed", action="store_true", help="the prompt does not seed the table")
     rep.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     record(args) if args.command == "record" else replay(args)

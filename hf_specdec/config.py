@@ -31,7 +31,7 @@ QUANTIZABLE_METHODS = ("draft", "medusa", "eagle", "mlp_speculator")
 MAX_SPECULATIVE_TOKENS = 64
 DEFAULT_SPECULATIVE_TOKENS = 5
 # method='recycling' without tree_paths or tree_total_tokens: draft nodes of its default tree
-DEFAULT_RECYCLING_NODES = 12
+DEFAULT_RECYCLING_NODES = 8
 # methods whose static trees are rank paths (tree_paths)
 STATIC_TREE_METHODS = ("medusa", "recycling")
 # methods a suffix config may fall back to when its draft scores low (hybrid drafting)

@@ -8,7 +8,11 @@ rank-r1 successor, and so on (`tree_paths`, as Medusa's; by default the `tree_to
 acceptance, `recycling_tree`). After verification, the table row of every verified node's token takes that node's
 top candidates: every node, accepted or not, since a row is the target's view of what follows the token in some
 recent context. The table lives as long as the target in the process, so a later call starts warm (the paper's
-hot start), and every row of a batch reads and feeds the same table.
+hot start), and every row of a batch reads and feeds the same table. A call's prompt seeds it before the first
+step: each prompt token's row takes the tokens that followed it in the prompt first (the most recent first), its
+recycled candidates after them (`RecycledTokens.seed`): what a prompt lookup of one token would draft, at no
+forward's cost, where the target's own candidates for the prompt were never computed (the prefill scores only its
+last position).
 
 Drafts are point masses chosen from earlier steps' scores only (never from the scores of the positions being
 decided), so verification keeps greedy output identical to plain `generate` and sampling exact. Drafting is a
@@ -23,18 +27,20 @@ import threading
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hf_specdec.config import DEFAULT_RECYCLING_NODES, RECYCLED_CANDIDATES, SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
+from hf_specdec.proposers.host_text import HostText
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.template import TreeTemplate
 from hf_specdec.tree.tree import TokenTree
 
 # how often the rank-r candidate was the next token, r = 0..7, at the root of 16 greedy 128-token answers of
-# SmolLM2-135M-Instruct to Spec-Bench questions and coding requests, with the table kept across them
-# (`python benchmarks/recycling_replay.py record`, then `replay`): the default tree keeps the paths whose product of
-# these is highest
+# SmolLM2-135M-Instruct to Spec-Bench questions and coding requests, with the table kept across them and no prompt
+# seeding it (`python benchmarks/recycling_replay.py record`, then `replay --no-prompt-seed`): the default tree keeps
+# the paths whose product of these is highest
 RANK_PRIOR = (0.171, 0.084, 0.039, 0.017, 0.013, 0.011, 0.006, 0.007)
 
 
@@ -73,6 +79,29 @@ class RecycledTokens:
         top = scores.topk(RECYCLED_CANDIDATES, dim=-1).indices  # [B, N, K]
         rows = torch.where(counted, token_ids, self.vocab_size)  # padding goes to the spare row
         self.successors.index_copy_(0, rows.reshape(-1), top.reshape(-1, RECYCLED_CANDIDATES))
+
+    def seed(self, prompts: list[np.ndarray]) -> None:
+        """Each prompt token's row starts with the tokens that followed it in the prompts (the most recent first),
+        then its candidates before, the same ones once, up to RECYCLED_CANDIDATES. Once per call, on the host: one
+        read and one write of the rows the prompts touch."""
+        followers: dict[int, list[int]] = {}
+        for tokens in prompts:
+            for token, follower in zip(tokens[:-1].tolist(), tokens[1:].tolist()):
+                if not (0 <= token < self.vocab_size and 0 <= follower < self.vocab_size):
+                    continue  # an id past the scores' width (a padded embedding) is never drafted
+                seen = followers.setdefault(token, [])
+                if follower in seen:
+                    seen.remove(follower)
+                seen.insert(0, follower)
+        if not followers:
+            return
+        ids = torch.tensor(list(followers), dtype=torch.long, device=self.successors.device)
+        before = self.successors[ids].tolist()
+        rows = []
+        for first, old in zip(followers.values(), before):
+            row = (first + [t for t in old if t >= 0 and t not in first])[:RECYCLED_CANDIDATES]
+            rows.append(row + [-1] * (RECYCLED_CANDIDATES - len(row)))
+        self.successors.index_copy_(0, ids, torch.tensor(rows, dtype=torch.long).to(self.successors.device))
 
 
 # one table per target model and vocabulary size, for the life of the model (a later call starts warm)
@@ -139,6 +168,8 @@ class RecyclingProposer(Proposer):
             nodes = DEFAULT_RECYCLING_NODES if config.tree_total_tokens is None else config.tree_total_tokens
             self.template = recycling_tree(nodes, config.num_speculative_tokens)
         self.table: RecycledTokens | None = None
+        # each row's prompt (no padding), seeded into the table at the first scores (which say its size and device)
+        self.prompts: list[np.ndarray] = []
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         return self.template.max_depth
@@ -146,9 +177,19 @@ class RecyclingProposer(Proposer):
     def num_nodes(self, config: SpeculativeConfig) -> int:
         return self.template.num_nodes
 
+    def start(
+        self,
+        state: DecodeState,
+        # [B, P] or None
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        text = HostText(state, attention_mask)
+        self.prompts = [text.row(row) for row in range(state.batch_size)]
+
     def _table(self, scores: torch.Tensor) -> RecycledTokens:
         if self.table is None:
             self.table = recycled_tokens(self.target, scores.shape[-1], scores.device)
+            self.table.seed(self.prompts)
         return self.table
 
     @torch.no_grad()

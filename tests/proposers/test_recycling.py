@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,6 +69,15 @@ def test_the_table_takes_each_counted_nodes_top_candidates():
     assert table.successors[10].tolist() == list(range(9, 9 - RECYCLED_CANDIDATES, -1))
     table.update(torch.tensor([[4]]), torch.tensor([[True]]), scores[:, 1:2])  # a later sight replaces the row
     assert table.successors[4].tolist() == list(range(RECYCLED_CANDIDATES))
+
+
+def test_a_prompt_seeds_each_tokens_followers_before_its_candidates():
+    table = RecycledTokens(vocab_size=10, device=torch.device("cpu"))
+    table.successors[1] = torch.tensor([7, 2, 6, 5, 4, 3, 9, 0])
+    table.seed([np.array([1, 2, 1, 3, 4, 12]), np.array([4, 5])])  # 12: past the vocabulary, left out
+    assert table.successors[1].tolist() == [3, 2, 7, 6, 5, 4, 9, 0]  # the later follower first; 2 once
+    assert table.successors[4].tolist() == [5] + [-1] * 7  # from the second prompt, not 12 from the first
+    assert table.successors[2].tolist() == [1] + [-1] * 7
 
 
 def test_a_proposal_follows_the_table_by_rank_within_each_rows_budget():
