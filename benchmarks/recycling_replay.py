@@ -73,7 +73,7 @@ def _accepted(template: TreeTemplate | None, table: np.ndarray, tokens: list[int
             matched.append(matched[parent] and token >= 0 and root + depth <= end and tokens[root + depth] == token)
             if matched[-1]:
                 best = max(best, depth)
-    return min(best, end - root - 1) if root + best >= end else best
+    return min(best, end - root - 1)  # the step's own token must lie within the answer too
 
 
 def replay_one(calls: list[dict], template: TreeTemplate | None, ngram_k: int, cold: bool, prompt_seed: bool = True,
@@ -108,13 +108,13 @@ def replay_one(calls: list[dict], template: TreeTemplate | None, ngram_k: int, c
 
 def replay(args: argparse.Namespace) -> None:
     calls = json.loads(args.recording.read_text())["calls"]
-    cases = {f"chain k={k}": TreeTemplate.chain(k) for k in args.ks}
-    cases |= {f"tree n={n}": recycling_tree(n, args.depth) for n in args.nodes}
-    cases |= {f"n-gram k={k}": None for k in args.ks}
-    cases |= {f"n-gram k={args.ks[-1]} + tree n={n}": recycling_tree(n, args.depth) for n in args.nodes}
+    # name: (the recycled tree or None, the n-gram chain's k or 0)
+    cases = {f"chain k={k}": (TreeTemplate.chain(k), 0) for k in args.ks}
+    cases |= {f"tree n={n}": (recycling_tree(n, args.depth), 0) for n in args.nodes}
+    cases |= {f"n-gram k={k}": (None, k) for k in args.ks}
+    cases |= {f"n-gram k={args.ks[-1]} + tree n={n}": (recycling_tree(n, args.depth), args.ks[-1]) for n in args.nodes}
     results, rank_hits = {}, {}
-    for name, template in cases.items():
-        ngram_k = int(name.split("k=")[1].split()[0]) if name.startswith("n-gram") else 0
+    for name, (template, ngram_k) in cases.items():
         tau, categories, rank_hits[name] = replay_one(calls, template, ngram_k, args.cold, not args.no_prompt_seed)
         results[name] = {"tokens_per_forward": round(tau, 3),
                          "per_category": {c: round(v, 2) for c, v in categories.items()}}

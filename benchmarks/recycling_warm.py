@@ -28,6 +28,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.heads.target_weights import layer_spec
 from hf_specdec.proposers.recycling import forget_recycled_tokens, recycled_tokens
 from hf_specdec.testbed.real_model import load_real_model
 from hf_specdec.testbed.spec_bench import spec_bench_prompts
@@ -68,7 +69,8 @@ def main() -> None:
     for _, ids in warm:
         run(recycling, ids)
     warmed_in = time.perf_counter() - start
-    snapshot = recycled_tokens(model, model.config.vocab_size, model.device).successors.clone()
+    width = layer_spec(model.get_output_embeddings()).shape[0]  # the scores' width, which keys the table
+    snapshot = recycled_tokens(model, width, model.device).successors.clone()
     print(f"table warmed on {len(warm)} questions in {warmed_in:.0f} s")
     plain_outputs, seconds = {}, {name: [] for name in configs}
     tokens, forwards, parted = dict.fromkeys(configs, 0), dict.fromkeys(configs, 0), dict.fromkeys(configs, 0)
@@ -78,7 +80,7 @@ def main() -> None:
                 forget_recycled_tokens(model)
             if name == "recycling-warm":
                 forget_recycled_tokens(model)
-                recycled_tokens(model, model.config.vocab_size, model.device).successors.copy_(snapshot)
+                recycled_tokens(model, width, model.device).successors.copy_(snapshot)
             start = time.perf_counter()
             for index, (_, ids) in enumerate(evaluated):
                 sequences, stats = run(config, ids)

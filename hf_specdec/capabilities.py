@@ -118,7 +118,6 @@ def _check_prompt_covers_mask_and_cache(
         )
 
 
-
 def _warn_if_forwards_couple_tokens(model: Any) -> None:
     """A target whose layers quantize each forward's input as a whole (torch.ao dynamic quantization) scores a token
     differently beside other tokens: a verify forward's greedy choice can then differ from plain decoding's."""

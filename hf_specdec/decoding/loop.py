@@ -227,8 +227,6 @@ class SpeculativeDecoder:
         self.proposer.start(self.state, attention_mask)
         proposal = Proposal.no_draft(self.state)
         scores = self.score(proposal, logits)
-        if self.proposer.reads_target_scores:
-            self.proposer.observe_scores(self.state, proposal.tree, scores)
         result = self.verifier(proposal, scores)
         num_emitted = self.emit(result, scores, logits)
         self.commit_tokens(proposal, result, num_emitted, logits.shape[1])
@@ -270,8 +268,6 @@ class SpeculativeDecoder:
             self.schedule.look_ahead(self.state)
         logits = self.verify(proposal)
         scores = self.score(proposal, logits)
-        if self.proposer.reads_target_scores:
-            self.proposer.observe_scores(self.state, proposal.tree, scores)
         result = self.verifier(proposal, scores)
         num_emitted = self.emit(result, scores, logits)
         self.commit(proposal, result, num_emitted, logits.shape[1], drafting)
@@ -301,10 +297,14 @@ class SpeculativeDecoder:
         # [B, N, V]
         logits: torch.Tensor,
     ) -> torch.Tensor:
-        """Processed scores [B, N, V] of every verified node, each with its true prefix."""
+        """Processed scores [B, N, V] of every verified node, each with its true prefix; a proposer that reads the
+        target's scores is shown them (`Proposer.observe_scores`)."""
         path_tokens, depths = proposal.path_tokens()
         template = proposal.tree.template
-        return self.scorer(self.state, logits, path_tokens, depths, None if template is None else template.depths)
+        scores = self.scorer(self.state, logits, path_tokens, depths, None if template is None else template.depths)
+        if self.proposer.reads_target_scores:
+            self.proposer.observe_scores(self.state, proposal.tree, scores)
+        return scores
 
     def emit(
         self,

@@ -11,7 +11,6 @@ verification stays lossless under sampling.
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -21,7 +20,8 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.int8_drafter import COMPILE_REFUSAL, int8_view
 from hf_specdec.step import DecodeState, Proposal
-from hf_specdec.tree.template import TreeTemplate
+from hf_specdec.tree.template import TreeTemplate, up_to_depth
+from hf_specdec.tree.tree import template_tensors
 
 
 class MedusaProposer(Proposer):
@@ -74,18 +74,15 @@ class MedusaProposer(Proposer):
             dense = all(b >= depth for b in state.host_draft_budget())  # every row takes every node (a host fact)
             return Proposal.chain(state.last_tokens(), logits[:, :depth].argmax(dim=-1), budget.clamp(max=depth),
                                   dense=dense)
-        dense = all(b >= self.template.max_depth for b in state.host_draft_budget())
-        candidates = logits[:, : self.template.max_depth].topk(self.template.max_rank + 1, dim=-1).indices
-        heads, ranks = _node_index(self.template, logits.device)
-        nodes = candidates[:, heads, ranks]  # [B, N - 1]: each node's head and rank
+        # a step the schedule narrows verifies the tree's levels it allows (under static shapes, every level)
+        template = self.template if self.fixed_shapes else up_to_depth(self.template, state.step_width(
+            self.template.max_depth))
+        dense = all(b >= template.max_depth for b in state.host_draft_budget())
+        candidates = logits[:, : template.max_depth].topk(template.max_rank + 1, dim=-1).indices
+        structure = template_tensors(template, logits.device)
+        nodes = candidates[:, structure.depths[1:] - 1, structure.ranks[1:]]  # [B, N - 1]: each node's head, rank
         tokens = torch.cat([state.last_tokens()[:, None], nodes], dim=1)
-        return Proposal.from_template(self.template, tokens, budget, dense=dense)
-
-
-@functools.lru_cache(maxsize=16)
-def _node_index(template: TreeTemplate, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N - 1] each draft node's head (its depth - 1) and [N - 1] its rank, on `device` (built once)."""
-    return (torch.tensor(template.depths[1:], device=device) - 1, torch.tensor(template.ranks[1:], device=device))
+        return Proposal.from_template(template, tokens, budget, dense=dense)
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:

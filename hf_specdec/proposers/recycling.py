@@ -16,16 +16,17 @@ last position).
 
 Drafts are point masses chosen from earlier steps' scores only (never from the scores of the positions being
 decided), so verification keeps greedy output identical to plain `generate` and sampling exact. Drafting is a
-gather per tree depth and the update one top-k and one scatter per step, all on the device: no host sync.
+gather per tree depth and the update one top-k and one scatter per step, all on the device: no host sync in a step
+(the prompt's seed reads and writes the rows it touches once per call).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import threading
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,8 +35,8 @@ from hf_specdec.config import DEFAULT_RECYCLING_NODES, RECYCLED_CANDIDATES, Spec
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.host_text import HostText
 from hf_specdec.step import DecodeState, Proposal
-from hf_specdec.tree.template import TreeTemplate
-from hf_specdec.tree.tree import TokenTree
+from hf_specdec.tree.template import TreeTemplate, up_to_depth
+from hf_specdec.tree.tree import TokenTree, template_tensors
 
 # how often the rank-r candidate was the next token, r = 0..7, at the root of 16 greedy 128-token answers of
 # SmolLM2-135M-Instruct to Spec-Bench questions and coding requests, with the table kept across them and no prompt
@@ -85,14 +86,13 @@ class RecycledTokens:
         then its candidates before, the same ones once, up to RECYCLED_CANDIDATES. Once per call, on the host: one
         read and one write of the rows the prompts touch."""
         followers: dict[int, list[int]] = {}
-        for tokens in prompts:
-            for token, follower in zip(tokens[:-1].tolist(), tokens[1:].tolist()):
+        for tokens in reversed(prompts):  # the last pair first: the most recent follower leads
+            for token, follower in zip(tokens[-2::-1].tolist(), tokens[:0:-1].tolist()):
                 if not (0 <= token < self.vocab_size and 0 <= follower < self.vocab_size):
                     continue  # an id past the scores' width (a padded embedding) is never drafted
                 seen = followers.setdefault(token, [])
-                if follower in seen:
-                    seen.remove(follower)
-                seen.insert(0, follower)
+                if len(seen) < RECYCLED_CANDIDATES and follower not in seen:
+                    seen.append(follower)
         if not followers:
             return
         ids = torch.tensor(list(followers), dtype=torch.long, device=self.successors.device)
@@ -126,35 +126,11 @@ def forget_recycled_tokens(target: torch.nn.Module) -> None:
         _TABLES.pop(target, None)
 
 
-@dataclass(frozen=True)
-class _Levels:
-    # per depth d = 1..D: [n_d] the nodes at depth d, [n_d] their parents, [n_d] their ranks
-    nodes: tuple[torch.Tensor, ...]
-    parents: tuple[torch.Tensor, ...]
-    ranks: tuple[torch.Tensor, ...]
-    # [N] each node's depth
-    depths: torch.Tensor
-
-
-@functools.lru_cache(maxsize=16)
-def _levels(template: TreeTemplate, device: torch.device) -> _Levels:
-    """The template's nodes grouped by depth, as index tensors on `device` (built once)."""
-    by_depth = [[i for i, d in enumerate(template.depths) if d == depth] for depth in range(1, template.max_depth + 1)]
-
-    def tensor(values):
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return _Levels(nodes=tuple(tensor(nodes) for nodes in by_depth),
-                   parents=tuple(tensor([template.parents[i] for i in nodes]) for nodes in by_depth),
-                   ranks=tuple(tensor([template.ranks[i] for i in nodes]) for nodes in by_depth),
-                   depths=tensor(template.depths))
-
-
 @functools.lru_cache(maxsize=64)
-def _cut(template: TreeTemplate, depth: int) -> TreeTemplate:
-    """The template's nodes up to `depth` (a prefix of its breadth-first order)."""
-    keep = sum(1 for d in template.depths if d <= depth)
-    return TreeTemplate(parents=template.parents[:keep], ranks=template.ranks[:keep], depths=template.depths[:keep])
+def _level_ends(template: TreeTemplate) -> tuple[int, ...]:
+    """Where each depth's nodes end in the template's breadth-first order (depth d is nodes [ends[d - 1], ends[d]),
+    ends[0] = 1 after the root)."""
+    return tuple(bisect.bisect_right(template.depths, depth) for depth in range(template.max_depth + 1))
 
 
 class RecyclingProposer(Proposer):
@@ -195,20 +171,21 @@ class RecyclingProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Proposal:
         budget = state.draft_budget()  # [B]
-        template = self.template if self.fixed_shapes else _cut(self.template, state.step_width(
+        # a step the schedule narrows drafts the tree's levels it allows (under static shapes, every level)
+        template = self.template if self.fixed_shapes else up_to_depth(self.template, state.step_width(
             self.template.max_depth))
-        levels = _levels(template, state.sequences.device)
+        structure = template_tensors(template, state.sequences.device)
         roots = state.last_tokens()  # [B]
         tokens = roots.new_full((roots.shape[0], template.num_nodes), -1)
         tokens[:, 0] = roots
         if self.table is not None:  # before the first verify forward nothing was seen: no drafts
-            successors = self.table.successors
-            for nodes, parents, ranks in zip(levels.nodes, levels.parents, levels.ranks):
-                parent_tokens = tokens[:, parents]  # [B, n_d]
-                found = successors[parent_tokens.clamp(min=0), ranks[None, :]]
-                tokens[:, nodes] = torch.where(parent_tokens >= 0, found, -1)
+            ends = _level_ends(template)
+            for start, end in zip(ends[:-1], ends[1:]):  # one depth at a time, its parents' tokens known
+                parent_tokens = tokens[:, structure.parents[start:end]]  # [B, n_d]
+                found = self.table.successors[parent_tokens.clamp(min=0), structure.ranks[start:end]]
+                tokens[:, start:end] = torch.where(parent_tokens >= 0, found, -1)
         # a node is real when its token was seen (then so was every ancestor's) and it is within the row's budget
-        valid = (tokens >= 0) & (levels.depths[None, :] <= budget[:, None])
+        valid = (tokens >= 0) & (structure.depths[None, :] <= budget[:, None])
         return Proposal(TokenTree.from_template(template, tokens.clamp(min=0), valid))
 
     @torch.no_grad()

@@ -114,6 +114,14 @@ def rank_budget_paths(depth: int, rank_budget: int) -> list[tuple[int, ...]]:
 DEFAULT_MEDUSA_TREE = tuple(rank_budget_paths(depth=4, rank_budget=2))
 
 
+@functools.lru_cache(maxsize=64)
+def up_to_depth(template: TreeTemplate, depth: int) -> TreeTemplate:
+    """The template's nodes at most `depth` deep: a prefix of its breadth-first order, so node indices keep their
+    meaning (built once per template and depth)."""
+    keep = sum(1 for d in template.depths if d <= depth)
+    return TreeTemplate(parents=template.parents[:keep], ranks=template.ranks[:keep], depths=template.depths[:keep])
+
+
 @functools.lru_cache(maxsize=16)
 def branch_template(width: int, depth: int) -> TreeTemplate:
     """w chains of `depth` tokens under the root, node (d, r) = 1 + (d - 1) * w + r (built once per shape)."""

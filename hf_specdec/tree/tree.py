@@ -119,6 +119,8 @@ class TemplateTensors:
     parents: torch.Tensor
     # [N]
     depths: torch.Tensor
+    # [N]: each node's rank among its parent's candidates (-1 at the root)
+    ranks: torch.Tensor
     # [N, N] bool: node j is node q or one of its ancestors
     ancestors: torch.Tensor
     # [N, M]: each node's children in node order, -1 padded
@@ -140,6 +142,7 @@ def template_tensors(template: TreeTemplate, device: torch.device) -> TemplateTe
     return TemplateTensors(
         parents=torch.tensor(template.parents, device=device),
         depths=torch.tensor(template.depths, device=device),
+        ranks=torch.tensor(template.ranks, device=device),
         ancestors=ancestors.to(device),
         children=children.to(device),
     )

@@ -3,6 +3,7 @@
 import pytest
 
 from hf_specdec.tree import MAX_TREE_NODES, TreeTemplate
+from hf_specdec.tree.template import up_to_depth
 
 
 def test_breadth_first_layout():
@@ -47,3 +48,11 @@ def test_default_medusa_tree_is_a_prefix_closed_tree_of_34_nodes():
     template = TreeTemplate.from_paths(DEFAULT_MEDUSA_TREE)
     assert template.num_nodes == 35 and template.max_depth == 4 and template.max_rank == 2
     assert rank_budget_paths(depth=2, rank_budget=1) == [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+
+
+def test_up_to_depth_keeps_the_shallower_nodes_in_their_order():
+    tree = TreeTemplate.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    cut = up_to_depth(tree, 2)
+    assert cut.num_nodes == 6 and cut.max_depth == 2
+    assert (cut.parents, cut.ranks) == (tree.parents[:6], tree.ranks[:6])
+    assert up_to_depth(tree, 0).num_nodes == 1 and up_to_depth(tree, 3) == tree
