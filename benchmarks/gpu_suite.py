@@ -74,7 +74,7 @@ def device_name(smoke: bool) -> str:
 # every file holding GPU-marked tests, quickest first (tests/benchmarks/test_gpu_suite.py checks the list)
 GPU_TEST_FILES = ("tests/kernels/test_tree_mask.py", "tests/decoding/test_dtypes.py", "tests/decoding/test_compiled.py")
 PARTS = ("tests", "tree_mask", "step_overhead", "attention_layout", "bench", "token_map", "confidence", "settle",
-         "static")
+         "static", "recycling")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -184,6 +184,18 @@ def main(argv: list[str] | None = None) -> dict:
             static = [python, "benchmarks/bench_static.py", "--model", "smollm2", "--methods", "ngram", "eagle",
                       "--prompts", "1", "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "2"]
         part("static", "real-model bench (compiled)", static + ["--json", str(static_json)], static_json)
+
+        recycling_json = scratch / "recycling.json"
+        if args.smoke:
+            recycling = [python, "-m", "hf_specdec.cli", "bench", "--method", "plain", "recycling", "auto+recycling",
+                         "--tree-nodes", "8", "32", "--workload", "completion", "--batch-size", "1", "-k", "3",
+                         "--num-prompts", "1", "--max-new-tokens", "8"]
+        else:  # token recycling's trees where a wide verify costs about a narrow one (the paper's tree: 80 nodes)
+            recycling = [python, "-m", "hf_specdec.cli", "bench", "--model", "smollm2", "--method", "plain", "ngram",
+                         "recycling", "auto", "auto+recycling", "hf-lookup", "--tree-nodes", "8", "16", "32", "64",
+                         "80", "-k", "5", "--workload", "spec-bench", "--batch-size", "1", "--num-prompts", "1",
+                         "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "2"]
+        part("recycling", "token recycling's tree sizes", recycling + ["--json", str(recycling_json)], recycling_json)
 
     args.out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")

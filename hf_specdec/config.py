@@ -14,6 +14,12 @@ from hf_specdec.tree.template import DEFAULT_MEDUSA_TREE, MAX_TREE_NODES, TreeTe
 SpecMethod = Literal["draft", "ngram", "medusa", "eagle", "mtp", "mlp_speculator", "early_exit", "suffix",
                      "recycling", "auto"]
 SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
+# the candidates method='auto' chooses among: the lookups, then the model drafters (each needs its drafter given)
+AutoMethod = Literal["ngram", "suffix", "recycling", "draft", "medusa", "eagle", "mlp_speculator"]
+AUTO_METHODS: tuple[str, ...] = get_args(AutoMethod)
+# the lookups method='auto' takes without auto_methods (beside the draft model or heads given); token recycling
+# only when listed
+DEFAULT_AUTO_LOOKUPS = ("ngram", "suffix")
 Schedule = Literal["adaptive", "fixed"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 DraftQuantization = Literal["int8"]
@@ -209,6 +215,12 @@ class SpeculativeConfig:
                           "(the expected number of accepted tokens) is at least this, else from the fallback; None: "
                           "the fallback's draft depth (its k), as ArcticInference decides"},
     )
+    auto_methods: Any = field(
+        default=None,
+        metadata={"help": f"auto: the candidates it chooses among, a list of {list(AUTO_METHODS)} (the model "
+                          "drafters need their draft_model or heads); None: n-gram lookup, suffix decoding and the "
+                          "draft model or heads given"},
+    )
     draft_quantization: DraftQuantization | None = field(
         default=None,
         metadata={"help": "'int8': the drafter (a draft model, Medusa heads, an EAGLE head, an MLP speculator; its "
@@ -353,6 +365,7 @@ class SpeculativeConfig:
                 f"{MAX_TREE_NODES}"
             )
         self._check_recycling()
+        self._check_auto_methods()
         if self.tree_total_tokens is not None:
             if self.method not in SIZED_TREE_METHODS:
                 raise ValueError(
@@ -510,6 +523,43 @@ class SpeculativeConfig:
                              "this draft has its own (draft_tokenizer)")
         self.draft_token_map = check_token_map(self.draft_token_map, None, "SpeculativeConfig.draft_token_map")
 
+    def _check_auto_methods(self) -> None:
+        """auto_methods: only for method='auto'; known names, once each, each model drafter's drafter given and each
+        drafter given listed. Set to the candidates' tuple (the default's when None)."""
+        drafters = {"draft": self.draft_model is not None, **{m: self.heads_method == m for m in HEADS_CLASS}}
+        if self.method != "auto":
+            if self.auto_methods is not None:
+                raise ValueError(f"SpeculativeConfig.auto_methods: the candidates of method='auto'; got "
+                                 f"method={self.method!r}")
+            return
+        if self.auto_methods is None:
+            self.auto_methods = (*DEFAULT_AUTO_LOOKUPS, *(m for m, given in drafters.items() if given))
+            return
+        if isinstance(self.auto_methods, str) or not isinstance(self.auto_methods, (list, tuple)):
+            raise ValueError(f"SpeculativeConfig.auto_methods: expected a list of method names from "
+                             f"{list(AUTO_METHODS)}, got {self.auto_methods!r}")
+        methods = tuple(self.auto_methods)
+        unknown = [m for m in methods if m not in AUTO_METHODS]
+        if unknown or not methods or len(set(methods)) < len(methods):
+            problem = (f"unknown {unknown}" if unknown else "none given" if not methods else "a method given twice")
+            raise ValueError(f"SpeculativeConfig.auto_methods: {problem} in {list(methods)}; give each candidate "
+                             f"once, from {list(AUTO_METHODS)}")
+        for method, given in drafters.items():
+            names = "draft_model" if method == "draft" else f"heads ({HEADS_CLASS[method]})"
+            if method in methods and not given:
+                raise ValueError(f"SpeculativeConfig.auto_methods: {method!r} drafts with {names}, which this "
+                                 f"config does not have; pass them or drop {method!r}")
+            if given and method not in methods:
+                raise ValueError(f"SpeculativeConfig.auto_methods: leaves out {method!r}, whose {names} this config "
+                                 f"is given; add {method!r} or drop the {names.split(' ')[0]}")
+        if "suffix" not in methods:
+            defaults = {f.name: f.default for f in fields(self)}
+            given = [name for name in (*SUFFIX_FIELDS, "suffix_cache") if getattr(self, name) != defaults[name]]
+            if given:
+                raise ValueError(f"SpeculativeConfig.{given[0]}: a suffix decoding setting, and auto_methods "
+                                 f"{list(methods)} leaves out 'suffix'; add it or drop {given[0]}")
+        self.auto_methods = methods
+
     def _check_suffix(self) -> None:
         """The suffix settings: only for method='suffix' (and for 'auto', whose candidates include suffix decoding,
         all but the hybrid's fallback), valid, and agreeing with a `suffix_cache` given (whose settings they then
@@ -596,12 +646,11 @@ class SpeculativeConfig:
 
     @property
     def drafting_methods(self) -> tuple[str, ...]:
-        """Every method that may draft in a call with this config: its own, under `"auto"` its model drafters'
-        (the draft model, the heads), and its hybrid fallback's."""
+        """Every method that may draft in a call with this config: its own, under `"auto"` its candidates beside the
+        two lookups (the draft model, the heads, token recycling), and its hybrid fallback's."""
         methods = [self.method]
         if self.method == "auto":
-            drafters = (("draft", self.draft_model), (self.heads_method, self.heads))
-            methods += [method for method, drafter in drafters if drafter is not None]
+            methods += [method for method in self.auto_methods if method not in ("ngram", "suffix")]
         if self.fallback is not None:
             methods += self.fallback.drafting_methods
         return tuple(dict.fromkeys(methods))

@@ -14,7 +14,8 @@ drafts where they score at least the fallback's k, the EAGLE head's or the draft
 `auto` (method="auto" over n-gram lookup and suffix decoding) and `auto+<case>` for `draft`, `medusa`, `eagle`,
 `eagle3` and `mlp_speculator` (the same with that case's drafter as a third candidate; the steps each candidate
 drafted are reported; with --tree-width w > 1 the drafter's EAGLE-2 dynamic tree, as alone, while the lookups
-draft chains; `auto+medusa` takes none); each suffix and auto case has a suffix cache of its own, emptied before
+draft chains; `auto+medusa` takes none), and `auto+recycling`, `auto+draft+recycling`, `auto+eagle+recycling` and
+`auto+eagle3+recycling` (the same with token recycling's default tree as one more candidate); each suffix and auto case has a suffix cache of its own, emptied before
 every pass over the prompts, so a pass measures requests drafting from the outputs of the requests before them in that pass;
 `draft-xtok` drafts (chains) with the draft model
 under another tokenizer: the target's with its ordinary tokens' ids shuffled and the draft's rows moved to match, its
@@ -81,8 +82,8 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, forget_earlier_calls
 from hf_specdec.cli.timing import paired_speedup, time_interleaved
+from hf_specdec.config import DEFAULT_AUTO_LOOKUPS, SCHEDULES, TREE_SIZE_AUTO
 from hf_specdec.config import DRAFT_QUANTIZATIONS as DRAFT_QUANTIZATION_NAMES
-from hf_specdec.config import SCHEDULES, TREE_SIZE_AUTO
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 from hf_specdec.lossless import TIE_SPACINGS, PlainScores, same_output
 from hf_specdec.proposers.early_exit import early_exit_draft, num_layers
@@ -98,6 +99,7 @@ from hf_specdec.testbed.workloads import load_workload
 CASES = ("plain", "no-drafts", "draft", "draft-xtok", "draft-parallel", "ngram", "recycling", "medusa", "eagle",
          "eagle3", "mlp_speculator", "early_exit", "suffix", "suffix+eagle", "suffix+eagle3", "suffix+draft", "auto",
          "auto+draft", "auto+draft-parallel", "auto+medusa", "auto+eagle", "auto+eagle3", "auto+mlp_speculator",
+         "auto+recycling", "auto+draft+recycling", "auto+eagle+recycling", "auto+eagle3+recycling",
          "hf-assistant", "hf-uag", "hf-lookup", "hf-early-exit")
 # cases that never draft, so take no k: plain generate, and hf_specdec's engine with speculation switched off
 UNDRAFTED_CASES = ("plain", "no-drafts")
@@ -124,9 +126,12 @@ GREEDY_ONLY_CASES = ("hf-uag",)
 HYBRID_CASES = {"suffix+eagle": "eagle", "suffix+eagle3": "eagle3", "suffix+draft": "draft"}
 # method="auto" cases with a drafter beside n-gram lookup and suffix decoding (`auto` alone has none), and its case
 AUTO_CASES = {f"auto+{case}": case for case in ("draft", PARALLEL_CASE, "medusa", "eagle", "eagle3", "mlp_speculator")}
+# an auto case's name with token recycling among its candidates too (`auto+recycling` has no drafter)
+RECYCLING_SUFFIX = "+recycling"
+AUTO_CASES |= {f"auto+{case}{RECYCLING_SUFFIX}": case for case in ("draft", "eagle", "eagle3")}
 # cases that take --tree-width: w > 1 drafts a token tree (for auto cases, the drafter's EAGLE-2 dynamic tree)
 TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+eagle", "auto+eagle3",
-              "auto+mlp_speculator")
+              "auto+mlp_speculator", *(f"auto+{case}{RECYCLING_SUFFIX}" for case in ("draft", "eagle", "eagle3")))
 # cases whose static tree --tree-nodes sizes (counts only), without --tree-width
 NODE_COUNT_CASES = ("recycling",)
 # every composite case and the case whose drafter it loads
@@ -137,7 +142,8 @@ DRAFT_QUANTIZATIONS = ("none", *DRAFT_QUANTIZATION_NAMES)
 TESTBED_WORKLOADS = ("completion", "edit", "long")
 CHAT_WORKLOADS = ("spec-bench", "code", "repeat")
 OVERALL = "overall"
-NEEDS_DRAFT = ("draft", "hf-assistant", "suffix+draft", "auto+draft", *OTHER_TOKENIZER_CASES)
+NEEDS_DRAFT = ("draft", "hf-assistant", "suffix+draft", "auto+draft", f"auto+draft{RECYCLING_SUFFIX}",
+               *OTHER_TOKENIZER_CASES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT_LOOKUP_MAX = 3
 LOW_EFFICIENCY = 0.8
@@ -366,15 +372,18 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
     if case == "no-drafts":  # every step plain, whatever the batch size; a fixed schedule: no lookups on the side
         return SpeculativeConfig(method="ngram", disable_by_batch_size=1, schedule="fixed")
     common = dict(num_speculative_tokens=k, schedule=schedule, draft_quantization=quantization or None)
-    if case == "auto" or case in AUTO_CASES:  # n-gram lookup and suffix decoding (a cache of its own), and a drafter
+    if case.startswith("auto"):  # n-gram lookup and suffix decoding (a cache of its own), a drafter, recycling
         base = AUTO_CASES.get(case)
+        lookups = (*DEFAULT_AUTO_LOOKUPS, "recycling") if case.endswith(RECYCLING_SUFFIX) else DEFAULT_AUTO_LOOKUPS
+        drafter_method = {"eagle3": "eagle", PARALLEL_CASE: "draft"}.get(base, base)
         drafter = (dict(draft_model=draft) if base == "draft" else
                    dict(draft_model=draft, parallel_drafting=True) if base == PARALLEL_CASE else
                    dict(heads=heads[base]) if base else {})
         # tree_width > 1: the drafter's EAGLE-2 dynamic tree (the lookups draft chains)
         tree = dict(tree_width=tree_width, tree_total_tokens=tree_nodes or k * tree_width) if tree_width > 1 else {}
         return SpeculativeConfig(method="auto", prompt_lookup_max=PROMPT_LOOKUP_MAX, suffix_cache=SuffixCache(),
-                                 **drafter, **tree, **common)
+                                 auto_methods=(*lookups, *([drafter_method] if base else [])), **drafter, **tree,
+                                 **common)
     if case == "suffix" or case in HYBRID_CASES:  # a cache of its own, emptied before each pass (`_measure`)
         fallback = (_speculative_config(HYBRID_CASES[case], draft, k, 1, heads, quantization=quantization)
                     if case in HYBRID_CASES else None)

@@ -1,9 +1,9 @@
 """`method="auto"`: each step, each row drafts with the proposer the schedule expects to bring the most tokens per
 second.
 
-The candidates are every proposer the config makes available (`AUTO_CANDIDATES`: n-gram lookup and suffix
-decoding always, a draft model and heads (Medusa heads, an EAGLE head or an MLP speculator) when given, and any
-method registered later with `register_auto_candidate`). The schedule (`hf_specdec.schedule.controller`) keeps
+The candidates are the proposers of `SpeculativeConfig.auto_methods` (by default n-gram lookup and suffix decoding,
+and a draft model and heads (Medusa heads, an EAGLE head or an MLP speculator) when given; token recycling when
+listed), each built by its entry in `AUTO_CANDIDATES` (`register_auto_candidate`). The schedule (`hf_specdec.schedule.controller`) keeps
 acceptance estimates and step times per candidate (by draft class for n-gram lookup and suffix decoding: a lookup
 says before the step how long a context it matched, so a long match can win over a model drafter) and names, per
 row, the proposer it drafts with in `state.draft_methods`. Rows that chose different candidates draft in the same
@@ -28,6 +28,7 @@ from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer, r
 from hf_specdec.proposers.row_mix import commit_own_rows
 from hf_specdec.step import DecodeState, Proposal, RowSet, VerificationResult
 from hf_specdec.tree.merge import merge_trees
+from hf_specdec.tree.tree import TokenTree
 
 # name -> the config of that candidate built from an auto config, or None when the config does not make it available
 AUTO_CANDIDATES: dict[str, Callable[[SpeculativeConfig], SpeculativeConfig | None]] = {}
@@ -46,6 +47,7 @@ def _as(method: str, config: SpeculativeConfig, **fields) -> SpeculativeConfig:
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     values.update(draft_model=None, draft_token_map=None, heads=None, tree_paths=None, tree_total_tokens=None,
+                  auto_methods=None,
                   schedule="fixed", disable_by_batch_size=None, num_speculative_tokens_per_batch_size=None)
     if method != "suffix":
         values.update({name: defaults[name] for name in (*SUFFIX_FIELDS, "suffix_cache")})
@@ -71,6 +73,7 @@ register_auto_candidate("eagle", lambda config: None if config.heads_method != "
 register_auto_candidate("mlp_speculator", lambda config: None if config.heads_method != "mlp_speculator" else _as(
     "mlp_speculator", config, heads=config.heads, tree_total_tokens=config.tree_total_tokens))
 register_auto_candidate("suffix", lambda config: _as("suffix", config, tree_width=1))
+register_auto_candidate("recycling", lambda config: _as("recycling", config, tree_width=1))
 
 
 class AutoProposer(Proposer):
@@ -80,7 +83,7 @@ class AutoProposer(Proposer):
         self.candidates: dict[str, Proposer] = {}
         self.configs: dict[str, SpeculativeConfig] = {}
         for method, make_config in AUTO_CANDIDATES.items():
-            sub = make_config(config)
+            sub = make_config(config) if method in config.auto_methods else None
             if sub is not None:
                 self.configs[method] = sub
                 self.candidates[method] = build_proposer(sub, target, sampling)
@@ -92,6 +95,10 @@ class AutoProposer(Proposer):
                              f"features at a time; candidates {sorted(readers)} each read some")
         self.target_feature_layers = next(iter(readers.values()), None)
         self.needs_prompt_features = any(p.needs_prompt_features for p in self.candidates.values())
+        # the candidates that learn from the target's scores at every verified node (token recycling), in every
+        # step whoever drafted it
+        self.score_readers = [p for p in self.candidates.values() if p.reads_target_scores]
+        self.reads_target_scores = bool(self.score_readers)
         # the candidates that drafted this step, each with (its proposal, its rows on the host and the device) where
         # rows drafted with several, else None
         self.drafting: dict[str, tuple[Proposal, list[bool], torch.Tensor] | None] = {}
@@ -150,6 +157,17 @@ class AutoProposer(Proposer):
         computed = [p.drafted_positions for p in proposals if p.drafted_positions is not None]
         return Proposal(merge_trees([p.tree for p in proposals], choice), host_depths=tuple(depths),
                         drafted_positions=max(computed) if computed else None)
+
+    def observe_scores(
+        self,
+        state: DecodeState,
+        # the verified tree (the candidates' merged trees, or the root alone on a step none drafted)
+        tree: TokenTree,
+        # [B, N, V]: the target's processed scores at every node
+        scores: torch.Tensor,
+    ) -> None:
+        for proposer in self.score_readers:
+            proposer.observe_scores(state, tree, scores)
 
     def skip(self, state: DecodeState) -> None:
         """A step no candidate drafts: each is told of it, as in a step another candidate drafts."""

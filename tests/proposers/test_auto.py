@@ -111,6 +111,42 @@ def test_candidates_follow_what_the_config_gives():
                for m in ("ngram", "suffix"))
     proposer = AutoProposer(SpeculativeConfig(method="auto", heads=head, tree_width=2), target, SAMPLING)
     assert proposer.configs["ngram"].tree_width == 2  # without one, n-gram lookup offers a trie
+    # auto_methods chooses the candidates (in the order of AUTO_CANDIDATES); token recycling only when listed
+    for methods, heads, expected in ((["recycling"], None, ["recycling"]),
+                                     (["recycling", "eagle", "ngram"], head, ["ngram", "eagle", "recycling"]),
+                                     (["suffix", "medusa"], heads_for(target), ["medusa", "suffix"])):
+        config = SpeculativeConfig(method="auto", heads=heads, auto_methods=methods)
+        proposer = AutoProposer(config, target, SAMPLING)
+        assert list(proposer.methods) == expected
+        assert proposer.reads_target_scores == ("recycling" in methods)
+        assert config.drafting_methods == ("auto", *(m for m in methods if m not in ("ngram", "suffix")))
+    assert SpeculativeConfig(method="auto", heads=head).auto_methods == ("ngram", "suffix", "eagle")
+    assert proposer.configs["medusa"].auto_methods is None
+
+
+def test_auto_methods_are_checked_against_the_drafters_given():
+    target = make_model("llama")
+    head = eagle_head(target)
+    for kwargs, message in (
+        (dict(auto_methods="ngram"), r"auto_methods: expected a list of method names from \['ngram', 'suffix', "
+                                     r"'recycling'.*got 'ngram'"),
+        (dict(auto_methods=[]), r"auto_methods: none given in \[\]"),
+        (dict(auto_methods=["ngram", "ngram"]), r"auto_methods: a method given twice in \['ngram', 'ngram'\]"),
+        (dict(auto_methods=["ngram", "lookahead"]), r"auto_methods: unknown \['lookahead'\]"),
+        (dict(auto_methods=["ngram", "eagle"]), r"auto_methods: 'eagle' drafts with heads "
+                                                r"\(hf_specdec.heads.EagleHead\), which this config does not have; "
+                                                r"pass them or drop 'eagle'"),
+        (dict(auto_methods=["ngram", "draft"], heads=head), r"auto_methods: 'draft' drafts with draft_model"),
+        (dict(auto_methods=["ngram"], heads=head), r"auto_methods: leaves out 'eagle', whose heads .* this config is "
+                                                   r"given; add 'eagle' or drop the heads"),
+        (dict(auto_methods=["ngram", "recycling"], suffix_cache=SuffixCache()),
+         r"suffix_cache: a suffix decoding setting, and auto_methods \['ngram', 'recycling'\] leaves out 'suffix'"),
+    ):
+        with pytest.raises(ValueError, match=r"SpeculativeConfig\." + message):
+            SpeculativeConfig(method="auto", **kwargs)
+    with pytest.raises(ValueError, match=r"SpeculativeConfig.auto_methods: the candidates of method='auto'; got "
+                                         r"method='ngram'"):
+        SpeculativeConfig(method="ngram", auto_methods=["ngram"])
 
 
 def test_auto_refuses_what_is_not_a_drafter():
@@ -370,3 +406,76 @@ def test_a_candidate_drafts_in_auto_exactly_as_alone(monkeypatch):
     assert stats["auto"].accepted_per_position == stats["eagle"].accepted_per_position
     assert stats["auto"].num_drafts == stats["eagle"].num_drafts
     assert stats["eagle"].num_accepted_tokens > 0
+
+
+def _counting_observations(monkeypatch) -> tuple[list[int], list[int]]:
+    """Counts the forwards the loop scored (the prefill and every step) and those whose scores token recycling
+    observed."""
+    from hf_specdec.decoding.loop import SpeculativeDecoder
+    from hf_specdec.proposers.recycling import RecyclingProposer
+
+    scored, seen = [], []
+    score, observe = SpeculativeDecoder.score, RecyclingProposer.observe_scores
+    monkeypatch.setattr(SpeculativeDecoder, "score", lambda self, *args: scored.append(1) or score(self, *args))
+    monkeypatch.setattr(RecyclingProposer, "observe_scores",
+                        lambda self, *args: seen.append(1) or observe(self, *args))
+    return scored, seen
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_token_recycling_among_the_candidates_matches_plain_generate(
+        arch, static, rows_in_turn, cycled_widths, monkeypatch):  # noqa: F811
+    """Token recycling as a candidate (`auto_methods`) beside n-gram lookup, suffix decoding and an EAGLE head, on a
+    left-padded batch whose rows draft with different candidates in each step (its static tree merged with chains
+    and lookups), 0, some or all of k, with plain steps between: the output is plain generate's, every candidate
+    drafted, and the recycled table saw the target's scores in every forward, the steps other candidates drafted
+    included."""
+    scored, seen = _counting_observations(monkeypatch)
+    target = make_model(arch)
+    ids, mask = padded_batch([12, 7, 10, 9, 5, 11], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    config = SpeculativeConfig(method="auto", heads=trained_head(target, "eagle", expected), num_speculative_tokens=3,
+                               suffix_cache=SuffixCache(), auto_methods=["ngram", "suffix", "recycling", "eagle"])
+    extra = {"cache_implementation": "static"} if static else {}
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs, **extra)
+    assert torch.equal(out.sequences, expected), arch
+    steps = out.spec_stats.schedule.method_steps
+    assert set(steps) == {"ngram", "suffix", "recycling", "eagle"} and min(steps.values()) > 0, steps
+    assert rows_in_turn.merged > 0 and out.spec_stats.num_accepted_tokens > 0
+    assert len(seen) == len(scored) > 1 + max(row.schedule.method_steps.get("recycling", 0)
+                                              for row in out.spec_stats.per_row), (len(seen), len(scored))
+
+
+def test_token_recycling_among_the_candidates_samples_the_exact_target_law(rows_in_turn, monkeypatch,
+                                                                          cycled_widths):  # noqa: F811
+    """The chi-square test of tests/decoding/test_sampling_lossless.py over one call whose steps mix token
+    recycling's static trees with n-gram lookup's chains across rows (rows drafting 0 to k): recycled nodes were
+    drafted in those steps, accepted and rejected."""
+    from hf_specdec.proposers.recycling import RecyclingProposer
+
+    target = lossless.make_target()
+    law = lossless.exact_law(target, lossless.TEMPERATURE)
+    recycled, propose = [], RecyclingProposer.propose
+
+    def counted(self, state):
+        proposal = propose(self, state)
+        recycled.append(int(proposal.tree.valid[:, 1:].sum()))
+        return proposal
+
+    monkeypatch.setattr(RecyclingProposer, "propose", counted)
+    config = SpeculativeConfig(method="auto", num_speculative_tokens=3, seed=37, auto_methods=["ngram", "recycling"])
+    prompts = lossless.PROMPT.expand(lossless.N, -1)
+    kwargs = dict(max_new_tokens=lossless.NEW_TOKENS, do_sample=True, top_p=1.0, temperature=lossless.TEMPERATURE,
+                  top_k=lossless.TOP_K, return_dict_in_generate=True)
+    hf_specdec.generate(target, prompts[:500], attention_mask=torch.ones_like(prompts[:500]),
+                        speculative=dataclasses.replace(config, seed=41), **kwargs)
+    recycled.clear()
+    out = hf_specdec.generate(target, prompts, attention_mask=torch.ones_like(prompts), speculative=config, **kwargs)
+    spec = out.spec_stats
+    assert sum(recycled) > 1000 and rows_in_turn.merged > 0, (recycled, rows_in_turn.merged)
+    assert min(spec.schedule.method_steps.values()) > 1000, spec.schedule.method_steps
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    pvalues = lossless.chi_square_pvalues(out.sequences[:, lossless.PROMPT.shape[1]:], law)
+    assert lossless.accepted(pvalues), f"p = {pvalues}"
