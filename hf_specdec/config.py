@@ -397,7 +397,19 @@ class SpeculativeConfig:
                         "tree_total_tokens for a chain"
                     )
             else:
-                _check_int("tree_total_tokens", self.tree_total_tokens, 1, min(self.max_tree_nodes, MAX_TREE_NODES - 1))
+                _check_int("tree_total_tokens", self.tree_total_tokens, 1, MAX_TREE_NODES - 1)
+                if self.tree_total_tokens > self.max_tree_nodes:
+                    offer = (f"rank paths of up to k tokens over its {RECYCLED_CANDIDATES} candidates per token"
+                             if self.method == "recycling" else
+                             "tree_width continuations of k tokens" if self.method == "ngram" else
+                             "the tree_width best nodes of each of k depths, each offering tree_width children")
+                    raise ValueError(
+                        f"SpeculativeConfig.tree_total_tokens: expected an int in [1, {self.max_tree_nodes}], got "
+                        f"{self.tree_total_tokens}: with k = {self.num_speculative_tokens} and tree_width = "
+                        f"{self.tree_width}, method={self.method!r} has {self.max_tree_nodes} draft nodes to keep "
+                        f"({offer}); lower tree_total_tokens or raise num_speculative_tokens"
+                        f"{'' if self.method == 'recycling' else ' / tree_width'}"
+                    )
         for name in ("posterior_threshold", "posterior_alpha"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:

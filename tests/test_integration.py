@@ -189,7 +189,9 @@ def test_transformers_version_range():
         (dict(method="ngram", tree_width=2, num_speculative_tokens=3, tree_total_tokens=7),
          r"tree_total_tokens: expected an int in \[1, 6\]"),
         (dict(method="draft", draft_model=make_draft(), tree_width=2, num_speculative_tokens=2, tree_total_tokens=7),
-         r"tree_total_tokens: expected an int in \[1, 6\]"),
+         r"tree_total_tokens: expected an int in \[1, 6\], got 7: with k = 2 and tree_width = 2, method='draft' has 6 "
+         r"draft nodes to keep \(the tree_width best nodes of each of k depths, each offering tree_width children\); "
+         r"lower tree_total_tokens or raise num_speculative_tokens / tree_width"),
         (dict(method="draft", draft_model=make_draft(), tree_total_tokens="auto"),
          r"tree_total_tokens='auto' sizes a dynamic tree of tree_width >= 2 branches per node, and tree_width is 1"),
         (dict(method="draft", draft_model=make_draft(), tree_width=2, tree_total_tokens="big"),

@@ -36,6 +36,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.naming import CACHE_KWARG
+from hf_specdec.config import RECYCLED_CANDIDATES
 from hf_specdec.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, MlpSpeculator, MlpSpeculatorConfig
 from hf_specdec.suffix import SuffixCache
 from hf_specdec.testbed.loading import testbed_dir
@@ -99,7 +100,7 @@ def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, Speculati
                       **({"tree_width": 2} if shape != "chain" else {}))
     elif kind == "recycling":  # a chain of best candidates, or its default tree of some size
         tree = ({"tree_paths": [(0,) * depth for depth in range(1, k + 1)]} if shape == "chain" else
-                {"tree_total_tokens": rng.choice([2, 6, 12])})
+                {"tree_total_tokens": min(rng.choice([2, 6, 12]), RECYCLED_CANDIDATES ** k)})
         values = dict(method="recycling", num_speculative_tokens=k, **tree)
     elif kind == "mlp_speculator":
         speculator = MlpSpeculator(MlpSpeculatorConfig(emb_dim=text.hidden_size, vocab_size=text.vocab_size))
@@ -113,6 +114,8 @@ def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, Speculati
              "draft_model": make_draft()},
         ])
         values = dict(method="auto", num_speculative_tokens=k, **drafters)
+        if rng.random() < 0.5:  # token recycling as one more candidate
+            values["auto_methods"] = (*SpeculativeConfig(**values).auto_methods, "recycling")
     values["schedule"] = rng.choice(["fixed", "adaptive"])
     return f"{kind}/{shape}/{values['schedule']}", SpeculativeConfig(**values)
 

@@ -141,6 +141,10 @@ def test_plain_steps_feed_the_table_too():
     (dict(tree_paths="default"), r"tree_paths='default' names Medusa heads' own tree"),
     (dict(tree_total_tokens="auto"), r"tree_total_tokens='auto' sizes dynamic trees; method='recycling'"),
     (dict(tree_total_tokens=0), r"tree_total_tokens: expected an int in \[1, "),
+    (dict(tree_total_tokens=12, num_speculative_tokens=1),
+     r"tree_total_tokens: expected an int in \[1, 8\], got 12: with k = 1 and tree_width = 1, method='recycling' has "
+     r"8 draft nodes to keep \(rank paths of up to k tokens over its 8 candidates per token\); lower "
+     r"tree_total_tokens or raise num_speculative_tokens$"),
     (dict(tree_paths=[(0, 0)]), r"tree_paths: .*\(0, 0\) needs its prefix \(0,\)"),
 ])
 def test_bad_settings_name_the_field(options, message):
