@@ -3,11 +3,11 @@ second.
 
 The candidates are the proposers of `SpeculativeConfig.auto_methods` (by default n-gram lookup and suffix decoding,
 and a draft model and heads (Medusa heads, an EAGLE head or an MLP speculator) when given; token recycling when
-listed), each built by its entry in `AUTO_CANDIDATES` (`register_auto_candidate`). The schedule (`hf_specdec.schedule.controller`) keeps
-acceptance estimates and step times per candidate (by draft class for n-gram lookup and suffix decoding: a lookup
-says before the step how long a context it matched, so a long match can win over a model drafter) and names, per
-row, the proposer it drafts with in `state.draft_methods`. Rows that chose different candidates draft in the same
-step: each candidate drafts for its own rows, the rows' trees are merged into one proposal and verified in one
+listed), each built by its entry in `AUTO_CANDIDATES` (`register_auto_candidate`). The schedule
+(`hf_specdec.schedule.controller`) keeps acceptance estimates and step times per candidate (by draft class for
+n-gram lookup and suffix decoding: a lookup says before the step how long a context it matched, so a long match can
+win over a model drafter) and names, per row, the proposer it drafts with in `state.draft_methods`. Rows that chose
+different candidates draft in the same step: each candidate drafts for its own rows, the rows' trees are merged into one proposal and verified in one
 forward, and each candidate commits what it drafted (`hf_specdec.proposers.row_mix`). Candidates that drafted for no
 row are told of the step (`Proposer.skip`) so they stay in step with the text (an EAGLE head keeps the committed
 tokens' features and feeds them at its next draft). (Verifying a model drafter's chain and the n-gram continuation
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from hf_specdec.compile import CompileSettings
-from hf_specdec.config import CONFIDENCE_METHODS, QUANTIZABLE_METHODS, SUFFIX_FIELDS, SpeculativeConfig
+from hf_specdec.config import AUTO_METHODS, CONFIDENCE_METHODS, QUANTIZABLE_METHODS, SUFFIX_FIELDS, SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer, register_proposer
 from hf_specdec.proposers.row_mix import commit_own_rows
 from hf_specdec.step import DecodeState, Proposal, RowSet, VerificationResult
@@ -35,7 +35,10 @@ AUTO_CANDIDATES: dict[str, Callable[[SpeculativeConfig], SpeculativeConfig | Non
 
 
 def register_auto_candidate(method: str, make_config: Callable[[SpeculativeConfig], SpeculativeConfig | None]) -> None:
-    """Let `method="auto"` choose `method` (a registered proposer) when `make_config(auto_config)` gives a config."""
+    """Let `method="auto"` choose `method` (a registered proposer, named in `AutoMethod` so that `auto_methods` may
+    list it) when `make_config(auto_config)` gives a config."""
+    if method not in AUTO_METHODS:
+        raise ValueError(f"auto candidate {method!r}: not one of hf_specdec.config.AutoMethod {list(AUTO_METHODS)}")
     if method in AUTO_CANDIDATES:
         raise ValueError(f"an auto candidate is already registered for method {method!r}")
     AUTO_CANDIDATES[method] = make_config

@@ -479,3 +479,13 @@ def test_token_recycling_among_the_candidates_samples_the_exact_target_law(rows_
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     pvalues = lossless.chi_square_pvalues(out.sequences[:, lossless.PROMPT.shape[1]:], law)
     assert lossless.accepted(pvalues), f"p = {pvalues}"
+
+
+def test_every_auto_method_has_a_candidate_and_only_those_register():
+    from hf_specdec.config import AUTO_METHODS
+
+    assert sorted(auto.AUTO_CANDIDATES) == sorted(AUTO_METHODS)
+    with pytest.raises(ValueError, match=r"auto candidate 'lookahead': not one of hf_specdec.config.AutoMethod"):
+        auto.register_auto_candidate("lookahead", lambda config: None)
+    with pytest.raises(ValueError, match=r"an auto candidate is already registered for method 'ngram'"):
+        auto.register_auto_candidate("ngram", lambda config: None)
