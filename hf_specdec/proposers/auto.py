@@ -7,12 +7,12 @@ listed), each built by its entry in `AUTO_CANDIDATES` (`register_auto_candidate`
 (`hf_specdec.schedule.controller`) keeps acceptance estimates and step times per candidate (by draft class for
 n-gram lookup and suffix decoding: a lookup says before the step how long a context it matched, so a long match can
 win over a model drafter) and names, per row, the proposer it drafts with in `state.draft_methods`. Rows that chose
-different candidates draft in the same step: each candidate drafts for its own rows, the rows' trees are merged into one proposal and verified in one
-forward, and each candidate commits what it drafted (`hf_specdec.proposers.row_mix`). Candidates that drafted for no
-row are told of the step (`Proposer.skip`) so they stay in step with the text (an EAGLE head keeps the committed
-tokens' features and feeds them at its next draft). (Verifying a model drafter's chain and the n-gram continuation
-of the same row together, as one tree, was measured and dropped: on SmolLM2 in bfloat16 on a CPU it raised tokens
-per target forward by 6% and took as long.)
+different candidates draft in the same step: each candidate drafts for its own rows, the rows' trees are merged into
+one proposal and verified in one forward, and each candidate commits what it drafted
+(`hf_specdec.proposers.row_mix`). Candidates that drafted for no row are told of the step (`Proposer.skip`) so they
+stay in step with the text (an EAGLE head keeps the committed tokens' features and feeds them at its next draft).
+(Verifying a model drafter's chain and the n-gram continuation of the same row together, as one tree, was measured
+and dropped: on SmolLM2 in bfloat16 on a CPU it raised tokens per target forward by 6% and took as long.)
 """
 
 from __future__ import annotations
