@@ -188,12 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
         recycling_json = scratch / "recycling.json"
         if args.smoke:
             recycling = [python, "-m", "hf_specdec.cli", "bench", "--method", "plain", "recycling", "auto+recycling",
-                         "--tree-nodes", "8", "32", "--workload", "completion", "--batch-size", "1", "-k", "3",
+                         "--tree-nodes", "8", "auto", "--workload", "completion", "--batch-size", "1", "-k", "3",
                          "--num-prompts", "1", "--max-new-tokens", "8"]
         else:  # token recycling's trees where a wide verify costs about a narrow one (the paper's tree: 80 nodes)
             recycling = [python, "-m", "hf_specdec.cli", "bench", "--model", "smollm2", "--method", "plain", "ngram",
                          "recycling", "auto", "auto+recycling", "hf-lookup", "--tree-nodes", "8", "16", "32", "64",
-                         "80", "-k", "5", "--workload", "spec-bench", "--batch-size", "1", "--num-prompts", "1",
+                         "80", "auto", "-k", "5", "--workload", "spec-bench", "--batch-size", "1", "--num-prompts", "1",
                          "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "2"]
         part("recycling", "token recycling's tree sizes", recycling + ["--json", str(recycling_json)], recycling_json)
 

@@ -115,7 +115,8 @@ class SpeculativeConfig:
             "'auto': the most nodes whose verify forward costs at most 10% more than the chain's, measured once "
             "per model, dtype, device, batch size and k (hf_specdec.schedule.tree_size); ngram with tree_width > 1: "
             "the most draft nodes its trie of matched continuations keeps; recycling: the draft nodes of its default "
-            f"tree (default {DEFAULT_RECYCLING_NODES}, at most k deep)"
+            f"tree (default {DEFAULT_RECYCLING_NODES}, at most k deep; 'auto' as for dynamic trees, at most "
+            "64)"
         },
     )
     lossy_typical_acceptance: bool = field(
@@ -390,7 +391,7 @@ class SpeculativeConfig:
                 raise ValueError(f"SpeculativeConfig.tree_total_tokens: expected an int or '{TREE_SIZE_AUTO}', got "
                                  f"{self.tree_total_tokens!r}")
             if self.tree_total_tokens == TREE_SIZE_AUTO:
-                if self.tree_width < 2:
+                if self.tree_width < 2 and self.method != "recycling":
                     raise ValueError(
                         "SpeculativeConfig.tree_total_tokens='auto' sizes a dynamic tree of tree_width >= 2 "
                         f"branches per node, and tree_width is {self.tree_width}; set tree_width (e.g. 4) or drop "
@@ -450,9 +451,6 @@ class SpeculativeConfig:
                     f"SpeculativeConfig.tree_paths: rank {deepest} in a path; method='recycling' keeps the "
                     f"{RECYCLED_CANDIDATES} best candidates per token (ranks 0 to {RECYCLED_CANDIDATES - 1})"
                 )
-        if self.tree_total_tokens == TREE_SIZE_AUTO:
-            raise ValueError("SpeculativeConfig.tree_total_tokens='auto' sizes dynamic trees; method='recycling' "
-                             f"takes a count of draft nodes (default {DEFAULT_RECYCLING_NODES})")
 
     def _check_draft_confidence(self) -> None:
         value = self.draft_confidence

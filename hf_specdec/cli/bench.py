@@ -8,7 +8,7 @@ given; with --tree-width w > 1 Medusa uses the tree fitted to its heads (its --t
 EAGLE, the MLP speculator and the draft model an EAGLE-2 dynamic tree of top_k w, depth k and --tree-nodes nodes,
 k * w by default; n-gram lookup a trie of w matched continuations, cut to its best --tree-nodes nodes; several
 --tree-nodes values give a row each), `recycling` (token recycling: its default tree, or one of --tree-nodes draft
-nodes, at most k deep), `suffix` (suffix
+nodes, at most k deep; 'auto' sizes it from the measured verify costs), `suffix` (suffix
 decoding, k its most draft tokens a step), the hybrids `suffix+eagle` / `suffix+eagle3` / `suffix+draft` (suffix
 drafts where they score at least the fallback's k, the EAGLE head's or the draft model's chain of k otherwise),
 `auto` (method="auto" over n-gram lookup and suffix decoding) and `auto+<case>` for `draft`, `medusa`, `eagle`,
@@ -132,7 +132,7 @@ AUTO_CASES |= {f"auto+{case}{RECYCLING_SUFFIX}": case for case in ("draft", "eag
 # cases that take --tree-width: w > 1 drafts a token tree (for auto cases, the drafter's EAGLE-2 dynamic tree)
 TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+eagle", "auto+eagle3",
               "auto+mlp_speculator", *(f"auto+{case}{RECYCLING_SUFFIX}" for case in ("draft", "eagle", "eagle3")))
-# cases whose static tree --tree-nodes sizes (counts only), without --tree-width
+# cases whose static tree --tree-nodes sizes (a count or "auto"), without --tree-width
 NODE_COUNT_CASES = ("recycling",)
 # every composite case and the case whose drafter it loads
 DRAFTER_OF = {**HYBRID_CASES, **AUTO_CASES}
@@ -219,7 +219,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and the auto cases with them: draft tokens of the EAGLE-2 dynamic tree (default: k * "
                              "w; 'auto': sized from the measured verify costs); of n-gram lookup: its trie's draft "
                              "tokens (default: all, up to k * w); of Medusa: its fitted tree's likeliest paths "
-                             "(default: all); several values compare tree sizes, a row each")
+                             "(default: all); of token recycling (no --tree-width): its tree's draft tokens (default "
+                             "8; 'auto' as for dynamic trees); several values compare tree sizes, a row each")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts (per category for spec-bench) (default: the largest batch size)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
@@ -238,8 +239,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _node_counts(tree_nodes: list[int | str] | None, case: str) -> list[int | str | None]:
     """The --tree-nodes values a tree case runs with: Medusa's static tree takes counts only ('auto' sizes dynamic
-    trees and n-gram tries)."""
-    counts = [n for n in tree_nodes or () if case not in ("medusa", *NODE_COUNT_CASES) or n != TREE_SIZE_AUTO]
+    trees, n-gram tries and token recycling's tree)."""
+    counts = [n for n in tree_nodes or () if case != "medusa" or n != TREE_SIZE_AUTO]
     return counts or [None]
 
 

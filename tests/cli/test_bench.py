@@ -487,7 +487,8 @@ def test_draft_parallel_drafts_with_the_parallel_draft_given(tmp_path, monkeypat
 
 
 def test_recycling_cases_forget_the_table_before_every_pass(tmp_path, monkeypatch):
-    """recycling (two tree sizes), auto+recycling and auto+eagle+recycling run on the test bed, exact; their configs
+    """recycling (a tree of 3 nodes and one sized from the measured verify costs), auto+recycling and
+    auto+eagle+recycling run on the test bed, exact; their configs
     list token recycling among auto's candidates (beside the EAGLE head's), and every pass of each (the
     instrumented one and each repeat) starts from an empty table of recycled tokens."""
     from hf_specdec import integration
@@ -501,10 +502,11 @@ def test_recycling_cases_forget_the_table_before_every_pass(tmp_path, monkeypatc
     monkeypatch.setattr(runs, "forget_recycled_tokens", lambda target: (forgotten.append(1), forget(target)))
     out = tmp_path / "results.json"
     assert main(["bench", "--method", "plain", "recycling", "auto+recycling", "auto+eagle+recycling", *TINY,
-                 "--tree-nodes", "3", "6", "--repeats", "2", "--json", str(out)]) == 0
+                 "--tree-nodes", "3", "auto", "--repeats", "2", "--json", str(out)]) == 0
     rows = {(r["case"], r["tree_nodes"]): r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {("plain", None), ("recycling", 3), ("recycling", 6), ("auto+recycling", None),
+    assert set(rows) == {("plain", None), ("recycling", 3), ("recycling", "auto"), ("auto+recycling", None),
                          ("auto+eagle+recycling", None)}
+    assert rows[("recycling", 3)]["tree_nodes_used"] == 3 and rows[("recycling", "auto")]["tree_nodes_used"] >= 3
     assert all(row["identical_to_plain"] for row in rows.values())
     assert {c.auto_methods for c in configs if c.method == "auto"} == {("ngram", "suffix", "recycling"),
                                                                          ("ngram", "suffix", "recycling", "eagle")}

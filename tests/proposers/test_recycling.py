@@ -139,7 +139,6 @@ def test_plain_steps_feed_the_table_too():
     (dict(tree_paths=[(0,)], tree_total_tokens=4), r"tree_total_tokens: method='recycling' takes its tree from"),
     (dict(tree_paths=[(0,), (8,)]), r"tree_paths: rank 8 in a path; method='recycling' keeps the 8 best"),
     (dict(tree_paths="default"), r"tree_paths='default' names Medusa heads' own tree"),
-    (dict(tree_total_tokens="auto"), r"tree_total_tokens='auto' sizes dynamic trees; method='recycling'"),
     (dict(tree_total_tokens=0), r"tree_total_tokens: expected an int in \[1, "),
     (dict(tree_total_tokens=12, num_speculative_tokens=1),
      r"tree_total_tokens: expected an int in \[1, 8\], got 12: with k = 1 and tree_width = 1, method='recycling' has "

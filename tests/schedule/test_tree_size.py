@@ -108,6 +108,31 @@ def test_auto_trees_are_exact_and_report_their_size(method):
     assert plain.spec_stats.tree_total_tokens is None  # a chain
 
 
+def test_token_recyclings_tree_takes_the_measured_size(monkeypatch):
+    """method='recycling' with tree_total_tokens='auto': the tree keeps as many nodes as the costs measured for the
+    model afford (flat up to 21 tokens here, then twice as dear: 20 draft nodes at k = 3, where the budget crosses
+    the line between 21 and 28 tokens), drafts from them, and is exact."""
+    from hf_specdec.proposers.recycling import RecyclingProposer
+
+    nodes = []
+    build = RecyclingProposer.__init__
+    monkeypatch.setattr(RecyclingProposer, "__init__", lambda self, config, target: (
+        build(self, config, target), nodes.append(self.template.num_nodes - 1))[0])
+    target = make_model("llama")
+    # the costs as if measured for this model at batch 2 and k = 3, up to the largest automatic tree
+    widths = ladder(3, size.MAX_AUTO_TREE_NODES)
+    size._MEASURED[target] = {(target.dtype, str(target.device), 2, 3): {w: 1.0 if w <= 21 else 2.0 for w in widths}}
+    ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    config = SpeculativeConfig(method="recycling", num_speculative_tokens=3, tree_total_tokens="auto")
+    out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, target.generate(ids, **kwargs))
+    assert out.spec_stats.tree_total_tokens == 20 and nodes == [20]
+    assert out.spec_stats.num_draft_tokens > 0
+
+
 def _eagle_head(target):
     from hf_specdec.heads import EagleConfig, EagleHead
 
