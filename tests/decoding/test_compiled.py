@@ -60,6 +60,9 @@ def _proposers(target: torch.nn.Module, schedule: str = "adaptive") -> dict[str,
                                                  depth=3, total_tokens=5, schedule=schedule),
         "recycling": SpeculativeConfig(method="recycling", num_speculative_tokens=3, tree_total_tokens=6,
                                        schedule=schedule),
+        # rows drafting n-gram chains and recycled trees in one step, at each step's fixed width
+        "auto_recycling": SpeculativeConfig(method="auto", auto_methods=["ngram", "recycling"],
+                                            num_speculative_tokens=3, schedule=schedule),
     }
 
 
@@ -198,7 +201,8 @@ def _every_proposer(target: torch.nn.Module, arch: str) -> dict[str, Speculative
 # heads, early exit and tries. Every architecture with every proposer is marked slow.
 CI_SHARES = {"gpt2": ("ngram", "random_draft_tree", "same_draft_dynamic_tree"),
              "mistral": ("ngram_trie", "ngram_sized_trie", "early_exit_dynamic_tree", "mlp_speculator_tree",
-                         "medusa_tree", "eagle_dynamic_tree", "eagle_token_map", "medusa_token_map", "recycling")}
+                         "medusa_tree", "eagle_dynamic_tree", "eagle_token_map", "medusa_token_map", "recycling",
+                         "auto_recycling")}
 
 
 @pytest.mark.parametrize("arch, share", [*(pytest.param(a, s, id=f"{a}-share") for a, s in CI_SHARES.items()),
@@ -292,7 +296,8 @@ def test_static_cache_is_accepted_and_comes_back_filled():
 # every proposer `_every_proposer` builds for a Llama target, one GPU test each (a failure names its proposer)
 CUDA_GRAPH_PROPOSERS = ("ngram", "same_draft", "random_draft_tree", "same_draft_dynamic_tree", "ngram_trie",
                         "ngram_sized_trie", "early_exit_dynamic_tree", "mlp_speculator_tree", "medusa_tree",
-                        "eagle_dynamic_tree", "eagle_token_map", "medusa_token_map", "draft_token_map", "recycling")
+                        "eagle_dynamic_tree", "eagle_token_map", "medusa_token_map", "draft_token_map", "recycling",
+                        "auto_recycling")
 
 
 def test_the_cuda_graph_tests_cover_every_proposer():
