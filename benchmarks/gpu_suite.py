@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
             bench = [python, "-m", "hf_specdec.cli", "bench", "--model", "smollm2", "--method", "plain", "ngram",
                      "suffix", "eagle3", "mlp_speculator", "auto+eagle", "hf-assistant", "hf-lookup",
                      "--tree-width", "4", "--tree-nodes", "16", "auto", "-k", "5", "--workload", "spec-bench",
-                     "--batch-size", "1", "8", "--num-prompts", "1", "--max-new-tokens", "128", "--dtype",
+                     "--batch-size", "1", "--num-prompts", "1", "--max-new-tokens", "128", "--dtype",
                      "bfloat16", "--repeats", "1"]
         part("bench", "real-model bench (eager)", bench + ["--json", str(bench_json)], bench_json)
 

@@ -142,6 +142,8 @@ DRAFT_QUANTIZATIONS = ("none", *DRAFT_QUANTIZATION_NAMES)
 TESTBED_WORKLOADS = ("completion", "edit", "long")
 CHAT_WORKLOADS = ("spec-bench", "code", "repeat")
 OVERALL = "overall"
+# the repeated-task session's requests per --num-prompts (each part's first pass and its repeat, two parts)
+REPEAT_SESSION_FACTOR = 4
 NEEDS_DRAFT = ("draft", "hf-assistant", "suffix+draft", "auto+draft", f"auto+draft{RECYCLING_SUFFIX}",
                *OTHER_TOKENIZER_CASES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -543,7 +545,8 @@ def random_prompts(tokenizer, count: int) -> list[list[int]]:
 
 def load_prompts(args: argparse.Namespace, tokenizer, count: int, target=None) -> list[Prompt]:
     """The workload's prompts: `count` test-bed prompts, or `count` per Spec-Bench category (or coding requests), or
-    the repeated-task session of 4 * `count` requests (its second turns hold `target`'s greedy answers)."""
+    the repeated-task session of REPEAT_SESSION_FACTOR * `count` requests (its second turns hold `target`'s greedy
+    answers)."""
     if args.workload == "repeat":
         from hf_specdec.testbed.repeated_tasks import greedy_answers, repeated_task_prompts
 
@@ -848,6 +851,16 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --early-exit-layer {args.early_exit_layer}: expected a layer >= 1")
     if args.max_new_tokens < 1 or args.repeats < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         raise SystemExit("error: --max-new-tokens, --repeats and --num-prompts must be >= 1")
+    if args.num_prompts is not None:  # a batch size no category fills would be measured at a smaller one
+        repeat = args.workload == "repeat"
+        per_category = args.num_prompts * (REPEAT_SESSION_FACTOR if repeat else 1)
+        unfilled = [b for b in args.batch_sizes if b > per_category]
+        if unfilled:
+            raise SystemExit(
+                f"error: --batch-size {unfilled[0]} with --num-prompts {args.num_prompts}: "
+                f"{'the session holds' if repeat else 'each category has'} {per_category} prompt(s), so no batch "
+                f"would hold {unfilled[0]} rows (the row would measure batch {per_category}); pass --num-prompts "
+                f"{-(-unfilled[-1] // (REPEAT_SESSION_FACTOR if repeat else 1))} or more, or drop those batch sizes")
     if args.threads is not None and args.threads < 1:
         raise SystemExit(f"error: --threads {args.threads}: expected 1 or more (leave it out for torch's choice)")
     if args.plot is not None:

@@ -165,6 +165,10 @@ def test_plot_of_one_batch_size_and_k_per_category_has_no_sweep_panels():
         (["--model", "somewhere", "--method", "eagle3"], "--method eagle3 with --model needs --eagle3-head"),
         (["--model", "somewhere", "--method", "hf-uag"], "--method hf-uag with --model needs --draft"),
         (["--method", "hf-uag", "--temperature", "0.7"], "--method hf-uag with --temperature 0.7: transformers' "),
+        (["--batch-size", "1", "4"], r"--batch-size 4 with --num-prompts 1: each category has 1 prompt\(s\), so no "
+                                     r"batch would hold 4 rows \(the row would measure batch 1\); pass --num-prompts 4"),
+        (["--workload", "repeat", "--batch-size", "8"], r"--batch-size 8 with --num-prompts 1: the session holds 4 "
+                                                        r"prompt\(s\).*pass --num-prompts 2 or more"),
     ],
 )
 def test_bad_options_are_refused_before_loading(argv, match, capsys):
