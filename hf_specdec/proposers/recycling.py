@@ -22,8 +22,6 @@ gather per tree depth and the update one top-k and one scatter per step, all on 
 
 from __future__ import annotations
 
-import bisect
-import functools
 import heapq
 import threading
 import weakref
@@ -35,7 +33,7 @@ from hf_specdec.config import DEFAULT_RECYCLING_NODES, RECYCLED_CANDIDATES, Spec
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.host_text import HostText
 from hf_specdec.step import DecodeState, Proposal
-from hf_specdec.tree.template import TreeTemplate, up_to_depth
+from hf_specdec.tree.template import TreeTemplate, level_ends, up_to_depth
 from hf_specdec.tree.tree import TokenTree, template_tensors
 
 # how often the rank-r candidate was the next token, r = 0..7, at the root of 16 greedy 128-token answers of
@@ -126,13 +124,6 @@ def forget_recycled_tokens(target: torch.nn.Module) -> None:
         _TABLES.pop(target, None)
 
 
-@functools.lru_cache(maxsize=64)
-def _level_ends(template: TreeTemplate) -> tuple[int, ...]:
-    """Where each depth's nodes end in the template's breadth-first order (depth d is nodes [ends[d - 1], ends[d]),
-    ends[0] = 1 after the root)."""
-    return tuple(bisect.bisect_right(template.depths, depth) for depth in range(template.max_depth + 1))
-
-
 class RecyclingProposer(Proposer):
     reads_target_scores = True
 
@@ -179,7 +170,7 @@ class RecyclingProposer(Proposer):
         tokens = roots.new_full((roots.shape[0], template.num_nodes), -1)
         tokens[:, 0] = roots
         if self.table is not None:  # before the first verify forward nothing was seen: no drafts
-            ends = _level_ends(template)
+            ends = level_ends(template)
             for start, end in zip(ends[:-1], ends[1:]):  # one depth at a time, its parents' tokens known
                 parent_tokens = tokens[:, structure.parents[start:end]]  # [B, n_d]
                 found = self.table.successors[parent_tokens.clamp(min=0), structure.ranks[start:end]]

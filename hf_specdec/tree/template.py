@@ -7,6 +7,7 @@ then path), so every parent comes before its children and depth never decreases 
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -115,10 +116,17 @@ DEFAULT_MEDUSA_TREE = tuple(rank_budget_paths(depth=4, rank_budget=2))
 
 
 @functools.lru_cache(maxsize=64)
+def level_ends(template: TreeTemplate) -> tuple[int, ...]:
+    """Where each depth's nodes end in the breadth-first order: depth d is nodes [ends[d - 1], ends[d]), ends[0] = 1
+    (the root alone); the nodes at most d deep are the first ends[d] (built once per template)."""
+    return tuple(bisect.bisect_right(template.depths, depth) for depth in range(template.max_depth + 1))
+
+
+@functools.lru_cache(maxsize=64)
 def up_to_depth(template: TreeTemplate, depth: int) -> TreeTemplate:
     """The template's nodes at most `depth` deep: a prefix of its breadth-first order, so node indices keep their
     meaning (built once per template and depth)."""
-    keep = sum(1 for d in template.depths if d <= depth)
+    keep = level_ends(template)[min(max(depth, 0), template.max_depth)]
     return TreeTemplate(parents=template.parents[:keep], ranks=template.ranks[:keep], depths=template.depths[:keep])
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from hf_specdec.tree import MAX_TREE_NODES, TreeTemplate
-from hf_specdec.tree.template import up_to_depth
+from hf_specdec.tree.template import level_ends, up_to_depth
 
 
 def test_breadth_first_layout():
@@ -56,3 +56,6 @@ def test_up_to_depth_keeps_the_shallower_nodes_in_their_order():
     assert cut.num_nodes == 6 and cut.max_depth == 2
     assert (cut.parents, cut.ranks) == (tree.parents[:6], tree.ranks[:6])
     assert up_to_depth(tree, 0).num_nodes == 1 and up_to_depth(tree, 3) == tree
+    assert up_to_depth(tree, 5) == tree
+    # depth d's nodes end at ends[d]: the root, 2 at depth 1, 3 at depth 2, 1 at depth 3
+    assert level_ends(tree) == (1, 3, 6, 7)
