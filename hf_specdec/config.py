@@ -17,9 +17,9 @@ SPEC_METHODS: tuple[str, ...] = get_args(SpecMethod)
 # the candidates method='auto' chooses among: the lookups, then the model drafters (each needs its drafter given)
 AutoMethod = Literal["ngram", "suffix", "recycling", "draft", "medusa", "eagle", "mlp_speculator"]
 AUTO_METHODS: tuple[str, ...] = get_args(AutoMethod)
-# the lookups method='auto' takes without auto_methods (beside the draft model or heads given); token recycling
-# only when listed
-DEFAULT_AUTO_LOOKUPS = ("ngram", "suffix")
+# the host lookups (their drafting costs next to nothing): method='auto' takes them without auto_methods, beside the
+# draft model or heads given; token recycling only when listed
+AUTO_LOOKUPS = ("ngram", "suffix")
 Schedule = Literal["adaptive", "fixed"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 DraftQuantization = Literal["int8"]
@@ -535,15 +535,12 @@ class SpeculativeConfig:
 
     def _check_auto_methods(self) -> None:
         """auto_methods: only for method='auto'; known names, once each, each model drafter's drafter given and each
-        drafter given listed. Set to the candidates' tuple (the default's when None)."""
-        drafters = {"draft": self.draft_model is not None, **{m: self.heads_method == m for m in HEADS_CLASS}}
-        if self.method != "auto":
+        drafter given listed (kept as a tuple). None stays None: `auto_candidates` derives the default from the
+        drafters given, so a copy with other drafters (`dataclasses.replace`) gets its own."""
+        if self.method != "auto" or self.auto_methods is None:
             if self.auto_methods is not None:
                 raise ValueError(f"SpeculativeConfig.auto_methods: the candidates of method='auto'; got "
                                  f"method={self.method!r}")
-            return
-        if self.auto_methods is None:
-            self.auto_methods = (*DEFAULT_AUTO_LOOKUPS, *(m for m, given in drafters.items() if given))
             return
         if isinstance(self.auto_methods, str) or not isinstance(self.auto_methods, (list, tuple)):
             raise ValueError(f"SpeculativeConfig.auto_methods: expected a list of method names from "
@@ -554,7 +551,7 @@ class SpeculativeConfig:
             problem = (f"unknown {unknown}" if unknown else "none given" if not methods else "a method given twice")
             raise ValueError(f"SpeculativeConfig.auto_methods: {problem} in {list(methods)}; give each candidate "
                              f"once, from {list(AUTO_METHODS)}")
-        for method, given in drafters.items():
+        for method, given in self._drafters_given().items():
             names = "draft_model" if method == "draft" else f"heads ({HEADS_CLASS[method]})"
             if method in methods and not given:
                 raise ValueError(f"SpeculativeConfig.auto_methods: {method!r} drafts with {names}, which this "
@@ -654,13 +651,27 @@ class SpeculativeConfig:
         anything else)."""
         return next((method for method in HEADS_CLASS if isinstance(self.heads, heads_class(method))), None)
 
+    def _drafters_given(self) -> dict[str, bool]:
+        """For each model candidate of method='auto', whether this config has its drafter."""
+        return {"draft": self.draft_model is not None, **{m: self.heads_method == m for m in HEADS_CLASS}}
+
+    @property
+    def auto_candidates(self) -> tuple[str, ...]:
+        """The candidates method='auto' chooses among: `auto_methods`, or by default the lookups and the drafters
+        given; () for other methods."""
+        if self.method != "auto":
+            return ()
+        if self.auto_methods is not None:
+            return self.auto_methods
+        return (*AUTO_LOOKUPS, *(method for method, given in self._drafters_given().items() if given))
+
     @property
     def drafting_methods(self) -> tuple[str, ...]:
         """Every method that may draft in a call with this config: its own, under `"auto"` its candidates beside the
         two lookups (the draft model, the heads, token recycling), and its hybrid fallback's."""
         methods = [self.method]
         if self.method == "auto":
-            methods += [method for method in self.auto_methods if method not in ("ngram", "suffix")]
+            methods += [method for method in self.auto_candidates if method not in AUTO_LOOKUPS]
         if self.fallback is not None:
             methods += self.fallback.drafting_methods
         return tuple(dict.fromkeys(methods))

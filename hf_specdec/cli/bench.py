@@ -67,7 +67,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, forget_earlier_calls
 from hf_specdec.cli.timing import paired_speedup, time_interleaved
-from hf_specdec.config import DEFAULT_AUTO_LOOKUPS, SCHEDULES, TREE_SIZE_AUTO
+from hf_specdec.config import AUTO_METHODS, SCHEDULES, TREE_SIZE_AUTO
 from hf_specdec.config import DRAFT_QUANTIZATIONS as DRAFT_QUANTIZATION_NAMES
 from hf_specdec.heads import EagleHead, MedusaHeads, MlpSpeculator
 from hf_specdec.lossless import TIE_SPACINGS, PlainScores, same_output
@@ -377,16 +377,17 @@ def _speculative_config(case: str, draft, k: int, tree_width: int, heads: dict |
     common = dict(num_speculative_tokens=k, schedule=schedule, draft_quantization=quantization or None)
     if case.startswith("auto"):  # n-gram lookup and suffix decoding (a cache of its own), a drafter, recycling
         base = AUTO_CASES.get(case)
-        lookups = (*DEFAULT_AUTO_LOOKUPS, "recycling") if case.endswith(RECYCLING_SUFFIX) else DEFAULT_AUTO_LOOKUPS
-        drafter_method = {"eagle3": "eagle", PARALLEL_CASE: "draft"}.get(base, base)
         drafter = (dict(draft_model=draft) if base == "draft" else
                    dict(draft_model=draft, parallel_drafting=True) if base == PARALLEL_CASE else
                    dict(heads=heads[base]) if base else {})
         # tree_width > 1: the drafter's EAGLE-2 dynamic tree (the lookups draft chains)
         tree = dict(tree_width=tree_width, tree_total_tokens=tree_nodes or k * tree_width) if tree_width > 1 else {}
-        return SpeculativeConfig(method="auto", prompt_lookup_max=PROMPT_LOOKUP_MAX, suffix_cache=SuffixCache(),
-                                 auto_methods=(*lookups, *([drafter_method] if base else [])), **drafter, **tree,
-                                 **common)
+        config = SpeculativeConfig(method="auto", prompt_lookup_max=PROMPT_LOOKUP_MAX, suffix_cache=SuffixCache(),
+                                   **drafter, **tree, **common)
+        if case.endswith(RECYCLING_SUFFIX):  # token recycling beside the default candidates, in AutoMethod's order
+            config = replace(config, auto_methods=tuple(sorted({*config.auto_candidates, "recycling"},
+                                                               key=AUTO_METHODS.index)))
+        return config
     if case == "suffix" or case in HYBRID_CASES:  # a cache of its own, emptied before each pass (`_measure`)
         fallback = (_speculative_config(HYBRID_CASES[case], draft, k, 1, heads, quantization=quantization)
                     if case in HYBRID_CASES else None)

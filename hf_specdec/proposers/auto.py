@@ -86,7 +86,7 @@ class AutoProposer(Proposer):
         self.candidates: dict[str, Proposer] = {}
         self.configs: dict[str, SpeculativeConfig] = {}
         for method, make_config in AUTO_CANDIDATES.items():
-            sub = make_config(config) if method in config.auto_methods else None
+            sub = make_config(config) if method in config.auto_candidates else None
             if sub is not None:
                 self.configs[method] = sub
                 self.candidates[method] = build_proposer(sub, target, sampling)

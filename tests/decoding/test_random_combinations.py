@@ -115,7 +115,7 @@ def _config(rng: random.Random, target: torch.nn.Module) -> tuple[str, Speculati
         ])
         values = dict(method="auto", num_speculative_tokens=k, **drafters)
         if rng.random() < 0.5:  # token recycling as one more candidate
-            values["auto_methods"] = (*SpeculativeConfig(**values).auto_methods, "recycling")
+            values["auto_methods"] = (*SpeculativeConfig(**values).auto_candidates, "recycling")
     values["schedule"] = rng.choice(["fixed", "adaptive"])
     return f"{kind}/{shape}/{values['schedule']}", SpeculativeConfig(**values)
 

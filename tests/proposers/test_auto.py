@@ -120,7 +120,11 @@ def test_candidates_follow_what_the_config_gives():
         assert list(proposer.methods) == expected
         assert proposer.reads_target_scores == ("recycling" in methods)
         assert config.drafting_methods == ("auto", *(m for m in methods if m not in ("ngram", "suffix")))
-    assert SpeculativeConfig(method="auto", heads=head).auto_methods == ("ngram", "suffix", "eagle")
+    default = SpeculativeConfig(method="auto", heads=head)
+    assert default.auto_methods is None and default.auto_candidates == ("ngram", "suffix", "eagle")
+    # the default follows the drafters of a copy
+    assert dataclasses.replace(default, heads=None).auto_candidates == ("ngram", "suffix")
+    assert SpeculativeConfig(method="ngram").auto_candidates == ()
     assert proposer.configs["medusa"].auto_methods is None
 
 
