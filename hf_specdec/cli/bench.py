@@ -15,8 +15,9 @@ drafts where they score at least the fallback's k, the EAGLE head's or the draft
 `eagle3` and `mlp_speculator` (the same with that case's drafter as a third candidate; the steps each candidate
 drafted are reported; with --tree-width w > 1 the drafter's EAGLE-2 dynamic tree, as alone, while the lookups
 draft chains; `auto+medusa` takes none), and `auto+recycling`, `auto+draft+recycling`, `auto+eagle+recycling` and
-`auto+eagle3+recycling` (the same with token recycling's default tree as one more candidate); each suffix and auto case has a suffix cache of its own, emptied before
-every pass over the prompts, so a pass measures requests drafting from the outputs of the requests before them in that pass;
+`auto+eagle3+recycling` (the same with token recycling's default tree as one more candidate); each suffix and auto
+case has a suffix cache of its own, emptied before every pass over the prompts, so a pass measures requests drafting
+from the outputs of the requests before them in that pass;
 `draft-xtok` drafts (chains) with the draft model
 under another tokenizer: the target's with its ordinary tokens' ids shuffled and the draft's rows moved to match, its
 vocabulary padded (`hf_specdec.testbed.other_tokenizer.permuted`, built once per run); `draft-parallel` drafts

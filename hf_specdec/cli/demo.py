@@ -65,7 +65,8 @@ LINE_WIDTH = 116
 # every method the demo runs, in table order, and the drafter each needs (None: none)
 METHODS: dict[str, str | None] = {
     "ngram": None, "ngram-tree": None, "suffix": None, "recycling": None, "draft": "draft", "draft-tree": "draft",
-    "medusa": "medusa", "medusa-tree": "medusa", "eagle": "eagle", "eagle-tree": "eagle", "eagle3": "eagle3", "auto+eagle3": "eagle3",
+    "medusa": "medusa", "medusa-tree": "medusa", "eagle": "eagle", "eagle-tree": "eagle", "eagle3": "eagle3",
+    "auto+eagle3": "eagle3",
 }
 # the default: the two methods without a drafter, the best trained head, method="auto" choosing among the three each
 # step, and the draft model
