@@ -22,7 +22,6 @@ gather per tree depth and the update one top-k and one scatter per step, all on 
 
 from __future__ import annotations
 
-import heapq
 import threading
 import weakref
 
@@ -33,7 +32,7 @@ from hf_specdec.config import DEFAULT_RECYCLING_NODES, RECYCLED_CANDIDATES, Spec
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.host_text import HostText
 from hf_specdec.step import DecodeState, Proposal
-from hf_specdec.tree.template import TreeTemplate, level_ends, up_to_depth
+from hf_specdec.tree.template import TreeTemplate, level_ends, likeliest_rank_paths, up_to_depth
 from hf_specdec.tree.tree import TokenTree, template_tensors
 
 # how often the rank-r candidate was the next token, r = 0..7, at the root of 16 greedy 128-token answers of
@@ -44,18 +43,9 @@ RANK_PRIOR = (0.171, 0.084, 0.039, 0.017, 0.013, 0.011, 0.006, 0.007)
 
 
 def recycling_tree(num_draft_nodes: int, max_depth: int) -> TreeTemplate:
-    """The `num_draft_nodes` rank paths of at most `max_depth` tokens with the highest product of `RANK_PRIOR`
-    (prefix-closed: a path's prefix scores higher, and a path is offered only once its parent is kept)."""
-    frontier = [(-RANK_PRIOR[rank], (rank,)) for rank in range(RECYCLED_CANDIDATES)]
-    heapq.heapify(frontier)
-    paths: list[tuple[int, ...]] = []
-    while frontier and len(paths) < num_draft_nodes:
-        score, path = heapq.heappop(frontier)
-        paths.append(path)
-        if len(path) < max_depth:
-            for rank in range(RECYCLED_CANDIDATES):
-                heapq.heappush(frontier, (score * RANK_PRIOR[rank], path + (rank,)))
-    return TreeTemplate.from_paths(paths)
+    """The `num_draft_nodes` rank paths of at most `max_depth` tokens with the highest product of `RANK_PRIOR` (the
+    same prior at every depth)."""
+    return TreeTemplate.from_paths(likeliest_rank_paths([RANK_PRIOR] * max_depth, num_draft_nodes))
 
 
 class RecycledTokens:

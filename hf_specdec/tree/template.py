@@ -111,6 +111,25 @@ def rank_budget_paths(depth: int, rank_budget: int) -> list[tuple[int, ...]]:
     return paths
 
 
+def likeliest_rank_paths(
+    # [D][R]: at each depth d, the chance that the rank-r candidate there is the next token
+    rank_accuracy: Sequence[Sequence[float]],
+    num_nodes: int,
+) -> list[tuple[int, ...]]:
+    """The `num_nodes` rank paths (at most D deep) most likely to be accepted whole, a path's chance being the
+    product of its ranks' accuracies at their depths (taken as independent). A path is never likelier than its
+    prefix, and ties go to the shorter path, then the lower ranks, so the result is a tree, likeliest first."""
+    scored: list[tuple[float, tuple[int, ...]]] = []
+    level: list[tuple[float, tuple[int, ...]]] = [(1.0, ())]
+    for accuracy in rank_accuracy:
+        # only the num_nodes likeliest paths of a level can have children among the num_nodes likeliest overall
+        level = sorted(((p * a, path + (r,)) for p, path in level for r, a in enumerate(accuracy)),
+                       key=lambda item: (-item[0], item[1]))[:num_nodes]
+        scored.extend(level)
+    scored.sort(key=lambda item: (-item[0], len(item[1]), item[1]))
+    return [path for _, path in scored[:num_nodes]]
+
+
 # 4 heads, ranks summing to <= 2: 3 + 6 + 10 + 15 = 34 draft nodes (Medusa's preset trees use about 60)
 DEFAULT_MEDUSA_TREE = tuple(rank_budget_paths(depth=4, rank_budget=2))
 

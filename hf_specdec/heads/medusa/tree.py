@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_specdec.tree.template import rank_budget_paths
+from hf_specdec.tree.template import likeliest_rank_paths, rank_budget_paths
 
 MAX_DEFAULT_TREE_DEPTH = 4
 
@@ -23,17 +23,7 @@ def fit_tree(
     num_nodes: int,
 ) -> list[list[int]]:
     """Medusa's tree fit: a path's chance of being accepted whole is the product of its heads' rank accuracies
-    (heads taken as independent); keep the `num_nodes` likeliest paths. A path is never likelier than its prefix,
-    and ties go to the shorter path, so the result is a tree."""
+    (heads taken as independent); keep the `num_nodes` likeliest paths (`likeliest_rank_paths`)."""
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"fit_tree: num_nodes: expected an int >= 1, got {num_nodes!r}")
-    accuracy = rank_accuracy.double().tolist()
-    scored: list[tuple[float, tuple[int, ...]]] = []
-    level: list[tuple[float, tuple[int, ...]]] = [(1.0, ())]
-    for head in accuracy:
-        # only the num_nodes likeliest paths of a level can have children among the num_nodes likeliest overall
-        level = sorted(((p * a, path + (r,)) for p, path in level for r, a in enumerate(head)),
-                       key=lambda item: (-item[0], item[1]))[:num_nodes]
-        scored.extend(level)
-    scored.sort(key=lambda item: (-item[0], len(item[1]), item[1]))
-    return [list(path) for _, path in scored[:num_nodes]]
+    return [list(path) for path in likeliest_rank_paths(rank_accuracy.double().tolist(), num_nodes)]
