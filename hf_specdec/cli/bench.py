@@ -129,10 +129,11 @@ HYBRID_CASES = {"suffix+eagle": "eagle", "suffix+eagle3": "eagle3", "suffix+draf
 AUTO_CASES = {f"auto+{case}": case for case in ("draft", PARALLEL_CASE, "medusa", "eagle", "eagle3", "mlp_speculator")}
 # an auto case's name with token recycling among its candidates too (`auto+recycling` has no drafter)
 RECYCLING_SUFFIX = "+recycling"
-AUTO_CASES |= {f"auto+{case}{RECYCLING_SUFFIX}": case for case in ("draft", "eagle", "eagle3")}
+RECYCLING_AUTO_CASES = {f"auto+{case}{RECYCLING_SUFFIX}": case for case in ("draft", "eagle", "eagle3")}
+AUTO_CASES |= RECYCLING_AUTO_CASES
 # cases that take --tree-width: w > 1 drafts a token tree (for auto cases, the drafter's EAGLE-2 dynamic tree)
 TREE_CASES = ("draft", "ngram", "early_exit", *HEAD_CASES, "auto+draft", "auto+eagle", "auto+eagle3",
-              "auto+mlp_speculator", *(f"auto+{case}{RECYCLING_SUFFIX}" for case in ("draft", "eagle", "eagle3")))
+              "auto+mlp_speculator", *RECYCLING_AUTO_CASES)
 # cases whose static tree --tree-nodes sizes (a count or "auto"), without --tree-width
 NODE_COUNT_CASES = ("recycling",)
 # every composite case and the case whose drafter it loads
