@@ -59,6 +59,7 @@ from hf_specdec.cli.bench import random_prompts
 from hf_specdec.proposers.ngram import find_ngram_continuation, matched_ngram_length
 from hf_specdec.schedule import controller, estimates
 from hf_specdec.schedule.estimates import CostTable
+from hf_specdec.schedule.lookahead import LookaheadTree
 from hf_specdec.step.state import HostView
 from hf_specdec.testbed.drafters import load_drafter
 from hf_specdec.testbed.real_model import load_real_model
@@ -251,7 +252,7 @@ def replay(data: dict, method: str, max_k: int, schedule: str, step_seconds: Ste
                                disable_by_batch_size=100 if schedule == "fixed" else None)
     current = [0]  # the replayed row's draft class at this step
     chain = [np.zeros(0, dtype=np.int64)]  # the replayed row's lookahead chain at this step
-    engine = dict(lookahead={None: lambda state, rows: [chain[0] for _ in rows]},
+    engine = dict(lookahead={None: lambda state, rows: [LookaheadTree.chain(chain[0]) for _ in rows]},
                   draft_classes={None: controller.DraftClasses(lambda state: np.array(current), 3)}
                   ) if lookups is not None else {}
     plan = controller.Schedule(config, max_k, {None: CostTable()}, static_shapes=False, clock=lambda: clock[0],

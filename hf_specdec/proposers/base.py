@@ -12,6 +12,7 @@ from transformers import LogitsProcessorList
 
 from hf_specdec.compile import CompileSettings
 from hf_specdec.config import SpeculativeConfig
+from hf_specdec.schedule.lookahead import LookaheadTree, ShippedTrees
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.tree.tree import TokenTree
 
@@ -109,15 +110,16 @@ class Proposer(ABC):
         step's tokens here (`state.host.emitted` holds only those). A proposer with a cache may catch up here or at
         its next proposal."""
 
-    # drafts on the host cheaply enough to say, for rows that decode plainly, what it would draft (`lookahead`;
-    # the schedule checks it against `state.host.emitted`, so only with `reads_emitted_tokens`)
+    # drafts without a model, cheaply enough to say, for rows that decode plainly, what it would draft
+    # (`lookahead`; the schedule checks it against `state.host.emitted`, so only with `reads_emitted_tokens`)
     looks_ahead: bool = False
 
-    def lookahead(self, state: DecodeState, rows: list[int]) -> list[np.ndarray]:
+    def lookahead(self, state: DecodeState, rows: list[int]) -> list[LookaheadTree] | ShippedTrees:
         """For a proposer that `looks_ahead`, called after `propose` or `skip` in a step where `rows` draft nothing:
-        for each, the chain it would draft now (up to k tokens; empty: none). The adaptive schedule checks them
-        against the tokens the rows then emit, so their acceptance estimates stay current without drafting (see
-        `hf_specdec.schedule.controller`). Reads the host copy of the text only; proposes nothing."""
+        for each, the chain or tree it would draft now (up to k tokens deep; empty: none), or, for trees built on
+        the device, those trees shipped with the step's host read (`ShippedTrees`). The adaptive schedule walks them
+        down with the tokens the rows then emit, so their acceptance estimates stay current without drafting (see
+        `hf_specdec.schedule.controller`). Proposes nothing."""
         raise NotImplementedError(f"{type(self).__name__} does not look ahead")
 
     # for a proposer that drafts on the host: how many kinds of draft `draft_classes` tells apart (0: it does not)

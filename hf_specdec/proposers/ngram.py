@@ -29,6 +29,7 @@ import torch
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.host_text import HostText
+from hf_specdec.schedule.lookahead import LookaheadTree
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.dynamic import kept_nodes
 from hf_specdec.tree.tree import TokenTree
@@ -236,9 +237,9 @@ class NgramProposer(Proposer):
                               torch.from_numpy(counts).to(device),
                               dense=bool((counts == width).all())).with_host_depths(counts)
 
-    def lookahead(self, state: DecodeState, rows: list[int]) -> list[np.ndarray]:
+    def lookahead(self, state: DecodeState, rows: list[int]) -> list[LookaheadTree]:
         """The chain `propose` would draft for each row (its most recent match's continuation)."""
-        return [_first(self._continuations(row, self.k, 1)) for row in rows]
+        return [LookaheadTree.chain(_first(self._continuations(row, self.k, 1))) for row in rows]
 
     @property
     def num_draft_classes(self) -> int:

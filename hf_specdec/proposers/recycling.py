@@ -18,6 +18,10 @@ Drafts are point masses chosen from earlier steps' scores only (never from the s
 decided), so verification keeps greedy output identical to plain `generate` and sampling exact. Drafting is a
 gather per tree depth and the update one top-k and one scatter per step, all on the device: no host sync in a step
 (the prompt's seed reads and writes the rows it touches once per call).
+
+The adaptive schedule learns how well the tree would do for rows that decode plainly without drafting it
+(`lookahead`: the tree each such row would get, read with the step's one host read, walked down by the tokens the
+row then emits), so a row turns drafting back on as soon as the table's guesses start to hold.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from hf_specdec.config import DEFAULT_RECYCLING_NODES, RECYCLED_CANDIDATES, SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.host_text import HostText
+from hf_specdec.schedule.lookahead import ShippedTrees
 from hf_specdec.step import DecodeState, Proposal
 from hf_specdec.tree.template import TreeTemplate, level_ends, likeliest_rank_paths, up_to_depth
 from hf_specdec.tree.tree import TokenTree, template_tensors
@@ -116,6 +121,9 @@ def forget_recycled_tokens(target: torch.nn.Module) -> None:
 
 class RecyclingProposer(Proposer):
     reads_target_scores = True
+    # the adaptive schedule checks the tree a plainly decoding row would get against what it emits (`lookahead`)
+    looks_ahead = True
+    reads_emitted_tokens = True
 
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module) -> None:
         self.target = target
@@ -156,18 +164,38 @@ class RecyclingProposer(Proposer):
         template = self.template if self.fixed_shapes else up_to_depth(self.template, state.step_width(
             self.template.max_depth))
         structure = template_tensors(template, state.sequences.device)
-        roots = state.last_tokens()  # [B]
+        tokens = self._tree_tokens(template, state.last_tokens())
+        # a node is real when its token was seen (then so was every ancestor's) and it is within the row's budget
+        valid = (tokens >= 0) & (structure.depths[None, :] <= budget[:, None])
+        return Proposal(TokenTree.from_template(template, tokens.clamp(min=0), valid))
+
+    def _tree_tokens(
+        self,
+        template: TreeTemplate,
+        # [R]: each row's last token, the tree's root
+        roots: torch.Tensor,
+    ) -> torch.Tensor:
+        """[R, N] the token of each node of `template` for each row, read from the table (-1: not seen yet)."""
+        structure = template_tensors(template, roots.device)
         tokens = roots.new_full((roots.shape[0], template.num_nodes), -1)
         tokens[:, 0] = roots
         if self.table is not None:  # before the first verify forward nothing was seen: no drafts
             ends = level_ends(template)
             for start, end in zip(ends[:-1], ends[1:]):  # one depth at a time, its parents' tokens known
-                parent_tokens = tokens[:, structure.parents[start:end]]  # [B, n_d]
+                parent_tokens = tokens[:, structure.parents[start:end]]  # [R, n_d]
                 found = self.table.successors[parent_tokens.clamp(min=0), structure.ranks[start:end]]
                 tokens[:, start:end] = torch.where(parent_tokens >= 0, found, -1)
-        # a node is real when its token was seen (then so was every ancestor's) and it is within the row's budget
-        valid = (tokens >= 0) & (structure.depths[None, :] <= budget[:, None])
-        return Proposal(TokenTree.from_template(template, tokens.clamp(min=0), valid))
+        return tokens
+
+    @torch.no_grad()
+    def lookahead(self, state: DecodeState, rows: list[int]) -> ShippedTrees:
+        """The whole tree `propose` would draft for each row now, shipped with the step's host read (built for
+        every row: one shape per call). Its nodes not seen yet are -1, never matched: a proposal verifies them too
+        (the step costs its width), and the schedule counts them as rejected drafts, not as a row without one."""
+        tokens = self._tree_tokens(self.template, state.last_tokens())  # [B, N]
+        # the template without its root: node i + 1's parent, -1 for the root's children
+        parents = np.asarray(self.template.parents[1:], dtype=np.int64) - 1
+        return ShippedTrees(state.ship(tokens[:, 1:]), parents)
 
     @torch.no_grad()
     def observe_scores(

@@ -28,6 +28,7 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.draft_model import vocab_size
 from hf_specdec.proposers.host_text import HostText
+from hf_specdec.schedule.lookahead import LookaheadTree
 from hf_specdec.step import DecodeState, Proposal, VerificationResult
 from hf_specdec.suffix import EMPTY_DRAFT, SuffixCache, SuffixDraft, SuffixRequest, propose_suffix_draft
 from hf_specdec.tree.tree import TokenTree
@@ -130,9 +131,9 @@ class SuffixProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal:
         return self.proposal(state, self.drafts(state))
 
-    def lookahead(self, state: DecodeState, rows: list[int]) -> list[np.ndarray]:
+    def lookahead(self, state: DecodeState, rows: list[int]) -> list[LookaheadTree]:
         """Each row's best draft's most probable chain (`SuffixDraft.most_probable_chain`)."""
-        return [np.asarray(self._draft(row, self.k).most_probable_chain(), dtype=np.int64) for row in rows]
+        return [LookaheadTree.chain(self._draft(row, self.k).most_probable_chain()) for row in rows]
 
     num_draft_classes = 2 * len(MATCH_CLASS_BOUNDS)
 

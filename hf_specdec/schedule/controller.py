@@ -11,17 +11,20 @@ waits for the device), so a step's measured time covers its device work; nothing
 A step during which torch.compile built a graph (a shape first met, in this call or after an earlier one) is not
 timed.
 
-Lookahead: a proposer that drafts on the host (n-gram lookup, suffix decoding: `Proposer.looks_ahead`) says what it
-would draft for the rows that do not draft with it (they decode plainly, or, under `method="auto"`, draft with
-another candidate); the schedule checks each such chain against the tokens the row then emits, over as many steps
-as it takes (`hf_specdec.schedule.lookahead`), and updates the estimates as a drafted chain of that length would
-have: a row's estimates follow the text at no cost, and it drafts again as soon as they say drafting pays. Its
-probes go on as any row's do (they also re-measure step times, which a lookahead cannot).
+Lookahead: a proposer that drafts without a model (n-gram lookup, suffix decoding, token recycling:
+`Proposer.looks_ahead`) says what it would draft for the rows that do not draft with it (they decode plainly, or,
+under `method="auto"`, draft with another candidate); the schedule walks each such draft (a chain or a tree) down
+with the tokens the row then emits, over as many steps as it takes (`hf_specdec.schedule.lookahead`), and updates
+the estimates as that draft, drafted, would have: a row's estimates follow the text at no cost, and it drafts
+again as soon as they say drafting pays. Its rows do not probe: a probe would learn nothing the lookahead does not,
+at a wide verify's cost (token recycling at batch 1 on SmolLM2, where its steps cost 1.4 to 1.6 plain ones, probed
+in 10 of 184 steps on QA questions it never drafted for by its estimates). Step times are measured when drafting
+pays by the estimates (the cost table's prior reads a width cheap until then).
 
 Draft classes: a host proposer that can say before the decision what kind of draft each row has
 (`Proposer.draft_classes`; n-gram lookup: the length of the matched n-gram; suffix decoding: that of the context
 its draft matched, bucketed; 0 for no draft) gets acceptance estimates per class instead of per row, pooled over
-every row and call (`CostTable.class_estimate`), from its drafts and its lookahead chains alike. A row without a
+every row and call (`CostTable.class_estimate`), from its drafts and its lookahead drafts alike. A row without a
 draft expects nothing from drafting and gets no limit; no row probes (lookahead observes every class for free). The
 class is a function of the committed text (and, for suffix decoding, of earlier requests' outputs), so this stays
 as lossless as the rest. Under `method="auto"` each candidate that tells its drafts apart keeps its own class
@@ -52,7 +55,7 @@ from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.schedule.decision import Decision, decide, expected_accepted, step_expectation, width_ladder
 from hf_specdec.schedule.estimates import AcceptanceEstimate, CostTable, cost_table
-from hf_specdec.schedule.lookahead import LookaheadChains
+from hf_specdec.schedule.lookahead import LookaheadDrafts, LookaheadTree, ShippedTrees
 from hf_specdec.schedule.rules import batch_size_cap
 from hf_specdec.stats import ScheduleStats
 from hf_specdec.step import DecodeState, Proposal
@@ -103,13 +106,13 @@ class Schedule:
         static_shapes: bool,
         clock: Callable[[], float] = time.perf_counter,
         # per candidate (the keys of `costs`) that looks ahead: its `Proposer.lookahead`
-        lookahead: dict[str | None, Callable[[DecodeState, list[int]], list[np.ndarray]]] | None = None,
+        lookahead: dict[str | None, Callable[[DecodeState, list[int]], list[LookaheadTree] | ShippedTrees]] | None = None,
         graphs_compiled: Callable[[], int] = graphs_compiled,
         # per candidate (the keys of `costs`) that tells its drafts apart: its draft classes
         draft_classes: dict[str | None, DraftClasses] | None = None,
     ) -> None:
         self.adaptive = config.schedule == "adaptive"
-        # candidates that look ahead: rows not drafting with one are checked against its lookahead chains
+        # candidates that look ahead: rows not drafting with one are checked against its lookahead drafts
         self.lookahead = dict(lookahead or {}) if self.adaptive else {}
         # host proposers that tell their drafts apart (`Proposer.draft_classes`): each row's acceptance is its draft
         # class's, pooled over all rows, and whether it drafts at all is known before the decision
@@ -133,7 +136,9 @@ class Schedule:
         self.acceptance = {method: AcceptanceEstimate(batch_size, self.max_k, table.acceptance_prior(self.max_k))
                            for method, table in self.costs.items()}
         self.idle = np.zeros(batch_size, dtype=int)  # steps since each row last drafted
-        self.chains = {method: LookaheadChains(batch_size, self.max_k) for method in self.lookahead}
+        self.lookahead_drafts = {method: LookaheadDrafts(batch_size, self.max_k) for method in self.lookahead}
+        # per candidate whose lookahead this step is read with the step's host read: (rows, trees, classes)
+        self.shipped: dict[str | None, tuple[list[int], ShippedTrees, np.ndarray]] = {}
         # per candidate with draft classes: [B] each row's draft class this step (and draft depth, where known),
         # and the classes' estimates
         self.classes: dict[str | None, np.ndarray] = {}
@@ -215,9 +220,8 @@ class Schedule:
         if len(self.costs) > 1:
             state.draft_methods = tuple(row_methods)
         # rows that probed: due and drafting with the step's candidate (a due row in a plain step waits; a
-        # candidate with classes has no probes)
-        self.probed = (probe & (np.asarray(decision.limits) > 0) & (row_methods == method)
-                       & (method not in self.classes))
+        # candidate with classes or lookahead has no probes)
+        self.probed = probe & (np.asarray(decision.limits) > 0) & (row_methods == method) & self.probes(method)
         self.decision, self.method, self.row_methods, self.active = decision, method, row_methods, active
         self.rows_computed, self.started, self.graphs = rows_computed, self.clock(), self.graphs_compiled()
         return decision
@@ -243,7 +247,8 @@ class Schedule:
         expected = {}  # per candidate: [B, K + 1] expected accepted drafts, how often the row drafts included
         for method in times:
             estimate = self.acceptance[method]
-            values, draft_rate, probing = estimate.values, estimate.draft_rate, probe
+            values, draft_rate = estimate.values, estimate.draft_rate
+            probing = probe if self.probes(method) else np.zeros_like(probe)
             classes = self.classes.get(method)
             if classes is not None:
                 # a row without a draft expects nothing from drafting: it gets no limit. No row probes: its class's
@@ -251,7 +256,7 @@ class Schedule:
                 values = np.where(classes[:, None] > 0, self.class_estimate[method].values[classes], 0.0)
                 if method in self.depths:  # a position past the row's draft is not drafted at all
                     values = np.where(np.arange(self.max_k)[None, :] < self.depths[method][:, None], values, 0.0)
-                draft_rate, probing = np.ones(len(classes)), np.zeros_like(probe)
+                draft_rate = np.ones(len(classes))
             expected[method] = (expected_accepted(values), draft_rate, probing)
         # per candidate: the widths whose steps delivered less than plain ones at this batch size (only probes draft
         # at them)
@@ -301,6 +306,11 @@ class Schedule:
             method = max(dict.fromkeys(drafting), key=lambda name: int((drafting == name).sum()))
         return method, decision, accepted, row_methods
 
+    def probes(self, method: str | None) -> bool:
+        """Whether a candidate's rows probe: not where its estimates learn without drafting (draft classes, pooled
+        over every row; lookahead)."""
+        return method not in self.classes and method not in self.lookahead
+
     def riders(self, method: str | None, candidates: Iterable[str | None]) -> list[str | None]:
         """The `candidates` other than `method` that may draft for a row in a step `method` drafts: those that draft
         on the host and tell their drafts apart (n-gram lookup, suffix decoding), whose drafting costs next to
@@ -308,26 +318,33 @@ class Schedule:
         return [other for other in candidates if other != method and other in self.classes]
 
     def lookahead_rows(self, method: str | None = None) -> list[int]:
-        """The rows a candidate that looks ahead is asked for its chain this step (after proposing): generating,
-        not drafting with it, with none of its chains being checked."""
+        """The rows a candidate that looks ahead is asked for its draft this step (after proposing): generating,
+        not drafting with it, with none of its drafts being checked."""
         if method not in self.lookahead or self.cap == 0:  # the batch-size rules allow no drafts: nothing to learn
             return []
         drafting = (self.allowed > 0) & (self.row_methods == method)
-        return self.chains[method].free_rows(self.active & ~drafting)
+        return self.lookahead_drafts[method].free_rows(self.active & ~drafting)
 
     def look_ahead(self, state: DecodeState) -> None:
-        """After the step's proposal: each candidate that looks ahead gives the chain it would draft for its
+        """After the step's proposal: each candidate that looks ahead gives the draft it would make for its
         `lookahead_rows`, to be checked against what they emit."""
         for method, lookahead in self.lookahead.items():
             rows = self.lookahead_rows(method)
             if rows:
                 classes = self.classes.get(method, np.zeros(len(self.active), dtype=int))
-                self.chains[method].start(rows, lookahead(state, rows), classes)
+                drafts = lookahead(state, rows)
+                if isinstance(drafts, ShippedTrees):  # read after the step's host read (`_check_lookahead`)
+                    self.shipped[method] = (rows, drafts, classes)
+                else:
+                    self.lookahead_drafts[method].start(rows, drafts, classes)
 
     def _check_lookahead(self, state: DecodeState, drafted: np.ndarray) -> None:
-        """Settle every candidate's chains against what the step emitted, as observations of its drafts."""
-        for method, chains in self.chains.items():
-            settled = chains.settle(state.host, drafted & (self.row_methods == method))
+        """Settle every candidate's lookahead drafts against what the step emitted, as observations of its drafts."""
+        for method, (rows, shipped, classes) in self.shipped.items():
+            self.lookahead_drafts[method].start(rows, shipped.trees(state.host, rows), classes)
+        self.shipped = {}
+        for method, drafts in self.lookahead_drafts.items():
+            settled = drafts.settle(state.host, drafted & (self.row_methods == method))
             if settled is None:
                 continue
             if method in self.classes:

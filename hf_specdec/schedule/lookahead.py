@@ -1,12 +1,15 @@
-"""Lookahead chains: what a host proposer (n-gram lookup, suffix decoding) would draft for a row that does not draft
-with it, checked against the tokens the row then emits, over as many steps as it takes.
+"""Lookahead drafts: what a proposer that drafts without a model (n-gram lookup, suffix decoding, token recycling)
+would draft for a row that does not draft with it, checked against the tokens the row then emits, over as many
+steps as it takes.
 
-The first mismatch or the chain's end settles a chain: it is observed as a drafted chain of its length with the
-tokens matched accepted (an empty chain, as a lookup that found nothing). A deterministic draft token is accepted
-exactly when the target emits it (greedy), or with the target's probability of it, which is the chance that the
-emitted token is it (sampling); and what a row emits does not depend on which drafter, if any, drafted for it. So
-these observations count as real ones, whether the row decoded plainly or drafted with another proposer
-(`method="auto"`).
+A draft is a token tree (a chain is the tree whose nodes each have one child). The emitted tokens walk down it from
+its root, one node per token, while some child of the node reached holds the next emitted token. The first emitted
+token no child holds, or a leaf reached, settles it: it is observed as a drafted tree of its depth with the tokens
+walked accepted (an empty draft, as a lookup that found nothing). Deterministic draft tokens are accepted exactly
+as far as that walk goes (greedy), or so in distribution (sampling: a child of the node reached is accepted with the
+target's probability of its token, which is the chance that the emitted token is that child's); and what a row
+emits does not depend on which drafter, if any, drafted for it. So these observations count as real ones, whether
+the row decoded plainly or drafted with another proposer (`method="auto"`).
 """
 
 from __future__ import annotations
@@ -17,11 +20,71 @@ import numpy as np
 
 from hf_specdec.step.state import HostView
 
+# the parent of a padding slot: no node reached is ever it
+NO_PARENT = -2
+
 
 @dataclass(frozen=True)
-class SettledChains:
-    """The chains a step settled, as observations: per row (0 where none settled) the draft positions asked for, the
-    tokens matched (accepted) and the chain's length (drafted), and the draft class each chain was looked up in."""
+class LookaheadTree:
+    """What a proposer would draft for one row now: N nodes in an order where parents come before children."""
+
+    # [N] int: each node's token
+    tokens: np.ndarray
+    # [N] int: each node's parent's index (-1: a child of the root, the row's last token)
+    parents: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.tokens.shape != self.parents.shape or self.tokens.ndim != 1:
+            raise ValueError(f"LookaheadTree: tokens {tuple(self.tokens.shape)} and parents "
+                             f"{tuple(self.parents.shape)} must be two vectors of one length")
+        if (self.parents >= np.arange(self.parents.size)).any() or (self.parents < -1).any():
+            raise ValueError(f"LookaheadTree: parents {self.parents.tolist()} must each be -1 or an earlier node")
+
+    @classmethod
+    def chain(cls, tokens: np.ndarray | list[int] | tuple[int, ...]) -> LookaheadTree:
+        """The chain of `tokens`, in order."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        return cls(tokens, np.arange(tokens.size, dtype=np.int64) - 1)
+
+    def subtree(
+        self,
+        # [N] bool: the nodes to keep, each one's parent among them
+        kept: np.ndarray,
+    ) -> LookaheadTree:
+        """The tree of the kept nodes, renumbered in order."""
+        index = np.cumsum(kept) - 1  # a kept node's new index: the kept nodes before it
+        parents = self.parents[kept]
+        return LookaheadTree(self.tokens[kept], np.where(parents < 0, -1, index[np.maximum(parents, 0)]))
+
+    def depths(self) -> np.ndarray:
+        """[N] each node's depth (1: a child of the root)."""
+        depths = np.zeros(self.parents.size, dtype=np.int64)
+        for node, parent in enumerate(self.parents.tolist()):
+            depths[node] = 1 if parent < 0 else depths[parent] + 1
+        return depths
+
+
+@dataclass(frozen=True)
+class ShippedTrees:
+    """Trees a proposer built on the device (token recycling), read with the step's one host read
+    (`DecodeState.ship`) rather than at a sync of their own: every row's tree is one template's nodes. A node it
+    has no token for (-1) matches no emitted token: it is verified, and costs, as a rejected node would."""
+
+    # the index of the [B, N] node tokens in `HostView.shipped`
+    shipment: int
+    # [N] int: the template's parents (-1: a child of the root), parents first
+    parents: np.ndarray
+
+    def trees(self, host: HostView, rows: list[int]) -> list[LookaheadTree]:
+        """The rows' trees, after the step's host read."""
+        tokens = host.shipped[self.shipment]
+        return [LookaheadTree(tokens[row], self.parents) for row in rows]
+
+
+@dataclass(frozen=True)
+class SettledDrafts:
+    """The drafts a step settled, as observations: per row (0 where none settled) the draft positions asked for, the
+    tokens matched (accepted) and the draft's depth (drafted), and the draft class each was looked up in."""
 
     # [B] each
     asked: np.ndarray
@@ -30,70 +93,94 @@ class SettledChains:
     classes: np.ndarray
 
 
-class LookaheadChains:
-    """One proposer's pending chain per row ([B, K] tokens, the first `length` real; length -1: none), how many of
-    its tokens the row emitted so far, and the draft class it was looked up in."""
+class LookaheadDrafts:
+    """One proposer's pending draft per row ([B, M] node tokens and parents, padded; its depth, -1: none), the node
+    the row's emitted tokens reached so far (-1: the root) and how many that is, and the draft class it was looked
+    up in."""
 
     def __init__(self, batch_size: int, max_k: int) -> None:
         self.max_k = max_k
         self.tokens = np.zeros((batch_size, max_k), dtype=np.int64)
+        self.parents = np.full((batch_size, max_k), NO_PARENT, dtype=np.int64)
         self.length = np.full(batch_size, -1)
+        self.node = np.full(batch_size, -1)
         self.matched = np.zeros(batch_size, dtype=int)
         self.classes = np.zeros(batch_size, dtype=int)
 
     def free_rows(
         self,
-        # [B] bool: rows that may take a chain (generating, not drafting with this proposer)
+        # [B] bool: rows that may take a draft (generating, not drafting with this proposer)
         eligible: np.ndarray,
     ) -> list[int]:
-        """The eligible rows with no chain being checked."""
+        """The eligible rows with no draft being checked."""
         return np.flatnonzero(eligible & (self.length < 0)).tolist()
 
     def start(
         self,
         rows: list[int],
-        # per row of `rows`: the chain the proposer would draft (at most k tokens; empty when none)
-        chains: list[np.ndarray],
+        # per row of `rows`: the draft the proposer would make (nodes deeper than k are dropped)
+        drafts: list[LookaheadTree],
         # [B] each row's draft class this step (zeros for a proposer without classes)
         classes: np.ndarray,
     ) -> None:
-        for row, chain in zip(rows, chains):
-            chain = np.asarray(chain[: self.max_k], dtype=np.int64)
-            self.tokens[row, : chain.size] = chain
-            self.length[row] = chain.size
+        for row, draft in zip(rows, drafts):
+            depths = draft.depths()
+            kept = depths <= self.max_k  # a kept node's parent is shallower: kept too
+            draft = draft.subtree(kept)
+            size = draft.tokens.size
+            if size > self.tokens.shape[1]:  # room for the largest draft so far
+                extra = size - self.tokens.shape[1]
+                self.tokens = np.pad(self.tokens, ((0, 0), (0, extra)))
+                self.parents = np.pad(self.parents, ((0, 0), (0, extra)), constant_values=NO_PARENT)
+            self.tokens[row, :size] = draft.tokens
+            self.parents[row, :size] = draft.parents
+            self.parents[row, size:] = NO_PARENT
+            self.length[row] = int(depths[kept].max(initial=0))
+        self.node[rows] = -1
         self.matched[rows] = 0
         self.classes[rows] = classes[rows]
+
+    def _has_children(self, node: np.ndarray) -> np.ndarray:
+        """[B] whether each row's node (-1: the root) has a child in its draft."""
+        return (self.parents == node[:, None]).any(axis=1)
 
     def settle(
         self,
         host: HostView,
-        # [B] bool: rows that drafted with this proposer this step (their drafts observe them: chains dropped)
+        # [B] bool: rows that drafted with this proposer this step (their drafts observe them: lookaheads dropped)
         drafted: np.ndarray,
-    ) -> SettledChains | None:
-        """Check the pending chains against what the step emitted; the chains it settled, or None."""
+    ) -> SettledDrafts | None:
+        """Walk the pending drafts down with what the step emitted; the drafts it settled, or None."""
         pending = self.length >= 0
         if not pending.any():
             return None
         dropped = pending & (drafted | np.asarray(host.finished))
         self.length[dropped] = -1
         pending &= ~dropped
-        # [B, E]: each emitted token against the chain token it meets (the rows' next unmatched ones on)
-        emitted, length, matched = host.emitted, self.length, self.matched
-        column = np.arange(emitted.shape[1])[None, :]
-        position = matched[:, None] + column
-        chain = self.tokens[np.arange(len(length))[:, None], np.minimum(position, self.max_k - 1)]
-        compared = pending[:, None] & (column < np.asarray(host.num_emitted)[:, None]) & (position < length[:, None])
-        agreeing = (emitted == chain) & compared
-        agree = np.argmin(np.concatenate([agreeing, np.zeros_like(agreeing[:, :1])], axis=1), axis=1)  # 1st mismatch
-        count = matched + agree
-        # all emitted tokens matched and the chain not through: wait for the next step
-        waiting = pending & (agree == compared.sum(axis=1)) & (count < length)
-        self.matched = np.where(waiting, count, matched)
-        settled = pending & ~waiting
-        lengths, matched = np.where(settled, length, 0), np.where(settled, count, 0)
-        self.length[settled] = -1
+        emitted, num_emitted = host.emitted, np.asarray(host.num_emitted)
+        walking, settled = pending.copy(), np.zeros_like(pending)
+        node, matched = self.node.copy(), self.matched.copy()
+        for column in range(emitted.shape[1] + 1):
+            through = walking & ~self._has_children(node)  # a leaf reached (or an empty draft): through
+            settled |= through
+            walking &= ~through
+            here = walking & (column < num_emitted)
+            if column == emitted.shape[1] or not here.any():
+                break
+            # [B, M]: the child of the node reached that holds this emitted token
+            child = (self.parents == node[:, None]) & (self.tokens == emitted[:, column, None])
+            found = here & child.any(axis=1)
+            node = np.where(found, child.argmax(axis=1), node)
+            matched = matched + found
+            missed = here & ~found
+            settled |= missed
+            walking &= ~missed
+        # the rest matched every token they emitted, their drafts not through: they wait for the next step
+        self.node, self.matched = np.where(walking, node, -1), np.where(walking, matched, 0)
         if not settled.any():
             return None
-        # an empty chain: asked for max_k, drafted none (the row's draft rate learns it)
+        lengths, matched = np.where(settled, self.length, 0), np.where(settled, matched, 0)
+        self.length[settled] = -1
+        # an empty draft: asked for max_k, drafted none (the row's draft rate learns it)
         asked = np.where(settled, np.maximum(lengths, self.max_k * (lengths == 0)), 0)
-        return SettledChains(asked, matched, lengths, self.classes.copy())
+        return SettledDrafts(asked, matched, lengths, self.classes.copy())

@@ -32,6 +32,8 @@ class HostView:
     emitted: np.ndarray | None = None
     # per row, whether it emitted a token sampled from no distribution (`unsampleable_rows`); None when greedy
     unsampleable: list[bool] | None = None
+    # [B, X_i] each: what the step shipped with its host read (`DecodeState.ship`), in the order shipped
+    shipped: tuple[np.ndarray, ...] = ()
 
     @classmethod
     def start(cls, batch_size: int, prompt_length: int) -> HostView:
@@ -96,6 +98,8 @@ class DecodeState:
     # [B]: the same for per-row values a proposer computes on the host (`stage_rows`)
     row_buffer: torch.Tensor | None = field(default=None, repr=False)
     row_host: np.ndarray | None = field(default=None, repr=False)
+    # [B, X_i] int tensors to read with the step's host read (`ship`), cleared by it
+    shipments: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     @classmethod
     def start(
@@ -197,6 +201,16 @@ class DecodeState:
         finally:
             self.draft_limits, self.draft_limit_tensor = saved
 
+    def ship(
+        self,
+        # [B, X] integers on the device
+        values: torch.Tensor,
+    ) -> int:
+        """Have `values` read with this step's host read (`report`), at no sync of their own: after it they are
+        `self.host.shipped[i]`, [B, X] int64, for the index i returned."""
+        self.shipments.append(values)
+        return len(self.shipments) - 1
+
     def report(
         self,
         # [B]: tokens each row emitted this step
@@ -213,17 +227,20 @@ class DecodeState:
         if unsampleable is not None:
             columns.append(unsampleable.long())
         packed = torch.stack([c.to(self.lengths.device) for c in columns], dim=1)
-        if tokens is not None:
-            packed = torch.cat([packed, tokens.to(packed.device)], dim=1)
+        extra = ([] if tokens is None else [tokens]) + self.shipments
+        if extra:
+            packed = torch.cat([packed] + [part.to(packed) for part in extra], dim=1)
         values = packed.tolist()  # the one host read
-        emitted = None
-        if tokens is not None:
-            first = len(columns)
-            emitted = np.array([row[first:] for row in values], dtype=np.int64).reshape(len(values), tokens.shape[1])
+        # the columns after the facts: the tokens (if asked for), then each shipment
+        after = np.array(values, dtype=np.int64).reshape(len(values), -1)[:, len(columns):]
+        parts = np.split(after, np.cumsum([part.shape[1] for part in extra])[:-1], axis=1) if extra else []
+        emitted = parts.pop(0) if tokens is not None else None
+        self.shipments = []
         self.host = HostView(lengths=[row[0] for row in values], finished=[bool(row[1]) for row in values],
                              num_emitted=[row[2] for row in values], num_accepted=[row[3] for row in values],
                              emitted=emitted,
-                             unsampleable=None if unsampleable is None else [bool(row[4]) for row in values])
+                             unsampleable=None if unsampleable is None else [bool(row[4]) for row in values],
+                             shipped=tuple(parts))
         return self.host
 
     def write(

@@ -71,7 +71,8 @@ def test_lookahead_is_the_chain_a_proposal_would_draft():
     proposer = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
     proposer.start(state, mask)
     proposer.skip(state)
-    assert [chain.tolist() for chain in proposer.lookahead(state, [2, 0])] == [[], [8, 6, 7]]
+    assert [(draft.tokens.tolist(), draft.parents.tolist()) for draft in proposer.lookahead(state, [2, 0])] == [
+        ([], []), ([8, 6, 7], [-1, 0, 1])]
     proposal = proposer.propose(state)
     assert proposal.draft_token_ids[0].tolist() == [8, 6, 7] and proposal.num_draft_tokens[2] == 0
 

@@ -99,6 +99,34 @@ def test_a_proposal_follows_the_table_by_rank_within_each_rows_budget():
     assert tree.valid[1].tolist() == [True, True, True, False, False, False]  # a budget of one token
 
 
+def test_lookahead_is_the_whole_tree_a_proposal_would_draft():
+    """For rows that decode plainly, the tree the table gives now at full depth, whatever width the step allowed;
+    nodes not seen yet (all of them before the table exists) are -1, which no emitted token matches: a proposal
+    verifies them too."""
+    target = make_model("llama")
+    config = SpeculativeConfig(method="recycling", num_speculative_tokens=3,
+                               tree_paths=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    proposer = RecyclingProposer(config, target)
+    state = DecodeState.start(torch.tensor([[1, 2, 3], [4, 4, 8]]), None, max_length=20, extra_capacity=8,
+                              pad_token_id=0)
+
+    def looked_ahead(rows):  # the shipped trees, read with a step's report
+        shipped = proposer.lookahead(state, rows)
+        state.report(torch.ones(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+        return shipped.trees(state.host, rows)
+
+    assert [draft.tokens.tolist() for draft in looked_ahead([0, 1])] == [[-1] * 5] * 2
+    proposer.table = RecycledTokens(VOCAB, torch.device("cpu"))
+    successors = proposer.table.successors
+    successors[3, :2] = torch.tensor([5, 6])
+    successors[5, :2] = torch.tensor([7, 3])  # 7 was never seen: the path through it stops there
+    state.set_draft_limits([0, 0], width=0)
+    drafts = looked_ahead([1, 0])
+    assert drafts[0].tokens.tolist() == [-1] * 5  # 8 was never seen
+    # nodes (0,), (1,), (0, 0), (0, 1), (0, 0, 0); the last, below the unseen 7, unseen too
+    assert (drafts[1].tokens.tolist(), drafts[1].parents.tolist()) == ([5, 6, 7, 3, -1], [-1, -1, 0, 0, 2])
+
+
 def test_a_later_call_starts_from_what_earlier_calls_recycled():
     target = make_model("llama")
     ids, mask = padded_batch([9, 6], seed=4, repeat_period=4)

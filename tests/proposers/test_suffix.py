@@ -344,7 +344,7 @@ def test_lookahead_is_the_most_probable_chain_of_the_draft():
     (draft,) = proposer.drafts(state)
     assert draft.source == "global" and 9 in draft.tokens  # a tree: the less frequent branch rides along
     (chain,) = proposer.lookahead(state, [0])
-    assert chain.tolist() == [4, 5, 6]  # the frequent branch, first child after first child
+    assert (chain.tokens.tolist(), chain.parents.tolist()) == ([4, 5, 6], [-1, 0, 1])  # the frequent branch, first child after first child
     proposer.finish(state)
 
 

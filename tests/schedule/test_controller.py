@@ -5,11 +5,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from hf_specdec import SpeculativeConfig
 from hf_specdec.schedule.controller import PROBE_BUDGET, PROBE_INTERVAL, DraftClasses, Schedule
 from hf_specdec.schedule.estimates import ACCEPTANCE_PRIOR, ACCEPTANCE_RATE, PLAIN_REFRESH, CostTable
+from hf_specdec.schedule.lookahead import LookaheadTree, ShippedTrees
 from hf_specdec.step.state import DecodeState, HostView
 from tests.conftest import InjectedCosts
 
@@ -354,17 +356,23 @@ def test_the_switch_judges_the_width_the_decision_chose():
     assert 4 in costs.unpaid_widths(2, 2)
 
 
-def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_waiting_for_a_probe():
-    """Rows of a host proposer that looks ahead (n-gram lookup, suffix decoding): their lookahead chains, checked
-    against the tokens they emit, keep their estimates current. Unpredictable text for 40 steps (every chain wrong
-    at its first token), then a repeated passage (every chain right)."""
+@pytest.mark.parametrize("drafts", ["chains", "shipped trees"])
+def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_waiting_for_a_probe(drafts):
+    """Rows of a proposer that looks ahead (n-gram lookup, suffix decoding: chains on the host; token recycling:
+    trees built on the device, shipped with the step's host read): their lookahead drafts, walked down by the tokens
+    they emit, keep their estimates current. Unpredictable text for 40 steps (every draft wrong at its first
+    token), then a repeated passage (every draft right)."""
     batch, k = 2, 4
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
     asked = []
+    # the tree: root's children 8 and 5, then 5s below the 5 (and a 7 beside the second one)
+    tree_tokens, tree_parents = torch.tensor([8, 5, 5, 7, 5, 5]), np.array([-1, -1, 1, 1, 2, 4])
 
-    def lookahead(state, rows):  # the chain is always 5s
+    def lookahead(state, rows):  # the chain (tree path) is always 5s
         asked[-1] = rows
-        return [np.full(k, 5) for _ in rows]
+        if drafts == "shipped trees":
+            return ShippedTrees(state.ship(tree_tokens.expand(batch, -1)), tree_parents)
+        return [LookaheadTree.chain(np.full(k, 5)) for _ in rows]
 
     schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False, lookahead={None: lookahead})
     state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
@@ -379,13 +387,16 @@ def test_a_proposer_that_looks_ahead_turns_rows_back_on_without_waiting_for_a_pr
         accepted = [limit if predictable else 0 for limit in limits]
         emitted = np.full((batch, k + 1), 5 if predictable else 9)
         host = state.host
-        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted, emitted)
+        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted, emitted,
+                              shipped=tuple(part.numpy() for part in state.shipments))
+        state.shipments = []
         schedule.observe(state, SimpleNamespace(host_depths=None, drafted_positions=None,
                                                 tree=SimpleNamespace(max_depth=max(limits))))
         history.append(limits)
     history = np.array(history)
     first_off = int(np.argmax(history[:, 0] == 0))
-    assert 0 < first_off < 30 and (history[first_off:40] == 0).mean() > 0.8  # off while the text stays wrong
+    # off while the text stays wrong, without probes: the lookahead learns what a probe would
+    assert 0 < first_off < 30 and (history[first_off:40] == 0).all()
     plain_steps = [step for step in range(first_off, 40) if not history[step].any()]
     assert all(asked[step] == [0, 1] for step in plain_steps)  # every plain step asks again after a mismatch
     back_on = 40 + int(np.argmax(history[40:, 0] > 0))
@@ -437,7 +448,7 @@ def test_draft_classes_draft_where_their_class_pays_and_never_without_a_draft():
     classes = np.array([1, 3, 0])
     # class 1 chains start with 7 (the text goes on with 5), class 3 chains are right
     schedule = Schedule(config, k, {None: costs}, static_shapes=False,
-                        lookahead={None: lambda state, rows: [np.full(k, 7 if classes[r] == 1 else 5) for r in rows]},
+                        lookahead={None: lambda state, rows: [LookaheadTree.chain(np.full(k, 7 if classes[r] == 1 else 5)) for r in rows]},
                         draft_classes={None: DraftClasses(lambda state: classes, 3)})
     state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
                               pad_token_id=0)
