@@ -132,8 +132,10 @@ class SuffixProposer(Proposer):
         return self.proposal(state, self.drafts(state))
 
     def lookahead(self, state: DecodeState, rows: list[int]) -> list[LookaheadTree]:
-        """Each row's best draft's most probable chain (`SuffixDraft.most_probable_chain`)."""
-        return [LookaheadTree.chain(self._draft(row, self.k).most_probable_chain()) for row in rows]
+        """Each row's best draft, the tree `propose` would verify (its every branch, as a real draft's)."""
+        drafts = [self._draft(row, self.k) for row in rows]
+        return [LookaheadTree(np.asarray(d.tokens, dtype=np.int64), np.asarray(d.parents, dtype=np.int64))
+                for d in drafts]
 
     num_draft_classes = 2 * len(MATCH_CLASS_BOUNDS)
 

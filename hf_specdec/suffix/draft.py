@@ -60,16 +60,6 @@ class SuffixDraft:
     def max_depth(self) -> int:
         return max(self.depths, default=0)
 
-    def most_probable_chain(self) -> tuple[int, ...]:
-        """The first node, then each node's first child: nodes join best first, so a node's first child is its most
-        probable one."""
-        chain, parent = [], -1
-        for node, (token, node_parent) in enumerate(zip(self.tokens, self.parents)):
-            if node_parent == parent:
-                chain.append(token)
-                parent = node
-        return tuple(chain)
-
     def paths(self) -> list[tuple[int, ...]]:
         """The token path from the context to every node, in node order."""
         paths: list[tuple[int, ...]] = []
