@@ -54,7 +54,7 @@ from hf_specdec.compile import graphs_compiled
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.schedule.decision import Decision, decide, expected_accepted, step_expectation, width_ladder
-from hf_specdec.schedule.estimates import AcceptanceEstimate, CostTable, cost_table
+from hf_specdec.schedule.estimates import LOOKAHEAD_PRIOR_COUNT, AcceptanceEstimate, CostTable, cost_table
 from hf_specdec.schedule.lookahead import LookaheadDrafts, LookaheadTree, ShippedTrees
 from hf_specdec.schedule.rules import batch_size_cap
 from hf_specdec.stats import ScheduleStats
@@ -133,7 +133,9 @@ class Schedule:
 
     def start(self, batch_size: int) -> None:
         """A new call: per-row estimates start from what earlier calls ended with (step times carry over)."""
-        self.acceptance = {method: AcceptanceEstimate(batch_size, self.max_k, table.acceptance_prior(self.max_k))
+        self.acceptance = {method: AcceptanceEstimate(batch_size, self.max_k, table.acceptance_prior(self.max_k),
+                                                      prior_count=LOOKAHEAD_PRIOR_COUNT if method in self.lookahead
+                                                      else None)
                            for method, table in self.costs.items()}
         self.idle = np.zeros(batch_size, dtype=int)  # steps since each row last drafted
         self.lookahead_drafts = {method: LookaheadDrafts(batch_size, self.max_k) for method in self.lookahead}

@@ -26,6 +26,10 @@ ACCEPTANCE_RATE = 0.1
 # least (a class's first observations average as a running mean does after CLASS_PRIOR_COUNT prior ones)
 CLASS_ACCEPTANCE_RATE = 0.05
 CLASS_PRIOR_COUNT = 2
+# a row's estimates for a candidate that looks ahead (observed every step, drafting or not): its first observations
+# average as a running mean does after this many prior ones (a call's prior, what earlier calls ended with, gives
+# way within a few steps instead of about ten)
+LOOKAHEAD_PRIOR_COUNT = 2
 # weight of a new step in the moving average of whether a row drafts when allowed (a lookup finds a match or not)
 DRAFT_RATE_WEIGHT = 0.3
 # acceptance assumed before a row's first observation at a position (optimistic: a new row drafts, and measures)

@@ -10,7 +10,13 @@ import torch
 
 from hf_specdec import SpeculativeConfig
 from hf_specdec.schedule.controller import PROBE_BUDGET, PROBE_INTERVAL, DraftClasses, Schedule
-from hf_specdec.schedule.estimates import ACCEPTANCE_PRIOR, ACCEPTANCE_RATE, PLAIN_REFRESH, CostTable
+from hf_specdec.schedule.estimates import (
+    ACCEPTANCE_PRIOR,
+    ACCEPTANCE_RATE,
+    LOOKAHEAD_PRIOR_COUNT,
+    PLAIN_REFRESH,
+    CostTable,
+)
 from hf_specdec.schedule.lookahead import LookaheadTree, ShippedTrees
 from hf_specdec.step.state import DecodeState, HostView
 from tests.conftest import InjectedCosts
@@ -659,3 +665,19 @@ def test_auto_candidates_share_the_plain_steps_they_measure():
     assert all(abs(table.times[(batch, 0)] - 1.0) < 1e-9 for table in costs.values())
     assert all(len(table.recent[(batch, 0)]) == len(plain_steps) for table in costs.values())
     assert not any(table.plain_due(batch) for table in costs.values())
+
+
+def test_a_candidate_that_looks_ahead_lets_its_prior_give_way_within_a_few_observations():
+    """Its rows are observed every step, drafting or not: their estimates average their first observations as a
+    running mean after LOOKAHEAD_PRIOR_COUNT prior ones, not at the slow moving average's weight."""
+    k = 3
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    looking = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False,
+                       lookahead={None: lambda state, rows: [LookaheadTree.chain([5]) for _ in rows]})
+    blind = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False)
+    for schedule in (looking, blind):
+        schedule.start(1)
+        schedule.acceptance[None].update([k], [0])  # one draft, rejected at its first token
+    first = {name: s.acceptance[None].values[0, 0] for name, s in (("looking", looking), ("blind", blind))}
+    assert first["looking"] == pytest.approx(ACCEPTANCE_PRIOR * LOOKAHEAD_PRIOR_COUNT / (LOOKAHEAD_PRIOR_COUNT + 1))
+    assert first["blind"] == pytest.approx(ACCEPTANCE_PRIOR * (1 - ACCEPTANCE_RATE))
