@@ -132,6 +132,8 @@ class RecyclingProposer(Proposer):
         else:
             nodes = DEFAULT_RECYCLING_NODES if config.tree_total_tokens is None else config.tree_total_tokens
             self.template = recycling_tree(nodes, config.num_speculative_tokens)
+        # [N - 1] the template without its root, for lookahead trees: node i + 1's parent, -1 for the root's children
+        self.lookahead_parents = np.asarray(self.template.parents[1:], dtype=np.int64) - 1
         self.table: RecycledTokens | None = None
         # each row's prompt (no padding), seeded into the table at the first scores (which say its size and device)
         self.prompts: list[np.ndarray] = []
@@ -193,9 +195,7 @@ class RecyclingProposer(Proposer):
         every row: one shape per call). Its nodes not seen yet are -1, never matched: a proposal verifies them too
         (the step costs its width), and the schedule counts them as rejected drafts, not as a row without one."""
         tokens = self._tree_tokens(self.template, state.last_tokens())  # [B, N]
-        # the template without its root: node i + 1's parent, -1 for the root's children
-        parents = np.asarray(self.template.parents[1:], dtype=np.int64) - 1
-        return ShippedTrees(state.ship(tokens[:, 1:]), parents)
+        return ShippedTrees(state.ship(tokens[:, 1:]), self.lookahead_parents)
 
     @torch.no_grad()
     def observe_scores(

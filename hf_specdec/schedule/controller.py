@@ -17,9 +17,10 @@ under `method="auto"`, draft with another candidate); the schedule walks each su
 with the tokens the row then emits, over as many steps as it takes (`hf_specdec.schedule.lookahead`), and updates
 the estimates as that draft, drafted, would have: a row's estimates follow the text at no cost, and it drafts
 again as soon as they say drafting pays. Its rows do not probe: a probe would learn nothing the lookahead does not,
-at a wide verify's cost (token recycling at batch 1 on SmolLM2, where its steps cost 1.4 to 1.6 plain ones, probed
-in 10 of 184 steps on QA questions it never drafted for by its estimates). Step times are measured when drafting
-pays by the estimates (the cost table's prior reads a width cheap until then).
+at a wide verify's cost (token recycling's 8-node tree is a 9-token verify, 1.65 one-token forwards of SmolLM2 on a
+2-core CPU; on three QA questions it drafted in 10 of 184 steps with probes, 3 of 189 without,
+`benchmarks/results/smollm2_recycling_{no_lookahead,lookahead}_bf16_cpu.json`). Step times are measured when
+drafting pays by the estimates (the cost table's prior reads a width cheap until then).
 
 Draft classes: a host proposer that can say before the decision what kind of draft each row has
 (`Proposer.draft_classes`; n-gram lookup: the length of the matched n-gram; suffix decoding: that of the context

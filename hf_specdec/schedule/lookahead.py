@@ -14,6 +14,7 @@ the row decoded plainly or drafted with another proposer (`method="auto"`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,11 +58,18 @@ class LookaheadTree:
         return LookaheadTree(self.tokens[kept], np.where(parents < 0, -1, index[np.maximum(parents, 0)]))
 
     def depths(self) -> np.ndarray:
-        """[N] each node's depth (1: a child of the root)."""
-        depths = np.zeros(self.parents.size, dtype=np.int64)
-        for node, parent in enumerate(self.parents.tolist()):
-            depths[node] = 1 if parent < 0 else depths[parent] + 1
-        return depths
+        """[N] each node's depth (1: a child of the root), read-only."""
+        return _depths(tuple(self.parents.tolist()))
+
+
+@functools.lru_cache(maxsize=256)
+def _depths(parents: tuple[int, ...]) -> np.ndarray:
+    """Each node's depth, once per shape (drafts repeat their shapes: chains of each length, a template's tree)."""
+    depths = np.zeros(len(parents), dtype=np.int64)
+    for node, parent in enumerate(parents):
+        depths[node] = 1 if parent < 0 else depths[parent] + 1
+    depths.setflags(write=False)
+    return depths
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,8 @@ class LookaheadDrafts:
         for row, draft in zip(rows, drafts):
             depths = draft.depths()
             kept = depths <= self.max_k  # a kept node's parent is shallower: kept too
-            draft = draft.subtree(kept)
+            if not kept.all():
+                draft = draft.subtree(kept)
             size = draft.tokens.size
             if size > self.tokens.shape[1]:  # room for the largest draft so far
                 extra = size - self.tokens.shape[1]

@@ -231,9 +231,10 @@ class DecodeState:
         if extra:
             packed = torch.cat([packed] + [part.to(packed) for part in extra], dim=1)
         values = packed.tolist()  # the one host read
-        # the columns after the facts: the tokens (if asked for), then each shipment
-        after = np.array(values, dtype=np.int64).reshape(len(values), -1)[:, len(columns):]
-        parts = np.split(after, np.cumsum([part.shape[1] for part in extra])[:-1], axis=1) if extra else []
+        parts: list[np.ndarray] = []
+        if extra:  # the columns after the facts: the tokens (if asked for), then each shipment
+            after = np.array(values, dtype=np.int64)[:, len(columns):]
+            parts = np.split(after, np.cumsum([part.shape[1] for part in extra])[:-1], axis=1)
         emitted = parts.pop(0) if tokens is not None else None
         self.shipments = []
         self.host = HostView(lengths=[row[0] for row in values], finished=[bool(row[1]) for row in values],
