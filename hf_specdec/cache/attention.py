@@ -23,9 +23,7 @@ function too, which computes the same attention.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface
@@ -102,24 +100,38 @@ _LOCK = threading.Lock()
 _ACTIVE: dict[int, int] = {}  # id(config) -> forwards inside `packed_attention` that swapped it to PACKED_SDPA
 
 
-@contextlib.contextmanager
-def packed_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, `model` runs `packed_sdpa_attention` if it sits on a CPU and its decoder's attention is
-    "sdpa" (the config its attention layers read; only that one changes, not a composite model's other parts). A
-    model set to anything else, PACKED_SDPA included, is left as it is."""
-    config = model.config.get_text_config(decoder=True)
-    with _LOCK:
-        swapped = id(config) in _ACTIVE or (model.device.type == "cpu" and config._attn_implementation == "sdpa")
-        if swapped:
-            if id(config) not in _ACTIVE:
-                config._attn_implementation = {"": PACKED_SDPA}
-            _ACTIVE[id(config)] = _ACTIVE.get(id(config), 0) + 1
-    try:
-        yield
-    finally:
-        if swapped:
+class PackedAttention:
+    """A reusable context: within it, `model` runs `packed_sdpa_attention` if it sat on a CPU when this was made and
+    its decoder's attention is "sdpa" (the config its attention layers read; only that one changes, not a
+    composite model's other parts). A model set to anything else, PACKED_SDPA included, is left as it is. The
+    config and device are looked up once (a decode call's cache enters it for every forward)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.config = model.config.get_text_config(decoder=True)
+        self.on_cpu = model.device.type == "cpu"
+        self.swapped: list[bool] = []  # per entry not yet left (entries nest)
+
+    def __enter__(self) -> None:
+        config, key = self.config, id(self.config)
+        with _LOCK:
+            swapped = key in _ACTIVE or (self.on_cpu and config._attn_implementation == "sdpa")
+            if swapped:
+                if key not in _ACTIVE:
+                    config._attn_implementation = {"": PACKED_SDPA}
+                _ACTIVE[key] = _ACTIVE.get(key, 0) + 1
+        self.swapped.append(swapped)
+
+    def __exit__(self, *exc) -> None:
+        if self.swapped.pop():
+            key = id(self.config)
             with _LOCK:
-                _ACTIVE[id(config)] -= 1
-                if _ACTIVE[id(config)] == 0:
-                    del _ACTIVE[id(config)]
-                    config._attn_implementation = {"": "sdpa"}
+                _ACTIVE[key] -= 1
+                if _ACTIVE[key] == 0:
+                    del _ACTIVE[key]
+                    self.config._attn_implementation = {"": "sdpa"}
+
+
+def packed_attention(model: torch.nn.Module) -> PackedAttention:
+    """Within the returned context, `model` runs `packed_sdpa_attention` if it sits on a CPU and its decoder's
+    attention is "sdpa" (`PackedAttention`)."""
+    return PackedAttention(model)

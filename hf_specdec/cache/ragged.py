@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_specdec.cache.attention import PACKED_SDPA, packed_attention
+from hf_specdec.cache.attention import PACKED_SDPA, PackedAttention
 from hf_specdec.cache.exchange import filled_layers
 from hf_specdec.cache.features import FeatureTap
 from hf_specdec.cache.naming import cache_keyword
@@ -156,12 +156,14 @@ class RaggedKVCache:
     def __init__(self, model) -> None:
         self.model = model
         self.model_call = model  # what runs a forward (a compiled forward under static shapes)
+        self.packed_attention = PackedAttention(model)  # entered for every decode forward
         self.cache_keyword = cache_keyword(model)
         self.layout = AttentionLayout.from_model(model)
         self.num_layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
         self.kv = SlotCache(MIN_CAPACITY, num_layers=self.num_layers)
         self.static: StaticLayout | None = None
         self._mask_buffers: dict[tuple, torch.Tensor] = {}  # static shapes: one mask buffer per (width, window)
+        self._tail_masks: dict[tuple, torch.Tensor] = {}  # dense chains: [W, S] per (width, dtype, device)
         # device state
         self.valid: torch.Tensor | None = None  # [B, capacity] bool: False at prompt padding
         self.lengths: torch.Tensor | None = None  # [B] long: committed slots of each row (= its next order)
@@ -463,7 +465,7 @@ class RaggedKVCache:
             del inputs["input_ids"]
         region_orders = self.region_orders[:, : self.region if self.static is None else None]
         call = self.model if self.static is None else self.model_call
-        with packed_attention(self.model):
+        with self.packed_attention:
             return self._call_model(inputs, keep_hidden=width, call=call,
                                     orders=lambda: torch.cat([self._slot_orders(self.width), region_orders], dim=1))
 
@@ -569,7 +571,12 @@ class RaggedKVCache:
         for one query per row."""
         if width == 1:
             return None
-        return _causal_tail_mask(batch, width, self.width + self.region, self.model.dtype, device)
+        slots, key = self.width + self.region, (width, self.model.dtype, device)
+        tail = self._tail_masks.get(key)
+        if tail is None or tail.shape[1] < slots:  # grown by doubling: a call's masks are views of one buffer
+            capacity = max(slots, 0 if tail is None else 2 * tail.shape[1])
+            tail = self._tail_masks[key] = _causal_tail_mask(capacity, width, self.model.dtype, device)
+        return tail[:, tail.shape[1] - slots :].expand(batch, 1, width, slots)
 
     def _mask(
         self,
@@ -658,10 +665,10 @@ class RaggedKVCache:
         return logits
 
 
-def _causal_tail_mask(batch: int, width: int, num_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask [B, 1, W, S] for W queries in the last W of S slots, all of them valid: each query sees every
-    slot up to its own."""
+def _causal_tail_mask(num_slots: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [W, S] for W queries in the last W of S slots, all of them valid: each query sees every slot up
+    to its own (its last S' columns are the same mask over S' >= W slots)."""
     mask = torch.zeros(width, num_slots, dtype=dtype, device=device)
     blocked = torch.full((width, width), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
     mask[:, num_slots - width :] = blocked
-    return mask.expand(batch, 1, width, num_slots)
+    return mask

@@ -139,6 +139,7 @@ class Schedule:
                                                       else None)
                            for method, table in self.costs.items()}
         self.idle = np.zeros(batch_size, dtype=int)  # steps since each row last drafted
+        self.every_row = np.ones(batch_size, dtype=bool)
         self.lookahead_drafts = {method: LookaheadDrafts(batch_size, self.max_k) for method in self.lookahead}
         # per candidate whose lookahead this step is read with the step's host read: (rows, trees, classes)
         self.shipped: dict[str | None, tuple[list[int], ShippedTrees, np.ndarray]] = {}
@@ -224,8 +225,8 @@ class Schedule:
             state.draft_methods = tuple(row_methods)
         # rows that probed: due and drafting with the step's candidate (a due row in a plain step waits; a
         # candidate with classes or lookahead has no probes)
-        self.probed = probe & (np.asarray(decision.limits) > 0) & (row_methods == method) & self.probes(method)
         self.decision, self.method, self.row_methods, self.active = decision, method, row_methods, active
+        self.probed = probe & (np.asarray(decision.limits) > 0) & self.rows_of(method) & self.probes(method)
         self.rows_computed, self.started, self.graphs = rows_computed, self.clock(), self.graphs_compiled()
         return decision
 
@@ -309,6 +310,12 @@ class Schedule:
             method = max(dict.fromkeys(drafting), key=lambda name: int((drafting == name).sum()))
         return method, decision, accepted, row_methods
 
+    def rows_of(self, method: str | None) -> np.ndarray:
+        """[B] bool: the rows this step's decision gave to `method` (every row, with a single candidate)."""
+        if len(self.costs) == 1:
+            return self.every_row
+        return self.row_methods == method
+
     def probes(self, method: str | None) -> bool:
         """Whether a candidate's rows probe: not where its estimates learn without drafting (draft classes, pooled
         over every row; lookahead)."""
@@ -325,7 +332,7 @@ class Schedule:
         not drafting with it, with none of its drafts being checked."""
         if method not in self.lookahead or self.cap == 0:  # the batch-size rules allow no drafts: nothing to learn
             return []
-        drafting = (self.allowed > 0) & (self.row_methods == method)
+        drafting = (self.allowed > 0) & self.rows_of(method)
         return self.lookahead_drafts[method].free_rows(self.active & ~drafting)
 
     def look_ahead(self, state: DecodeState) -> None:
@@ -347,7 +354,7 @@ class Schedule:
             self.lookahead_drafts[method].start(rows, shipped.trees(state.host, rows), classes)
         self.shipped = {}
         for method, drafts in self.lookahead_drafts.items():
-            settled = drafts.settle(state.host, drafted & (self.row_methods == method))
+            settled = drafts.settle(state.host, drafted & self.rows_of(method))
             if settled is None:
                 continue
             if method in self.classes:
@@ -379,7 +386,7 @@ class Schedule:
         self.drafted |= decision.width > 0
         # rows drafting with a rider deeper than the step's candidate drafted: the step cost its drafting to a
         # shallower depth and a verify of this width, which is no entry of its table
-        own = self.allowed[(self.row_methods == self.method) & self.active]
+        own = self.allowed[self.rows_of(self.method) & self.active]
         deeper_riders = width > (int(own.max()) if own.size else 0)
         if not compiled and not first_draft and not deeper_riders and (self.adaptive or len(self.costs) > 1):
             # a plain step is the same target forward whichever candidate is idle (each skips it): every candidate's
@@ -391,8 +398,9 @@ class Schedule:
             if width and self.rows_computed > 1:
                 table.observe_realized(self.rows_computed, decision.width, float(((accepted + 1) * self.active).sum()),
                                        seconds, int(self.active.sum()))
-        for method in dict.fromkeys(self.row_methods):  # each candidate observes the rows that drafted with it
-            allowed = np.where(self.row_methods == method, self.allowed, 0)
+        # each candidate observes the rows that drafted with it
+        for method in dict.fromkeys(self.row_methods) if len(self.costs) > 1 else (self.method,):
+            allowed = np.where(self.rows_of(method), self.allowed, 0)
             if method in self.classes:
                 self.class_estimate[method].update_classes(self.classes[method], allowed, accepted, depths)
             else:
@@ -401,7 +409,7 @@ class Schedule:
         self._check_lookahead(state, drafted)
         self.histogram[np.arange(len(self.active)), np.asarray(decision.limits)] += self.active
         for method in self.method_steps:
-            self.method_steps[method] += drafted & (self.row_methods == method)
+            self.method_steps[method] += drafted & self.rows_of(method)
         self.estimated += self.expected
         self.allowed_total += self.allowed
         self.accepted_total += accepted * drafted

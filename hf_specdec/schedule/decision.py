@@ -124,14 +124,14 @@ def step_expectation(
     limits: np.ndarray,
     # the step's width, or [W] widths (one per row of `limits`)
     width: int | np.ndarray,
-    # [B]: how often each row drafts when allowed (None: always)
+    # [B] in [0, 1]: how often each row drafts when allowed (None: always)
     draft_rate: np.ndarray | None = None,
 ) -> tuple[float, float] | tuple[np.ndarray, np.ndarray]:
     """Expected tokens a step with these limits and width emits over the generating rows, and its expected wall
     time: a row's drafts count as often as it drafts, and the step costs `step_time[width]` when some row drafts,
     `step_time[0]` otherwise. Floats for one step, [W] arrays for a stack of candidates."""
     limits = np.asarray(limits)
-    rate = np.ones(limits.shape[-1]) if draft_rate is None else np.clip(draft_rate, 0.0, 1.0)
+    rate = np.ones(limits.shape[-1]) if draft_rate is None else draft_rate
     gained = accepted[np.arange(limits.shape[-1]), limits]  # [B] or [W, B]
     tokens = ((1.0 + rate * gained) * active).sum(axis=-1)
     drafts_somewhere = 1.0 - np.prod(np.where((limits > 0) & active, 1.0 - rate, 1.0), axis=-1)

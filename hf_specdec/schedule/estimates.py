@@ -81,6 +81,16 @@ def lower_quantile(values: Sequence[float]) -> float:
     return ordered[below] + (position - below) * (ordered[above] - ordered[below])
 
 
+def least_squares_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Slope and intercept of the least-squares line through two or more points with distinct xs, in plain Python
+    (`np.polyfit` costs tens of microseconds per call, and the table refits every few steps)."""
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
+    return slope, mean_y - slope * mean_x
+
+
 class AcceptanceEstimate:
     """Per row and draft position: an exponential moving average of whether the draft there was accepted, updated
     only where the row drafted and every earlier draft was accepted (where the outcome was observed). A position
@@ -105,6 +115,8 @@ class AcceptanceEstimate:
         self.seen = np.zeros((batch_size, max_k), dtype=bool)
         self.observations = np.zeros((batch_size, max_k))
         self.values = self.raw.copy()  # [B, K]: the estimates (observed averages, carried to unobserved positions)
+        self.all_seen = False  # whether every position of every row was observed (`values` is then `raw`)
+        self.positions = np.arange(max_k)[None, :]  # [1, K]
         self.draft_rate = np.ones(batch_size)  # [B]
 
     def update(
@@ -130,8 +142,7 @@ class AcceptanceEstimate:
             members = (np.arange(self.values.shape[0])[:, None] == np.asarray(into)[None, :]).astype(float)
 
         def pooled(values: np.ndarray) -> np.ndarray:  # [B, ...] -> [E, ...]: sums over the rows of each estimate
-            values = values.astype(float)
-            return values if members is None else members @ values
+            return values if members is None else members @ values.astype(float)
 
         def weight(count: np.ndarray, rate: float) -> np.ndarray:  # of `count` observations' mean
             return 1.0 - (1.0 - rate) ** count
@@ -139,18 +150,20 @@ class AcceptanceEstimate:
         times_asked = pooled(asked)
         self.draft_rate = np.where(times_asked > 0, self.draft_rate + weight(times_asked, DRAFT_RATE_WEIGHT) * (
             pooled(asked & (drafted_rows > 0)) / np.maximum(times_asked, 1) - self.draft_rate), self.draft_rate)
-        positions = np.arange(self.values.shape[1])[None, :]
+        positions = self.positions
         accepted_rows = np.asarray(accepted)[:, None]
         observed = (positions < drafted_rows[:, None]) & (positions <= accepted_rows)
         count = pooled(observed)
         mean = pooled(observed & (positions < accepted_rows)) / np.maximum(count, 1)
-        start = np.where(self.seen, self.raw, self.values)
+        start = self.raw if self.all_seen else np.where(self.seen, self.raw, self.values)
         self.observations += count
         step = weight(count, self.rate)
         if self.prior_count is not None:
             step = np.maximum(step, count / (self.observations + self.prior_count))
         self.raw = np.where(count > 0, (1 - step) * start + step * mean, self.raw)
-        self.seen |= count > 0
+        if not self.all_seen:
+            self.seen |= count > 0
+            self.all_seen = bool(self.seen.all())
         self._carry()
         # the position just past a draft accepted whole was reached but not drafted: its average moves towards the
         # position before it as an observation would. Otherwise a deeper position's average, once low, would stay
@@ -180,8 +193,10 @@ class AcceptanceEstimate:
 
     def _carry(self) -> None:
         """Each position reads the nearest observed position at or before it (position 0: its own, prior or not)."""
-        positions = np.arange(self.values.shape[1])[None, :]
-        source = np.maximum.accumulate(np.where(self.seen, positions, 0), axis=1)
+        if self.all_seen:
+            self.values = self.raw
+            return
+        source = np.maximum.accumulate(np.where(self.seen, self.positions, 0), axis=1)
         self.values = self.raw[np.arange(source.shape[0])[:, None], source]
 
 
@@ -367,8 +382,8 @@ class CostTable:
         widths, samples = tuple(sorted(points)), self.samples.get(batch_size, 0)
         kept = self.lines.get(batch_size)
         if kept is None or kept[2] != widths or samples - kept[3] >= REFIT_SAMPLES:
-            slope, intercept = np.polyfit(np.array(widths, dtype=float), np.array([points[w] for w in widths]), 1)
-            kept = self.lines[batch_size] = (float(slope), float(intercept), widths, samples)
+            slope, intercept = least_squares_line(widths, [points[w] for w in widths])
+            kept = self.lines[batch_size] = (slope, intercept, widths, samples)
         return kept[0], kept[1]
 
 
