@@ -319,7 +319,7 @@ class SpeculativeDecoder:
         state = self.state
         num_emitted = torch.where(state.finished, 0, result.num_accepted + 1)
         self.unsampleable = unsampleable_rows(result, scores, num_emitted) if self.verifier.do_sample else None
-        state.write(result.output_token_ids.clamp(min=0), num_emitted)
+        state.write(result.output_token_ids, num_emitted)  # placeholders (-1) lie past each row's count
         emitted_scores = scores_of_emitted(result, scores) if self.stopper.needs_scores else None
         decision = self.stopper.check(state, result.output_token_ids, num_emitted, emitted_scores)
         if self.stopper.pads_finished_rows:

@@ -8,6 +8,8 @@ grouped by prefix length.
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -58,15 +60,15 @@ class TokenStopper:
         column = torch.arange(width, device=tokens.device)[None, :]
         prefix_lengths = state.lengths[:, None] + column + 1  # [B, W]: length once token j is appended
         emitted = column < num_emitted[:, None]
-        done = torch.zeros_like(emitted)
+        stops = []  # [B, W] bool each: a stop at token j
         if self.max_length is not None:
-            done |= prefix_lengths >= self.max_length
+            stops.append(prefix_lengths >= self.max_length)
         if self.eos_token_ids.numel():
-            done |= torch.isin(tokens, self.eos_token_ids)
+            stops.append(torch.isin(tokens, self.eos_token_ids))
+        done = emitted & functools.reduce(operator.or_, stops) if stops else torch.zeros_like(emitted)
         if len(self.others):
             for length in prefix_lengths[emitted].unique().tolist():
                 rows, cols = ((prefix_lengths == length) & emitted).nonzero(as_tuple=True)
                 done[rows, cols] |= self.others(state.sequences[rows, :length], scores[rows, cols]).to(done.device)
-        done &= emitted
         first = torch.where(done, column, width).amin(dim=1)
         return StopDecision(num_emitted=torch.minimum(num_emitted, first + 1), stopped=done.any(dim=1))

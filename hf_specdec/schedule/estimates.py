@@ -243,8 +243,8 @@ class CostTable:
         self.probe_wait: dict[int, int] = {}
         # per (batch size, width): the batch size's sample count when the width was last measured there
         self.last_measured: dict[tuple[int, int], int] = {}
-        # per (batch size, max_k): `predict`'s answer since the last measurement (`_keep` clears it; the schedule
-        # asks every step)
+        # per (batch size, max_k): `predict`'s answer, kept until a measurement moves it (`_keep`, `observe` clear
+        # it; the schedule asks every step)
         self.predicted: dict[tuple[int, int], np.ndarray] = {}
 
     @_locked
@@ -259,13 +259,18 @@ class CostTable:
                 self._keep((batch_size, narrower), [self.times[key]])
         self.samples[batch_size] = self.samples.get(batch_size, 0) + 1
         self.last_measured[key] = self.samples[batch_size]
+        kept = self.lines.get(batch_size)
+        if kept is not None and self.samples[batch_size] - kept[3] >= REFIT_SAMPLES:  # the next prediction refits
+            self.predicted.clear()
 
     def _keep(self, key: tuple[int, int], measurements: list[float]) -> None:
         """The last `TIME_WINDOW` of `measurements` become the window of `key`, and their lower quartile its
         estimate."""
         self.recent[key] = deque(measurements, maxlen=TIME_WINDOW)
-        self.times[key] = lower_quantile(self.recent[key])
-        self.predicted.clear()
+        estimate = lower_quantile(self.recent[key])
+        if self.times.get(key) != estimate or len(self.recent[key]) == SETTLED_SAMPLES:  # the prediction moves
+            self.times[key] = estimate
+            self.predicted.clear()
 
     @_locked
     def plain_due(self, batch_size: int) -> bool:

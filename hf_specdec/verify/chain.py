@@ -68,10 +68,12 @@ def greedy_verify(
     k = draft_token_ids.shape[1]
     if k == 0:  # a plain step (a host fact): each row emits the target's argmax, no chain arithmetic
         return VerificationResult.chain(target_token_ids, target_token_ids.new_zeros(target_token_ids.shape[0]))
-    accepted = (draft_token_ids == target_token_ids[:, :k]) & _valid_drafts(draft_token_ids, num_draft_tokens)
+    column = torch.arange(k + 1, device=draft_token_ids.device)[None, :]
+    accepted = (draft_token_ids == target_token_ids[:, :k]) & (column[:, :k] < num_draft_tokens[:, None])
     num_accepted = _first_rejection(accepted)
-    final = target_token_ids.gather(1, num_accepted[:, None]).squeeze(1)
-    return _assemble(draft_token_ids, num_accepted, final)
+    # the accepted drafts are the target's own argmax, and so is the token after them
+    out = torch.where(column <= num_accepted[:, None], target_token_ids, PLACEHOLDER_TOKEN_ID)
+    return VerificationResult.chain(out, num_accepted)
 
 
 def rejection_sample(
