@@ -16,7 +16,11 @@ measure a plain step's time, which count as steps too. Per mode (eager; static s
   and the setup), median over repeats;
 - forward: the bare target forward of the same k + 1 tokens per row on a cache of the same length (transformers'
   own StaticCache, compiled the same way), median over repeats;
-- overhead = step / forward - 1: the share of a step spent outside the target forward. Goal on a GPU: <= 10%.
+- overhead = step / forward - 1: the share of a step spent outside the target forward. Goal on a GPU: <= 10%;
+- ops/step (eager only): the aten operations the engine dispatches per verify step outside the target forward and
+  the proposer (counted by a `TorchDispatchMode`, from the same two run lengths): each is a kernel launch or at
+  least a dispatch, whatever the device, so this count is what the step's host time scales with where launches
+  bound a step (a GPU).
 
     python benchmarks/step_overhead.py [--batch-size 1 8] [-k 4] [--json out.json]
     python benchmarks/step_overhead.py --smoke   # tiny sizes on the CPU: checks that it runs, measures nothing
@@ -35,6 +39,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StaticCache
 
 import hf_specdec
@@ -119,6 +124,56 @@ def bare_forward_seconds(target, prompts, k: int, context: int, compile_config, 
     return statistics.median(times[2:])
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched outside the target's forwards (its forward hooks pause the count) and the
+    forced-acceptance proposer's (a real proposer's ops depend on the method): the engine's own tensor operations,
+    each a kernel launch or at least a dispatch on any device."""
+
+    def __init__(self, target: torch.nn.Module) -> None:
+        super().__init__()
+        self.count, self.inside = 0, 0
+        self.hooks = [target.register_forward_pre_hook(lambda *_: self._shift(1)),
+                      target.register_forward_hook(lambda *_: self._shift(-1))]
+
+    def _shift(self, by: int) -> None:
+        self.inside += by
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def counted_run(target, prompts, oracle, k: int, new_tokens: int, schedule: str) -> tuple[int, int]:
+    """(aten ops outside the target forward and the proposer, verify steps) of one eager hf_specdec call."""
+    counter, propose = OpCounter(target), OracleProposer.propose
+
+    def paused(proposer, state):
+        counter.inside += 1
+        try:
+            return propose(proposer, state)
+        finally:
+            counter.inside -= 1
+
+    try:
+        with counter, mock.patch.object(OracleProposer, "propose", paused):
+            _, steps, _ = speculative_seconds(target, prompts, oracle, k, new_tokens, None, schedule)
+    finally:
+        counter.remove()
+    return counter.count, steps
+
+
+def ops_per_step(target, prompts, oracle, k: int, new_tokens: tuple[int, int], schedule: str) -> float:
+    """aten ops per verify step outside the target forward and the proposer, from two runs of different lengths."""
+    (short_ops, short_steps), (long_ops, long_steps) = (counted_run(target, prompts, oracle, k, length, schedule)
+                                                        for length in new_tokens)
+    return (long_ops - short_ops) / (long_steps - short_steps)
+
+
 def measure(target, prompts, k: int, new_tokens: tuple[int, int], compile_config, repeats: int,
             schedules: tuple[str, ...] = ("fixed",)) -> list[dict]:
     """One case per schedule: its step time, the bare forward's (measured once), and the overhead."""
@@ -136,7 +191,8 @@ def measure(target, prompts, k: int, new_tokens: tuple[int, int], compile_config
             per_step.append((long[0] - short[0]) / (long[1] - short[1]))
             accepted.append(long[2])
         step = statistics.median(per_step[1:])
-        cases.append({"schedule": schedule, "step_ms": 1000 * step, "forward_ms": 1000 * forward,
+        ops = None if compile_config is not None else ops_per_step(target, prompts, oracle, k, new_tokens, schedule)
+        cases.append({"schedule": schedule, "step_ms": 1000 * step, "forward_ms": 1000 * forward, "ops_per_step": ops,
                       "overhead": step / forward - 1, "repeats_step_ms": [1000 * s for s in per_step[1:]],
                       "accepted_share": min(accepted)})
     return cases
@@ -168,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
     compile_config = CompileConfig(fullgraph=True, backend="eager" if args.smoke else "inductor")
     cases = []
     print(f"{environment(device, dtype)['gpu'] or 'CPU'}: random Llama, {parameters / 1e9:.2f}B parameters, k={args.k}")
-    print(f"{'mode':>9} {'batch':>5} {'schedule':>9} {'step ms':>8} {'forward ms':>10} {'overhead':>8} {'accepted':>8}")
+    print(f"{'mode':>9} {'batch':>5} {'schedule':>9} {'step ms':>8} {'forward ms':>10} {'overhead':>8} {'accepted':>8} "
+          f"{'ops/step':>8}")
     configs = {"eager": None, "compiled": compile_config}
     for mode in args.modes:
         config = configs[mode]
@@ -179,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
                 case = {"mode": mode, "batch": batch, **measured}
                 cases.append(case)
                 print(f"{mode:>9} {batch:>5} {case['schedule']:>9} {case['step_ms']:>8.3f} {case['forward_ms']:>10.3f} "
-                      f"{case['overhead']:>7.1%} {case['accepted_share']:>8.1%}")
+                      f"{case['overhead']:>7.1%} {case['accepted_share']:>8.1%} "
+                      f"{'-' if case['ops_per_step'] is None else format(case['ops_per_step'], '.1f'):>8}")
     write_report(args, cases, device, dtype, parameters=parameters)
     return cases
 

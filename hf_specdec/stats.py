@@ -7,9 +7,10 @@ counts every target forward, the prefill included.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-import torch
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -96,44 +97,45 @@ class SpecStats(RowSpecStats):
 
 
 class SpecStatsRecorder:
-    """Accumulates per-row counts on the decoding device (no host copy per step); read once at the end."""
+    """Accumulates per-row counts on the host, from the numbers each step's one host read brings (`HostView`): no
+    device work per step."""
 
-    def __init__(self, batch_size: int, num_speculative_tokens: int, device: torch.device) -> None:
+    def __init__(self, batch_size: int, num_speculative_tokens: int) -> None:
         # rows: num_drafts, num_draft_tokens, num_accepted, forwards
-        self.counts = torch.zeros(4, batch_size, dtype=torch.long, device=device)
-        self.accepted_per_position = torch.zeros(batch_size, num_speculative_tokens, dtype=torch.long, device=device)
-        self.positions = torch.arange(num_speculative_tokens, device=device)[None, :]
+        self.counts = np.zeros((4, batch_size), dtype=np.int64)
+        self.accepted_per_position = np.zeros((batch_size, num_speculative_tokens), dtype=np.int64)
+        self.positions = np.arange(num_speculative_tokens)[None, :]
         self.total_forwards = 0
 
     def record(
         self,
-        # [B] bool: rows that took part in this step
-        active: torch.Tensor,
-        # [B]
-        num_draft_tokens: torch.Tensor,
-        # [B]
-        num_accepted: torch.Tensor,
+        # per row: whether it took part in this step
+        active: Sequence[bool],
+        # per row: draft tokens it verified, and accepted
+        num_draft_tokens: Sequence[int],
+        num_accepted: Sequence[int],
     ) -> None:
         self.total_forwards += 1
-        drafted = num_draft_tokens * active
-        accepted = num_accepted * active
-        self.counts += torch.stack([(drafted > 0).long(), drafted, accepted, active.long()])
+        active_rows = np.asarray(active, dtype=np.int64)
+        drafted = np.asarray(num_draft_tokens) * active_rows
+        accepted = np.asarray(num_accepted) * active_rows
+        self.counts += np.stack([drafted > 0, drafted, accepted, active_rows])
         self.accepted_per_position += self.positions < accepted[:, None]
 
     def record_forward(
         self,
-        # [B] bool: the rows the forward ran for
-        rows: torch.Tensor,
+        # per row: whether the forward ran for it
+        rows: Sequence[bool],
     ) -> None:
         """A target forward that verified no drafts: a step in which no row drafted, or the returned cache computed
         again for rows that stopped."""
         self.total_forwards += 1
-        self.counts[3] += rows.long().to(self.counts.device)
+        self.counts[3] += np.asarray(rows, dtype=np.int64)
 
     def finish(self, schedule: list[ScheduleStats] | None = None) -> SpecStats:
         """The statistics, with the schedule's per-row decisions when there was a schedule."""
-        drafts, drafted, accepted, forwards = self.counts.cpu().tolist()
-        per_position = self.accepted_per_position.cpu()
+        drafts, drafted, accepted, forwards = self.counts.tolist()
+        per_position = self.accepted_per_position
         rows = tuple(
             RowSpecStats(
                 num_drafts=drafts[b],
@@ -149,7 +151,7 @@ class SpecStatsRecorder:
             num_drafts=sum(drafts),
             num_draft_tokens=sum(drafted),
             num_accepted_tokens=sum(accepted),
-            accepted_per_position=per_position.sum(dim=0).tolist(),
+            accepted_per_position=per_position.sum(axis=0).tolist(),
             target_forward_passes=self.total_forwards,
             per_row=rows,
             num_speculative_tokens=self.positions.shape[1],

@@ -201,7 +201,7 @@ class SpeculativeDecoder:
         )
         batch = input_ids.shape[0]
         self.held_rows = list(range(batch))
-        self.stats = SpecStatsRecorder(batch, self.max_depth, input_ids.device)
+        self.stats = SpecStatsRecorder(batch, self.max_depth)
         if self.schedule is not None:
             self.schedule.start(batch)
         self.stop_lengths = torch.full_like(self.state.lengths, -1)  # [B]: length at each row's first stop
@@ -319,11 +319,17 @@ class SpeculativeDecoder:
         state = self.state
         num_emitted = torch.where(state.finished, 0, result.num_accepted + 1)
         self.unsampleable = unsampleable_rows(result, scores, num_emitted) if self.verifier.do_sample else None
-        state.write(result.output_token_ids, num_emitted)  # placeholders (-1) lie past each row's count
+        # the tokens each row emits go after its committed text (placeholders, -1, lie past each row's count), once
+        # its stop is known; custom stopping criteria read each prefix there, so for them they go before as well
+        early = self.stopper.needs_scores
+        if early:
+            state.write(result.output_token_ids, num_emitted)
         emitted_scores = scores_of_emitted(result, scores) if self.stopper.needs_scores else None
         decision = self.stopper.check(state, result.output_token_ids, num_emitted, emitted_scores)
         if self.stopper.pads_finished_rows:
             num_emitted = decision.num_emitted
+        if not early or self.stopper.pads_finished_rows:  # cut at each row's stop, padding after
+            state.write(result.output_token_ids, num_emitted)
         self.stop_lengths = torch.where(
             (self.stop_lengths < 0) & decision.stopped, state.lengths + decision.num_emitted, self.stop_lengths
         )
@@ -358,16 +364,19 @@ class SpeculativeDecoder:
         step; the target's features where the tokens were chosen are kept for the proposer; the host learns the
         new lengths, the finished rows and what was emitted (the step's one host read)."""
         state = self.state
-        if proposal.num_nodes > 1:
-            self.stats.record(~state.finished, proposal.num_draft_tokens, result.num_accepted)
-        else:  # nothing drafted: a forward for the rows generating
-            self.stats.record_forward(~state.finished)
-        state.commit(num_emitted, scratch_width=result.output_token_ids.shape[1])
+        generating = [not done for done in state.host.finished]  # the rows this step was for
+        drafted = proposal.num_nodes > 1
+        state.commit(num_emitted)
         state.finished |= self.finished_rows()
         if self.cache.hidden_states is not None:
             self.keep_target_features(result, num_verified)
         host = state.report(num_emitted, result.num_accepted,
-                            result.output_token_ids if self.report_tokens else None, self.unsampleable)
+                            result.output_token_ids if self.report_tokens else None, self.unsampleable,
+                            num_draft_tokens=proposal.num_draft_tokens if drafted else None)
+        if drafted:
+            self.stats.record(generating, host.num_draft_tokens, host.num_accepted)
+        else:  # nothing drafted: a forward for the rows generating
+            self.stats.record_forward(generating)
         if host.unsampleable is not None and any(host.unsampleable):
             row = host.unsampleable.index(True)
             raise RuntimeError(
@@ -477,7 +486,7 @@ class SpeculativeDecoder:
                                      for name, value in vars(prompt).items() if name != "past_key_values"})
             start = self.prompt_ids.shape[1]
             again = recompute(self.model, self.state.sequences[rows, start : length - 1], subset, self.prompt_ids[rows])
-            self.stats.record_forward(~complete)
+            self.stats.record_forward((~complete).tolist())
             for (keys, values), (new_keys, new_values) in zip(layers, again):
                 keys[rows.to(keys.device)], values[rows.to(keys.device)] = new_keys, new_values
         if self.static_cache is not None:

@@ -57,7 +57,7 @@ class TokenStopper:
         scores: torch.Tensor | None,
     ) -> StopDecision:
         width = tokens.shape[1]
-        column = torch.arange(width, device=tokens.device)[None, :]
+        column = state.columns(width)
         prefix_lengths = state.lengths[:, None] + column + 1  # [B, W]: length once token j is appended
         emitted = column < num_emitted[:, None]
         stops = []  # [B, W] bool each: a stop at token j

@@ -32,6 +32,8 @@ class HostView:
     emitted: np.ndarray | None = None
     # per row, whether it emitted a token sampled from no distribution (`unsampleable_rows`); None when greedy
     unsampleable: list[bool] | None = None
+    # draft tokens each row verified in the last step; None when the step drafted nothing
+    num_draft_tokens: list[int] | None = None
     # [B, X_i] each: what the step shipped with its host read (`DecodeState.ship`), in the order shipped
     shipped: tuple[np.ndarray, ...] = ()
 
@@ -56,8 +58,7 @@ class DecodeState:
 
     Row b holds its prompt (with its padding, left or right) and its committed tokens in
     `sequences[b, :lengths[b]]`, exactly the row plain `generate` would have built (padding included). The columns
-    after `lengths[b]` hold `pad_token_id`, except while a step writes draft tokens there so the logits processors
-    can see each position's true prefix.
+    after `lengths[b]` hold `pad_token_id`, except while a step's emitted tokens wait there to be committed.
     """
 
     # [B, capacity]
@@ -100,6 +101,8 @@ class DecodeState:
     row_host: np.ndarray | None = field(default=None, repr=False)
     # [B, X_i] int tensors to read with the step's host read (`ship`), cleared by it
     shipments: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # [1, W] column indices 0..W-1 on the device, by W (`columns`)
+    _columns: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def start(
@@ -221,27 +224,32 @@ class DecodeState:
         tokens: torch.Tensor | None = None,
         # [B] bool or None: rows that sampled from no distribution (when sampling)
         unsampleable: torch.Tensor | None = None,
+        # [B] or None: draft tokens each row verified (None: the step drafted nothing)
+        num_draft_tokens: torch.Tensor | None = None,
     ) -> HostView:
         """Copy what the host needs to `self.host`: one device-to-host transfer, the step's one host sync."""
-        columns = [self.lengths, self.finished.long(), num_emitted, num_accepted]
+        facts = {"lengths": self.lengths, "finished": self.finished.long(), "emitted": num_emitted,
+                 "accepted": num_accepted}
         if unsampleable is not None:
-            columns.append(unsampleable.long())
-        packed = torch.stack([c.to(self.lengths.device) for c in columns], dim=1)
+            facts["unsampleable"] = unsampleable.long()
+        if num_draft_tokens is not None:
+            facts["drafts"] = num_draft_tokens
+        packed = torch.stack([c.to(self.lengths.device) for c in facts.values()], dim=1)
         extra = ([] if tokens is None else [tokens]) + self.shipments
         if extra:
             packed = torch.cat([packed] + [part.to(packed) for part in extra], dim=1)
         values = packed.tolist()  # the one host read
         parts: list[np.ndarray] = []
         if extra:  # the columns after the facts: the tokens (if asked for), then each shipment
-            after = np.array(values, dtype=np.int64)[:, len(columns):]
+            after = np.array(values, dtype=np.int64)[:, len(facts):]
             parts = np.split(after, np.cumsum([part.shape[1] for part in extra])[:-1], axis=1)
         emitted = parts.pop(0) if tokens is not None else None
         self.shipments = []
-        self.host = HostView(lengths=[row[0] for row in values], finished=[bool(row[1]) for row in values],
-                             num_emitted=[row[2] for row in values], num_accepted=[row[3] for row in values],
-                             emitted=emitted,
-                             unsampleable=None if unsampleable is None else [bool(row[4]) for row in values],
-                             shipped=tuple(parts))
+        read = dict(zip(facts, map(list, zip(*values)))) if values else dict.fromkeys(facts, [])  # per fact, by row
+        self.host = HostView(lengths=read["lengths"], finished=[bool(x) for x in read["finished"]],
+                             num_emitted=read["emitted"], num_accepted=read["accepted"], emitted=emitted,
+                             unsampleable=None if unsampleable is None else [bool(x) for x in read["unsampleable"]],
+                             num_draft_tokens=read.get("drafts"), shipped=tuple(parts))
         return self.host
 
     def write(
@@ -251,19 +259,21 @@ class DecodeState:
         # [B]: how many of each row's tokens to write after its committed length
         counts: torch.Tensor,
     ) -> None:
-        """Write tokens after each row's committed length (draft scratch space, or tokens about to be committed)."""
-        width = tokens.shape[1]
-        column = torch.arange(width, device=tokens.device)[None, :]
+        """Write each row's first `counts` tokens after its committed length (the columns there hold padding, and
+        the others keep it)."""
+        column = self.columns(tokens.shape[1])
         index = (self.lengths[:, None] + column).clamp(max=self.sequences.shape[1] - 1)
-        current = self.sequences.gather(1, index)
-        self.sequences.scatter_(1, index, torch.where(column < counts[:, None], tokens, current))
+        self.sequences.scatter_(1, index, torch.where(column < counts[:, None], tokens, self.pad_token_id))
 
-    def commit(self, num_emitted: torch.Tensor, scratch_width: int) -> None:
-        """Advance lengths by the tokens written and emitted; reset the scratch columns after them to padding."""
+    def commit(self, num_emitted: torch.Tensor) -> None:
+        """Advance lengths by the tokens written (`write`, with these counts) and emitted."""
         self.lengths = self.lengths + num_emitted
-        column = torch.arange(scratch_width, device=self.lengths.device)[None, :]
-        index = (self.lengths[:, None] + column).clamp(max=self.sequences.shape[1] - 1)
-        self.sequences.scatter_(1, index, self.pad_token_id)
+
+    def columns(self, width: int) -> torch.Tensor:
+        """[1, width] long on the device: 0..width-1 (kept per width)."""
+        if width not in self._columns:
+            self._columns[width] = torch.arange(width, device=self.lengths.device)[None, :]
+        return self._columns[width]
 
 
 @dataclass(frozen=True)
