@@ -135,8 +135,10 @@ class Proposer(ABC):
     knows_draft_depths: bool = False
 
     def draft_depths(self, state: DecodeState) -> np.ndarray:
-        """[B] int: how deep each row's draft goes now, called after `draft_classes` in the same step (suffix
-        decoding: its best tree's depth, often shorter than k; 0 for no draft). Reads the host only."""
+        """[B] int: how deep each row's draft goes now, before the schedule decides (after `draft_classes` in the
+        same step, for a proposer with classes; suffix decoding: its best tree's depth, often shorter than k; token
+        recycling: none where the table has nothing after the row's last token; 0 for no draft). Reads the host
+        only."""
         raise NotImplementedError(f"{type(self).__name__} does not know its draft depths before drafting")
 
     # reads the target's scores at every verified node, every step (`observe_scores`)

@@ -21,7 +21,11 @@ gather per tree depth and the update one top-k and one scatter per step, all on 
 
 The adaptive schedule learns how well the tree would do for rows that decode plainly without drafting it
 (`lookahead`: the tree each such row would get, read with the step's one host read, walked down by the tokens the
-row then emits), so a row turns drafting back on as soon as the table's guesses start to hold.
+row then emits), so a row turns drafting back on as soon as the table's guesses start to hold. It also knows before
+each step which rows have no draft at all (`draft_depths`): the table's rows written so far are mirrored on the host
+(`RecycledTokens.filled`, from the prompt's seed and the verified tokens each step ships back with its host read),
+and a row whose last token has no row would verify a tree of unseen nodes, which the target never accepts (a call's
+first steps on an empty table: on one MT-bench question, 7 drafting steps of 63 with nothing accepted).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.host_text import HostText
 from hf_specdec.schedule.lookahead import ShippedTrees
 from hf_specdec.step import DecodeState, Proposal
+from hf_specdec.step.state import HostView
 from hf_specdec.tree.template import TreeTemplate, level_ends, likeliest_rank_paths, up_to_depth
 from hf_specdec.tree.tree import TokenTree, template_tensors
 
@@ -60,6 +65,16 @@ class RecycledTokens:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.successors = torch.full((vocab_size + 1, RECYCLED_CANDIDATES), -1, dtype=torch.long, device=device)
+        # [V + 1] on the host: the rows written (seeded, or updated from the verified nodes `filled` was told of)
+        self.filled = np.zeros(vocab_size + 1, dtype=bool)
+
+    def fill(
+        self,
+        # [...] int: tokens whose rows an update wrote (-1 entries: none)
+        tokens: np.ndarray,
+    ) -> None:
+        """Tell the host which rows an update wrote (read back after the step that wrote them)."""
+        self.filled[tokens[tokens >= 0]] = True
 
     def update(
         self,
@@ -88,6 +103,7 @@ class RecycledTokens:
                     seen.append(follower)
         if not followers:
             return
+        self.filled[list(followers)] = True
         ids = torch.tensor(list(followers), dtype=torch.long, device=self.successors.device)
         before = self.successors[ids].tolist()
         rows = []
@@ -124,6 +140,8 @@ class RecyclingProposer(Proposer):
     # the adaptive schedule checks the tree a plainly decoding row would get against what it emits (`lookahead`)
     looks_ahead = True
     reads_emitted_tokens = True
+    # a row whose last token has no row in the table yet has no draft: the schedule knows it before deciding
+    knows_draft_depths = True
 
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module) -> None:
         self.target = target
@@ -137,6 +155,9 @@ class RecyclingProposer(Proposer):
         self.table: RecycledTokens | None = None
         # each row's prompt (no padding), seeded into the table at the first scores (which say its size and device)
         self.prompts: list[np.ndarray] = []
+        # the last step's verified tokens, not yet told to the table's host view (`RecycledTokens.fill`): their
+        # index among the step's shipments (`DecodeState.ship`) and the host view before the read that brings them
+        self.unfilled: tuple[int, HostView] | None = None
 
     def draft_depth(self, config: SpeculativeConfig) -> int:
         return self.template.max_depth
@@ -189,6 +210,32 @@ class RecyclingProposer(Proposer):
                 tokens[:, start:end] = torch.where(parent_tokens >= 0, found, -1)
         return tokens
 
+    def draft_depths(self, state: DecodeState) -> np.ndarray:
+        """[B]: the template's depth for a row whose last token has a row in the table, else 0 (its whole tree
+        would be unseen nodes, which the target never accepts). From the step's host read: the last token each row
+        emitted, and the rows the table wrote up to the last step."""
+        self._fill(state)
+        host = state.host
+        if self.table is None or host.emitted is None:
+            return np.zeros(len(host.lengths), dtype=np.int64)
+        counts = np.asarray(host.num_emitted)
+        last = host.emitted[np.arange(len(counts)), np.maximum(counts - 1, 0)]
+        seen = (counts > 0) & self.table.filled[np.clip(last, 0, self.table.vocab_size)]
+        return np.where(seen, self.template.max_depth, 0)
+
+    def _fill(self, state: DecodeState) -> None:
+        """Tell the table's host view the rows the last step's update wrote (shipped with that step's host read,
+        unless the step ended before it)."""
+        if self.unfilled is not None and self.table is not None:
+            index, before = self.unfilled
+            if state.host is not before:
+                self.table.fill(state.host.shipped[index])
+        self.unfilled = None
+
+    def finish(self, state: DecodeState | None) -> None:
+        if state is not None:  # the last step's rows reach the table's host view, for later calls
+            self._fill(state)
+
     @torch.no_grad()
     def lookahead(self, state: DecodeState, rows: list[int]) -> ShippedTrees:
         """The whole tree `propose` would draft for each row now, shipped with the step's host read (built for
@@ -207,7 +254,9 @@ class RecyclingProposer(Proposer):
         scores: torch.Tensor,
     ) -> None:
         counted = tree.valid & ~state.finished[:, None]
+        self._fill(state)
         self._table(scores).update(tree.token_ids, counted, scores)
+        self.unfilled = (state.ship(torch.where(counted, tree.token_ids, -1)), state.host)
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:

@@ -22,6 +22,11 @@ at a wide verify's cost (token recycling's 8-node tree is a 9-token verify, 1.65
 `benchmarks/results/smollm2_recycling_{no_lookahead,lookahead}_bf16_cpu.json`). Step times are measured when
 drafting pays by the estimates (the cost table's prior reads a width cheap until then).
 
+Known draft depths: a proposer that can say before the decision how deep each row's draft goes
+(`Proposer.draft_depths`; suffix decoding, alongside its classes; token recycling, whose table may hold nothing after
+a row's last token) has no draft position past it counted, and a row with none gets no limit and no lookahead: a
+step where no row has a draft is plain, whatever the estimates say.
+
 Draft classes: a host proposer that can say before the decision what kind of draft each row has
 (`Proposer.draft_classes`; n-gram lookup: the length of the matched n-gram; suffix decoding: that of the context
 its draft matched, bucketed; 0 for no draft) gets acceptance estimates per class instead of per row, pooled over
@@ -111,6 +116,9 @@ class Schedule:
         graphs_compiled: Callable[[], int] = graphs_compiled,
         # per candidate (the keys of `costs`) that tells its drafts apart: its draft classes
         draft_classes: dict[str | None, DraftClasses] | None = None,
+        # per candidate without draft classes that knows before the decision how deep each row's draft goes (0: it
+        # has none this step): its `Proposer.draft_depths`
+        draft_depths: dict[str | None, Callable[[DecodeState], np.ndarray]] | None = None,
     ) -> None:
         self.adaptive = config.schedule == "adaptive"
         # candidates that look ahead: rows not drafting with one are checked against its lookahead drafts
@@ -118,10 +126,13 @@ class Schedule:
         # host proposers that tell their drafts apart (`Proposer.draft_classes`): each row's acceptance is its draft
         # class's, pooled over all rows, and whether it drafts at all is known before the decision
         self.draft_classes = dict(draft_classes or {}) if self.adaptive else {}
-        unknown = (set(self.draft_classes) | set(self.lookahead)) - set(costs)
+        # candidates that say before the decision how deep each row's draft goes: a position past it is not drafted
+        self.depth_readers = {method: classes.depths for method, classes in self.draft_classes.items()
+                              if classes.depths is not None} | (dict(draft_depths or {}) if self.adaptive else {})
+        unknown = (set(self.draft_classes) | set(self.lookahead) | set(self.depth_readers)) - set(costs)
         if unknown:
-            raise ValueError(f"Schedule: draft classes or lookahead for {sorted(map(str, unknown))}, which are not "
-                             "candidates")
+            raise ValueError(f"Schedule: draft classes, depths or lookahead for {sorted(map(str, unknown))}, which "
+                             "are not candidates")
         self.max_k = max_k
         self.disable_by_batch_size = config.disable_by_batch_size
         self.per_batch_size = config.num_speculative_tokens_per_batch_size
@@ -188,8 +199,7 @@ class Schedule:
         # whether a row has a draft, and its kind, are known now (a candidate with classes has no probes: see _weigh)
         self.classes = {method: (np.asarray(classes.of_rows(state)) if cap else np.zeros(len(active), dtype=int))
                         for method, classes in self.draft_classes.items()}
-        self.depths = {method: np.asarray(classes.depths(state)) for method, classes in self.draft_classes.items()
-                       if cap and classes.depths is not None}
+        self.depths = {method: np.asarray(read(state)) for method, read in self.depth_readers.items() if cap}
         times = self.step_times(rows_computed)
         # (re)calibrate: a plain step measures the plain step's time where a candidate's is due
         # (`CostTable.plain_due`), from a call's second step on (its first drafts)
@@ -203,7 +213,8 @@ class Schedule:
             wait = max(wait, min((t[probe_length] - t[0]) / t[0] for t in times.values()) / PROBE_BUDGET)
         self.probe_alone = self.plain_run >= wait  # due rows may widen a plain step
         rows = np.arange(len(active))
-        no_draft = all(method in self.classes and not (self.classes[method][active] > 0).any() for method in times)
+        no_draft = all((method in self.classes and not (self.classes[method][active] > 0).any())
+                       or (method in self.depths and not (self.depths[method][active] > 0).any()) for method in times)
         if widths == [0] or no_draft:
             # a plain step whatever the estimates say (no width to draft at, or no row with a draft from any
             # candidate): nothing to weigh; the first candidate takes it (as it would a tie)
@@ -258,9 +269,9 @@ class Schedule:
                 # a row without a draft expects nothing from drafting: it gets no limit. No row probes: its class's
                 # estimate is pooled over every row (and, with lookahead, observed for free)
                 values = np.where(classes[:, None] > 0, self.class_estimate[method].values[classes], 0.0)
-                if method in self.depths:  # a position past the row's draft is not drafted at all
-                    values = np.where(np.arange(self.max_k)[None, :] < self.depths[method][:, None], values, 0.0)
                 draft_rate = np.ones(len(classes))
+            if method in self.depths:  # a position past the row's draft is not drafted at all
+                values = np.where(np.arange(self.max_k)[None, :] < self.depths[method][:, None], values, 0.0)
             expected[method] = (expected_accepted(values), draft_rate, probing)
         # per candidate: the widths whose steps delivered less than plain ones at this batch size (only probes draft
         # at them)
@@ -332,8 +343,10 @@ class Schedule:
         not drafting with it, with none of its drafts being checked."""
         if method not in self.lookahead or self.cap == 0:  # the batch-size rules allow no drafts: nothing to learn
             return []
-        drafting = (self.allowed > 0) & self.rows_of(method)
-        return self.lookahead_drafts[method].free_rows(self.active & ~drafting)
+        asked = self.active & ~((self.allowed > 0) & self.rows_of(method))
+        if method in self.depths:  # a row known to have no draft now has nothing to look ahead with
+            asked &= self.depths[method] > 0
+        return self.lookahead_drafts[method].free_rows(asked)
 
     def look_ahead(self, state: DecodeState) -> None:
         """After the step's proposal: each candidate that looks ahead gives the draft it would make for its
@@ -458,17 +471,24 @@ def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer,
         return Schedule(config, max_k, costs, static_shapes,
                         lookahead={m: c.lookahead for m, c in proposer.candidates.items() if _looks_ahead(c)},
                         draft_classes={m: _draft_classes(c) for m, c in proposer.candidates.items()
-                                       if c.num_draft_classes})
+                                       if c.num_draft_classes},
+                        draft_depths={m: c.draft_depths for m, c in proposer.candidates.items() if _depths_only(c)})
     if (config.schedule == "fixed" and config.disable_by_batch_size is None
             and config.num_speculative_tokens_per_batch_size is None):
         return None
     return Schedule(config, max_k, {None: cost_table(model, proposer.cost_key(config, static_shapes))},
                     static_shapes, lookahead={None: proposer.lookahead} if _looks_ahead(proposer) else None,
-                    draft_classes={None: _draft_classes(proposer)} if proposer.num_draft_classes else None)
+                    draft_classes={None: _draft_classes(proposer)} if proposer.num_draft_classes else None,
+                    draft_depths={None: proposer.draft_depths} if _depths_only(proposer) else None)
 
 
 def _looks_ahead(proposer: Proposer) -> bool:
     return proposer.looks_ahead and proposer.reads_emitted_tokens
+
+
+def _depths_only(proposer: Proposer) -> bool:
+    """Whether a proposer knows its rows' draft depths before the decision without telling its drafts apart."""
+    return proposer.knows_draft_depths and not proposer.num_draft_classes
 
 
 def _draft_classes(proposer: Proposer) -> DraftClasses:

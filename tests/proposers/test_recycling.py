@@ -162,6 +162,32 @@ def test_plain_steps_feed_the_table_too():
     assert emitted <= set(torch.nonzero(seen).flatten().tolist())
 
 
+@pytest.mark.parametrize("schedule", ["adaptive", "fixed"])
+def test_the_host_knows_which_rows_the_table_holds(schedule):
+    """The table's host view (`RecycledTokens.filled`, from the prompt's seed and the verified nodes each step
+    ships back) is exactly the set of rows written, after every call; `draft_depths` reads it for each row's last
+    emitted token."""
+    target = make_model("llama")
+    forget_recycled_tokens(target)
+    ids, mask = padded_batch([9, 6, 7], seed=4, repeat_period=4)
+    config = SpeculativeConfig(method="recycling", num_speculative_tokens=3, schedule=schedule)
+    expected = target.generate(ids, attention_mask=mask, **GREEDY)
+    for _ in range(2):
+        out = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, **GREEDY)
+        assert torch.equal(out, expected)
+        table = recycling.recycled_tokens(target, VOCAB, torch.device("cpu"))
+        written = (table.successors[:VOCAB] >= 0).any(dim=1).numpy()
+        assert written.any() and np.array_equal(table.filled[:VOCAB], written)
+    proposer = RecyclingProposer(config, target)
+    proposer.table = table
+    state = DecodeState.start(ids, mask, max_length=40, extra_capacity=8, pad_token_id=0)
+    unseen = int(np.flatnonzero(~table.filled[:VOCAB])[0])
+    seen = int(np.flatnonzero(table.filled[:VOCAB])[0])
+    emitted = torch.tensor([[seen, unseen], [unseen, seen], [unseen, 0]])
+    state.report(torch.tensor([2, 2, 1]), torch.tensor([1, 1, 0]), emitted)
+    assert proposer.draft_depths(state).tolist() == [0, proposer.template.max_depth, 0]
+
+
 @pytest.mark.parametrize(("options", "message"), [
     (dict(tree_width=2), r"tree_width=2: method='recycling' drafts a tree of rank paths"),
     (dict(tree_paths=[(0,)], tree_total_tokens=4), r"tree_total_tokens: method='recycling' takes its tree from"),

@@ -482,6 +482,43 @@ def test_draft_classes_draft_where_their_class_pays_and_never_without_a_draft():
     assert schedule.plan(state, batch).limits[0] == 0
 
 
+def test_a_row_known_to_have_no_draft_neither_drafts_nor_looks_ahead():
+    """A proposer with per-row estimates that knows before the decision which rows have no draft (token recycling:
+    a row whose last token has no row in its table): those rows get no limit, however well their estimates read,
+    and are not asked for a lookahead (it would be a tree of unseen nodes); the others draft as their estimates
+    say and look ahead when they do not draft. Row 0's drafts are right, row 2's wrong, row 1 has none."""
+    batch, k = 3, 2
+    config = SpeculativeConfig(method="recycling", num_speculative_tokens=k)
+    depths = np.array([k, 0, k])
+    asked = []
+
+    def lookahead(state, rows):  # chains of 7s: the text goes on with 5s
+        asked.append(list(rows))
+        return [LookaheadTree.chain(np.full(k, 7)) for _ in rows]
+
+    schedule = Schedule(config, k, {None: InjectedCosts(0.1)}, static_shapes=False, lookahead={None: lookahead},
+                        draft_depths={None: lambda state: depths})
+    state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
+                              pad_token_id=0)
+    schedule.start(batch)
+    history = []
+    for _ in range(40):
+        limits = list(schedule.plan(state, batch).limits)
+        schedule.look_ahead(state)
+        accepted = [limits[0], 0, 0]
+        host = state.host
+        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted,
+                              np.full((batch, k + 1), 5))
+        schedule.observe(state, SimpleNamespace(host_depths=None, drafted_positions=None,
+                                                tree=SimpleNamespace(max_depth=max(limits))))
+        history.append(limits)
+    history = np.array(history)
+    assert (history[:, 1] == 0).all() and (history[-10:, 0] == k).all() and (history[-10:, 2] == 0).all()
+    assert any(2 in rows for rows in asked) and all(1 not in rows for rows in asked)
+    depths[:] = 0  # no row has a draft: a plain step, whatever the estimates say
+    assert schedule.plan(state, batch).width == 0
+
+
 def test_draft_classes_are_not_consulted_by_the_fixed_schedule():
     calls = []
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, schedule="fixed", disable_by_batch_size=8)

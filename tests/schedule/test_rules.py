@@ -58,7 +58,7 @@ def test_the_draft_models_dynamic_tree_runs_on_the_schedule():
 
     _, target, draft = load_testbed()
     proposer = SimpleNamespace(cost_key=lambda config, static_shapes: "draft", looks_ahead=False,
-                               draft_classes=None, num_draft_classes=0)
+                               draft_classes=None, num_draft_classes=0, knows_draft_depths=False)
     tree = SpeculativeConfig(method="draft", draft_model=draft, top_k=2, depth=3, total_tokens=4)
     assert tree.schedule == "adaptive" and build_schedule(tree, target, proposer, 3, False) is not None
     ruled = SpeculativeConfig(method="draft", draft_model=draft, top_k=2, depth=3, total_tokens=4,
