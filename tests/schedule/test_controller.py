@@ -65,6 +65,25 @@ def simulate(schedule: Schedule, batch: int, accept, steps: int, clock: FakeCloc
     return np.array(history)
 
 
+def run_looking_ahead(schedule: Schedule, state: DecodeState, steps: int, drafted) -> np.ndarray:
+    """Runs `steps` steps of a schedule whose candidate looks ahead, every row emitting 5s; `drafted(limits)` gives
+    each row's draft depth (None: as allowed) and accepted count. Returns the limits per step."""
+    batch = state.batch_size
+    schedule.start(batch)
+    history = []
+    for _ in range(steps):
+        limits = list(schedule.plan(state, batch).limits)
+        schedule.look_ahead(state)
+        depths, accepted = drafted(limits)
+        host = state.host
+        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted,
+                              np.full((batch, schedule.max_k + 1), 5))
+        schedule.observe(state, SimpleNamespace(host_depths=depths, drafted_positions=None,
+                                                tree=SimpleNamespace(max_depth=max(depths or limits))))
+        history.append(limits)
+    return np.array(history)
+
+
 def _schedule(costs: CostTable, k: int = 4, clock=None, **config) -> Schedule:
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, **config)
     return Schedule(config, k, {None: costs}, static_shapes=False, **({} if clock is None else {"clock": clock}))
@@ -458,20 +477,12 @@ def test_draft_classes_draft_where_their_class_pays_and_never_without_a_draft():
                         draft_classes={None: DraftClasses(lambda state: classes, 3)})
     state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
                               pad_token_id=0)
-    schedule.start(batch)
-    history = []
-    for _ in range(60):
-        limits = list(schedule.plan(state, batch).limits)
-        schedule.look_ahead(state)
+
+    def drafted(limits):  # a row of class 0 drafts nothing; class 3's drafts are right, class 1's wrong
         depths = [limit if classes[row] else 0 for row, limit in enumerate(limits)]
-        accepted = [depth if classes[row] == 3 else 0 for row, depth in enumerate(depths)]
-        host = state.host
-        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted,
-                              np.full((batch, k + 1), 5))
-        schedule.observe(state, SimpleNamespace(host_depths=depths, drafted_positions=None,
-                                                tree=SimpleNamespace(max_depth=max(depths))))
-        history.append(limits)
-    history = np.array(history)
+        return depths, [depth if classes[row] == 3 else 0 for row, depth in enumerate(depths)]
+
+    history = run_looking_ahead(schedule, state, 60, drafted)
     assert (history[-40:, 0] == 0).all()  # class 1: off
     assert (history[-40:, 1] == k).all()  # class 3: k
     assert (history[:, 2] == 0).all()  # no draft, no limit: not even a probe
@@ -500,19 +511,7 @@ def test_a_row_known_to_have_no_draft_neither_drafts_nor_looks_ahead():
                         draft_depths={None: lambda state: depths})
     state = DecodeState.start(torch.zeros(batch, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
                               pad_token_id=0)
-    schedule.start(batch)
-    history = []
-    for _ in range(40):
-        limits = list(schedule.plan(state, batch).limits)
-        schedule.look_ahead(state)
-        accepted = [limits[0], 0, 0]
-        host = state.host
-        state.host = HostView(host.lengths, host.finished, [a + 1 for a in accepted], accepted,
-                              np.full((batch, k + 1), 5))
-        schedule.observe(state, SimpleNamespace(host_depths=None, drafted_positions=None,
-                                                tree=SimpleNamespace(max_depth=max(limits))))
-        history.append(limits)
-    history = np.array(history)
+    history = run_looking_ahead(schedule, state, 40, lambda limits: (None, [limits[0], 0, 0]))
     assert (history[:, 1] == 0).all() and (history[-10:, 0] == k).all() and (history[-10:, 2] == 0).all()
     assert any(2 in rows for rows in asked) and all(1 not in rows for rows in asked)
     depths[:] = 0  # no row has a draft: a plain step, whatever the estimates say
