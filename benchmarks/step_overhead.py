@@ -132,10 +132,11 @@ class OpCounter(TorchDispatchMode):
     def __init__(self, target: torch.nn.Module) -> None:
         super().__init__()
         self.count, self.inside = 0, 0
-        self.hooks = [target.register_forward_pre_hook(lambda *_: self._shift(1)),
-                      target.register_forward_hook(lambda *_: self._shift(-1))]
+        self.hooks = [target.register_forward_pre_hook(lambda *_: self.shift(1)),
+                      target.register_forward_hook(lambda *_: self.shift(-1))]
 
-    def _shift(self, by: int) -> None:
+    def shift(self, by: int) -> None:
+        """Enter (1) or leave (-1) a stretch whose ops are not counted."""
         self.inside += by
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -153,11 +154,11 @@ def counted_run(target, prompts, oracle, k: int, new_tokens: int, schedule: str)
     counter, propose = OpCounter(target), OracleProposer.propose
 
     def paused(proposer, state):
-        counter.inside += 1
+        counter.shift(1)
         try:
             return propose(proposer, state)
         finally:
-            counter.inside -= 1
+            counter.shift(-1)
 
     try:
         with counter, mock.patch.object(OracleProposer, "propose", paused):

@@ -12,7 +12,7 @@ Packed, each key/value head attends once, for its G query heads' W queries at on
 viewed as [B, K, G * W, D] and the mask's rows repeated G times. It is the same attention, computed by the same
 kernel on fewer, taller matrices; outputs agree with the "sdpa" function's to rounding.
 
-`packed_attention(model)` makes a model on a CPU whose attention is "sdpa" run it for the forwards inside the block.
+`PackedAttention(model)` makes a model on a CPU whose attention is "sdpa" run it for the forwards inside the block.
 A model on a GPU is left alone (and tensors off the CPU go on to transformers' "sdpa" function unchanged): the
 layout has not been measured on a GPU, whose fused kernels take grouped heads differently (`benchmarks/gpu.sh`
 measures it there, `packed_sdpa` against that function). The prompt's prefill stays on the model's own attention,
@@ -97,7 +97,7 @@ AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
 
 _LOCK = threading.Lock()
-_ACTIVE: dict[int, int] = {}  # id(config) -> forwards inside `packed_attention` that swapped it to PACKED_SDPA
+_ACTIVE: dict[int, int] = {}  # id(config) -> forwards inside a `PackedAttention` that swapped it to PACKED_SDPA
 
 
 class PackedAttention:
@@ -129,9 +129,3 @@ class PackedAttention:
                 if _ACTIVE[key] == 0:
                     del _ACTIVE[key]
                     self.config._attn_implementation = {"": "sdpa"}
-
-
-def packed_attention(model: torch.nn.Module) -> PackedAttention:
-    """Within the returned context, `model` runs `packed_sdpa_attention` if it sits on a CPU and its decoder's
-    attention is "sdpa" (`PackedAttention`)."""
-    return PackedAttention(model)

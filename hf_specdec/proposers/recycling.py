@@ -65,16 +65,16 @@ class RecycledTokens:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.successors = torch.full((vocab_size + 1, RECYCLED_CANDIDATES), -1, dtype=torch.long, device=device)
-        # [V + 1] on the host: the rows written (seeded, or updated from the verified nodes `filled` was told of)
+        # [V + 1] on the host: the rows written (seeded, or updated by the steps `fill` was told of)
         self.filled = np.zeros(vocab_size + 1, dtype=bool)
 
     def fill(
         self,
-        # [...] int: tokens whose rows an update wrote (-1 entries: none)
-        tokens: np.ndarray,
+        # [...] int: the rows an update wrote (`update`'s answer, read back after the step that wrote them)
+        rows: np.ndarray,
     ) -> None:
-        """Tell the host which rows an update wrote (read back after the step that wrote them)."""
-        self.filled[tokens[tokens >= 0]] = True
+        """Tell the host which rows an update wrote (the spare row is never read)."""
+        self.filled[rows] = True
 
     def update(
         self,
@@ -84,10 +84,12 @@ class RecycledTokens:
         counted: torch.Tensor,
         # [B, N, V]: the target's processed scores at every node
         scores: torch.Tensor,
-    ) -> None:
+    ) -> torch.Tensor:
+        """Returns [B, N] the rows written (the spare row for nodes not counted)."""
         top = scores.topk(RECYCLED_CANDIDATES, dim=-1).indices  # [B, N, K]
         rows = torch.where(counted, token_ids, self.vocab_size)  # padding goes to the spare row
         self.successors.index_copy_(0, rows.reshape(-1), top.reshape(-1, RECYCLED_CANDIDATES))
+        return rows
 
     def seed(self, prompts: list[np.ndarray]) -> None:
         """Each prompt token's row starts with the tokens that followed it in the prompts (the most recent first),
@@ -220,7 +222,8 @@ class RecyclingProposer(Proposer):
             return np.zeros(len(host.lengths), dtype=np.int64)
         counts = np.asarray(host.num_emitted)
         last = host.emitted[np.arange(len(counts)), np.maximum(counts - 1, 0)]
-        seen = (counts > 0) & self.table.filled[np.clip(last, 0, self.table.vocab_size)]
+        vocab = self.table.vocab_size  # its row of `filled` is the spare row's: never a token's
+        seen = (counts > 0) & (last < vocab) & self.table.filled[np.clip(last, 0, vocab)]
         return np.where(seen, self.template.max_depth, 0)
 
     def _fill(self, state: DecodeState) -> None:
@@ -255,8 +258,8 @@ class RecyclingProposer(Proposer):
     ) -> None:
         counted = tree.valid & ~state.finished[:, None]
         self._fill(state)
-        self._table(scores).update(tree.token_ids, counted, scores)
-        self.unfilled = (state.ship(torch.where(counted, tree.token_ids, -1)), state.host)
+        written = self._table(scores).update(tree.token_ids, counted, scores)
+        self.unfilled = (state.ship(written), state.host)
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:

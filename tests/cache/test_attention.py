@@ -11,7 +11,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_specdec
-from hf_specdec.cache.attention import PACKED_SDPA, packed_attention, packed_sdpa_attention
+from hf_specdec.cache.attention import PACKED_SDPA, PackedAttention, packed_sdpa_attention
 from tests.conftest import make_model
 
 BLOCKED = torch.finfo(torch.float32).min
@@ -81,13 +81,13 @@ def test_packed_attention_swaps_and_restores():
     model = make_model("llama")
     config = model.config
     assert config._attn_implementation == "sdpa"
-    with packed_attention(model):
+    with PackedAttention(model):
         assert config._attn_implementation == PACKED_SDPA
-        with packed_attention(model):  # a second forward inside the first (another thread's)
+        with PackedAttention(model):  # a second forward inside the first (another thread's)
             assert config._attn_implementation == PACKED_SDPA
         assert config._attn_implementation == PACKED_SDPA
     assert config._attn_implementation == "sdpa"
-    with pytest.raises(RuntimeError, match="inside"), packed_attention(model):
+    with pytest.raises(RuntimeError, match="inside"), PackedAttention(model):
         raise RuntimeError("inside")
     assert config._attn_implementation == "sdpa"
 
@@ -95,21 +95,21 @@ def test_packed_attention_swaps_and_restores():
 def test_other_attention_left_alone():
     model = make_model("gpt2")
     model.config._attn_implementation = "eager"
-    with packed_attention(model):
+    with PackedAttention(model):
         assert model.config._attn_implementation == "eager"
 
 
 def test_a_model_set_to_the_packed_function_keeps_it():
     model = make_model("llama")
     model.config._attn_implementation = PACKED_SDPA
-    with packed_attention(model):
+    with PackedAttention(model):
         assert model.config._attn_implementation == PACKED_SDPA
     assert model.config._attn_implementation == PACKED_SDPA
 
 
 def test_a_model_off_the_cpu_is_left_alone():
     model = make_model("llama").to("meta")
-    with packed_attention(model):
+    with PackedAttention(model):
         assert model.config._attn_implementation == "sdpa"
 
 
@@ -118,7 +118,7 @@ def test_threads_restore_when_the_last_leaves():
     inside, release = threading.Barrier(3), threading.Event()
 
     def forward():
-        with packed_attention(model):
+        with PackedAttention(model):
             inside.wait()
             release.wait()
 
