@@ -364,7 +364,8 @@ class Schedule:
     def _check_lookahead(self, state: DecodeState, drafted: np.ndarray) -> None:
         """Settle every candidate's lookahead drafts against what the step emitted, as observations of its drafts."""
         for method, (rows, shipped, classes) in self.shipped.items():
-            self.lookahead_drafts[method].start(rows, shipped.trees(state.host, rows), classes)
+            tokens = shipped.tokens(state.host, rows)
+            self.lookahead_drafts[method].start_shaped(rows, tokens, shipped.parents, classes)
         self.shipped = {}
         for method, drafts in self.lookahead_drafts.items():
             settled = drafts.settle(state.host, drafted & self.rows_of(method))

@@ -83,10 +83,9 @@ class ShippedTrees:
     # [N] int: the template's parents (-1: a child of the root), parents first
     parents: np.ndarray
 
-    def trees(self, host: HostView, rows: list[int]) -> list[LookaheadTree]:
-        """The rows' trees, after the step's host read."""
-        tokens = host.shipped[self.shipment]
-        return [LookaheadTree(tokens[row], self.parents) for row in rows]
+    def tokens(self, host: HostView, rows: list[int]) -> np.ndarray:
+        """[R, N] the rows' node tokens, after the step's host read."""
+        return host.shipped[self.shipment][rows]
 
 
 @dataclass(frozen=True)
@@ -132,19 +131,47 @@ class LookaheadDrafts:
         classes: np.ndarray,
     ) -> None:
         for row, draft in zip(rows, drafts):
-            depths = draft.depths()
-            kept = depths <= self.max_k  # a kept node's parent is shallower: kept too
-            if not kept.all():
-                draft = draft.subtree(kept)
-            size = draft.tokens.size
-            if size > self.tokens.shape[1]:  # room for the largest draft so far
-                extra = size - self.tokens.shape[1]
-                self.tokens = np.pad(self.tokens, ((0, 0), (0, extra)))
-                self.parents = np.pad(self.parents, ((0, 0), (0, extra)), constant_values=NO_PARENT)
-            self.tokens[row, :size] = draft.tokens
-            self.parents[row, :size] = draft.parents
-            self.parents[row, size:] = NO_PARENT
-            self.length[row] = int(depths[kept].max(initial=0))
+            self._place([row], draft.tokens[None, :], draft)
+        self._restart(rows, classes)
+
+    def start_shaped(
+        self,
+        rows: list[int],
+        # [R, N]: each row's node tokens, all in one tree shape (a template's)
+        tokens: np.ndarray,
+        # [N] the shape's parents (-1: a child of the root)
+        parents: np.ndarray,
+        # [B] each row's draft class this step
+        classes: np.ndarray,
+    ) -> None:
+        """`start` for drafts that share one shape (trees of one template): placed at once."""
+        self._place(rows, tokens, LookaheadTree(np.zeros_like(parents), parents))
+        self._restart(rows, classes)
+
+    def _place(
+        self,
+        rows: list[int],
+        # [R, N]: the rows' node tokens in `shape`
+        tokens: np.ndarray,
+        # the rows' tree shape (its parents; its own tokens unread)
+        shape: LookaheadTree,
+    ) -> None:
+        depths = shape.depths()
+        kept = depths <= self.max_k  # a kept node's parent is shallower: kept too
+        if not kept.all():
+            shape, tokens = shape.subtree(kept), tokens[:, kept]
+        size = shape.parents.size
+        if size > self.tokens.shape[1]:  # room for the largest draft so far
+            extra = size - self.tokens.shape[1]
+            self.tokens = np.pad(self.tokens, ((0, 0), (0, extra)))
+            self.parents = np.pad(self.parents, ((0, 0), (0, extra)), constant_values=NO_PARENT)
+        self.tokens[rows, :size] = tokens
+        self.parents[rows, :size] = shape.parents
+        self.parents[rows, size:] = NO_PARENT
+        self.length[rows] = int(depths[kept].max(initial=0))
+
+    def _restart(self, rows: list[int], classes: np.ndarray) -> None:
+        """The rows' drafts just placed: walked from their roots, in this step's classes."""
         self.node[rows] = -1
         self.matched[rows] = 0
         self.classes[rows] = classes[rows]

@@ -22,6 +22,7 @@ from hf_specdec.proposers.recycling import (
     forget_recycled_tokens,
     recycling_tree,
 )
+from hf_specdec.schedule.lookahead import LookaheadTree
 from hf_specdec.step import DecodeState
 from tests.conftest import VOCAB, make_model, padded_batch
 
@@ -113,7 +114,7 @@ def test_lookahead_is_the_whole_tree_a_proposal_would_draft():
     def looked_ahead(rows):  # the shipped trees, read with a step's report
         shipped = proposer.lookahead(state, rows)
         state.report(torch.ones(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
-        return shipped.trees(state.host, rows)
+        return [LookaheadTree(tokens, shipped.parents) for tokens in shipped.tokens(state.host, rows)]
 
     assert [draft.tokens.tolist() for draft in looked_ahead([0, 1])] == [[-1] * 5] * 2
     proposer.table = RecycledTokens(VOCAB, torch.device("cpu"))

@@ -62,12 +62,17 @@ def test_trees_are_walked_down_by_the_emitted_tokens():
                     np.array([[0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [4, 6, 0]]))
     settled = drafts.settle(host, drafted=np.zeros(batch, dtype=bool))
     assert (settled.matched.tolist(), settled.lengths.tolist()) == ([0, 0, 0, 0, 2], [0, 0, 0, 0, 3])
-    # cut at depth 2: node 5 is dropped, 4 is a leaf
-    shallow = LookaheadDrafts(1, 2)
-    shallow.start([0], [tree], classes=np.zeros(1, dtype=int))
-    host = HostView([4], [False], [3], [0], np.array([[1, 4, 5]]))
-    settled = shallow.settle(host, drafted=np.zeros(1, dtype=bool))
-    assert (settled.asked.tolist(), settled.matched.tolist(), settled.lengths.tolist()) == ([2], [2], [2])
+    # cut at depth 2: node 5 is dropped, 4 is a leaf; trees of one shape placed at once (`start_shaped`, a
+    # template's trees shipped from the device) walk the same
+    for shaped in (False, True):
+        shallow = LookaheadDrafts(1, 2)
+        if shaped:
+            shallow.start_shaped([0], tree.tokens[None, :], tree.parents, classes=np.zeros(1, dtype=int))
+        else:
+            shallow.start([0], [tree], classes=np.zeros(1, dtype=int))
+        host = HostView([4], [False], [3], [0], np.array([[1, 4, 5]]))
+        settled = shallow.settle(host, drafted=np.zeros(1, dtype=bool))
+        assert (settled.asked.tolist(), settled.matched.tolist(), settled.lengths.tolist()) == ([2], [2], [2])
 
 
 def test_a_larger_tree_after_smaller_ones_gets_room():
