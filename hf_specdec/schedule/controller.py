@@ -86,13 +86,10 @@ PROBE_BUDGET = 0.03
 @dataclass(frozen=True)
 class DraftClasses:
     """A host proposer's draft classes (`Proposer.draft_classes`): each row's class before a step (0: no draft), out
-    of `count` classes, and, where the proposer knows it then (`Proposer.draft_depths`), how deep each row's draft
-    goes (a draft position past it brings nothing, whatever its class's estimate)."""
+    of `count` classes."""
 
     of_rows: Callable[[DecodeState], np.ndarray]
     count: int
-    # [B] int: each row's draft depth, read after `of_rows` in the same step; None: as deep as allowed
-    depths: Callable[[DecodeState], np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -116,8 +113,8 @@ class Schedule:
         graphs_compiled: Callable[[], int] = graphs_compiled,
         # per candidate (the keys of `costs`) that tells its drafts apart: its draft classes
         draft_classes: dict[str | None, DraftClasses] | None = None,
-        # per candidate without draft classes that knows before the decision how deep each row's draft goes (0: it
-        # has none this step): its `Proposer.draft_depths`
+        # per candidate that knows before the decision how deep each row's draft goes (0: it has none this step): its
+        # `Proposer.draft_depths`, read after its draft classes in the same step where it has both
         draft_depths: dict[str | None, Callable[[DecodeState], np.ndarray]] | None = None,
     ) -> None:
         self.adaptive = config.schedule == "adaptive"
@@ -127,8 +124,7 @@ class Schedule:
         # class's, pooled over all rows, and whether it drafts at all is known before the decision
         self.draft_classes = dict(draft_classes or {}) if self.adaptive else {}
         # candidates that say before the decision how deep each row's draft goes: a position past it is not drafted
-        self.depth_readers = {method: classes.depths for method, classes in self.draft_classes.items()
-                              if classes.depths is not None} | (dict(draft_depths or {}) if self.adaptive else {})
+        self.depth_readers = dict(draft_depths or {}) if self.adaptive else {}
         unknown = (set(self.draft_classes) | set(self.lookahead) | set(self.depth_readers)) - set(costs)
         if unknown:
             raise ValueError(f"Schedule: draft classes, depths or lookahead for {sorted(map(str, unknown))}, which "
@@ -473,25 +469,20 @@ def build_schedule(config: SpeculativeConfig, model: object, proposer: Proposer,
                         lookahead={m: c.lookahead for m, c in proposer.candidates.items() if _looks_ahead(c)},
                         draft_classes={m: _draft_classes(c) for m, c in proposer.candidates.items()
                                        if c.num_draft_classes},
-                        draft_depths={m: c.draft_depths for m, c in proposer.candidates.items() if _depths_only(c)})
+                        draft_depths={m: c.draft_depths for m, c in proposer.candidates.items()
+                                      if c.knows_draft_depths})
     if (config.schedule == "fixed" and config.disable_by_batch_size is None
             and config.num_speculative_tokens_per_batch_size is None):
         return None
     return Schedule(config, max_k, {None: cost_table(model, proposer.cost_key(config, static_shapes))},
                     static_shapes, lookahead={None: proposer.lookahead} if _looks_ahead(proposer) else None,
                     draft_classes={None: _draft_classes(proposer)} if proposer.num_draft_classes else None,
-                    draft_depths={None: proposer.draft_depths} if _depths_only(proposer) else None)
+                    draft_depths={None: proposer.draft_depths} if proposer.knows_draft_depths else None)
 
 
 def _looks_ahead(proposer: Proposer) -> bool:
     return proposer.looks_ahead and proposer.reads_emitted_tokens
 
 
-def _depths_only(proposer: Proposer) -> bool:
-    """Whether a proposer knows its rows' draft depths before the decision without telling its drafts apart."""
-    return proposer.knows_draft_depths and not proposer.num_draft_classes
-
-
 def _draft_classes(proposer: Proposer) -> DraftClasses:
-    return DraftClasses(proposer.draft_classes, proposer.num_draft_classes,
-                        proposer.draft_depths if proposer.knows_draft_depths else None)
+    return DraftClasses(proposer.draft_classes, proposer.num_draft_classes)

@@ -602,7 +602,7 @@ def test_auto_weighs_a_lookups_draft_classes_against_a_model_drafters_row_estima
 
 
 def test_a_known_draft_depth_caps_what_a_class_is_expected_to_bring():
-    """A lookup that says how deep each row's draft goes (`DraftClasses.depths`, suffix decoding: often shorter than
+    """A lookup that says how deep each row's draft goes (`draft_depths`, suffix decoding: often shorter than
     k): its class estimates promise every position, but a row whose draft is one token deep is expected to gain
     one token at most, so a model drafter whose first token is always accepted (and nothing after) wins its steps;
     with drafts k deep the lookup wins them."""
@@ -610,8 +610,9 @@ def test_a_known_draft_depth_caps_what_a_class_is_expected_to_bring():
     for depth, winner in ((1, "eagle"), (k, "suffix")):
         config = SpeculativeConfig(method="auto", num_speculative_tokens=k)
         costs = {"eagle": InjectedCosts(0.05), "suffix": InjectedCosts(0.05)}
-        classes = DraftClasses(lambda state: np.array([1]), 1, depths=lambda state, depth=depth: np.array([depth]))
-        schedule = Schedule(config, k, costs, static_shapes=False, draft_classes={"suffix": classes})
+        classes = DraftClasses(lambda state: np.array([1]), 1)
+        schedule = Schedule(config, k, costs, static_shapes=False, draft_classes={"suffix": classes},
+                            draft_depths={"suffix": lambda state, depth=depth: np.array([depth])})
         state = DecodeState.start(torch.zeros(1, 4, dtype=torch.long), None, max_length=10_000, extra_capacity=8,
                                   pad_token_id=0)
         schedule.start(1)
