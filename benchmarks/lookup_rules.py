@@ -11,7 +11,8 @@ target keeps the drafted prefix the recorded answer follows, plus one token (the
 
 * `hf_specdec`: `find_ngram_continuation` with the engine's defaults (the most recent match of the longest suffix
   n-gram, n from 3 down to 1, continued as an overlapping copy);
-* `hf_specdec, n <= 2`: the same with transformers' longest n-gram, to tell the two rules' differences apart;
+* `hf_specdec, n <= 2` and `n <= 6`: the same with transformers' longest n-gram, to tell the two rules' differences
+  apart, and with longer n-grams;
 * `transformers`: transformers' own `PromptLookupCandidateGenerator` (`prompt_lookup_num_tokens=k`, its default
   `max_matching_ngram_size` of 2: the earliest match, cut at the end of the text).
 
@@ -31,12 +32,13 @@ import numpy as np
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from hf_specdec import SpeculativeConfig
-from hf_specdec.cli.environment import write_report
-from hf_specdec.proposers.ngram import find_ngram_continuation
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from suffix_replay import NGRAM, replay_output  # noqa: E402  (the engine's n-gram lengths)
+
+from hf_specdec.cli.environment import write_report  # noqa: E402
+from hf_specdec.proposers.ngram import find_ngram_continuation  # noqa: E402
 
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "code")
-NGRAM = SpeculativeConfig(method="ngram")  # the engine's n-gram lengths
 
 
 def hf_specdec_rule(max_n: int) -> Callable[[np.ndarray, int], np.ndarray]:
@@ -52,7 +54,7 @@ def transformers_rule(tokens: np.ndarray, k: int) -> np.ndarray:
 
 
 RULES = {"hf_specdec": hf_specdec_rule(NGRAM.prompt_lookup_max), "hf_specdec, n <= 2": hf_specdec_rule(2),
-         "transformers": transformers_rule}
+         "hf_specdec, n <= 6": hf_specdec_rule(6), "transformers": transformers_rule}
 
 
 def replay(
@@ -63,17 +65,14 @@ def replay(
     k: int,
 ) -> int:
     """Target forwards to emit `answer` at batch 1 with drafts of at most `k` tokens from `rule` (the prefill's
-    included; a draft never runs past the answer's last token, as the engine's length budget cuts it)."""
-    text = np.asarray(prompt + answer, dtype=np.int64)
-    start, emitted, forwards = len(prompt), 1, 1
-    while emitted < len(answer):
-        budget = min(k, len(answer) - emitted - 1)
-        draft = rule(text[: start + emitted], budget) if budget else text[:0]
-        truth = text[start + emitted: start + emitted + len(draft)]
-        kept = int(np.cumprod(draft == truth).sum()) if len(draft) else 0
-        emitted += kept + 1
-        forwards += 1
-    return forwards
+    included; a draft never runs past the answer's last token, as the engine's length budget cuts it): the fixed-k
+    run of `suffix_replay.replay_output`, drafting chains."""
+
+    def chain(text: list[int], budget: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        tokens = tuple(rule(np.asarray(text, dtype=np.int64), budget).tolist())
+        return tokens, tuple(range(-1, len(tokens) - 1))
+
+    return replay_output(prompt, answer, k, chain).forwards
 
 
 def record(args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,40 +69,59 @@ def accepted_length(
     return length
 
 
+def ngram_draft(text: list[int], budget: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """n-gram lookup's chain after `text` (the engine's n-gram lengths), as (tokens, parents)."""
+    tokens = tuple(find_ngram_continuation(np.asarray(text), NGRAM.prompt_lookup_min, NGRAM.prompt_lookup_max,
+                                           budget).tolist())
+    return tokens, tuple(range(-1, len(tokens) - 1))
+
+
+def replay_output(
+    prompt: list[int],
+    output: list[int],
+    k: int,
+    # the draft after a text, at most `budget` tokens deep: (tokens, parents), () for none
+    draft: Callable[[list[int], int], tuple[tuple[int, ...], tuple[int, ...]]],
+    # told each run of tokens the output emits (a suffix request extends its tree), or None
+    emitted: Callable[[list[int]], None] | None = None,
+) -> Counts:
+    """One request's fixed-k run at batch 1: the prefill's forward emits the first token; each step after it
+    drafts after the committed text, never past the output's last token, and emits the drafted path the output
+    follows plus one token."""
+    position = forwards = min(1, len(output))
+    drafts = accepted = 0
+    if emitted is not None:
+        emitted(output[:position])
+    while position < len(output):
+        budget = min(k, len(output) - position - 1)  # no draft past the output's last token
+        tokens, parents = draft(prompt + output[:position], budget) if budget > 0 else ((), ())
+        kept = accepted_length(tokens, parents, output[position:]) if tokens else 0
+        drafts += bool(tokens)
+        accepted += kept
+        forwards += 1
+        if emitted is not None:
+            emitted(output[position : position + kept + 1])
+        position += kept + 1
+    return Counts(len(output), forwards, drafts, accepted)
+
+
 def replay(prompts: list[list[int]], outputs: list[list[int]], method: str, k: int,
            config: SuffixConfig | None = None, min_score: float = 0.0) -> list[Counts]:
     """Each request's counts, in session order; for suffix decoding, one cache filled as the session goes."""
     cache = SuffixCache(config or SuffixConfig()) if method == "suffix" else None
     counts = []
     for prompt, output in zip(prompts, outputs):
-        request = cache.start_request(prompt) if cache is not None else None
-        # the prefill's forward emits the first token; each step after it drafts
-        position = forwards = min(1, len(output))
-        drafts = accepted = 0
-        if request is not None:
-            request.extend(output[:position])
-        while position < len(output):
-            text = prompt + output[:position]
-            budget = min(k, len(output) - position - 1)  # no draft past the output's last token
-            tokens, parents = (), ()
-            if budget > 0 and method == "ngram":
-                tokens = tuple(find_ngram_continuation(np.asarray(text), NGRAM.prompt_lookup_min,
-                                                       NGRAM.prompt_lookup_max, budget).tolist())
-                parents = tuple(range(-1, len(tokens) - 1))
-            elif budget > 0:
-                draft = propose_suffix_draft(cache, request, text, budget)
-                if draft.score >= min_score:
-                    tokens, parents = draft.tokens, draft.parents
-            kept = accepted_length(tokens, parents, output[position:]) if tokens else 0
-            drafts += bool(tokens)
-            accepted += kept
-            forwards += 1
-            if request is not None:
-                request.extend(output[position : position + kept + 1])
-            position += kept + 1
-        if request is not None:
-            request.finish()
-        counts.append(Counts(len(output), forwards, drafts, accepted))
+        if cache is None:
+            counts.append(replay_output(prompt, output, k, ngram_draft))
+            continue
+        request = cache.start_request(prompt)
+
+        def suffix_draft(text: list[int], budget: int, request=request) -> tuple[tuple[int, ...], tuple[int, ...]]:
+            found = propose_suffix_draft(cache, request, text, budget)
+            return (found.tokens, found.parents) if found.score >= min_score else ((), ())
+
+        counts.append(replay_output(prompt, output, k, suffix_draft, request.extend))
+        request.finish()
     return counts
 
 
