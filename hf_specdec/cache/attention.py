@@ -12,13 +12,22 @@ Packed, each key/value head attends once, for its G query heads' W queries at on
 viewed as [B, K, G * W, D] and the mask's rows repeated G times. It is the same attention, computed by the same
 kernel on fewer, taller matrices; outputs agree with the "sdpa" function's to rounding.
 
-`PackedAttention(model)` makes a model on a CPU whose attention is "sdpa" run it for the forwards inside the block.
-A model on a GPU is left alone (and tensors off the CPU go on to transformers' "sdpa" function unchanged): the
-layout has not been measured on a GPU, whose fused kernels take grouped heads differently (`benchmarks/gpu.sh`
-measures it there, `packed_sdpa` against that function). The prompt's prefill stays on the model's own attention,
-as in plain `generate`. The swap is counted per config under a lock, so calls in several threads on one model restore it only
-when the last one leaves; meanwhile another thread's forwards on that model (a plain `generate`, say) run the packed
-function too, which computes the same attention.
+`EngineAttention(model, decode)` makes the model run, for the forwards inside the block, the attention function the
+engine's forwards need:
+* on a CPU, for decode forwards (every forward after the prompt's), a model whose attention is "sdpa" runs this
+  packed function. A model on a GPU is left alone (and tensors off the CPU go on to transformers' "sdpa" function
+  unchanged): the layout has not been measured on a GPU, whose fused kernels take grouped heads differently
+  (`benchmarks/gpu.sh` measures it there, `packed_sdpa` against that function). The prompt's prefill stays on the
+  model's own attention, as in plain `generate`.
+* a model loaded with an attention that takes no custom 4-D mask (flash attention in any packaging: FlashAttention
+  2, 3 or 4, a Hub kernel such as "kernels-community/flash-attn2"; flex attention, whose masks are block masks) runs
+  "sdpa" for every forward, the prefill included (or "eager" for a model without SDPA support): per-row lengths
+  and token trees need such masks. It is the same attention computed by another kernel, so a forward gives the
+  same numbers to rounding; in low precision greedy output can then part from plain `generate`'s at near-ties
+  (README, Low precision).
+The swap is counted per config under a lock, so calls in several threads on one model restore the model's own
+attention only when the last one leaves; meanwhile another thread's forwards on that model (a plain `generate`,
+say) run the swapped function too, which computes the same attention.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from __future__ import annotations
 import threading
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -97,35 +106,94 @@ AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
 
 _LOCK = threading.Lock()
-_ACTIVE: dict[int, int] = {}  # id(config) -> forwards inside a `PackedAttention` that swapped it to PACKED_SDPA
+# id(config) -> forwards inside an `EngineAttention` that swapped it, and the attention it had before
+_ACTIVE: dict[int, tuple[int, str]] = {}
 
 
-class PackedAttention:
-    """A reusable context: within it, `model` runs `packed_sdpa_attention` if it sat on a CPU when this was made and
-    its decoder's attention is "sdpa" (the config its attention layers read; only that one changes, not a
-    composite model's other parts). A model set to anything else, PACKED_SDPA included, is left as it is. The
-    config and device are looked up once (a decode call's cache enters it for every forward)."""
+def takes_no_custom_mask(implementation: str | None) -> bool:
+    """Whether a model's `attn_implementation` cannot take the custom 4-D masks of per-row lengths and token trees
+    (flash attention in any packaging, flex attention), so that the engine runs SDPA in its place."""
+    return isinstance(implementation, str) and ("flash" in implementation or implementation == "flex_attention")
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.config = model.config.get_text_config(decoder=True)
-        self.on_cpu = model.device.type == "cpu"
-        self.swapped: list[bool] = []  # per entry not yet left (entries nest)
+
+# where a config's `_attn_implementation` property keeps its value
+INTERNAL = "_attn_implementation_internal"
+
+
+class _Attention:
+    """One config's attention implementation, read and written as its attention layers read it. For a config without
+    sub-configs the property's setter only stores `_attn_implementation_internal` (after validation hooks costing
+    some 10 us a call, paid twice per forward here); that entry of the instance's `__dict__` is then used directly."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        self.config = config
+        state = object.__getattribute__(config, "__dict__")
+        self.state = state if not config.sub_configs and INTERNAL in state else None
+
+    def get(self) -> str | None:
+        return self.config._attn_implementation if self.state is None else self.state[INTERNAL]
+
+    def set(self, value: str) -> None:
+        if self.state is None:
+            self.config._attn_implementation = {"": value}  # this config only, not its sub-configs
+        else:
+            self.state[INTERNAL] = value
+
+
+class EngineAttention:
+    """A reusable context: within it, `model` runs the attention function the engine's forwards need (the module
+    docstring): SDPA for a model whose attention takes no custom mask, and on a CPU the packed function for decode
+    forwards (`decode=True`) of a model whose attention is "sdpa". What changes is the config each attention layer
+    reads: the decoder's, and every config of its class on the model's modules (an early-exit draft's layers are
+    the target's and read the target's config), not a composite model's other parts (a vision tower). They are
+    looked up once, when this is made (a decode call's cache enters it for every forward); what each runs instead
+    is decided on entry, from its attention then."""
+
+    def __init__(self, model: torch.nn.Module, decode: bool) -> None:
+        self.packed = decode and model.device.type == "cpu"
+        self.sdpa = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
+        decoder = model.config.get_text_config(decoder=True)
+        configs = {id(decoder): decoder}
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if type(config) is type(decoder):  # a decoder's config: not a composite's other parts (a vision tower)
+                configs.setdefault(id(config), config)
+        self.attentions = [_Attention(config) for config in configs.values()]
+        self.entered: list[list[_Attention]] = []  # per entry not yet left (entries nest): what it counts
+
+    def swap(self, own: str | None) -> str | None:
+        """What to run instead of the attention `own`, or None to leave it."""
+        swap = self.sdpa if takes_no_custom_mask(own) else None
+        if self.packed and (own if swap is None else swap) == "sdpa":
+            swap = PACKED_SDPA
+        return swap
 
     def __enter__(self) -> None:
-        config, key = self.config, id(self.config)
+        counted = []
         with _LOCK:
-            swapped = key in _ACTIVE or (self.on_cpu and config._attn_implementation == "sdpa")
-            if swapped:
-                if key not in _ACTIVE:
-                    config._attn_implementation = {"": PACKED_SDPA}
-                _ACTIVE[key] = _ACTIVE.get(key, 0) + 1
-        self.swapped.append(swapped)
+            for attention in self.attentions:
+                key = id(attention.config)
+                active = _ACTIVE.get(key)
+                if active is None:
+                    own = attention.get()
+                    swap = self.swap(own)
+                    if swap is None:
+                        continue
+                    attention.set(swap)
+                    active = (0, own)
+                _ACTIVE[key] = (active[0] + 1, active[1])
+                counted.append(attention)
+        self.entered.append(counted)
 
     def __exit__(self, *exc) -> None:
-        if self.swapped.pop():
-            key = id(self.config)
+        counted = self.entered.pop()
+        if counted:
             with _LOCK:
-                _ACTIVE[key] -= 1
-                if _ACTIVE[key] == 0:
-                    del _ACTIVE[key]
-                    self.config._attn_implementation = {"": "sdpa"}
+                for attention in counted:
+                    key = id(attention.config)
+                    count, own = _ACTIVE[key]
+                    if count == 1:
+                        del _ACTIVE[key]
+                        attention.set(own)
+                    else:
+                        _ACTIVE[key] = (count - 1, own)

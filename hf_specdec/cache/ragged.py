@@ -38,7 +38,8 @@ Design
   each kind of forward is one compiled graph. Prompts (`prefill`, `prefill_chain`) stay eager, as in transformers.
 
 The prefill goes through the model's own mask preparation (a 2-D mask), as plain `generate` does, so the prompt
-is encoded with the same kernels and gives the same numbers.
+is encoded with the same kernels and gives the same numbers; a model whose attention takes no custom mask (flash or
+flex attention) runs SDPA for every forward of the call, the prefill included (`hf_specdec.cache.attention`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_specdec.cache.attention import PACKED_SDPA, PackedAttention
+from hf_specdec.cache.attention import PACKED_SDPA, EngineAttention, takes_no_custom_mask
 from hf_specdec.cache.exchange import filled_layers
 from hf_specdec.cache.features import FeatureTap
 from hf_specdec.cache.naming import cache_keyword
@@ -83,10 +84,11 @@ class AttentionLayout:
             )
         _check_positions_come_from_the_mask(model, config)
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
-        if attn not in SUPPORTED_ATTENTION:
+        if attn not in SUPPORTED_ATTENTION and not takes_no_custom_mask(attn):
             raise ValueError(
                 f"attn_implementation={attn!r} cannot take the custom 4-D attention masks speculative decoding "
-                f"needs; load the model with attn_implementation='sdpa' (or 'eager')"
+                "needs, and hf_specdec knows no stand-in for it (flash and flex attention run as SDPA); load the "
+                "model with attn_implementation='sdpa' (or 'eager')"
             )
         layer_types = getattr(config, "layer_types", None)
         window = getattr(config, "sliding_window", None)
@@ -156,7 +158,8 @@ class RaggedKVCache:
     def __init__(self, model) -> None:
         self.model = model
         self.model_call = model  # what runs a forward (a compiled forward under static shapes)
-        self.packed_attention = PackedAttention(model)  # entered for every decode forward
+        self.prefill_attention = EngineAttention(model, decode=False)  # entered for the prompt's forward
+        self.decode_attention = EngineAttention(model, decode=True)  # and for every later one
         self.cache_keyword = cache_keyword(model)
         self.layout = AttentionLayout.from_model(model)
         self.num_layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
@@ -260,10 +263,12 @@ class RaggedKVCache:
             model_kwargs["inputs_embeds"] = inputs_embeds
         if self.model._supports_logits_to_keep():
             model_kwargs["logits_to_keep"] = logits_to_keep
-        inputs = self.model.prepare_inputs_for_generation(input_ids, **model_kwargs)
         keep = length if self.record_prompt_features else logits_to_keep
         self.kv.write_start, self.kv.write_index = 0, None
-        logits = self._call_model(inputs, keep_hidden=keep, orders=self._slot_orders(length), call=self.model)
+        with self.prefill_attention:  # before the input preparation, which may build masks for the attention
+            inputs = self.model.prepare_inputs_for_generation(input_ids, **model_kwargs)
+            logits = self._call_model(inputs, keep_hidden=keep, orders=self._slot_orders(length),
+                                      call=self.model)
         self._settle_width()
         return logits[:, -logits_to_keep:]  # models without `logits_to_keep` return every position's
 
@@ -465,7 +470,7 @@ class RaggedKVCache:
             del inputs["input_ids"]
         region_orders = self.region_orders[:, : self.region if self.static is None else None]
         call = self.model if self.static is None else self.model_call
-        with self.packed_attention:
+        with self.decode_attention:
             return self._call_model(inputs, keep_hidden=width, call=call,
                                     orders=lambda: torch.cat([self._slot_orders(self.width), region_orders], dim=1))
 

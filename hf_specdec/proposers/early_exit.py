@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from hf_specdec.cache.attention import takes_no_custom_mask
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.draft_model import DraftModelProposer
@@ -75,8 +76,11 @@ def _build_view(target: PreTrainedModel, layer: int) -> PreTrainedModel:
     text.num_hidden_layers = layer
     if getattr(text, "layer_types", None) is not None:
         text.layer_types = list(text.layer_types[:layer])
-    with torch.device("meta"):
-        view = AutoModelForCausalLM.from_config(config, attn_implementation=target.config._attn_implementation)
+    attention = target.config._attn_implementation
+    with torch.device("meta"):  # the view runs in the engine alone, where flash and flex attention run as SDPA
+        view = AutoModelForCausalLM.from_config(
+            config, attn_implementation=("sdpa" if target._supports_sdpa else "eager")
+            if takes_no_custom_mask(attention) else attention)
     # the view's own containers down to the layer list (they hold the shortened config); every other module is the
     # target's, the same object
     containers = {""} | {".".join(layers_path.split(".")[:i]) for i in range(1, layers_path.count(".") + 2)}

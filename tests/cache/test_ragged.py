@@ -90,11 +90,13 @@ def test_layout_from_config():
     assert AttentionLayout.from_model(make_model("gemma2")) == AttentionLayout(sliding_window=6, per_layer_type=True)
 
 
-def test_flash_attention_is_refused_with_an_actionable_error():
+def test_an_attention_without_a_stand_in_is_refused_with_an_actionable_error():
     model = make_model("llama")
-    model.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+    model.config._attn_implementation = "paged|eager"
+    with pytest.raises(ValueError, match=r"attn_implementation='paged\|eager'.*attn_implementation='sdpa'"):
         AttentionLayout.from_model(model)
+    model.config._attn_implementation = "flash_attention_2"  # runs as SDPA (tests/cache/test_attention.py)
+    assert AttentionLayout.from_model(model) == AttentionLayout(sliding_window=None, per_layer_type=False)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
