@@ -8,16 +8,20 @@ from typing import Any
 
 from transformers import DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import AttentionLayout
 from hf_specdec.compile import STATIC_CACHE_IMPLEMENTATIONS
+from hf_specdec.step.state import MODALITY_TYPE_INPUTS
 
-# model_kwargs that `generate` prepares and the engine understands; anything else (pixel_values, ...) would be
-# silently dropped, so it is refused.
+# model_kwargs that `generate` prepares and the engine understands; anything else would be silently dropped, so
+# it is refused.
 KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", CACHE_KWARG, "use_cache", "logits_to_keep",
                       "cache_position", "token_type_ids", "inputs_embeds", "output_attentions",
-                      "output_hidden_states"}
+                      "output_hidden_states", *MODALITY_TYPE_INPUTS}
+# multimodal inputs, which plain `generate` feeds to the prompt's forward only; so does the engine
+PROMPT_ONLY_MODEL_KWARGS = frozenset(MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL)
 # Proposers that read the prompt's token ids, which a prompt given as `inputs_embeds` alone does not have.
 NEEDS_PROMPT_IDS = ("draft", "eagle", "mtp", "early_exit")
 SUPPORTED_CACHE_IMPLEMENTATIONS = (None, "dynamic", *STATIC_CACHE_IMPLEMENTATIONS)
@@ -86,9 +90,28 @@ def check_generation_supported(
             f"have ({embeds.shape[1]} embedded positions, {prompt_ids} token ids); pass input_ids for every embedded "
             "position as well, or use method 'ngram', 'medusa' or 'mlp_speculator' with inputs_embeds alone"
         )
-    unknown = sorted(k for k, v in model_kwargs.items() if k not in KNOWN_MODEL_KWARGS and v is not None)
+    unknown = sorted(k for k, v in model_kwargs.items()
+                     if k not in KNOWN_MODEL_KWARGS and k not in PROMPT_ONLY_MODEL_KWARGS and v is not None)
     if unknown:
-        raise ValueError(f"model inputs {unknown} are not supported by speculative decoding (text input_ids only)")
+        raise ValueError(
+            f"model inputs {unknown} are not supported by speculative decoding, which feeds every forward after the "
+            "prompt's the token ids, positions and segment ids alone (and the prompt's the multimodal inputs plain "
+            "generate feeds it); drop them, or use plain generate"
+        )
+    multimodal = sorted(k for k in multimodal_inputs(model_kwargs) if k in PROMPT_ONLY_MODEL_KWARGS)
+    if multimodal and cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"multimodal inputs ({', '.join(multimodal)}) with a filled {CACHE_KWARG}: speculative decoding continues a "
+            "conversation from a cache with text alone; pass the whole conversation with its images and no cache, "
+            "or no images with the cache"
+        )
+
+
+def multimodal_inputs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The multimodal inputs `generate` prepared: those only the prompt's forward takes (pixel values, the image
+    features it encoded, ...) and each prompt token's modality (`mm_token_type_ids`)."""
+    return {k: v for k, v in model_kwargs.items()
+            if (k in PROMPT_ONLY_MODEL_KWARGS or k in MODALITY_TYPE_INPUTS) and v is not None}
 
 
 def _check_prompt_covers_mask_and_cache(

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from hf_specdec.cache.naming import CACHE_KWARG
-from hf_specdec.step.state import PromptInputs
+from hf_specdec.step.state import MODALITY_TYPE_INPUTS, PromptInputs
 
 
 def full_layers(
@@ -73,7 +73,9 @@ def recompute(
     # [R, P] the prompt's token ids ([R, 0] for an embedded prompt)
     prompt_ids: torch.Tensor,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ([R, H, P + T, D] keys, values): one forward over the rows' final sequences, as `generate` fed them."""
+    """Per layer ([R, H, P + T, D] keys, values): one forward over the rows' final sequences, as `generate` fed them;
+    two for a prompt with images: the prompt with them, then the new tokens as text (a generated token can be an
+    image placeholder, which the model would take for one more image)."""
     embeds = prompt.inputs_embeds
     prompt_length = embeds.shape[1] if embeds is not None else prompt_ids.shape[1]
     rows, new = new_tokens.shape
@@ -86,21 +88,37 @@ def recompute(
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     inputs = {
         "attention_mask": torch.cat([mask, mask.new_ones(rows, new)], dim=1),
-        "position_ids": torch.cat([positions, positions[:, -1:] + 1 + torch.arange(new, device=device)], dim=1),
+        # each axis of the positions ([R, P] or [A, R, P]) continues by one a token
+        "position_ids": torch.cat([positions, positions[..., -1:] + 1 + torch.arange(new, device=device)], dim=-1),
         CACHE_KWARG: DynamicCache(),
         "use_cache": True,
     }
     if prompt.token_type_ids is not None:
         types = prompt.token_type_ids
         inputs["token_type_ids"] = torch.cat([types, types[:, -1:].expand(-1, new)], dim=1)
+    for name, value in prompt.multimodal.items():  # new tokens are text (modality 0)
+        if name in MODALITY_TYPE_INPUTS:
+            inputs[name] = torch.cat([value, value.new_zeros(rows, new)], dim=1)
     if embeds is not None:
         inputs["inputs_embeds"] = torch.cat([embeds, model.get_input_embeddings()(new_tokens)], dim=1)
     else:
         inputs["input_ids"] = torch.cat([prompt_ids, new_tokens], dim=1)
     if model._supports_logits_to_keep():
         inputs["logits_to_keep"] = 1
+    parts = [inputs]
+    if prompt.multimodal:  # the prompt with its images, then the new tokens as text, into the same cache
+        along = {name: inputs[name] for name in ("input_ids", "position_ids", "token_type_ids", *MODALITY_TYPE_INPUTS)
+                 if name in inputs}  # each split on its last dimension
+        images = {name: value for name, value in prompt.multimodal.items() if name not in MODALITY_TYPE_INPUTS}
+        first = {name: value[..., :prompt_length] for name, value in along.items()}
+        rest = {name: value[..., prompt_length:] for name, value in along.items()}
+        if embeds is not None:
+            first["inputs_embeds"] = inputs["inputs_embeds"][:, :prompt_length]
+            rest["inputs_embeds"] = inputs["inputs_embeds"][:, prompt_length:]
+        parts = [{**inputs, **first, **images, "attention_mask": mask}] + ([{**inputs, **rest}] if new else [])
     with torch.no_grad():
-        cache = getattr(model(**inputs), CACHE_KWARG)
+        for part in parts:
+            cache = getattr(model(**part), CACHE_KWARG)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 

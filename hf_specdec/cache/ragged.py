@@ -58,6 +58,7 @@ from hf_specdec.cache.reach import DrafterReach
 from hf_specdec.cache.storage import MIN_CAPACITY, SlotCache
 from hf_specdec.compile import CompiledForward, static_room
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
+from hf_specdec.step.state import MODALITY_TYPE_INPUTS
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -170,7 +171,9 @@ class RaggedKVCache:
         # device state
         self.valid: torch.Tensor | None = None  # [B, capacity] bool: False at prompt padding
         self.lengths: torch.Tensor | None = None  # [B] long: committed slots of each row (= its next order)
-        self.next_position: torch.Tensor | None = None  # [B] long: position id of each row's next token
+        # [B] long: position id of each row's next token; [A, B] for a model whose positions have A axes (multimodal
+        # rotary positions, M-RoPE: Qwen2-VL's text axis and three rotary ones), each advancing by one a token
+        self.next_position: torch.Tensor | None = None
         self.region_orders: torch.Tensor | None = None  # [B, R] long: order of each region slot
         self.region_real: torch.Tensor | None = None  # [B, R] bool: region slots that hold a real token
         # host state
@@ -225,7 +228,8 @@ class RaggedKVCache:
         # [B, P] (1 = real token, 0 = padding, left or right); None when nothing is padded
         attention_mask: torch.Tensor | None,
         logits_to_keep: int = 1,
-        # [B, P] or None: the position ids `generate` prepared (None: from the mask, as `generate` computes them)
+        # [B, P] or [A, B, P] or None: the position ids `generate` prepared (None: from the mask, as `generate`
+        # computes them)
         position_ids: torch.Tensor | None = None,
         # [B, P] or None: segment ids; every later token of a row gets the row's last one (as `generate` does)
         token_type_ids: torch.Tensor | None = None,
@@ -233,6 +237,9 @@ class RaggedKVCache:
         inputs_embeds: torch.Tensor | None = None,
         # a filled transformers cache holding the first C < P prompt tokens (from an earlier call), or None
         past_key_values=None,
+        # multimodal inputs for the prompt's forward (pixel values, ...), as plain `generate` feeds them, and each
+        # prompt token's modality ({name in MODALITY_TYPE_INPUTS: [B, P]}; every later token is text, 0); or None
+        multimodal: dict | None = None,
     ) -> torch.Tensor | None:
         """Encode the prompt through the model's own input preparation; returns logits [B, logits_to_keep, V]
         (None for an empty prompt, which just starts an empty cache)."""
@@ -241,6 +248,10 @@ class RaggedKVCache:
             length = inputs_embeds.shape[1]
         if token_type_ids is not None:
             self.row_inputs["token_type_ids"] = token_type_ids[:, -1]
+        multimodal = multimodal or {}
+        for name in MODALITY_TYPE_INPUTS:
+            if name in multimodal:
+                self.row_inputs[name] = multimodal[name].new_zeros(batch)
         prompt = self._start_prompt(batch, length, input_ids.device, attention_mask, position_ids)
         if prompt is None:
             self._settle_width()
@@ -249,7 +260,7 @@ class RaggedKVCache:
         position_ids = self.reach.positions(position_ids)
         if past_key_values is not None:
             return self._prefill_after(past_key_values, input_ids, attention_mask, position_ids, token_type_ids,
-                                       inputs_embeds, logits_to_keep)
+                                       inputs_embeds, logits_to_keep, multimodal)
         model_kwargs = {
             "attention_mask": attention_mask if self.padded else None,
             "position_ids": position_ids,
@@ -261,6 +272,7 @@ class RaggedKVCache:
             model_kwargs["token_type_ids"] = token_type_ids
         if inputs_embeds is not None:
             model_kwargs["inputs_embeds"] = inputs_embeds
+        model_kwargs.update(multimodal)
         if self.model._supports_logits_to_keep():
             model_kwargs["logits_to_keep"] = logits_to_keep
         keep = length if self.record_prompt_features else logits_to_keep
@@ -347,7 +359,7 @@ class RaggedKVCache:
         self.padded = bool((attention_mask == 0).any())  # once per call: the prompt's padding is a host fact
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        self.next_position = position_ids[:, -1] + 1  # as `generate` continues positions, right padding or not
+        self.next_position = position_ids[..., -1] + 1  # as `generate` continues positions, right padding or not
         return attention_mask, position_ids
 
     def _prefill_after(
@@ -357,13 +369,15 @@ class RaggedKVCache:
         input_ids: torch.Tensor,
         # [B, P]
         attention_mask: torch.Tensor,
-        # [B, P]
+        # [B, P] or [A, B, P]
         position_ids: torch.Tensor,
         # [B, P] or None
         token_type_ids: torch.Tensor | None,
         # [B, P, H] or None: the prompt as embeddings (then `input_ids` is [B, 0])
         inputs_embeds: torch.Tensor | None,
         logits_to_keep: int,
+        # {name in MODALITY_TYPE_INPUTS: [B, P]} (a filled cache continues with no images to encode)
+        multimodal: dict,
     ) -> torch.Tensor:
         """Start from a filled transformers cache of the first C prompt tokens and encode the other P - C as one
         chain, kept whole."""
@@ -372,7 +386,8 @@ class RaggedKVCache:
         self._write_layers(filled_layers(past_key_values, cached))
         self.lengths = self.lengths.new_full((batch,), cached)
         self.host_lengths, self.width = [cached] * batch, cached
-        rest = {"position_ids": position_ids[:, cached:]}
+        rest = {"position_ids": position_ids[..., cached:]}
+        rest.update({name: value[:, cached:] for name, value in multimodal.items()})
         if token_type_ids is not None:
             rest["token_type_ids"] = token_type_ids[:, cached:]
         if inputs_embeds is not None:
@@ -380,7 +395,7 @@ class RaggedKVCache:
         logits = self.prefill_chain(None if inputs_embeds is not None else input_ids[:, cached:],
                                     attention_mask[:, cached:].bool(), [length - cached] * batch, keep_all=True,
                                     **rest)
-        self.next_position = position_ids[:, -1] + 1
+        self.next_position = position_ids[..., -1] + 1
         return logits[:, -logits_to_keep:]
 
     def prefill_chain(
@@ -450,12 +465,12 @@ class RaggedKVCache:
         self.region = end
         self.dense_region &= real is None and visible is None
         mask = self._dense_mask(batch, width, depths.device) if self._dense() else self._mask(orders, visible, start)
-        positions = self.next_position[:, None] + depths
+        positions = self.next_position[..., None] + depths  # [B, W], or [A, B, W]
         if real is not None:
             # a dummy (a node past its row's draft, in a block as wide as the widest row's) takes its row's position
             # before this step's first token: never past what plain generate feeds, where a model's table of learned
             # positions ends (GPT-2, OPT), and seen by nobody
-            positions = torch.where(real, positions, (self.next_position[:, None] - 1).clamp(min=0))
+            positions = torch.where(real, positions, (self.next_position[..., None] - 1).clamp(min=0))
         positions = self.reach.positions(positions)
         inputs = dict(
             input_ids=input_ids,
@@ -521,7 +536,8 @@ class RaggedKVCache:
         """Keep only these rows (the others, finished, stop costing compute): one copy of the cache."""
         self.kv.select_rows(rows)
         rows = rows.to(self.valid.device)
-        self.valid, self.lengths, self.next_position = self.valid[rows], self.lengths[rows], self.next_position[rows]
+        self.valid, self.lengths = self.valid[rows], self.lengths[rows]
+        self.next_position = self.next_position[..., rows]
         self.row_inputs = {name: value[rows.to(value.device)] for name, value in self.row_inputs.items()}
         if self.host_lengths is not None:
             self.host_lengths = [self.host_lengths[i] for i in rows_on_host]

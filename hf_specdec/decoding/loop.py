@@ -31,7 +31,7 @@ from hf_specdec.cache.carried import attach, carried_by
 from hf_specdec.cache.exchange import fill_static_cache, full_layers, recompute
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import RaggedKVCache
-from hf_specdec.capabilities import check_generation_supported
+from hf_specdec.capabilities import check_generation_supported, multimodal_inputs
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward, uses_static_shapes
 from hf_specdec.config import TREE_SIZE_AUTO, SpeculativeConfig
 from hf_specdec.decoding.outputs import OutputLog, over_static_cache
@@ -219,7 +219,7 @@ class SpeculativeDecoder:
         self.cache.expected_slots = self.state.sequences.shape[1]
         logits = self.cache.prefill(input_ids, attention_mask, position_ids=prompt.position_ids,
                                     token_type_ids=prompt.token_type_ids, inputs_embeds=prompt.inputs_embeds,
-                                    past_key_values=prompt.past_key_values)
+                                    past_key_values=prompt.past_key_values, multimodal=prompt.multimodal)
         self.state.target_features = self.cache.hidden_states
         self.state.target_cache = self.cache
         if prompt.past_key_values is not None:
@@ -481,14 +481,17 @@ class SpeculativeDecoder:
             keys[held.to(keys.device)], values[held.to(keys.device)] = held_keys, held_values
         redo = (~complete).nonzero().squeeze(1)
         if redo.numel():
-            rows = redo.to(self.prompt_ids.device)
-            subset = PromptInputs(**{name: None if value is None else value[rows]
-                                     for name, value in vars(prompt).items() if name != "past_key_values"})
+            # images are not split by row: a multimodal prompt's rows are all computed again, the complete ones kept
+            every = bool(prompt.multimodal)
+            rows = (torch.arange(batch) if every else redo).to(self.prompt_ids.device)
+            subset = replace(prompt, past_key_values=None) if every else prompt.select(rows)
             start = self.prompt_ids.shape[1]
             again = recompute(self.model, self.state.sequences[rows, start : length - 1], subset, self.prompt_ids[rows])
             self.stats.record_forward((~complete).tolist())
             for (keys, values), (new_keys, new_values) in zip(layers, again):
-                keys[rows.to(keys.device)], values[rows.to(keys.device)] = new_keys, new_values
+                if every:
+                    new_keys, new_values = new_keys[redo.to(new_keys.device)], new_values[redo.to(new_keys.device)]
+                keys[redo.to(keys.device)], values[redo.to(keys.device)] = new_keys, new_values
         if self.static_cache is not None:
             return fill_static_cache(self.static_cache, layers)
         return full_layers(layers, self.model.config)
@@ -561,6 +564,7 @@ def speculative_generate(
         token_type_ids=model_kwargs.get("token_type_ids"),
         inputs_embeds=model_kwargs.get("inputs_embeds"),
         past_key_values=past if past is not None and past.get_seq_length() > 0 else None,
+        multimodal=multimodal_inputs(model_kwargs),
     )
     try:
         state = decoder.run(input_ids, prompt)

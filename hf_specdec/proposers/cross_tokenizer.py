@@ -276,7 +276,7 @@ class CrossTokenizerProposer(Proposer):
         drafted_host = drafted.tolist()  # re-tokenising needs the draft's tokens on the host: one read
         drafts = torch.zeros(len(self.rows), self.k, dtype=torch.long)
         counts = [0] * len(self.rows)
-        for b, row in enumerate(self.rows):
+        for b in range(len(self.rows)):
             if budget[b] == 0:
                 continue
             text = self.draft_tokenizer.decode(drafted_host[b], skip_special_tokens=True).rstrip(REPLACEMENT)

@@ -77,6 +77,13 @@ def _build_view(target: PreTrainedModel, layer: int) -> PreTrainedModel:
     if getattr(text, "layer_types", None) is not None:
         text.layer_types = list(text.layer_types[:layer])
     attention = target.config._attn_implementation
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise ValueError(
+            f"SpeculativeConfig.early_exit_layer: {type(target).__name__} (a {type(config).__name__}) has no causal-LM "
+            "class of its config in transformers (a multimodal model whose language model is a part of it), and the "
+            "early-exit draft is one, with fewer layers; use another method with it (method 'ngram', 'draft', "
+            "'eagle', ...)"
+        )
     with torch.device("meta"):  # the view runs in the engine alone, where flash and flex attention run as SDPA
         view = AutoModelForCausalLM.from_config(
             config, attn_implementation=("sdpa" if target._supports_sdpa else "eager")

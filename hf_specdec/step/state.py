@@ -276,6 +276,10 @@ class DecodeState:
         return self._columns[width]
 
 
+# model inputs giving each token's modality (0: text), which `generate` extends with zeros for new tokens
+MODALITY_TYPE_INPUTS = ("mm_token_type_ids", "moe_mm_token_type_ids")
+
+
 @dataclass(frozen=True)
 class PromptInputs:
     """What `generate` prepared for the prompt besides its token ids."""
@@ -290,3 +294,24 @@ class PromptInputs:
     inputs_embeds: torch.Tensor | None = None
     # a filled transformers cache holding the prompt's first tokens (continuing an earlier call), or None
     past_key_values: Any = None
+    # multimodal inputs (pixel values, image features `generate` encoded, ...), which plain `generate` feeds to the
+    # prompt's forward only (transformers' MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL), and so does the engine; and
+    # each prompt token's modality ({"mm_token_type_ids": [B, P]}: every later token is text, 0)
+    multimodal: dict[str, Any] = field(default_factory=dict)
+
+    def select(
+        self,
+        # [R] long: the rows to keep
+        rows: torch.Tensor,
+    ) -> PromptInputs:
+        """These rows' prompt inputs, without a filled cache. Multimodal inputs are not split by row (an image's
+        patches are not a row's), so a prompt with them is refused here."""
+        if self.multimodal:
+            raise ValueError(f"PromptInputs.select: multimodal inputs {sorted(self.multimodal)} are not split by row")
+        positions = self.position_ids
+        return PromptInputs(
+            attention_mask=None if self.attention_mask is None else self.attention_mask[rows],
+            position_ids=None if positions is None else positions[..., rows, :],  # [B, P] or [A, B, P]
+            token_type_ids=None if self.token_type_ids is None else self.token_type_ids[rows],
+            inputs_embeds=None if self.inputs_embeds is None else self.inputs_embeds[rows],
+        )

@@ -1,0 +1,201 @@
+"""Multimodal prompts: the pixel values (or the image features `generate` encodes from them) go to the prompt's
+forward only, as plain `generate` feeds them; every later forward takes text tokens, at positions that continue each
+axis of the prompt's (Qwen2-VL's multimodal rotary positions). Greedy output equals plain `generate`'s on tiny
+random Llava, Gemma-3 and Qwen2-VL models, batched with left padding, for every kind of drafter, and the images
+matter (without them the output differs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    CLIPVisionConfig,
+    DynamicCache,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    SiglipVisionConfig,
+)
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.cache.naming import CACHE_KWARG
+from hf_specdec.heads import EagleConfig, EagleHead
+
+VOCAB = 64
+IMAGE = 63  # the image placeholder token
+
+
+def llava() -> LlavaForConditionalGeneration:
+    torch.manual_seed(0)
+    text = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              image_size=16, patch_size=8, projection_dim=32)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE, projector_hidden_act="gelu",
+                         vision_feature_layer=-1, vision_feature_select_strategy="full")  # 5 image tokens
+    return LlavaForConditionalGeneration(config).eval()
+
+
+def gemma3() -> Gemma3ForConditionalGeneration:
+    torch.manual_seed(0)
+    text = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                            layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                image_size=16, patch_size=4)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE,
+                          boi_token_index=61, eoi_token_index=62)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # initialised to zeros, which would make every image the same
+        projection = model.model.multi_modal_projector.mm_input_projection_weight
+        projection.normal_(std=1.0, generator=torch.Generator().manual_seed(3))
+    return model
+
+
+def qwen2_vl() -> Qwen2VLForConditionalGeneration:
+    """Multimodal rotary positions (M-RoPE): `generate` gives position ids of four axes (text, time, height,
+    width), the image's tokens laid out on a grid."""
+    torch.manual_seed(0)
+    config = Qwen2VLConfig(
+        text_config={"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2,
+                     "pad_token_id": 0, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 4,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3},
+        image_token_id=IMAGE, video_token_id=60, vision_start_token_id=61, vision_end_token_id=62, pad_token_id=0)
+    return Qwen2VLForConditionalGeneration(config).eval()
+
+
+# the model, and an image's tokens in the prompt
+MODELS = {"llava": (llava, [IMAGE] * 5), "gemma3": (gemma3, [61] + [IMAGE] * 4 + [62]),
+          "qwen2_vl": (qwen2_vl, [61] + [IMAGE] * 4 + [62])}
+
+
+def prompt(arch: str) -> tuple[torch.nn.Module, dict]:
+    """The model and `generate`'s inputs: two rows, left padded, an image in each at another place."""
+    make, image = MODELS[arch]
+    model = make()
+    model.generation_config.pad_token_id = 0
+    ids = torch.tensor([[0, 0, 0, 5] + image + [6, 7, 5, 6, 7, 5], [5, 6, 9] + image + [7, 5, 6, 7, 5, 6, 7]])
+    inputs = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+    generator = torch.Generator().manual_seed(1)
+    if arch == "qwen2_vl":  # per image a 4 x 4 grid of patches (2 frames of 4 x 4 pixels each), merged 2 x 2
+        inputs["pixel_values"] = torch.randn(2 * 16, 3 * 2 * 4 * 4, generator=generator)
+        inputs["image_grid_thw"] = torch.tensor([[1, 4, 4], [1, 4, 4]])
+        inputs["mm_token_type_ids"] = (ids == IMAGE).long()
+    else:
+        inputs["pixel_values"] = torch.randn(2, 3, 16, 16, generator=generator)
+    if arch == "gemma3":
+        inputs["token_type_ids"] = (ids == IMAGE).long()  # Gemma-3's image tokens attend to each other both ways
+    return model, inputs
+
+
+def draft_for(model) -> LlamaForCausalLM:
+    """A one-layer Llama sharing the target's vocabulary, image placeholder included."""
+    torch.manual_seed(2)
+    text = model.config.get_text_config()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
+                                        bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id)).eval()
+
+
+SPECULATIVE = {
+    "ngram": lambda model: {"spec_method": "ngram"},
+    "draft": lambda model: {"speculative": SpeculativeConfig(method="draft", draft_model=draft_for(model),
+                                                            num_speculative_tokens=3)},
+    "draft_tree": lambda model: {"speculative": SpeculativeConfig(method="draft", draft_model=draft_for(model),
+                                                                 top_k=2, depth=3, total_tokens=6)},
+    "eagle": lambda model: {"speculative": SpeculativeConfig(
+        method="eagle", heads=EagleHead(EagleConfig.for_target(model, "eagle")).eval(), num_speculative_tokens=3)},
+    "eagle3": lambda model: {"speculative": SpeculativeConfig(
+        method="eagle", heads=EagleHead(EagleConfig.for_target(model, "eagle3")).eval(), num_speculative_tokens=3)},
+    "static": lambda model: {"spec_method": "ngram", "cache_implementation": "static"},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("method", sorted(SPECULATIVE))
+def test_greedy_output_with_images_is_plain_generates(arch, method):
+    model, inputs = prompt(arch)
+    kwargs = {"max_new_tokens": 12, "do_sample": False}
+    expected = model.generate(**inputs, **kwargs)
+    got = hf_specdec.generate(model, **inputs, **kwargs, **SPECULATIVE[method](model))
+    assert torch.equal(got, expected)
+    if method == "ngram":  # the images reach the prompt's forward: without them the text goes elsewhere
+        without = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
+        assert not torch.equal(hf_specdec.generate(model, **without, **kwargs, **SPECULATIVE[method](model)), got)
+
+
+def test_early_exit_drafts_with_a_multimodal_target_that_builds_as_a_causal_lm():
+    model, inputs = prompt("gemma3")  # Gemma-3's multimodal class is also its causal LM
+    kwargs = {"max_new_tokens": 12, "do_sample": False}
+    expected = model.generate(**inputs, **kwargs)
+    speculative = SpeculativeConfig(method="early_exit", early_exit_layer=1)
+    assert torch.equal(hf_specdec.generate(model, **inputs, **kwargs, speculative=speculative), expected)
+
+
+def test_early_exit_refuses_a_model_that_is_no_causal_lm():
+    model, inputs = prompt("llava")
+    speculative = SpeculativeConfig(method="early_exit", early_exit_layer=1)
+    with pytest.raises(ValueError, match=r"early_exit_layer: LlavaForConditionalGeneration .*LlavaConfig.*method"):
+        hf_specdec.generate(model, **inputs, max_new_tokens=4, do_sample=False, speculative=speculative)
+
+
+def test_images_with_a_filled_cache_are_refused():
+    model, inputs = prompt("llava")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=inputs["input_ids"][:, :3], attention_mask=inputs["attention_mask"][:, :3], cache=cache)
+    with pytest.raises(ValueError, match=r"multimodal inputs \(mm_encoder_outputs\) with a filled"):
+        hf_specdec.generate(model, **inputs, cache=cache, max_new_tokens=4, do_sample=False,
+                            spec_method="ngram")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_tree"])
+def test_rows_finishing_early_keep_their_positions(method):
+    """A row that stops leaves the batch (the engine drops finished rows): the others keep each axis of their
+    multimodal rotary positions."""
+    model, inputs = prompt("qwen2_vl")
+    prompt_length = inputs["input_ids"].shape[1]
+    first = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    stop = int(first[0, prompt_length + 2])  # the first row's third token ends it
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": stop}
+    expected = model.generate(**inputs, **kwargs)
+    assert (expected[1, prompt_length:] != 0).sum() > 3, "the second row goes on"
+    assert torch.equal(hf_specdec.generate(model, **inputs, **kwargs, **SPECULATIVE[method](model)), expected)
+
+
+def test_text_alone_on_a_model_with_multimodal_rotary_positions():
+    model, inputs = prompt("qwen2_vl")
+    ids = inputs["input_ids"].masked_fill(inputs["input_ids"] >= 60, 9)  # no image
+    kwargs = {"attention_mask": inputs["attention_mask"], "max_new_tokens": 12, "do_sample": False}
+    expected = model.generate(ids, **kwargs)
+    assert torch.equal(hf_specdec.generate(model, ids, spec_method="ngram", **kwargs), expected)
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_the_returned_cache_is_plain_generates(arch):
+    """The output cache: a row that stopped early has its keys and values computed again over its final text, the
+    prompt's images included (all rows are: an image's inputs are not split by row)."""
+    model, inputs = prompt(arch)
+    prompt_length = inputs["input_ids"].shape[1]
+    first = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": int(first[0, prompt_length + 2]),
+              "return_dict_in_generate": True}
+    expected = model.generate(**inputs, **kwargs)
+    got = hf_specdec.generate(model, **inputs, **kwargs, spec_method="ngram")
+    assert torch.equal(got.sequences, expected.sequences)
+    real = torch.cat([inputs["attention_mask"], expected.sequences[:, prompt_length:-1] != 0], dim=1).bool()
+    for mine, theirs in zip(getattr(got, CACHE_KWARG).layers, getattr(expected, CACHE_KWARG).layers, strict=True):
+        assert mine.keys.shape == theirs.keys.shape
+        for row in range(2):  # padding slots attend to nothing, and hold what each computation left there
+            torch.testing.assert_close(mine.keys[row][:, real[row]], theirs.keys[row][:, real[row]])
+            torch.testing.assert_close(mine.values[row][:, real[row]], theirs.values[row][:, real[row]])
