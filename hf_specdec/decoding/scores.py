@@ -5,8 +5,8 @@ positions of every row at once (k + 1 chain positions, or every node of a tree),
 so each position must see its row's committed tokens followed by the draft tokens on its path. Processors whose output does not
 depend on the prefix (temperature, top-k, top-p, ...) run once over every position; any other processor runs
 once per distinct prefix length, on the rows that share it. A processor of transformers' that holds per-row state
-(`PER_ROW_STATE`: the repetition penalty's per-row `prompt_ignore_length`) is called on a shallow copy whose row
-tensors are sliced to the same rows; every other tensor a processor holds (the tokens it suppresses, its EOS ids) is
+(`PER_ROW_STATE`: the repetition penalty's per-row `prompt_ignore_length`, the encoder repetition penalty's
+prompts) is called on a shallow copy whose row tensors are sliced to the same rows; every other tensor a processor holds (the tokens it suppresses, its EOS ids) is
 the same for every row, whatever its length. `prefix_allowed_tokens_fn` is called with the index of the row's prompt in
 the batch, as in plain `generate` (rows keep their place in the batch for the whole call).
 """
@@ -18,6 +18,7 @@ import copy
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
+    EncoderRepetitionPenaltyLogitsProcessor,
     PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SynthIDTextWatermarkLogitsProcessor,
@@ -45,8 +46,10 @@ UNSUPPORTED_PROCESSORS = {
 
 
 # transformers' processors that keep state per row of the batch: the tensor attributes whose first dimension is the
-# batch (a custom processor holds none: it must be a function of its arguments)
-PER_ROW_STATE = {RepetitionPenaltyLogitsProcessor: ("prompt_ignore_length",)}
+# batch, or the prompts the batch repeats (`num_return_sequences` copies of each, as the encoder repetition penalty
+# holds its prompts); a custom processor holds none: it must be a function of its arguments
+PER_ROW_STATE = {RepetitionPenaltyLogitsProcessor: ("prompt_ignore_length",),
+                 EncoderRepetitionPenaltyLogitsProcessor: ("encoder_input_ids",)}
 
 
 def check_processors(logits_processor: LogitsProcessorList) -> None:
@@ -97,7 +100,7 @@ class PositionScorer:
             along_path = (column - committed).clamp(min=0, max=max(path_tokens.shape[2] - 1, 0))
             path = path_tokens[rows, cols].gather(1, along_path) if path_tokens.shape[2] else along_path
             prefix = torch.where(column < committed, state.sequences[rows, :length], path)
-            processors = LogitsProcessorList(_select_rows(p, rows) for p in self.logits_processor)
+            processors = LogitsProcessorList(_select_rows(p, rows, batch) for p in self.logits_processor)
             out[rows, cols] = processors(prefix, scores[rows, cols])
         return out
 
@@ -131,9 +134,10 @@ def _select_rows(
     processor,
     # [g] long: the rows of the batch it is called on
     rows: torch.Tensor,
+    batch_size: int,
 ):
     """The processor as it applies to `rows` of the batch: its per-row tensor attributes (`PER_ROW_STATE`) are
-    sliced. Other tensors are not, even where their length happens to be the batch size (two suppressed tokens in a
+    sliced (one per prompt: each row takes its prompt's, rows being the prompts' copies in order). Other tensors are not, even where their length happens to be the batch size (two suppressed tokens in a
     batch of two). A `prefix_allowed_tokens_fn` is called with each prefix's row of the batch, not its place among
     `rows`."""
     if isinstance(processor, PrefixConstrainedLogitsProcessor):
@@ -145,7 +149,8 @@ def _select_rows(
         return processor
     selected = copy.copy(processor)
     for name, value in row_state.items():
-        setattr(selected, name, value[rows.to(value.device)])
+        copies = max(batch_size // value.shape[0], 1)
+        setattr(selected, name, value[rows.to(value.device) // copies])
     return selected
 
 

@@ -207,7 +207,7 @@ def test_sampling_with_every_token_banned_fails_as_plain_generate():
     greedy = target.generate(ids, **banned, do_sample=False)
     configs = {"ngram_tree": _configs(target)["ngram_tree"], "random_draft_tree": _configs(target)["random_draft_tree"],
                "eagle": SpeculativeConfig(method="eagle", heads=eagle_head(target), num_speculative_tokens=3)}
-    for name, config in configs.items():
+    for config in configs.values():
         with pytest.raises(RuntimeError, match=r"sampling: row \d has no token with a finite score to sample at new "
                                                r"token 1[23]\d \(the logits processors left every token at -inf"):
             hf_specdec.generate(target, ids, speculative=config, **sampling)
@@ -234,3 +234,21 @@ def test_sampling_with_a_pinned_schedule_is_reproducible_from_a_seed(method):
     assert not torch.equal(sample(seed=5), sample(seed=6))
     assert torch.equal(sample(global_seed=5), sample(global_seed=5))
     assert not torch.equal(sample(global_seed=5), sample(global_seed=6))
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_encoder_repetition_penalty_matches_plain_generate(copies):
+    """The encoder repetition penalty holds one prompt per row of the prompts (not of the batch when each prompt
+    is generated `num_return_sequences` times): each row is scored with its own prompt's tokens."""
+    target = make_model("llama")
+    ids, mask = padded_batch([9, 6, 8], seed=1, repeat_period=3)
+    # copies of a prompt need sampling; with top-k 1 it draws the best token, as greedy decoding does
+    decoding = GREEDY if copies == 1 else {**GREEDY, "do_sample": True, "top_k": 1}
+    kwargs = dict(attention_mask=mask, num_return_sequences=copies, **decoding)
+    expected = target.generate(ids, encoder_repetition_penalty=1.6, **kwargs)
+    assert not torch.equal(expected, target.generate(ids, **kwargs)), "the penalty must matter"
+    kwargs["encoder_repetition_penalty"] = 1.6
+    for name, config in _configs(target).items():
+        out = hf_specdec.generate(target, ids, speculative=config, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, expected), name
+        assert out.spec_stats.num_draft_tokens > 0, name
