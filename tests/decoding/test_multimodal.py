@@ -1,7 +1,7 @@
 """Multimodal prompts: the pixel values (or the image features `generate` encodes from them) go to the prompt's
 forward only, as plain `generate` feeds them; every later forward takes text tokens, at positions that continue each
 axis of the prompt's (Qwen2-VL's multimodal rotary positions). Greedy output equals plain `generate`'s on tiny
-random Llava, Gemma-3 and Qwen2-VL models, batched with left padding, for every kind of drafter, and the images
+random Llava, Llava-NeXT, Gemma-3, Qwen2-VL and Qwen2.5-VL models, batched with left padding, for every kind of drafter, and the images
 matter (without them the output differs)."""
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ from transformers import (
     LlamaForCausalLM,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     SiglipVisionConfig,
@@ -74,9 +78,38 @@ def qwen2_vl() -> Qwen2VLForConditionalGeneration:
     return Qwen2VLForConditionalGeneration(config).eval()
 
 
+def qwen2_5_vl() -> Qwen2_5_VLForConditionalGeneration:
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config={"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2,
+                     "pad_token_id": 0, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3, "out_hidden_size": 32,
+                       "window_size": 8, "fullatt_block_indexes": [0]},
+        image_token_id=IMAGE, video_token_id=60, vision_start_token_id=61, vision_end_token_id=62, pad_token_id=0)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def llava_next() -> LlavaNextForConditionalGeneration:
+    """Images tiled at their size (`image_sizes`): 10 tokens for a 16 x 16 image here."""
+    torch.manual_seed(0)
+    config = LlavaNextConfig(
+        text_config={"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
+                     "bos_token_id": 1, "eos_token_id": 2},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 1, "num_attention_heads": 4, "image_size": 16, "patch_size": 8,
+                       "projection_dim": 32},
+        image_token_index=IMAGE, image_grid_pinpoints=[[16, 16]], vision_feature_select_strategy="default",
+        vision_feature_layer=-1)
+    return LlavaNextForConditionalGeneration(config).eval()
+
+
 # the model, and an image's tokens in the prompt
 MODELS = {"llava": (llava, [IMAGE] * 5), "gemma3": (gemma3, [61] + [IMAGE] * 4 + [62]),
-          "qwen2_vl": (qwen2_vl, [61] + [IMAGE] * 4 + [62])}
+          "qwen2_vl": (qwen2_vl, [61] + [IMAGE] * 4 + [62]), "qwen2_5_vl": (qwen2_5_vl, [61] + [IMAGE] * 4 + [62]),
+          "llava_next": (llava_next, [IMAGE] * 10)}
 
 
 def prompt(arch: str) -> tuple[torch.nn.Module, dict]:
@@ -87,10 +120,13 @@ def prompt(arch: str) -> tuple[torch.nn.Module, dict]:
     ids = torch.tensor([[0, 0, 0, 5] + image + [6, 7, 5, 6, 7, 5], [5, 6, 9] + image + [7, 5, 6, 7, 5, 6, 7]])
     inputs = {"input_ids": ids, "attention_mask": (ids != 0).long()}
     generator = torch.Generator().manual_seed(1)
-    if arch == "qwen2_vl":  # per image a 4 x 4 grid of patches (2 frames of 4 x 4 pixels each), merged 2 x 2
+    if arch.startswith("qwen"):  # per image a 4 x 4 grid of patches (2 frames of 4 x 4 pixels each), merged 2 x 2
         inputs["pixel_values"] = torch.randn(2 * 16, 3 * 2 * 4 * 4, generator=generator)
         inputs["image_grid_thw"] = torch.tensor([[1, 4, 4], [1, 4, 4]])
         inputs["mm_token_type_ids"] = (ids == IMAGE).long()
+    elif arch == "llava_next":  # per image its tiles (one here) and the whole image
+        inputs["pixel_values"] = torch.randn(2, 2, 3, 16, 16, generator=generator)
+        inputs["image_sizes"] = torch.tensor([[16, 16], [16, 16]])
     else:
         inputs["pixel_values"] = torch.randn(2, 3, 16, 16, generator=generator)
     if arch == "gemma3":
