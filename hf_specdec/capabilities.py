@@ -94,9 +94,9 @@ def check_generation_supported(
                      if k not in KNOWN_MODEL_KWARGS and k not in PROMPT_ONLY_MODEL_KWARGS and v is not None)
     if unknown:
         raise ValueError(
-            f"model inputs {unknown} are not supported by speculative decoding, which feeds every forward after the "
-            "prompt's the token ids, positions and segment ids alone (and the prompt's the multimodal inputs plain "
-            "generate feeds it); drop them, or use plain generate"
+            f"model inputs {unknown} are not supported by speculative decoding: after the prompt's forward it feeds "
+            "the model token ids, positions and segment ids only (the prompt's forward also takes the multimodal "
+            "inputs plain generate gives it alone, such as pixel_values); drop them, or use plain generate"
         )
     multimodal = sorted(k for k in multimodal_inputs(model_kwargs) if k in PROMPT_ONLY_MODEL_KWARGS)
     if multimodal and cache is not None and cache.get_seq_length() > 0:

@@ -20,6 +20,8 @@ from transformers import (
     LlavaForConditionalGeneration,
     LlavaNextConfig,
     LlavaNextForConditionalGeneration,
+    MllamaConfig,
+    MllamaForConditionalGeneration,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
@@ -235,3 +237,24 @@ def test_the_returned_cache_is_plain_generates(arch):
         for row in range(2):  # padding slots attend to nothing, and hold what each computation left there
             torch.testing.assert_close(mine.keys[row][:, real[row]], theirs.keys[row][:, real[row]])
             torch.testing.assert_close(mine.values[row][:, real[row]], theirs.values[row][:, real[row]])
+
+
+def test_inputs_that_every_forward_needs_are_refused():
+    """Mllama's layers cross-attend to the image at every step (`cross_attention_mask` grows with the text)."""
+    config = MllamaConfig(
+        text_config={"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "cross_attention_layers": [1],
+                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_global_layers": 1,
+                       "num_attention_heads": 4, "image_size": 16, "patch_size": 8, "max_num_tiles": 1,
+                       "vision_output_dim": 64, "intermediate_layers_indices": [0],
+                       "supported_aspect_ratios": [[1, 1]]},
+        image_token_index=IMAGE)
+    model = MllamaForConditionalGeneration(config).eval()
+    ids = torch.tensor([[IMAGE, 5, 6, 7, 5, 6], [IMAGE, 9, 6, 7, 5, 6]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": torch.randn(2, 1, 1, 3, 16, 16),
+              "aspect_ratio_ids": torch.tensor([[1], [1]]), "aspect_ratio_mask": torch.ones(2, 1, 1, dtype=torch.long),
+              "cross_attention_mask": torch.ones(2, 6, 1, 1, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"model inputs \['aspect_ratio_ids', 'aspect_ratio_mask', "
+                                         r"'cross_attention_mask'\] are not supported"):
+        hf_specdec.generate(model, **inputs, max_new_tokens=4, do_sample=False, spec_method="ngram")
