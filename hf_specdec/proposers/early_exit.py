@@ -73,6 +73,12 @@ def _build_view(target: PreTrainedModel, layer: int) -> PreTrainedModel:
     layers_path = decoder_layers_path(target)
     config = copy.deepcopy(target.config)
     text = config.get_text_config(decoder=True)
+    if getattr(text, "hidden_size_per_layer_input", 0):
+        raise ValueError(
+            f"SpeculativeConfig.early_exit_layer: {type(target).__name__} feeds every layer an input embedding of its "
+            "own, one table for all its layers (Gemma-3n's per-layer inputs), which a model of fewer layers cannot "
+            "read; use another method with it (method 'ngram', 'draft', 'eagle', ...)"
+        )
     text.num_hidden_layers = layer
     if getattr(text, "layer_types", None) is not None:
         text.layer_types = list(text.layer_types[:layer])
@@ -84,10 +90,16 @@ def _build_view(target: PreTrainedModel, layer: int) -> PreTrainedModel:
             "early-exit draft is one, with fewer layers; use another method with it (method 'ngram', 'draft', "
             "'eagle', ...)"
         )
-    with torch.device("meta"):  # the view runs in the engine alone, where flash and flex attention run as SDPA
-        view = AutoModelForCausalLM.from_config(
-            config, attn_implementation=("sdpa" if target._supports_sdpa else "eager")
-            if takes_no_custom_mask(attention) else attention)
+    try:
+        with torch.device("meta"):  # the view runs in the engine alone, where flash and flex attention run as SDPA
+            view = AutoModelForCausalLM.from_config(
+                config, attn_implementation=("sdpa" if target._supports_sdpa else "eager")
+                if takes_no_custom_mask(attention) else attention)
+    except ValueError as error:  # a config that cannot be cut after `layer` layers (layers that share keys, ...)
+        raise ValueError(
+            f"SpeculativeConfig.early_exit_layer: {type(target).__name__}'s config does not describe a model of its "
+            f"first {layer} layers ({error}); use another method with it (method 'ngram', 'draft', 'eagle', ...)"
+        ) from error
     # the view's own containers down to the layer list (they hold the shortened config); every other module is the
     # target's, the same object
     containers = {""} | {".".join(layers_path.split(".")[:i]) for i in range(1, layers_path.count(".") + 2)}

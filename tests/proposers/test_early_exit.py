@@ -8,12 +8,13 @@ import copy
 
 import pytest
 import torch
+from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.proposers.early_exit import decoder_layers_path, early_exit_draft
-from tests.conftest import ARCHITECTURES, draft_shapes, make_draft, make_model, padded_batch
+from tests.conftest import ARCHITECTURES, VOCAB, draft_shapes, make_draft, make_model, padded_batch
 
 LENGTHS = [12, 7, 10]
 NEW_TOKENS = 24
@@ -77,7 +78,7 @@ def test_a_target_with_replaced_layers_drafts_with_them(arch):
     """A target whose linear layers (lm_head included) were replaced by modules of another class drafts with those
     very modules, its output plain generate's."""
     target = make_model(arch)
-    for name, module in list(target.named_modules()):
+    for module in list(target.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
                 setattr(module, child_name, Wrapped(child))
@@ -186,3 +187,32 @@ def test_bad_layers_are_refused_before_any_work(forward_counter):
         SpeculativeConfig(method="early_exit", early_exit_layer=1, draft_model=make_draft())
     with pytest.raises(ValueError, match="spec_method='early_exit' needs the layer to draft from"):
         hf_specdec.generate(target, ids, attention_mask=mask, spec_method="early_exit", max_new_tokens=4)
+
+
+def _gemma3n(per_layer_input: int) -> torch.nn.Module:
+    """A tiny Gemma-3n: its last two layers reuse the keys and values of earlier ones; `per_layer_input` > 0 gives
+    every layer an input embedding of its own, from one table for all four."""
+    config = Gemma3nTextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_kv_shared_layers=2,
+        laurel_rank=8, hidden_size_per_layer_input=per_layer_input, vocab_size_per_layer_input=VOCAB, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4)
+    torch.manual_seed(0)
+    model = Gemma3nForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("per_layer_input", [8, 0])
+def test_a_model_whose_first_layers_make_no_model_is_refused_by_name(per_layer_input):
+    """Gemma-3n: per-layer inputs sized for all its layers, or (without them) layers that share keys and values
+    with layers past the exit; other methods run on it as on any model."""
+    target = _gemma3n(per_layer_input)
+    ids, mask = padded_batch(LENGTHS, seed=2, repeat_period=3)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 12, "do_sample": False}
+    expected = target.generate(ids, **kwargs)
+    assert torch.equal(hf_specdec.generate(target, ids, spec_method="ngram", **kwargs), expected)
+    why = "an input embedding of its own" if per_layer_input else "does not describe a model of its first 2 layers"
+    with pytest.raises(ValueError, match=f"early_exit_layer: Gemma3nForCausalLM.*{why}.*another method"):
+        hf_specdec.generate(target, ids, speculative=SpeculativeConfig(method="early_exit", early_exit_layer=2),
+                            **kwargs)
