@@ -267,3 +267,35 @@ def test_inputs_that_every_forward_needs_are_refused():
     with pytest.raises(ValueError, match=r"model inputs \['aspect_ratio_ids', 'aspect_ratio_mask', "
                                          r"'cross_attention_mask'\] are not supported"):
         hf_specdec.generate(model, **inputs, max_new_tokens=4, do_sample=False, spec_method="ngram")
+
+
+@pytest.mark.parametrize("method", ["ngram", "noisy_self_draft"])
+def test_sampling_follows_the_exact_law_with_multi_axis_positions(method):
+    """Sampling on a model whose positions have four axes (Qwen2-VL, text prompts: every axis advancing together):
+    drafts accepted in some rows and rejected in others, at depth 2 too, and the draws follow the target's exact
+    law (`tests/decoding/test_sampling_lossless.py`'s chi-square test)."""
+    from tests.decoding import test_sampling_lossless as lossless
+
+    torch.manual_seed(11)
+    config = Qwen2VLConfig(
+        text_config={"vocab_size": lossless.VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
+                     "bos_token_id": None, "eos_token_id": None,
+                     "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 4,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3},
+        image_token_id=7, video_token_id=6, vision_start_token_id=1, vision_end_token_id=2, pad_token_id=0)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)  # peaked logits, as the law tests' own target
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    if method == "ngram":
+        speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3, seed=3)
+    else:
+        draft = copy.deepcopy(model)
+        with torch.no_grad():
+            weight = draft.lm_head.weight
+            weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * 0.3 * weight.std())
+        speculative = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3, seed=1)
+    lossless.assert_exact_law_with_drafts(model, speculative, deep=method != "ngram")
