@@ -106,10 +106,10 @@ def recompute(
     if model._supports_logits_to_keep():
         inputs["logits_to_keep"] = 1
     parts = [inputs]
-    if prompt.multimodal:  # the prompt with its images, then the new tokens as text, into the same cache
+    if prompt.images:  # the prompt with its images, then the new tokens as text, into the same cache
         along = {name: inputs[name] for name in ("input_ids", "position_ids", "token_type_ids", *MODALITY_TYPE_INPUTS)
                  if name in inputs}  # each split on its last dimension
-        images = {name: value for name, value in prompt.multimodal.items() if name not in MODALITY_TYPE_INPUTS}
+        images = {name: prompt.multimodal[name] for name in prompt.images}
         first = {name: value[..., :prompt_length] for name, value in along.items()}
         rest = {name: value[..., prompt_length:] for name, value in along.items()}
         if embeds is not None:

@@ -481,8 +481,8 @@ class SpeculativeDecoder:
             keys[held.to(keys.device)], values[held.to(keys.device)] = held_keys, held_values
         redo = (~complete).nonzero().squeeze(1)
         if redo.numel():
-            # images are not split by row: a multimodal prompt's rows are all computed again, the complete ones kept
-            every = bool(prompt.multimodal)
+            # images are not split by row: a prompt with images has all its rows computed again, the complete ones kept
+            every = bool(prompt.images)
             rows = (torch.arange(batch) if every else redo).to(self.prompt_ids.device)
             subset = replace(prompt, past_key_values=None) if every else prompt.select(rows)
             start = self.prompt_ids.shape[1]

@@ -304,14 +304,21 @@ class PromptInputs:
         # [R] long: the rows to keep
         rows: torch.Tensor,
     ) -> PromptInputs:
-        """These rows' prompt inputs, without a filled cache. Multimodal inputs are not split by row (an image's
-        patches are not a row's), so a prompt with them is refused here."""
-        if self.multimodal:
-            raise ValueError(f"PromptInputs.select: multimodal inputs {sorted(self.multimodal)} are not split by row")
+        """These rows' prompt inputs, without a filled cache. The inputs only the prompt's forward takes (images)
+        are not split by row (an image's patches are not a row's), so a prompt with them is refused here."""
+        images = self.images
+        if images:
+            raise ValueError(f"PromptInputs.select: multimodal inputs {images} are not split by row")
         positions = self.position_ids
         return PromptInputs(
             attention_mask=None if self.attention_mask is None else self.attention_mask[rows],
             position_ids=None if positions is None else positions[..., rows, :],  # [B, P] or [A, B, P]
             token_type_ids=None if self.token_type_ids is None else self.token_type_ids[rows],
             inputs_embeds=None if self.inputs_embeds is None else self.inputs_embeds[rows],
+            multimodal={name: value[rows] for name, value in self.multimodal.items()},  # modalities [B, P]
         )
+
+    @property
+    def images(self) -> list[str]:
+        """The names of the multimodal inputs only the prompt's forward takes (pixel values, ...), sorted."""
+        return sorted(name for name in self.multimodal if name not in MODALITY_TYPE_INPUTS)

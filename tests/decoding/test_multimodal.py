@@ -228,11 +228,15 @@ def test_text_alone_on_a_model_with_multimodal_rotary_positions():
     assert torch.equal(hf_specdec.generate(model, ids, spec_method="ngram", **kwargs), expected)
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen2_vl_text"])
 def test_the_returned_cache_is_plain_generates(arch):
     """The output cache: a row that stopped early has its keys and values computed again over its final text, the
-    prompt's images included (all rows are: an image's inputs are not split by row)."""
-    model, inputs = prompt(arch)
+    prompt's images included (all rows are: an image's inputs are not split by row; without images, only the rows
+    that stopped, their modalities split by row)."""
+    model, inputs = prompt(arch.removesuffix("_text"))
+    if arch.endswith("_text"):  # no image, each token's modality given all the same
+        ids = inputs["input_ids"].masked_fill(inputs["input_ids"] >= 60, 9)
+        inputs = {"input_ids": ids, "attention_mask": inputs["attention_mask"], "mm_token_type_ids": ids * 0}
     prompt_length = inputs["input_ids"].shape[1]
     first = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     kwargs = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": int(first[0, prompt_length + 2]),
