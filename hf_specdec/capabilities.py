@@ -91,7 +91,7 @@ def check_generation_supported(
             "position as well, or use method 'ngram', 'medusa' or 'mlp_speculator' with inputs_embeds alone"
         )
     unknown = sorted(k for k, v in model_kwargs.items()
-                     if k not in KNOWN_MODEL_KWARGS and k not in PROMPT_ONLY_MODEL_KWARGS and v is not None)
+                     if k not in KNOWN_MODEL_KWARGS and k not in PROMPT_ONLY_MODEL_KWARGS and _given(v))
     if unknown:
         raise ValueError(
             f"model inputs {unknown} are not supported by speculative decoding: after the prompt's forward it feeds "
@@ -111,7 +111,13 @@ def multimodal_inputs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The multimodal inputs `generate` prepared: those only the prompt's forward takes (pixel values, the image
     features it encoded, ...) and each prompt token's modality (`mm_token_type_ids`)."""
     return {k: v for k, v in model_kwargs.items()
-            if (k in PROMPT_ONLY_MODEL_KWARGS or k in MODALITY_TYPE_INPUTS) and v is not None}
+            if (k in PROMPT_ONLY_MODEL_KWARGS or k in MODALITY_TYPE_INPUTS) and _given(v)}
+
+
+def _given(value: Any) -> bool:
+    """Whether a model input holds something: `generate` passes a vision-language model's `mm_encoder_outputs` as
+    an empty dict when there is no image."""
+    return value is not None and not (isinstance(value, dict) and not value)
 
 
 def _check_prompt_covers_mask_and_cache(

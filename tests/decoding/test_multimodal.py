@@ -303,3 +303,23 @@ def test_sampling_follows_the_exact_law_with_multi_axis_positions(method):
             weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * 0.3 * weight.std())
         speculative = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3, seed=1)
     lossless.assert_exact_law_with_drafts(model, speculative, deep=method != "ngram")
+
+
+@pytest.mark.parametrize("arch", ["llava", "gemma3", "qwen2_vl"])
+def test_a_conversation_goes_on_from_the_cache_in_text(arch):
+    """The second turn of a conversation about an image: the first call's cache holds the image, the second call
+    brings text alone (`generate` still passes an empty `mm_encoder_outputs`), and continues as plain `generate`
+    does (Qwen2-VL: positions from the first call's rotary offsets)."""
+    model, inputs = prompt(arch)
+    first = model.generate(**inputs, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    cache = getattr(first, CACHE_KWARG)
+    ids = torch.cat([first.sequences, torch.tensor([[5, 6, 7], [7, 5, 6]])], dim=1)
+    added = ids.shape[1] - inputs["input_ids"].shape[1]
+    kwargs = {"attention_mask": torch.cat([inputs["attention_mask"], torch.ones(2, added, dtype=torch.long)], dim=1),
+              "max_new_tokens": 8, "do_sample": False}
+    for name in ("token_type_ids", "mm_token_type_ids"):  # the new text's types: 0
+        if name in inputs:
+            kwargs[name] = torch.cat([inputs[name], torch.zeros(2, added, dtype=torch.long)], dim=1)
+    expected = model.generate(ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
+    got = hf_specdec.generate(model, ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs, spec_method="ngram")
+    assert torch.equal(got, expected)
