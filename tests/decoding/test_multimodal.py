@@ -34,6 +34,7 @@ from transformers import (
 import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache.naming import CACHE_KWARG
+from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.heads import EagleConfig, EagleHead
 
 VOCAB = 64
@@ -323,3 +324,42 @@ def test_a_conversation_goes_on_from_the_cache_in_text(arch):
     expected = model.generate(ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
     got = hf_specdec.generate(model, ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs, spec_method="ngram")
     assert torch.equal(got, expected)
+
+
+def test_the_image_text_to_text_pipeline_takes_the_keywords(monkeypatch):
+    """After `enable()`, transformers' "image-text-to-text" pipeline hands `generate_kwargs={"spec_method": ...}` to
+    the model's `generate` with the processor's inputs, and writes plain `generate`'s text. (Given as keywords of
+    their own, this pipeline hands unknown ones to its processor, which drops them.)"""
+    from PIL import Image
+    from transformers import CLIPImageProcessor, LlavaProcessor, pipeline
+
+    from hf_specdec.testbed import load_testbed
+
+    tokenizer = load_testbed()[0]
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    torch.manual_seed(0)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              image_size=16, patch_size=8, projection_dim=32)
+    model = LlavaForConditionalGeneration(LlavaConfig(
+        text_config=text, vision_config=vision, image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        projector_hidden_act="gelu", vision_feature_layer=-1, vision_feature_select_strategy="full")).eval()
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
+        tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="full", image_token="<image>",
+        num_additional_image_tokens=1)
+    image = Image.fromarray((torch.rand(16, 16, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy())
+    generator = pipeline("image-text-to-text", model=model, processor=processor)
+    kwargs = {"images": image, "text": "<image> def parse", "max_new_tokens": 12, "do_sample": False}
+    expected = generator(**kwargs)
+    prefills = []  # the engine's: it ran
+    prefill = RaggedKVCache.prefill
+    monkeypatch.setattr(RaggedKVCache, "prefill", lambda self, *a, **k: prefills.append(k) or prefill(self, *a, **k))
+    hf_specdec.enable()
+    try:
+        assert generator(**kwargs, generate_kwargs={"spec_method": "ngram"}) == expected
+    finally:
+        hf_specdec.disable()
+    assert len(prefills) == 1 and set(prefills[0]["multimodal"]) & {"pixel_values", "mm_encoder_outputs"}
