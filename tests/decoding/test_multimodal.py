@@ -329,7 +329,7 @@ def test_a_conversation_goes_on_from_the_cache_in_text(arch):
 def test_the_image_text_to_text_pipeline_takes_the_keywords(monkeypatch):
     """After `enable()`, transformers' "image-text-to-text" pipeline hands `generate_kwargs={"spec_method": ...}` to
     the model's `generate` with the processor's inputs, and writes plain `generate`'s text. (Given as keywords of
-    their own, this pipeline hands unknown ones to its processor, which drops them.)"""
+    their own, this pipeline hands them to its processor, which drops them, as it does `generate`'s own.)"""
     from PIL import Image
     from transformers import CLIPImageProcessor, LlavaProcessor, pipeline
 
@@ -352,14 +352,14 @@ def test_the_image_text_to_text_pipeline_takes_the_keywords(monkeypatch):
         num_additional_image_tokens=1)
     image = Image.fromarray((torch.rand(16, 16, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy())
     generator = pipeline("image-text-to-text", model=model, processor=processor)
-    kwargs = {"images": image, "text": "<image> def parse", "max_new_tokens": 12, "do_sample": False}
-    expected = generator(**kwargs)
+    kwargs = {"images": image, "text": "<image> def parse", "max_new_tokens": 12}
+    expected = generator(**kwargs, generate_kwargs={"do_sample": False})
     prefills = []  # the engine's: it ran
     prefill = RaggedKVCache.prefill
     monkeypatch.setattr(RaggedKVCache, "prefill", lambda self, *a, **k: prefills.append(k) or prefill(self, *a, **k))
     hf_specdec.enable()
     try:
-        assert generator(**kwargs, generate_kwargs={"spec_method": "ngram"}) == expected
+        assert generator(**kwargs, generate_kwargs={"do_sample": False, "spec_method": "ngram"}) == expected
     finally:
         hf_specdec.disable()
     assert len(prefills) == 1 and set(prefills[0]["multimodal"]) & {"pixel_values", "mm_encoder_outputs"}
