@@ -1,7 +1,7 @@
 """Multimodal prompts: the pixel values (or the image features `generate` encodes from them) go to the prompt's
 forward only, as plain `generate` feeds them; every later forward takes text tokens, at positions that continue each
 axis of the prompt's (Qwen2-VL's multimodal rotary positions). Greedy output equals plain `generate`'s on tiny
-random Llava, Llava-NeXT, Gemma-3, Qwen2-VL and Qwen2.5-VL models, batched with left padding, for every kind of drafter, and the images
+random Llava, Llava-NeXT, Gemma-3, SmolVLM, Qwen2-VL and Qwen2.5-VL models, batched with left padding, for every kind of drafter, and the images
 matter (without them the output differs)."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from transformers import (
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     SiglipVisionConfig,
+    SmolVLMConfig,
+    SmolVLMForConditionalGeneration,
 )
 
 import hf_specdec
@@ -111,8 +113,21 @@ def llava_next() -> LlavaNextForConditionalGeneration:
     return LlavaNextForConditionalGeneration(config).eval()
 
 
+def smolvlm() -> SmolVLMForConditionalGeneration:
+    """Images split into patches whose features are pixel-shuffled: 4 tokens for a 16 x 16 image here."""
+    torch.manual_seed(0)
+    config = SmolVLMConfig(
+        text_config={"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
+                     "bos_token_id": 1, "eos_token_id": 2},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                       "image_size": 16, "patch_size": 4},
+        image_token_id=IMAGE, scale_factor=2)
+    return SmolVLMForConditionalGeneration(config).eval()
+
+
 # the model, and an image's tokens in the prompt
-MODELS = {"llava": (llava, [IMAGE] * 5), "gemma3": (gemma3, [61] + [IMAGE] * 4 + [62]),
+MODELS = {"smolvlm": (smolvlm, [IMAGE] * 4), "llava": (llava, [IMAGE] * 5), "gemma3": (gemma3, [61] + [IMAGE] * 4 + [62]),
           "qwen2_vl": (qwen2_vl, [61] + [IMAGE] * 4 + [62]), "qwen2_5_vl": (qwen2_5_vl, [61] + [IMAGE] * 4 + [62]),
           "llava_next": (llava_next, [IMAGE] * 10)}
 
@@ -129,6 +144,9 @@ def prompt(arch: str) -> tuple[torch.nn.Module, dict]:
         inputs["pixel_values"] = torch.randn(2 * 16, 3 * 2 * 4 * 4, generator=generator)
         inputs["image_grid_thw"] = torch.tensor([[1, 4, 4], [1, 4, 4]])
         inputs["mm_token_type_ids"] = (ids == IMAGE).long()
+    elif arch == "smolvlm":  # one image per row, all its pixels real
+        inputs["pixel_values"] = torch.randn(2, 1, 3, 16, 16, generator=generator)
+        inputs["pixel_attention_mask"] = torch.ones(2, 1, 16, 16, dtype=torch.bool)
     elif arch == "llava_next":  # per image its tiles (one here) and the whole image
         inputs["pixel_values"] = torch.randn(2, 2, 3, 16, 16, generator=generator)
         inputs["image_sizes"] = torch.tensor([[16, 16], [16, 16]])
