@@ -41,25 +41,25 @@ from hf_specdec.heads import EagleConfig, EagleHead
 
 VOCAB = 64
 IMAGE = 63  # the image placeholder token
+# every model's language part
+TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# multimodal rotary positions: the head dimension's frequencies split over time, height and width
+MROPE = {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
 
 
 def llava() -> LlavaForConditionalGeneration:
     torch.manual_seed(0)
-    text = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                               image_size=16, patch_size=8, projection_dim=32)
-    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE, projector_hidden_act="gelu",
+    config = LlavaConfig(text_config=LlamaConfig(**TEXT), vision_config=vision, image_token_index=IMAGE, projector_hidden_act="gelu",
                          vision_feature_layer=-1, vision_feature_select_strategy="full")  # 5 image tokens
     return LlavaForConditionalGeneration(config).eval()
 
 
 def gemma3() -> Gemma3ForConditionalGeneration:
     torch.manual_seed(0)
-    text = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
-                            layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=1,
-                            eos_token_id=2)
+    text = Gemma3TextConfig(**TEXT, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                 image_size=16, patch_size=4)
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE,
@@ -76,9 +76,7 @@ def qwen2_vl() -> Qwen2VLForConditionalGeneration:
     width), the image's tokens laid out on a grid."""
     torch.manual_seed(0)
     config = Qwen2VLConfig(
-        text_config={"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2,
-                     "pad_token_id": 0, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+        text_config={**TEXT, **MROPE},
         vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 4,
                        "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3},
         image_token_id=IMAGE, video_token_id=60, vision_start_token_id=61, vision_end_token_id=62, pad_token_id=0)
@@ -88,9 +86,7 @@ def qwen2_vl() -> Qwen2VLForConditionalGeneration:
 def qwen2_5_vl() -> Qwen2_5_VLForConditionalGeneration:
     torch.manual_seed(0)
     config = Qwen2_5_VLConfig(
-        text_config={"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2,
-                     "pad_token_id": 0, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+        text_config={**TEXT, **MROPE},
         vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
                        "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3, "out_hidden_size": 32,
                        "window_size": 8, "fullatt_block_indexes": [0]},
@@ -102,9 +98,7 @@ def llava_next() -> LlavaNextForConditionalGeneration:
     """Images tiled at their size (`image_sizes`): 10 tokens for a 16 x 16 image here."""
     torch.manual_seed(0)
     config = LlavaNextConfig(
-        text_config={"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
-                     "bos_token_id": 1, "eos_token_id": 2},
+        text_config={"model_type": "llama", **TEXT},
         vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                        "num_hidden_layers": 1, "num_attention_heads": 4, "image_size": 16, "patch_size": 8,
                        "projection_dim": 32},
@@ -117,9 +111,7 @@ def smolvlm() -> SmolVLMForConditionalGeneration:
     """Images split into patches whose features are pixel-shuffled: 4 tokens for a 16 x 16 image here."""
     torch.manual_seed(0)
     config = SmolVLMConfig(
-        text_config={"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
-                     "bos_token_id": 1, "eos_token_id": 2},
+        text_config={"model_type": "llama", **TEXT},
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
                        "image_size": 16, "patch_size": 4},
         image_token_id=IMAGE, scale_factor=2)
@@ -274,9 +266,7 @@ def test_the_returned_cache_is_plain_generates(arch):
 def test_inputs_that_every_forward_needs_are_refused():
     """Mllama's layers cross-attend to the image at every step (`cross_attention_mask` grows with the text)."""
     config = MllamaConfig(
-        text_config={"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "cross_attention_layers": [1],
-                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+        text_config={**TEXT, "cross_attention_layers": [1]},
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_global_layers": 1,
                        "num_attention_heads": 4, "image_size": 16, "patch_size": 8, "max_num_tiles": 1,
                        "vision_output_dim": 64, "intermediate_layers_indices": [0],
