@@ -149,17 +149,25 @@ class EngineAttention:
     looked up once, when this is made (a decode call's cache enters it for every forward); what each runs instead
     is decided on entry, from its attention then."""
 
-    def __init__(self, model: torch.nn.Module, decode: bool) -> None:
+    def __init__(self, model: torch.nn.Module, decode: bool, attentions: list[_Attention] | None = None) -> None:
         self.packed = decode and model.device.type == "cpu"
         self.sdpa = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
-        decoder = model.config.get_text_config(decoder=True)
-        configs = {id(decoder): decoder}
-        for module in model.modules():
-            config = getattr(module, "config", None)
-            if type(config) is type(decoder):  # a decoder's config: not a composite's other parts (a vision tower)
-                configs.setdefault(id(config), config)
-        self.attentions = [_Attention(config) for config in configs.values()]
+        if attentions is None:
+            decoder = model.config.get_text_config(decoder=True)
+            configs = {id(decoder): decoder}
+            for module in model.modules():
+                config = getattr(module, "config", None)
+                if type(config) is type(decoder):  # a decoder's config, not a composite's other parts (vision)
+                    configs.setdefault(id(config), config)
+            attentions = [_Attention(config) for config in configs.values()]
+        self.attentions = attentions
         self.entered: list[list[_Attention]] = []  # per entry not yet left (entries nest): what it counts
+
+    @classmethod
+    def for_prompt_and_decode(cls, model: torch.nn.Module) -> tuple[EngineAttention, EngineAttention]:
+        """The contexts of a model's prompt forward and of its later forwards, from one look over its modules."""
+        prompt = cls(model, decode=False)
+        return prompt, cls(model, decode=True, attentions=prompt.attentions)
 
     def swap(self, own: str | None) -> str | None:
         """What to run instead of the attention `own`, or None to leave it."""

@@ -159,8 +159,8 @@ class RaggedKVCache:
     def __init__(self, model) -> None:
         self.model = model
         self.model_call = model  # what runs a forward (a compiled forward under static shapes)
-        self.prefill_attention = EngineAttention(model, decode=False)  # entered for the prompt's forward
-        self.decode_attention = EngineAttention(model, decode=True)  # and for every later one
+        # entered for the prompt's forward, and for every later one
+        self.prefill_attention, self.decode_attention = EngineAttention.for_prompt_and_decode(model)
         self.cache_keyword = cache_keyword(model)
         self.layout = AttentionLayout.from_model(model)
         self.num_layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
