@@ -72,10 +72,13 @@ def recompute(
     prompt: PromptInputs,
     # [R, P] the prompt's token ids ([R, 0] for an embedded prompt)
     prompt_ids: torch.Tensor,
+    # per layer ([R, H, C, D] keys, values) of the prompt's first C positions, from the filled cache the call
+    # continued (`filled_layers`), taken as they are; None: computed too
+    cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ([R, H, P + T, D] keys, values): one forward over the rows' final sequences, as `generate` fed them;
-    two for a prompt with images: the prompt with them, then the new tokens as text (a generated token can be an
-    image placeholder, which the model would take for one more image)."""
+    """Per layer ([R, H, P + T, D] keys, values): one forward over the rows' final sequences (after the cached
+    positions), as `generate` fed them; two for a prompt with images: the prompt with them, then the new tokens as
+    text (a generated token can be an image placeholder, which the model would take for one more image)."""
     embeds = prompt.inputs_embeds
     prompt_length = embeds.shape[1] if embeds is not None else prompt_ids.shape[1]
     rows, new = new_tokens.shape
@@ -86,11 +89,15 @@ def recompute(
     positions = prompt.position_ids
     if positions is None:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    cache = DynamicCache()
+    for index, (keys, values) in enumerate(cached or ()):
+        cache.update(keys, values, index)
+    start = 0 if cached is None else cached[0][0].shape[2]
     inputs = {
         "attention_mask": torch.cat([mask, mask.new_ones(rows, new)], dim=1),
         # each axis of the positions ([R, P] or [A, R, P]) continues by one a token
         "position_ids": torch.cat([positions, positions[..., -1:] + 1 + torch.arange(new, device=device)], dim=-1),
-        CACHE_KWARG: DynamicCache(),
+        CACHE_KWARG: cache,
         "use_cache": True,
     }
     if prompt.token_type_ids is not None:
@@ -105,20 +112,25 @@ def recompute(
         inputs["input_ids"] = torch.cat([prompt_ids, new_tokens], dim=1)
     if model._supports_logits_to_keep():
         inputs["logits_to_keep"] = 1
-    parts = [inputs]
-    if prompt.images:  # the prompt with its images, then the new tokens as text, into the same cache
-        along = {name: inputs[name] for name in ("input_ids", "position_ids", "token_type_ids", *MODALITY_TYPE_INPUTS)
-                 if name in inputs}  # each split on its last dimension
-        images = {name: prompt.multimodal[name] for name in prompt.images}
-        first = {name: value[..., :prompt_length] for name, value in along.items()}
-        rest = {name: value[..., prompt_length:] for name, value in along.items()}
+    # the positions fed, each split on its last dimension (the embeddings on their second)
+    along = {name: inputs[name] for name in ("input_ids", "position_ids", "token_type_ids", *MODALITY_TYPE_INPUTS)
+             if name in inputs}
+
+    def fed(begin: int, end: int | None) -> dict:
+        part = {name: value[..., begin:end] for name, value in along.items()}
         if embeds is not None:
-            first["inputs_embeds"] = inputs["inputs_embeds"][:, :prompt_length]
-            rest["inputs_embeds"] = inputs["inputs_embeds"][:, prompt_length:]
-        parts = [{**inputs, **first, **images, "attention_mask": mask}] + ([{**inputs, **rest}] if new else [])
+            part["inputs_embeds"] = inputs["inputs_embeds"][:, begin:end]
+        return part
+
+    parts = [{**inputs, **fed(start, None)}]
+    if prompt.images:  # the prompt with its images, then the new tokens as text, into the same cache
+        images = {name: prompt.multimodal[name] for name in prompt.images}
+        parts = [{**inputs, **fed(start, prompt_length), **images, "attention_mask": mask}]
+        if new:
+            parts.append({**inputs, **fed(prompt_length, None)})
     with torch.no_grad():
         for part in parts:
-            cache = getattr(model(**part), CACHE_KWARG)
+            model(**part)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 

@@ -28,7 +28,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.cache.carried import attach, carried_by
-from hf_specdec.cache.exchange import fill_static_cache, full_layers, recompute
+from hf_specdec.cache.exchange import fill_static_cache, filled_layers, full_layers, recompute
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.capabilities import check_generation_supported, multimodal_inputs
@@ -486,7 +486,13 @@ class SpeculativeDecoder:
             rows = (torch.arange(batch) if every else redo).to(self.prompt_ids.device)
             subset = replace(prompt, past_key_values=None) if every else prompt.select(rows)
             start = self.prompt_ids.shape[1]
-            again = recompute(self.model, self.state.sequences[rows, start : length - 1], subset, self.prompt_ids[rows])
+            # continuing a filled cache: its positions are taken as they are, as plain generate keeps them (they
+            # may hold what the text alone does not give, such as an earlier turn's images)
+            past = prompt.past_key_values
+            cached = None if past is None else [(keys[rows.to(keys.device)], values[rows.to(keys.device)])
+                                                for keys, values in filled_layers(past, past.get_seq_length())]
+            again = recompute(self.model, self.state.sequences[rows, start : length - 1], subset, self.prompt_ids[rows],
+                              cached)
             self.stats.record_forward((~complete).tolist())
             for (keys, values), (new_keys, new_values) in zip(layers, again):
                 if every:

@@ -318,7 +318,7 @@ def test_sampling_follows_the_exact_law_with_multi_axis_positions(method):
 def test_a_conversation_goes_on_from_the_cache_in_text(arch):
     """The second turn of a conversation about an image: the first call's cache holds the image, the second call
     brings text alone (`generate` still passes an empty `mm_encoder_outputs`), and continues as plain `generate`
-    does (Qwen2-VL: positions from the first call's rotary offsets)."""
+    does (Qwen2-VL: positions from the first call's rotary offsets), the returned cache too."""
     model, inputs = prompt(arch)
     first = model.generate(**inputs, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
     cache = getattr(first, CACHE_KWARG)
@@ -332,6 +332,19 @@ def test_a_conversation_goes_on_from_the_cache_in_text(arch):
     expected = model.generate(ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
     got = hf_specdec.generate(model, ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs, spec_method="ngram")
     assert torch.equal(got, expected)
+    # the returned cache: a row that stopped early is computed again after the positions the given cache held (its
+    # image among them, which the text alone does not give), as plain generate keeps them
+    kwargs.update(eos_token_id=int(expected[0, ids.shape[1] + 2]), return_dict_in_generate=True)
+    expected = model.generate(ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
+    got = hf_specdec.generate(model, ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs, spec_method="ngram")
+    assert torch.equal(got.sequences, expected.sequences)
+    fed = torch.cat([kwargs["attention_mask"], expected.sequences[:, ids.shape[1] : -1] != 0], dim=1).bool()
+    for mine, theirs in zip(getattr(got, CACHE_KWARG).layers, getattr(expected, CACHE_KWARG).layers, strict=True):
+        assert mine.keys.shape == theirs.keys.shape
+        real = fed[:, -mine.keys.shape[2] :]  # a sliding-window layer keeps the last positions only
+        for row in range(2):  # padding slots attend to nothing, and hold what each computation left there
+            torch.testing.assert_close(mine.keys[row][:, real[row]], theirs.keys[row][:, real[row]])
+            torch.testing.assert_close(mine.values[row][:, real[row]], theirs.values[row][:, real[row]])
 
 
 def test_the_image_text_to_text_pipeline_takes_the_keywords(monkeypatch):
