@@ -100,11 +100,19 @@ def check_generation_supported(
         )
     multimodal = sorted(k for k in multimodal_inputs(model_kwargs) if k in PROMPT_ONLY_MODEL_KWARGS)
     if multimodal and cache is not None and cache.get_seq_length() > 0:
-        raise ValueError(
-            f"multimodal inputs ({', '.join(multimodal)}) with a filled {CACHE_KWARG}: speculative decoding continues a "
-            "conversation from a cache with text alone; pass the whole conversation with its images and no cache, "
-            "or no images with the cache"
-        )
+        if embeds is not None:
+            raise ValueError(
+                f"multimodal inputs ({', '.join(multimodal)}) with inputs_embeds and a filled {CACHE_KWARG}: "
+                "speculative decoding continues a conversation with new images from token ids; pass input_ids "
+                "instead of inputs_embeds"
+            )
+        if model_kwargs.get("token_type_ids") is not None:
+            raise ValueError(
+                f"multimodal inputs ({', '.join(multimodal)}) with token_type_ids and a filled {CACHE_KWARG}: the "
+                "new images' tokens attend to each other both ways (Gemma-3, PaliGemma), which speculative "
+                "decoding does not reproduce after a filled cache; pass the whole conversation with its images and "
+                "no cache, or continue in text"
+            )
 
 
 def multimodal_inputs(model_kwargs: dict[str, Any]) -> dict[str, Any]:

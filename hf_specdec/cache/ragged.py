@@ -376,14 +376,31 @@ class RaggedKVCache:
         # [B, P, H] or None: the prompt as embeddings (then `input_ids` is [B, 0])
         inputs_embeds: torch.Tensor | None,
         logits_to_keep: int,
-        # {name in MODALITY_TYPE_INPUTS: [B, P]} (a filled cache continues with no images to encode)
+        # the prompt's multimodal inputs, as `prefill` takes them (new images, for the new positions)
         multimodal: dict,
     ) -> torch.Tensor:
         """Start from a filled transformers cache of the first C prompt tokens and encode the other P - C as one
-        chain, kept whole."""
+        chain, kept whole; with new images, through the model's own input preparation and masks, as plain
+        `generate` encodes them (its image tokens may see each other both ways, as Gemma-3's do)."""
         cached = past_key_values.get_seq_length()
         batch, length = attention_mask.shape
         self._write_layers(filled_layers(past_key_values, cached))
+        if any(name not in MODALITY_TYPE_INPUTS for name in multimodal):
+            self.kv.write_start = cached  # the model's cache length: its new keys and values go after the cached
+            model_kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, self.cache_keyword: self.kv,
+                            "use_cache": True, "is_first_iteration": True, **multimodal}
+            if token_type_ids is not None:
+                model_kwargs["token_type_ids"] = token_type_ids
+            keep = length - cached if self.record_prompt_features else logits_to_keep
+            if self.model._supports_logits_to_keep():
+                model_kwargs["logits_to_keep"] = keep
+            with self.prefill_attention:
+                inputs = self.model.prepare_inputs_for_generation(input_ids, next_sequence_length=length - cached,
+                                                                  **model_kwargs)
+                logits = self._call_model(inputs, keep_hidden=length - cached, orders=self._slot_orders(length),
+                                          call=self.model)
+            self._settle_width()
+            return logits[:, -logits_to_keep:]
         self.lengths = self.lengths.new_full((batch,), cached)
         self.host_lengths, self.width = [cached] * batch, cached
         rest = {"position_ids": position_ids[..., cached:]}

@@ -207,12 +207,15 @@ def test_early_exit_refuses_a_model_that_is_no_causal_lm():
         hf_specdec.generate(model, **inputs, max_new_tokens=4, do_sample=False, speculative=speculative)
 
 
-def test_images_with_a_filled_cache_are_refused():
-    model, inputs = prompt("llava")
+def test_new_images_after_a_filled_cache_with_token_types_are_refused():
+    """Gemma-3's image tokens attend to each other both ways (`token_type_ids`): after a filled cache the engine
+    does not reproduce that, so it says so."""
+    model, inputs = prompt("gemma3")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=inputs["input_ids"][:, :3], attention_mask=inputs["attention_mask"][:, :3], cache=cache)
-    with pytest.raises(ValueError, match=r"multimodal inputs \(mm_encoder_outputs\) with a filled"):
+    with pytest.raises(ValueError, match=r"multimodal inputs \(mm_encoder_outputs\) with token_type_ids and a "
+                                         r"filled cache"):
         hf_specdec.generate(model, **inputs, cache=cache, max_new_tokens=4, do_sample=False,
                             spec_method="ngram")
 
@@ -239,7 +242,7 @@ def test_text_alone_on_a_model_with_multimodal_rotary_positions():
     assert torch.equal(hf_specdec.generate(model, ids, spec_method="ngram", **kwargs), expected)
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen2_vl_text"])
+@pytest.mark.parametrize("arch", ["llava", "gemma3", "qwen2_vl", "qwen2_vl_text"])
 def test_the_returned_cache_is_plain_generates(arch):
     """The output cache: a row that stopped early has its keys and values computed again over its final text, the
     prompt's images included (all rows are: an image's inputs are not split by row; without images, only the rows
@@ -255,9 +258,10 @@ def test_the_returned_cache_is_plain_generates(arch):
     expected = model.generate(**inputs, **kwargs)
     got = hf_specdec.generate(model, **inputs, **kwargs, spec_method="ngram")
     assert torch.equal(got.sequences, expected.sequences)
-    real = torch.cat([inputs["attention_mask"], expected.sequences[:, prompt_length:-1] != 0], dim=1).bool()
+    fed = torch.cat([inputs["attention_mask"], expected.sequences[:, prompt_length:-1] != 0], dim=1).bool()
     for mine, theirs in zip(getattr(got, CACHE_KWARG).layers, getattr(expected, CACHE_KWARG).layers, strict=True):
         assert mine.keys.shape == theirs.keys.shape
+        real = fed[:, -mine.keys.shape[2] :]  # a sliding-window layer keeps the last positions only
         for row in range(2):  # padding slots attend to nothing, and hold what each computation left there
             torch.testing.assert_close(mine.keys[row][:, real[row]], theirs.keys[row][:, real[row]])
             torch.testing.assert_close(mine.values[row][:, real[row]], theirs.values[row][:, real[row]])
@@ -401,3 +405,36 @@ def test_images_on_a_gpu_in_bfloat16(arch):
         assert got.device.type == "cuda"
         # bfloat16 kernels for k + 1 tokens may round differently from 1 token: near-ties can part
         assert (got == expected).float().mean().item() > 0.9, method
+
+
+@pytest.mark.parametrize("arch", ["llava", "smolvlm"])
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "eagle"])
+def test_a_conversation_goes_on_from_the_cache_with_a_new_image(arch, method):
+    """The second turn brings another image: the new positions are encoded through the model's own input
+    preparation and masks after the cached ones, the image reaches them (another image gives another answer), and
+    the output and the returned cache are plain `generate`'s."""
+    model, inputs = prompt(arch)
+    first = model.generate(**inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    cache = getattr(first, CACHE_KWARG)
+    image = MODELS[arch][1]
+    ids = torch.cat([first.sequences, torch.tensor([[5, *image, 6, 7], [7, *image, 5, 6]])], dim=1)
+    added = ids.shape[1] - inputs["input_ids"].shape[1]
+    kwargs = {"attention_mask": torch.cat([inputs["attention_mask"], torch.ones(2, added, dtype=torch.long)], dim=1),
+              "max_new_tokens": 8, "do_sample": False, "return_dict_in_generate": True,
+              "pixel_values": inputs["pixel_values"].flip(0)}  # each row's image now the other row's
+    for name in ("pixel_attention_mask", "image_sizes"):
+        if name in inputs:
+            kwargs[name] = inputs[name]
+    expected = model.generate(ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
+    other = {**kwargs, "pixel_values": inputs["pixel_values"]}
+    assert not torch.equal(model.generate(ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **other).sequences,
+                           expected.sequences), "the new image must matter"
+    got = hf_specdec.generate(model, ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs, **SPECULATIVE[method](model))
+    assert torch.equal(got.sequences, expected.sequences)
+    assert got.spec_stats.num_draft_tokens > 0
+    fed = torch.cat([kwargs["attention_mask"], expected.sequences[:, ids.shape[1] : -1] != 0], dim=1).bool()
+    for mine, theirs in zip(getattr(got, CACHE_KWARG).layers, getattr(expected, CACHE_KWARG).layers, strict=True):
+        assert mine.keys.shape == theirs.keys.shape
+        real = fed[:, -mine.keys.shape[2] :]  # a sliding-window layer keeps the last positions only
+        for row in range(2):
+            torch.testing.assert_close(mine.keys[row][:, real[row]], theirs.keys[row][:, real[row]])
