@@ -158,6 +158,24 @@ def draft_for(model) -> LlamaForCausalLM:
                                         bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id)).eval()
 
 
+def assert_same_cache(
+    got,
+    expected,
+    # [B, P]: the prompt's mask
+    attention_mask: torch.Tensor,
+) -> None:
+    """The returned caches hold the same keys and values at every position fed a real token (padding slots attend
+    to nothing, and hold what each computation left there); a sliding-window layer keeps the last positions only."""
+    prompt_length = attention_mask.shape[1]
+    fed = torch.cat([attention_mask, expected.sequences[:, prompt_length:-1] != 0], dim=1).bool()
+    for mine, theirs in zip(getattr(got, CACHE_KWARG).layers, getattr(expected, CACHE_KWARG).layers, strict=True):
+        assert mine.keys.shape == theirs.keys.shape
+        real = fed[:, -mine.keys.shape[2] :]
+        for row in range(real.shape[0]):
+            torch.testing.assert_close(mine.keys[row][:, real[row]], theirs.keys[row][:, real[row]])
+            torch.testing.assert_close(mine.values[row][:, real[row]], theirs.values[row][:, real[row]])
+
+
 SPECULATIVE = {
     "ngram": lambda model: {"spec_method": "ngram"},
     # the model itself drafting from the text alone (no images): its drafts are often accepted
@@ -258,13 +276,7 @@ def test_the_returned_cache_is_plain_generates(arch):
     expected = model.generate(**inputs, **kwargs)
     got = hf_specdec.generate(model, **inputs, **kwargs, spec_method="ngram")
     assert torch.equal(got.sequences, expected.sequences)
-    fed = torch.cat([inputs["attention_mask"], expected.sequences[:, prompt_length:-1] != 0], dim=1).bool()
-    for mine, theirs in zip(getattr(got, CACHE_KWARG).layers, getattr(expected, CACHE_KWARG).layers, strict=True):
-        assert mine.keys.shape == theirs.keys.shape
-        real = fed[:, -mine.keys.shape[2] :]  # a sliding-window layer keeps the last positions only
-        for row in range(2):  # padding slots attend to nothing, and hold what each computation left there
-            torch.testing.assert_close(mine.keys[row][:, real[row]], theirs.keys[row][:, real[row]])
-            torch.testing.assert_close(mine.values[row][:, real[row]], theirs.values[row][:, real[row]])
+    assert_same_cache(got, expected, inputs["attention_mask"])
 
 
 def test_inputs_that_every_forward_needs_are_refused():
@@ -342,13 +354,7 @@ def test_a_conversation_goes_on_from_the_cache_in_text(arch):
     expected = model.generate(ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
     got = hf_specdec.generate(model, ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs, spec_method="ngram")
     assert torch.equal(got.sequences, expected.sequences)
-    fed = torch.cat([kwargs["attention_mask"], expected.sequences[:, ids.shape[1] : -1] != 0], dim=1).bool()
-    for mine, theirs in zip(getattr(got, CACHE_KWARG).layers, getattr(expected, CACHE_KWARG).layers, strict=True):
-        assert mine.keys.shape == theirs.keys.shape
-        real = fed[:, -mine.keys.shape[2] :]  # a sliding-window layer keeps the last positions only
-        for row in range(2):  # padding slots attend to nothing, and hold what each computation left there
-            torch.testing.assert_close(mine.keys[row][:, real[row]], theirs.keys[row][:, real[row]])
-            torch.testing.assert_close(mine.values[row][:, real[row]], theirs.values[row][:, real[row]])
+    assert_same_cache(got, expected, kwargs["attention_mask"])
 
 
 def test_the_image_text_to_text_pipeline_takes_the_keywords(monkeypatch):
@@ -432,9 +438,4 @@ def test_a_conversation_goes_on_from_the_cache_with_a_new_image(arch, method):
     got = hf_specdec.generate(model, ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs, **SPECULATIVE[method](model))
     assert torch.equal(got.sequences, expected.sequences)
     assert got.spec_stats.num_draft_tokens > 0
-    fed = torch.cat([kwargs["attention_mask"], expected.sequences[:, ids.shape[1] : -1] != 0], dim=1).bool()
-    for mine, theirs in zip(getattr(got, CACHE_KWARG).layers, getattr(expected, CACHE_KWARG).layers, strict=True):
-        assert mine.keys.shape == theirs.keys.shape
-        real = fed[:, -mine.keys.shape[2] :]  # a sliding-window layer keeps the last positions only
-        for row in range(2):
-            torch.testing.assert_close(mine.keys[row][:, real[row]], theirs.keys[row][:, real[row]])
+    assert_same_cache(got, expected, kwargs["attention_mask"])
