@@ -106,13 +106,6 @@ def check_generation_supported(
                 "speculative decoding continues a conversation with new images from token ids; pass input_ids "
                 "instead of inputs_embeds"
             )
-        if model_kwargs.get("token_type_ids") is not None:
-            raise ValueError(
-                f"multimodal inputs ({', '.join(multimodal)}) with token_type_ids and a filled {CACHE_KWARG}: the "
-                "new images' tokens attend to each other both ways (Gemma-3, PaliGemma), which speculative "
-                "decoding does not reproduce after a filled cache; pass the whole conversation with its images and "
-                "no cache, or continue in text"
-            )
 
 
 def multimodal_inputs(model_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -124,8 +124,17 @@ def recompute(
 
     parts = [{**inputs, **fed(start, None)}]
     if prompt.images:  # the prompt with its images, then the new tokens as text, into the same cache
-        images = {name: prompt.multimodal[name] for name in prompt.images}
-        parts = [{**inputs, **fed(start, prompt_length), **images, "attention_mask": mask}]
+        # the prompt through the model's own preparation of a prompt's forward (Gemma-3 reads each token's type
+        # from the start of the sequence, a continued prompt's too)
+        whole = {name: value[..., :prompt_length] for name, value in along.items() if name != "input_ids"}
+        if embeds is not None:
+            whole["inputs_embeds"] = embeds
+        ids = prompt_ids if embeds is None else prompt_ids[:, :0]
+        parts = [model.prepare_inputs_for_generation(
+            ids, next_sequence_length=prompt_length - start, attention_mask=mask, use_cache=True,
+            is_first_iteration=True, **{CACHE_KWARG: cache}, **whole,
+            **{name: prompt.multimodal[name] for name in prompt.images},
+            **({"logits_to_keep": 1} if "logits_to_keep" in inputs else {}))]
         if new:
             parts.append({**inputs, **fed(prompt_length, None)})
     with torch.no_grad():

@@ -225,17 +225,17 @@ def test_early_exit_refuses_a_model_that_is_no_causal_lm():
         hf_specdec.generate(model, **inputs, max_new_tokens=4, do_sample=False, speculative=speculative)
 
 
-def test_new_images_after_a_filled_cache_with_token_types_are_refused():
-    """Gemma-3's image tokens attend to each other both ways (`token_type_ids`): after a filled cache the engine
-    does not reproduce that, so it says so."""
-    model, inputs = prompt("gemma3")
+def test_new_images_after_a_filled_cache_with_embeddings_are_refused():
+    model, inputs = prompt("llava")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=inputs["input_ids"][:, :3], attention_mask=inputs["attention_mask"][:, :3], cache=cache)
-    with pytest.raises(ValueError, match=r"multimodal inputs \(mm_encoder_outputs\) with token_type_ids and a "
+    embeds = model.get_input_embeddings()(inputs["input_ids"]).detach()
+    with pytest.raises(ValueError, match=r"multimodal inputs \(mm_encoder_outputs\) with inputs_embeds and a "
                                          r"filled cache"):
-        hf_specdec.generate(model, **inputs, cache=cache, max_new_tokens=4, do_sample=False,
-                            spec_method="ngram")
+        hf_specdec.generate(model, input_ids=inputs["input_ids"], inputs_embeds=embeds,
+                            attention_mask=inputs["attention_mask"], pixel_values=inputs["pixel_values"],
+                            cache=cache, max_new_tokens=4, do_sample=False, spec_method="ngram")
 
 
 @pytest.mark.parametrize("method", ["ngram", "self_draft"])
@@ -413,12 +413,13 @@ def test_images_on_a_gpu_in_bfloat16(arch):
         assert (got == expected).float().mean().item() > 0.9, method
 
 
-@pytest.mark.parametrize("arch", ["llava", "smolvlm"])
+@pytest.mark.parametrize("arch", ["llava", "smolvlm", "gemma3"])
 @pytest.mark.parametrize("method", ["ngram", "self_draft", "eagle"])
 def test_a_conversation_goes_on_from_the_cache_with_a_new_image(arch, method):
     """The second turn brings another image: the new positions are encoded through the model's own input
-    preparation and masks after the cached ones, the image reaches them (another image gives another answer), and
-    the output and the returned cache are plain `generate`'s."""
+    preparation and masks after the cached ones (Gemma-3's image tokens see each other both ways, read from the
+    token types of the whole sequence), the image reaches them (another image gives another answer), and the output
+    and the returned cache are plain `generate`'s."""
     model, inputs = prompt(arch)
     first = model.generate(**inputs, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     cache = getattr(first, CACHE_KWARG)
@@ -431,6 +432,8 @@ def test_a_conversation_goes_on_from_the_cache_with_a_new_image(arch, method):
     for name in ("pixel_attention_mask", "image_sizes"):
         if name in inputs:
             kwargs[name] = inputs[name]
+    if arch == "gemma3":
+        kwargs["token_type_ids"] = (ids == IMAGE).long()
     expected = model.generate(ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **kwargs)
     other = {**kwargs, "pixel_values": inputs["pixel_values"]}
     assert not torch.equal(model.generate(ids, **{CACHE_KWARG: copy.deepcopy(cache)}, **other).sequences,
