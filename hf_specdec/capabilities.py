@@ -99,13 +99,12 @@ def check_generation_supported(
             "inputs plain generate gives it alone, such as pixel_values); drop them, or use plain generate"
         )
     multimodal = sorted(k for k in multimodal_inputs(model_kwargs) if k in PROMPT_ONLY_MODEL_KWARGS)
-    if multimodal and cache is not None and cache.get_seq_length() > 0:
-        if embeds is not None:
-            raise ValueError(
-                f"multimodal inputs ({', '.join(multimodal)}) with inputs_embeds and a filled {CACHE_KWARG}: "
-                "speculative decoding continues a conversation with new images from token ids; pass input_ids "
-                "instead of inputs_embeds"
-            )
+    if multimodal and embeds is not None and cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"multimodal inputs ({', '.join(multimodal)}) with inputs_embeds and a filled {CACHE_KWARG}: speculative "
+            "decoding continues a conversation with new images from token ids; pass input_ids instead of "
+            "inputs_embeds"
+        )
 
 
 def multimodal_inputs(model_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -261,22 +261,49 @@ class RaggedKVCache:
         if past_key_values is not None:
             return self._prefill_after(past_key_values, input_ids, attention_mask, position_ids, token_type_ids,
                                        inputs_embeds, logits_to_keep, multimodal)
+        return self._encode(input_ids, attention_mask, position_ids, token_type_ids, inputs_embeds, multimodal,
+                            logits_to_keep)
+
+    def _encode(
+        self,
+        # [B, P]
+        input_ids: torch.Tensor,
+        # [B, P]
+        attention_mask: torch.Tensor,
+        # [B, P] or [A, B, P]
+        position_ids: torch.Tensor,
+        # [B, P] or None
+        token_type_ids: torch.Tensor | None,
+        # [B, P, H] or None
+        inputs_embeds: torch.Tensor | None,
+        # the prompt's multimodal inputs (`prefill`)
+        multimodal: dict,
+        logits_to_keep: int,
+        # the prompt's first positions already in the cache (continuing a filled one)
+        cached: int = 0,
+    ) -> torch.Tensor:
+        """The prompt's positions after the first `cached` through the model's own input preparation and masks, as
+        plain `generate` encodes a prompt; returns logits [B, logits_to_keep, V]."""
+        length = attention_mask.shape[1]
         model_kwargs = {
-            "attention_mask": attention_mask if self.padded else None,
+            # a model continuing its cache reads the cache's length from the mask
+            "attention_mask": attention_mask if self.padded or cached else None,
             "position_ids": position_ids,
             self.cache_keyword: self.kv,
             "use_cache": True,
             "is_first_iteration": True,
+            **multimodal,
         }
         if token_type_ids is not None:
             model_kwargs["token_type_ids"] = token_type_ids
         if inputs_embeds is not None:
             model_kwargs["inputs_embeds"] = inputs_embeds
-        model_kwargs.update(multimodal)
+        if cached:
+            model_kwargs["next_sequence_length"] = length - cached
         if self.model._supports_logits_to_keep():
             model_kwargs["logits_to_keep"] = logits_to_keep
-        keep = length if self.record_prompt_features else logits_to_keep
-        self.kv.write_start, self.kv.write_index = 0, None
+        keep = length - cached if self.record_prompt_features else logits_to_keep
+        self.kv.write_start, self.kv.write_index = cached, None  # new keys and values go after the cached ones
         with self.prefill_attention:  # before the input preparation, which may build masks for the attention
             inputs = self.model.prepare_inputs_for_generation(input_ids, **model_kwargs)
             logits = self._call_model(inputs, keep_hidden=keep, orders=self._slot_orders(length),
@@ -386,21 +413,8 @@ class RaggedKVCache:
         batch, length = attention_mask.shape
         self._write_layers(filled_layers(past_key_values, cached))
         if any(name not in MODALITY_TYPE_INPUTS for name in multimodal):
-            self.kv.write_start = cached  # the model's cache length: its new keys and values go after the cached
-            model_kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, self.cache_keyword: self.kv,
-                            "use_cache": True, "is_first_iteration": True, **multimodal}
-            if token_type_ids is not None:
-                model_kwargs["token_type_ids"] = token_type_ids
-            keep = length - cached if self.record_prompt_features else logits_to_keep
-            if self.model._supports_logits_to_keep():
-                model_kwargs["logits_to_keep"] = keep
-            with self.prefill_attention:
-                inputs = self.model.prepare_inputs_for_generation(input_ids, next_sequence_length=length - cached,
-                                                                  **model_kwargs)
-                logits = self._call_model(inputs, keep_hidden=length - cached, orders=self._slot_orders(length),
-                                          call=self.model)
-            self._settle_width()
-            return logits[:, -logits_to_keep:]
+            return self._encode(input_ids, attention_mask, position_ids, token_type_ids, inputs_embeds, multimodal,
+                                logits_to_keep, cached)
         self.lengths = self.lengths.new_full((batch,), cached)
         self.host_lengths, self.width = [cached] * batch, cached
         rest = {"position_ids": position_ids[..., cached:]}
