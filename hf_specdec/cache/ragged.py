@@ -58,7 +58,7 @@ from hf_specdec.cache.reach import DrafterReach
 from hf_specdec.cache.storage import MIN_CAPACITY, SlotCache
 from hf_specdec.compile import CompiledForward, static_room
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
-from hf_specdec.step.state import MODALITY_TYPE_INPUTS
+from hf_specdec.step.state import MODALITY_TYPE_INPUTS, PromptInputs
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -258,46 +258,38 @@ class RaggedKVCache:
             return None
         attention_mask, position_ids = prompt
         position_ids = self.reach.positions(position_ids)
+        inputs = PromptInputs(attention_mask, position_ids, token_type_ids, inputs_embeds, multimodal=multimodal)
         if past_key_values is not None:
-            return self._prefill_after(past_key_values, input_ids, attention_mask, position_ids, token_type_ids,
-                                       inputs_embeds, logits_to_keep, multimodal)
-        return self._encode(input_ids, attention_mask, position_ids, token_type_ids, inputs_embeds, multimodal,
-                            logits_to_keep)
+            return self._prefill_after(past_key_values, input_ids, inputs, logits_to_keep)
+        return self._encode(input_ids, inputs, logits_to_keep)
 
     def _encode(
         self,
-        # [B, P]
+        # [B, P] ([B, 0] for a prompt given as embeddings)
         input_ids: torch.Tensor,
-        # [B, P]
-        attention_mask: torch.Tensor,
-        # [B, P] or [A, B, P]
-        position_ids: torch.Tensor,
-        # [B, P] or None
-        token_type_ids: torch.Tensor | None,
-        # [B, P, H] or None
-        inputs_embeds: torch.Tensor | None,
-        # the prompt's multimodal inputs (`prefill`)
-        multimodal: dict,
+        # the prompt's mask [B, P] and positions [B, P] or [A, B, P] (as `_start_prompt` completed them), segment
+        # ids, embeddings and multimodal inputs
+        prompt: PromptInputs,
         logits_to_keep: int,
         # the prompt's first positions already in the cache (continuing a filled one)
         cached: int = 0,
     ) -> torch.Tensor:
         """The prompt's positions after the first `cached` through the model's own input preparation and masks, as
         plain `generate` encodes a prompt; returns logits [B, logits_to_keep, V]."""
-        length = attention_mask.shape[1]
+        length = prompt.attention_mask.shape[1]
         model_kwargs = {
             # a model continuing its cache reads the cache's length from the mask
-            "attention_mask": attention_mask if self.padded or cached else None,
-            "position_ids": position_ids,
+            "attention_mask": prompt.attention_mask if self.padded or cached else None,
+            "position_ids": prompt.position_ids,
             self.cache_keyword: self.kv,
             "use_cache": True,
             "is_first_iteration": True,
-            **multimodal,
+            **prompt.multimodal,
         }
-        if token_type_ids is not None:
-            model_kwargs["token_type_ids"] = token_type_ids
-        if inputs_embeds is not None:
-            model_kwargs["inputs_embeds"] = inputs_embeds
+        if prompt.token_type_ids is not None:
+            model_kwargs["token_type_ids"] = prompt.token_type_ids
+        if prompt.inputs_embeds is not None:
+            model_kwargs["inputs_embeds"] = prompt.inputs_embeds
         if cached:
             model_kwargs["next_sequence_length"] = length - cached
         if self.model._supports_logits_to_keep():
@@ -394,39 +386,30 @@ class RaggedKVCache:
         past_key_values,
         # [B, P]
         input_ids: torch.Tensor,
-        # [B, P]
-        attention_mask: torch.Tensor,
-        # [B, P] or [A, B, P]
-        position_ids: torch.Tensor,
-        # [B, P] or None
-        token_type_ids: torch.Tensor | None,
-        # [B, P, H] or None: the prompt as embeddings (then `input_ids` is [B, 0])
-        inputs_embeds: torch.Tensor | None,
+        # as `_encode` takes it
+        prompt: PromptInputs,
         logits_to_keep: int,
-        # the prompt's multimodal inputs, as `prefill` takes them (new images, for the new positions)
-        multimodal: dict,
     ) -> torch.Tensor:
         """Start from a filled transformers cache of the first C prompt tokens and encode the other P - C as one
         chain, kept whole; with new images, through the model's own input preparation and masks, as plain
         `generate` encodes them (its image tokens may see each other both ways, as Gemma-3's do)."""
         cached = past_key_values.get_seq_length()
-        batch, length = attention_mask.shape
+        batch, length = prompt.attention_mask.shape
         self._write_layers(filled_layers(past_key_values, cached))
-        if any(name not in MODALITY_TYPE_INPUTS for name in multimodal):
-            return self._encode(input_ids, attention_mask, position_ids, token_type_ids, inputs_embeds, multimodal,
-                                logits_to_keep, cached)
+        if prompt.images:
+            return self._encode(input_ids, prompt, logits_to_keep, cached)
         self.lengths = self.lengths.new_full((batch,), cached)
         self.host_lengths, self.width = [cached] * batch, cached
-        rest = {"position_ids": position_ids[..., cached:]}
-        rest.update({name: value[:, cached:] for name, value in multimodal.items()})
-        if token_type_ids is not None:
-            rest["token_type_ids"] = token_type_ids[:, cached:]
-        if inputs_embeds is not None:
-            rest["inputs_embeds"] = inputs_embeds[:, cached:]
-        logits = self.prefill_chain(None if inputs_embeds is not None else input_ids[:, cached:],
-                                    attention_mask[:, cached:].bool(), [length - cached] * batch, keep_all=True,
-                                    **rest)
-        self.next_position = position_ids[..., -1] + 1
+        rest = {"position_ids": prompt.position_ids[..., cached:]}
+        rest.update({name: value[:, cached:] for name, value in prompt.multimodal.items()})
+        if prompt.token_type_ids is not None:
+            rest["token_type_ids"] = prompt.token_type_ids[:, cached:]
+        if prompt.inputs_embeds is not None:
+            rest["inputs_embeds"] = prompt.inputs_embeds[:, cached:]
+        logits = self.prefill_chain(None if prompt.inputs_embeds is not None else input_ids[:, cached:],
+                                    prompt.attention_mask[:, cached:].bool(), [length - cached] * batch,
+                                    keep_all=True, **rest)
+        self.next_position = prompt.position_ids[..., -1] + 1
         return logits[:, -logits_to_keep:]
 
     def prefill_chain(
