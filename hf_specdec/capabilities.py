@@ -12,7 +12,8 @@ from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREF
 
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import AttentionLayout
-from hf_specdec.compile import STATIC_CACHE_IMPLEMENTATIONS
+from hf_specdec.cache.recurrent import recurrent_layer_indices
+from hf_specdec.compile import STATIC_CACHE_IMPLEMENTATIONS, uses_static_shapes
 from hf_specdec.step.state import MODALITY_TYPE_INPUTS
 
 # model_kwargs that `generate` prepares and the engine understands; anything else would be silently dropped, so
@@ -105,6 +106,53 @@ def check_generation_supported(
             "decoding continues a conversation with new images from token ids; pass input_ids instead of "
             "inputs_embeds"
         )
+
+
+def check_recurrent_supported(
+    model: Any,
+    config: Any,
+    generation_config: GenerationConfig,
+    # the cache generate prepared or the caller passed (None when there is none)
+    cache: Any,
+) -> None:
+    """A model with recurrent layers (`hf_specdec.cache.recurrent`) speculates with chains, on a fresh cache, with
+    dynamic shapes; anything else raises here, before any forward. A draft model drafts depth by depth into one
+    step, which such layers cannot roll back: it must attend only."""
+    for drafting in (config, config.fallback):
+        draft = None if drafting is None else drafting.draft_model
+        if hasattr(draft, "config") and (recurrent_layer_indices(draft) or getattr(draft, "_is_stateful", False)):
+            raise ValueError(f"draft_model: {type(draft).__name__} has recurrent layers, which a draft model cannot "
+                             "have (its states would follow its drafts); draft with a model of attention layers, "
+                             "n-gram lookup or a head")
+    if not recurrent_layer_indices(model):
+        return
+    name = type(model).__name__
+    if config.drafts_trees:
+        raise ValueError(
+            f"{name} has recurrent layers, whose state follows one sequence: it verifies chains of drafts, not token "
+            f"trees (method={config.method!r}, tree_width={config.tree_width}, tree_total_tokens="
+            f"{config.tree_total_tokens!r}); use tree_width=1 without tree_total_tokens or tree_paths, with method "
+            "'ngram', 'draft', 'eagle', 'medusa', 'mlp_speculator' or 'auto' (suffix decoding and token recycling "
+            "draft trees)"
+        )
+    if "early_exit" in config.drafting_methods:
+        raise ValueError(f"method='early_exit' is not supported for {name}, a model with recurrent layers (the draft's "
+                         "layers would need states of their own); use method 'ngram', 'draft' or a head")
+    if uses_static_shapes(generation_config, cache):
+        raise ValueError(f"{name} has recurrent layers: static shapes (cache_implementation='static', compile_config, a "
+                         "StaticCache) are not supported for it; drop them")
+    if cache is not None and _holds_tokens(cache):
+        raise ValueError(f"{CACHE_KWARG}: a filled cache for {name}, a model with recurrent layers; speculative "
+                         "decoding continues such a model only from the whole conversation; pass it as the prompt "
+                         "without the cache")
+
+
+def _holds_tokens(cache: Any) -> bool:
+    """Whether a transformers cache holds anything: keys and values, or a recurrent layer's state."""
+    if any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers):
+        return True
+    return any(getattr(layer, "is_initialized", False) and layer.get_seq_length() > 0 for layer in cache.layers
+               if hasattr(layer, "get_seq_length"))
 
 
 def multimodal_inputs(model_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -677,6 +677,15 @@ class SpeculativeConfig:
         return tuple(dict.fromkeys(methods))
 
     @property
+    def drafts_trees(self) -> bool:
+        """Whether a step may propose a token tree rather than a chain: branches (`tree_width`), a sized or static
+        tree, methods that draft trees (suffix decoding, token recycling), or a hybrid fallback that does."""
+        return (self.tree_width > 1 or self.tree_total_tokens is not None or self.tree_paths is not None
+                or self.method in ("suffix", "recycling")
+                or (self.method == "auto" and "recycling" in self.auto_candidates)
+                or (self.fallback is not None and self.fallback.drafts_trees))
+
+    @property
     def max_tree_nodes(self) -> int:
         """The most draft nodes a sized tree can keep: for a dynamic tree the candidates its expansion offers (the
         tree_width best nodes of each depth after the first each offer tree_width children); for n-gram lookup's trie

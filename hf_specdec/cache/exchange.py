@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from hf_specdec.cache.naming import CACHE_KWARG
+from hf_specdec.cache.recurrent import recurrent_layer_indices
 from hf_specdec.step.state import MODALITY_TYPE_INPUTS, PromptInputs
 
 
@@ -75,10 +76,11 @@ def recompute(
     # per layer ([R, H, C, D] keys, values) of the prompt's first C positions, from the filled cache the call
     # continued (`filled_layers`), taken as they are; None: computed too
     cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ([R, H, P + T, D] keys, values): one forward over the rows' final sequences (after the cached
-    positions), as `generate` fed them; two for a prompt with images: the prompt with them, then the new tokens as
-    text (a generated token can be an image placeholder, which the model would take for one more image)."""
+) -> DynamicCache:
+    """The cache `generate` fills over the rows' final sequences (per attention layer [R, H, P + T, D] keys and
+    values; a recurrent layer's states after the last position): one forward over them (after the cached positions),
+    as `generate` fed them; two for a prompt with images: the prompt with them, then the new tokens as text (a
+    generated token can be an image placeholder, which the model would take for one more image)."""
     embeds = prompt.inputs_embeds
     prompt_length = embeds.shape[1] if embeds is not None else prompt_ids.shape[1]
     rows, new = new_tokens.shape
@@ -89,7 +91,8 @@ def recompute(
     positions = prompt.position_ids
     if positions is None:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    cache = DynamicCache()
+    # laid out by the config when the model has layers other than attention ones (a hybrid's recurrent layers)
+    cache = DynamicCache(config=model.config) if recurrent_layer_indices(model) else DynamicCache()
     for index, (keys, values) in enumerate(cached or ()):
         cache.update(keys, values, index)
     start = 0 if cached is None else cached[0][0].shape[2]
@@ -140,7 +143,7 @@ def recompute(
     with torch.no_grad():
         for part in parts:
             model(**part)
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    return cache
 
 
 def filled_layers(

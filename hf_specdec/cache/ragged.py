@@ -55,6 +55,14 @@ from hf_specdec.cache.exchange import filled_layers
 from hf_specdec.cache.features import FeatureTap
 from hf_specdec.cache.naming import cache_keyword
 from hf_specdec.cache.reach import DrafterReach
+from hf_specdec.cache.recurrent import (
+    CACHELESS_LAYER_TYPES,
+    RECURRENT_LAYER_TYPES,
+    RecurrentRollback,
+    check_continues_from_state,
+    find_mixers,
+    recurrent_layer_indices,
+)
 from hf_specdec.cache.storage import MIN_CAPACITY, SlotCache
 from hf_specdec.compile import CompiledForward, static_room
 from hf_specdec.kernels.tree_mask import ancestry_attention_mask
@@ -76,13 +84,7 @@ class AttentionLayout:
     @classmethod
     def from_model(cls, model) -> AttentionLayout:
         config = model.config.get_text_config(decoder=True)
-        if getattr(model, "_is_stateful", False):  # transformers' flag for state-space, linear-attention and RNN models
-            raise ValueError(
-                f"{type(model).__name__}: its layers keep a recurrent state that every token updates in place (a "
-                "state-space, linear-attention or RNN model), which cannot be rolled back to the last accepted token "
-                "when a draft is rejected; hf_specdec supports models whose layers attend over a KV cache; use "
-                "plain generate for this model"
-            )
+        _check_running_states(model, config)
         _check_positions_come_from_the_mask(model, config)
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in SUPPORTED_ATTENTION and not takes_no_custom_mask(attn):
@@ -94,13 +96,14 @@ class AttentionLayout:
         layer_types = getattr(config, "layer_types", None)
         window = getattr(config, "sliding_window", None)
         if layer_types is not None:
-            unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+            unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, *RECURRENT_LAYER_TYPES,
+                                          *CACHELESS_LAYER_TYPES}
             if unknown:
                 raise ValueError(
                     f"{type(model).__name__}: layer types {sorted(unknown)} are not supported by hf_specdec, which "
-                    f"supports layers that attend over a KV cache ({FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}); a "
-                    "layer with a running state of its own (a convolution, a recurrence) cannot be rolled back when a "
-                    "draft is rejected; use plain generate for this model"
+                    f"supports layers that attend over a KV cache ({FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}) and "
+                    f"recurrent layers it can roll back ({', '.join(map(repr, RECURRENT_LAYER_TYPES))}); use plain "
+                    "generate for this model"
                 )
             if SLIDING_ATTENTION in layer_types:
                 if window is None:
@@ -108,6 +111,28 @@ class AttentionLayout:
                 return cls(sliding_window=int(window), per_layer_type=True)
             return cls(sliding_window=None, per_layer_type=False)
         return cls(sliding_window=None if window is None else int(window), per_layer_type=False)
+
+
+def _check_running_states(model, config) -> None:
+    """Refuse models with a running state the engine cannot roll back: layers whose state it does not know (an RNN
+    such as RWKV, which takes no cache; layers holding a state and keys and values at once, Falcon-H1's; a stateful
+    model without layer types to tell its recurrent layers), layers whose mixer it cannot find, or that restart from
+    a zero state in a forward of several tokens (`hf_specdec.cache.recurrent`)."""
+    layer_types = getattr(config, "layer_types", None)
+    known = {FULL_ATTENTION, SLIDING_ATTENTION, *RECURRENT_LAYER_TYPES, *CACHELESS_LAYER_TYPES}
+    if getattr(model, "_is_stateful", False) and (not layer_types or not set(layer_types) <= known):
+        kinds = sorted(set(layer_types or ()) - known)
+        raise ValueError(
+            f"{type(model).__name__}: its layers keep a running state that every token updates in place"
+            + (f" (layer types {kinds})" if kinds else "")
+            + ", of a kind hf_specdec cannot roll back to the last accepted token when a draft is rejected; it rolls "
+            f"back layers of types {list(RECURRENT_LAYER_TYPES)} beside attention layers (Qwen3-Next, Qwen3.5, "
+            "Nemotron-H, Bamba, Granite-4.0-H, LFM2, Mamba-2, ...); use plain generate for this model"
+        )
+    recurrent = recurrent_layer_indices(model)
+    if recurrent:
+        find_mixers(model, recurrent)  # each recurrent layer's mixer, found or refused
+        check_continues_from_state(model)
 
 
 def _check_positions_come_from_the_mask(model, config) -> None:
@@ -164,7 +189,14 @@ class RaggedKVCache:
         self.cache_keyword = cache_keyword(model)
         self.layout = AttentionLayout.from_model(model)
         self.num_layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
-        self.kv = SlotCache(MIN_CAPACITY, num_layers=self.num_layers)
+        recurrent = recurrent_layer_indices(model)
+        self.kv = SlotCache(MIN_CAPACITY, num_layers=self.num_layers, recurrent=recurrent)
+        # a hybrid model's layers with a running state, rolled back to each row's kept tokens at every commit
+        self.rollback = RecurrentRollback(model, {index: self.kv.layers[index] for index in recurrent}) \
+            if recurrent else None
+        layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+        # some layer attends over the cache (the model takes masks)
+        self.attends = not layer_types or bool({FULL_ATTENTION, SLIDING_ATTENTION} & set(layer_types))
         self.static: StaticLayout | None = None
         self._mask_buffers: dict[tuple, torch.Tensor] = {}  # static shapes: one mask buffer per (width, window)
         self._tail_masks: dict[tuple, torch.Tensor] = {}  # dense chains: [W, S] per (width, dtype, device)
@@ -212,6 +244,9 @@ class RaggedKVCache:
         tokens per row and `region` slots of a step, allocated once; `model_call` runs the forwards after the
         prompt (a compiled forward; default the model). The room for committed tokens is rounded up to its
         bucket (`static_room`), so calls of similar lengths share compiled graphs."""
+        if self.rollback is not None:
+            raise ValueError(f"{type(self.model).__name__}: static shapes (compiled forwards) are not supported for "
+                             "a model with recurrent layers; drop the compile config or the static cache")
         self.static = StaticLayout(static_room(committed), region)
         self.kv = SlotCache(self.static.committed + region, static=True, num_layers=self.num_layers)
         self.model_call = self.model if model_call is None else model_call
@@ -457,6 +492,9 @@ class RaggedKVCache:
         batch, width = depths.shape
         start = self.region
         end = start + width
+        if self.rollback is not None and visible is not None:
+            raise ValueError("a token tree cannot be verified by a model with recurrent layers (each branch would "
+                             "need a state of its own); draft chains")
         orders = self.lengths[:, None] + depths
         real_or_all = torch.ones_like(depths, dtype=torch.bool) if real is None else real
         if self.static is not None:
@@ -478,7 +516,10 @@ class RaggedKVCache:
             self.kv.write_start, self.kv.write_index = self.width + start, None
         self.region = end
         self.dense_region &= real is None and visible is None
-        mask = self._dense_mask(batch, width, depths.device) if self._dense() else self._mask(orders, visible, start)
+        if self.attends:
+            mask = self._dense_mask(batch, width, depths.device) if self._dense() else self._mask(orders, visible, start)
+        else:  # a state-space model alone: no layer attends (and its mixers would apply a mask to their inputs)
+            mask = None
         positions = self.next_position[..., None] + depths  # [B, W], or [A, B, W]
         if real is not None:
             # a dummy (a node past its row's draft, in a block as wide as the widest row's) takes its row's position
@@ -499,9 +540,15 @@ class RaggedKVCache:
             del inputs["input_ids"]
         region_orders = self.region_orders[:, : self.region if self.static is None else None]
         call = self.model if self.static is None else self.model_call
-        with self.decode_attention:
-            return self._call_model(inputs, keep_hidden=width, call=call,
-                                    orders=lambda: torch.cat([self._slot_orders(self.width), region_orders], dim=1))
+        if self.rollback is not None:
+            self.rollback.begin(width)
+        try:
+            with self.decode_attention:
+                return self._call_model(inputs, keep_hidden=width, call=call,
+                                        orders=lambda: torch.cat([self._slot_orders(self.width), region_orders], 1))
+        finally:
+            if self.rollback is not None:
+                self.rollback.end()
 
     def commit(
         self,
@@ -515,6 +562,10 @@ class RaggedKVCache:
     ) -> None:
         """End the region: each row keeps `num_kept` of its region slots, moved right after its committed tokens
         (a chain's prefix on the host: one copy per row not already there; else one indexed read and write)."""
+        if self.rollback is not None:
+            if sources is not None or kept_on_host is None:
+                raise ValueError("a model with recurrent layers keeps a chain's prefix, told on the host")
+            self.rollback.commit(kept_on_host, self.region)
         host_spans = (self.static is None and sources is None and self.host_lengths is not None
                       and kept_on_host is not None)
         if host_spans:  # a chain's prefix, all on the host: rows already in place copy nothing
@@ -548,6 +599,8 @@ class RaggedKVCache:
         rows_on_host: Sequence[int],
     ) -> None:
         """Keep only these rows (the others, finished, stop costing compute): one copy of the cache."""
+        if self.rollback is not None:
+            self.rollback.select_rows()
         self.kv.select_rows(rows)
         rows = rows.to(self.valid.device)
         self.valid, self.lengths = self.valid[rows], self.lengths[rows]
@@ -653,8 +706,9 @@ class RaggedKVCache:
 
         if window is None:
             return mask(None)
-        if self.layout.per_layer_type:
-            return {FULL_ATTENTION: mask(None), SLIDING_ATTENTION: mask(window)}
+        if self.layout.per_layer_type:  # recurrent layers (of a hybrid model) take no mask after the prompt
+            return {FULL_ATTENTION: mask(None), SLIDING_ATTENTION: mask(window),
+                    **dict.fromkeys(RECURRENT_LAYER_TYPES)}
         return mask(window)
 
     def _call_model(self, inputs: dict, keep_hidden: int, orders, call) -> torch.Tensor:

@@ -30,6 +30,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from hf_specdec.cache.recurrent import RecurrentSlotLayer
+
 MIN_CAPACITY = 64
 
 # CPU only: per dtype, flat tensors released caches left for later ones (see the module docstring); at most
@@ -165,8 +167,12 @@ class SlotLayer(DynamicLayer):
 class SlotCache(DynamicCache):
     """A `DynamicCache` (so every model treats it as one) of `SlotLayer`s, created lazily per layer."""
 
-    def __init__(self, capacity: int, static: bool = False, num_layers: int | None = None) -> None:
+    def __init__(self, capacity: int, static: bool = False, num_layers: int | None = None,
+                 recurrent: Sequence[int] = ()) -> None:
         Cache.__init__(self, layer_class_to_replicate=functools.partial(SlotLayer, self))
+        if recurrent:  # a hybrid model: every layer made now, each of its kind (a layer's index is its place)
+            for index in range(num_layers):
+                self.layers.append(RecurrentSlotLayer() if index in recurrent else SlotLayer(self))
         self.capacity = capacity
         # True: the buffers never change address (compiled graphs write into them through `write_index`)
         self.static = static
@@ -202,6 +208,11 @@ class SlotCache(DynamicCache):
         self.joint = None  # a layer of another shape: every layer moves on its own
         return (key_states.new_zeros(shape),
                 value_states.new_zeros(batch, value_states.shape[1], self.capacity, value_states.shape[3]))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Every layer's tokens start at the slot the next forward writes (a model of recurrent layers alone asks
+        too, and has no attention layer to ask)."""
+        return self.write_start
 
     def plan(self, capacity: int) -> None:
         """The slots the first forward allocates per layer (before any layer has buffers)."""

@@ -31,7 +31,8 @@ from hf_specdec.cache.carried import attach, carried_by
 from hf_specdec.cache.exchange import fill_static_cache, filled_layers, full_layers, recompute
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import RaggedKVCache
-from hf_specdec.capabilities import check_generation_supported, multimodal_inputs
+from hf_specdec.cache.recurrent import recurrent_layer_indices
+from hf_specdec.capabilities import check_generation_supported, check_recurrent_supported, multimodal_inputs
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward, uses_static_shapes
 from hf_specdec.config import TREE_SIZE_AUTO, SpeculativeConfig
 from hf_specdec.decoding.outputs import OutputLog, over_static_cache
@@ -468,6 +469,10 @@ class SpeculativeDecoder:
         rows whose cache is complete are gathered by order, the others computed again in one forward. A StaticCache
         passed in comes back filled, as plain generate returns it."""
         prompt = self.prompt
+        if self.cache.rollback is not None:  # recurrent states exist for the rows' last tokens only: all computed again
+            self.stats.record_forward([True] * self.state.batch_size)
+            return recompute(self.model, self.state.sequences[:, self.prompt_ids.shape[1] : length - 1], prompt,
+                             self.prompt_ids)
         # positions fed before the first output column: an embedded prompt without token ids has none there
         embedded = 0 if prompt.inputs_embeds is None else prompt.inputs_embeds.shape[1] - self.prompt_ids.shape[1]
         total = embedded + length - 1  # every position fed: all but the last output token
@@ -494,7 +499,8 @@ class SpeculativeDecoder:
             again = recompute(self.model, self.state.sequences[rows, start : length - 1], subset, self.prompt_ids[rows],
                               cached)
             self.stats.record_forward((~complete).tolist())
-            for (keys, values), (new_keys, new_values) in zip(layers, again):
+            for (keys, values), (new_keys, new_values) in zip(layers, [(layer.keys, layer.values)
+                                                                       for layer in again.layers]):
                 if every:
                     new_keys, new_values = new_keys[redo.to(new_keys.device)], new_values[redo.to(new_keys.device)]
                 keys[redo.to(keys.device)], values[redo.to(keys.device)] = new_keys, new_values
@@ -555,6 +561,9 @@ def speculative_generate(
     `cache_implementation="static"` is not theirs: the engine sizes its own)."""
     if speculative_config is None:
         raise ValueError("speculative_config: hf_specdec's custom_generate needs a SpeculativeConfig")
+    check_recurrent_supported(model, speculative_config, generation_config, model_kwargs.get(CACHE_KWARG))
+    if recurrent_layer_indices(model):  # an empty cache generate prepared (a filled one was refused): not needed
+        model_kwargs.pop(CACHE_KWARG, None)
     check_generation_supported(model, generation_config, model_kwargs, synced_gpus,
                                speculative_config.drafting_methods, prompt_ids=input_ids.shape[1])
     speculative_config = with_tree_size(speculative_config, model, input_ids.shape[0])
@@ -583,7 +592,8 @@ def speculative_generate(
         steps = length - input_ids.shape[1]
         # built before the statistics are read: rows that stopped early cost one more target forward here
         past_key_values = decoder.output_cache(length) if generation_config.use_cache else None
-        attach(past_key_values, decoder.carried)
+        if decoder.cache.rollback is None:  # a cache with recurrent states is not continued from (refused)
+            attach(past_key_values, decoder.carried)
     finally:
         decoder.cache.release()  # the output holds copies, never the cache's buffers
     return SpeculativeGenerateOutput(

@@ -1,0 +1,243 @@
+"""Layers with a running state (the state-space, linear-attention and short-convolution layers of hybrid models:
+Qwen3-Next, Qwen3.5, Nemotron-H, Bamba, Jamba, LFM2, ...), rolled back to each row's last kept token.
+
+Such a layer keeps, per row, a state of fixed size (a convolution's last inputs, an SSM or delta-rule matrix) that
+every token updates in place: there is no slot to keep or drop, as there is for the attention layers' keys and
+values (`hf_specdec.cache.storage`). A verify forward runs the layer over the step's tokens (the last committed one,
+the draft, dummies past a short draft) and leaves each row's state after all of them. A row that keeps every token
+of the step keeps that state. A row that keeps fewer (a draft token rejected, dummies after its draft) has its state
+put back as it was before the step and advanced again over its kept tokens alone: the layer's own mixer
+(projections, convolution, recurrence) runs once more on the inputs it received at those positions in the verify
+forward, recorded by a hook. A kept token saw only earlier kept tokens in the verify forward, so those inputs are the
+ones plain decoding feeds the layer, and the state is the one plain `generate` reaches (computed over the kept tokens
+in one call, as a prefill computes it, where plain decoding takes them one at a time).
+
+What it costs: a copy of every recurrent state per step with a draft, and, per step, the recurrent layers' mixers
+over the kept tokens of the rows that did not keep the whole step, once per distinct number of kept tokens (no other
+layer runs again). Chains only: a token tree's branches would each need a state of their own.
+
+The layers are the transformers cache-layer type for these states (`LinearAttentionLayer`), so every model reads
+and writes them through the `Cache` methods it calls in plain `generate` (`get_conv_state`, `update_recurrent_state`,
+...); their mixers are found as the deepest module of the layer's index whose forward takes the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
+
+# transformers' cache-layer types of layers with a running state (state-space and linear-attention layers are
+# "linear_attention", LFM2's short convolutions "conv")
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
+# layer types without any cache (Nemotron-H's MLP and MoE layers)
+CACHELESS_LAYER_TYPES = ("mlp", "moe")
+
+
+class RecurrentSlotLayer(LinearAttentionLayer):
+    """A recurrent layer's states for every batch row, in the engine's cache (a `SlotCache`'s layer list)."""
+
+    # what the engine's key/value code reads from every layer: nothing here
+    key_buffer = None
+    value_buffer = None
+
+    def grow(self, capacity: int) -> None:
+        """No slot axis: nothing grows with the sequence."""
+
+    def move(self, sources: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Slots moved for the attention layers leave these states alone (`RecurrentRollback.commit` sets them)."""
+
+    def select_rows(
+        self,
+        # [B'] long
+        rows: torch.Tensor,
+    ) -> None:
+        """Keep these batch rows' states."""
+        for states in (self.conv_states, self.recurrent_states):
+            for index, state in states.items():
+                if state is not None:
+                    states[index] = state[rows.to(state.device)]
+
+    def states(self) -> dict[tuple[str, int], torch.Tensor]:
+        """{(kind, index): [B, ...]} every state this layer holds."""
+        return {(kind, index): state for kind, states in (("conv", self.conv_states),
+                                                          ("recurrent", self.recurrent_states))
+                for index, state in states.items() if state is not None}
+
+
+def recurrent_layer_indices(model: nn.Module) -> tuple[int, ...]:
+    """The indices of the model's decoder layers with a running state (none for an attention-only model)."""
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    return tuple(index for index, kind in enumerate(layer_types) if kind in RECURRENT_LAYER_TYPES)
+
+
+def find_mixers(model: nn.Module, indices: Sequence[int]) -> dict[int, tuple[nn.Module, str]]:
+    """{layer index: (the module that updates that layer's state, the name its forward gives the cache)}: the deepest
+    module of that `layer_idx` whose forward takes the cache (the decoder layer holding it passes the cache on)."""
+    found: dict[int, tuple[int, nn.Module, str]] = {}
+    for name, module in model.named_modules():
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int) or index not in indices:
+            continue
+        parameters = inspect.signature(module.forward).parameters
+        keyword = next((word for word in ("cache", "cache_params") if word in parameters), None)
+        if keyword is None:
+            continue
+        depth = name.count(".")
+        if index not in found or depth > found[index][0]:
+            found[index] = (depth, module, keyword)
+    missing = sorted(set(indices) - set(found))
+    if missing:
+        raise ValueError(f"{type(model).__name__}: its layers {missing} keep a running state, and hf_specdec cannot "
+                         "find the modules that update it (a module of that layer_idx whose forward takes the "
+                         "cache), so it cannot roll them back when a draft is rejected; use plain generate for this "
+                         "model")
+    return {index: (module, keyword) for index, (_, module, keyword) in found.items()}
+
+
+# models whose recurrent layers continue from their state over several tokens in one forward (checked once each)
+_CONTINUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the largest relative difference, in float32, between a mixer's output over six tokens at once and over three, then
+# three more continuing from its state: rounding (1e-7 for chunked and step-by-step scans) passes, a scan that
+# starts a multi-token forward from a zero state (Mamba-1's, 4e-4 to 4e-2 on tiny random models) does not
+CONTINUATION_TOLERANCE = 1e-5
+
+
+def check_continues_from_state(model: nn.Module) -> None:
+    """Refuse a model whose recurrent layers restart from a zero state in a forward of several tokens after the
+    cache (transformers' Mamba-1 scan, in Mamba, Falcon-Mamba, Jamba and Zamba): a verify forward of such a model
+    gives other outputs than plain decoding. Checked once per model on its first recurrent layer's mixer, in float32:
+    six random inputs in one call against three, then three more continuing from the state the first left."""
+    indices = recurrent_layer_indices(model)
+    if not indices or model in _CONTINUES:
+        return
+    index = indices[0]
+    mixer, keyword = find_mixers(model, indices)[index]
+    probe = copy.deepcopy(mixer).float()
+    hidden = torch.randn(1, 6, model.config.get_text_config(decoder=True).hidden_size,
+                         generator=torch.Generator().manual_seed(0)).to(next(probe.parameters()).device)
+    with torch.no_grad():
+        whole = probe(hidden, attention_mask=None, **{keyword: _OneLayerView(index, LinearAttentionLayer())})
+        cache = _OneLayerView(index, LinearAttentionLayer())
+        parts = torch.cat([probe(hidden[:, :3], attention_mask=None, **{keyword: cache}),
+                           probe(hidden[:, 3:], attention_mask=None, **{keyword: cache})], dim=1)
+    difference = float((parts - whole).abs().max() / whole.abs().max().clamp(min=1e-30))
+    if difference > CONTINUATION_TOLERANCE:
+        raise ValueError(
+            f"{type(model).__name__}: its recurrent layers ({type(mixer).__name__}) start a forward of several tokens "
+            f"from a zero state instead of the cached one (their output over six tokens at once and over three then "
+            f"three more differ by {difference:.1e}, relative), so a verify forward would not compute what plain "
+            "decoding does; speculative decoding cannot run on this model; use plain generate"
+        )
+    _CONTINUES[model] = True
+
+
+class _OneLayerView(Cache):
+    """A cache whose layer `index` holds some rows' states (the others are empty): what a mixer reads and updates
+    when it runs again over a row group's kept tokens."""
+
+    def __init__(self, index: int, layer: LinearAttentionLayer) -> None:
+        super().__init__(layers=[DummyLayer() for _ in range(index)] + [layer])
+
+
+class RecurrentRollback:
+    """Rolls each row's recurrent states back to its kept tokens at every commit; see the module docstring.
+
+    The engine calls `begin(width)` before a forward that opens a step's region, `end()` after it, and
+    `commit(kept, width)` when the step ends."""
+
+    def __init__(self, model: nn.Module, layers: dict[int, RecurrentSlotLayer]) -> None:
+        self.layers = layers
+        self.mixers = find_mixers(model, sorted(layers))
+        self.saved: dict[int, dict[tuple[str, int], torch.Tensor]] | None = None  # states before the step
+        self.inputs: dict[int, torch.Tensor] = {}  # {layer: [B, W, H] the mixer's input in the step's forward}
+        self.hooks: list = []  # the recording hooks, while a step's forward runs
+
+    def _recorder(self, index: int):
+        def record(module, args, kwargs):
+            self.inputs[index] = args[0] if args else kwargs["hidden_states"]
+        return record
+
+    def begin(self, width: int) -> None:
+        """A step's forward over `width` tokens per row is next: keep the states before it and record the mixers'
+        inputs (a one-token step keeps its token, so it needs neither)."""
+        if self.saved is not None:
+            raise RuntimeError("RecurrentRollback: a second forward in one step; recurrent layers take one per step")
+        if width > 1:
+            self.saved = {index: {key: state.clone() for key, state in layer.states().items()}
+                          for index, layer in self.layers.items()}
+            self.hooks = [mixer.register_forward_pre_hook(self._recorder(index), with_kwargs=True)
+                          for index, (mixer, _) in self.mixers.items()]
+
+    def end(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        if self.saved is not None and set(self.inputs) != set(self.layers):
+            missing = sorted(set(self.layers) - set(self.inputs))
+            self.saved, self.inputs = None, {}
+            raise RuntimeError(f"RecurrentRollback: the mixers of layers {missing} did not run in the step's forward")
+
+    def commit(
+        self,
+        # per row, the tokens it keeps of the step's `width` (a chain's prefix)
+        kept: Sequence[int],
+        width: int,
+    ) -> None:
+        """Every row that keeps fewer than `width` tokens gets the states of its kept tokens: the saved states,
+        advanced by its layers' mixers over the inputs they had at those positions."""
+        saved, inputs = self.saved, self.inputs
+        self.saved, self.inputs = None, {}
+        if saved is None:
+            return
+        groups: dict[int, list[int]] = {}
+        for row, count in enumerate(kept):
+            if count < width:
+                groups.setdefault(count, []).append(row)
+        for count, rows in groups.items():
+            for index, layer in self.layers.items():
+                states = saved[index]
+                device = next(iter(states.values())).device
+                picked = torch.tensor(rows, device=device)
+                for (kind, state_index), state in states.items():
+                    getattr(layer, f"{kind}_states")[state_index][picked] = state[picked]
+                if count:
+                    self._advance(index, layer, picked, inputs[index][picked.to(inputs[index].device), :count])
+
+    def _advance(
+        self,
+        index: int,
+        layer: RecurrentSlotLayer,
+        # [G] long: the rows
+        rows: torch.Tensor,
+        # [G, n, H]: their mixer's inputs at their n kept positions
+        hidden: torch.Tensor,
+    ) -> None:
+        """Run layer `index`'s mixer over these rows' kept tokens from their (restored) states, and keep the states it
+        leaves."""
+        view = LinearAttentionLayer(number_of_states=layer.number_of_states)
+        view.device, view.dtype = layer.device, layer.dtype
+        for kind in ("conv", "recurrent"):
+            for state_index, state in getattr(layer, f"{kind}_states").items():
+                if state is None:
+                    continue
+                getattr(view, f"{kind}_states")[state_index] = state[rows].clone()
+                getattr(view, f"is_{kind}_states_initialized")[state_index] = True
+        view.conv_kernel_size = dict(layer.conv_kernel_size)
+        view.has_previous_state = dict(layer.has_previous_state)
+        mixer, keyword = self.mixers[index]
+        mixer(hidden, attention_mask=None, **{keyword: _OneLayerView(index, view)})
+        for kind in ("conv", "recurrent"):
+            for state_index, state in getattr(view, f"{kind}_states").items():
+                if state is not None:
+                    getattr(layer, f"{kind}_states")[state_index][rows] = state
+
+    def select_rows(self) -> None:
+        """Rows are dropped between steps, when nothing is saved."""
+        if self.saved is not None:
+            raise RuntimeError("RecurrentRollback: rows dropped in the middle of a step")

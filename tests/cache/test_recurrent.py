@@ -1,0 +1,257 @@
+"""Models with recurrent layers (hybrids of attention and state-space, linear-attention or convolution layers, and
+state-space models alone): each row's states are rolled back to its kept tokens, so greedy output and every step's
+logits are plain `generate`'s, and sampling keeps the target's law."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import hf_specdec
+from hf_specdec import SpeculativeConfig
+from hf_specdec.cache import recurrent
+from hf_specdec.heads import EagleConfig, EagleHead
+from tests.conftest import SPECIAL, VOCAB, make_draft, padded_batch
+from tests.decoding import test_sampling_lossless as lossless
+from tests.heads.medusa.test_model import heads_for
+from tests.proposers.test_mlp_speculator import fitted_speculator
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256)
+LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8, mamba_expand=2)
+# per name: config class, model class, what the tiny config needs beyond SMALL (layers of each kind, in an order
+# that puts a recurrent layer first and last somewhere)
+HYBRIDS = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        "head_dim": 8, "num_hidden_layers": 4, **LINEAR, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+        "head_dim": 8, "num_hidden_layers": 4, **LINEAR,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]}),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
+        "num_hidden_layers": 4, "layer_types": ["linear_attention", "mlp", "full_attention", "linear_attention"],
+        "mamba_num_heads": 4, "mamba_head_dim": 8, "ssm_state_size": 8, "n_groups": 1, "mamba_d_conv": 4,
+        "mamba_expand": 2, "head_dim": 8, "chunk_size": 8}),
+    "bamba": ("BambaConfig", "BambaForCausalLM", {"num_hidden_layers": 3, "attn_layer_indices": [1], **MAMBA2}),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", {
+        "num_hidden_layers": 4, **LINEAR,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]}),
+    # weights larger than its default initialization, which makes a tiny LFM2 repeat its last token forever
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"num_hidden_layers": 4, "full_attn_idxs": [1, 3], "conv_L_cache": 3,
+                                               "initializer_range": 0.1}),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
+        "num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "num_local_experts": 2,
+        "num_experts_per_tok": 1, **MAMBA2}),
+    # a state-space model alone: no attention layer at all
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", {
+        "num_hidden_layers": 2, "num_heads": 8, "head_dim": 8, "state_size": 8, "n_groups": 1, "chunk_size": 8,
+        "expand": 2}),
+}
+LENGTHS = [12, 7, 10]  # batch 3, left padded
+NEW_TOKENS = 24
+
+
+def make_hybrid(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    config_name, model_name, extra = HYBRIDS[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**{**SMALL, **extra, **SPECIAL, **overrides})
+    return getattr(transformers, model_name)(config).eval()
+
+
+def _chains(target: torch.nn.Module, expected: torch.Tensor) -> dict[str, SpeculativeConfig]:
+    """Chain proposers, each drafting some tokens the target keeps and some it rejects."""
+    return {
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3),
+        # fitted to the target's own output: accepted several tokens deep, rejected now and then
+        "mlp_speculator": SpeculativeConfig(method="mlp_speculator", num_speculative_tokens=3,
+                                            heads=fitted_speculator(target, expected, steps=15)),
+        # rejected at the first token almost always, at every step (k pinned)
+        "random_draft": SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=4,
+                                          schedule="fixed"),
+        "medusa": SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=3),
+        "eagle3": SpeculativeConfig(method="eagle", heads=EagleHead(EagleConfig.for_target(target, "eagle3")).eval(),
+                                    num_speculative_tokens=3),
+        "auto": SpeculativeConfig(method="auto", draft_model=make_draft(), num_speculative_tokens=3),
+    }
+
+
+@pytest.mark.parametrize("name, side", [(name, "left") for name in sorted(HYBRIDS)]
+                         + [("qwen3_next", "right"), ("nemotron_h", "right")])
+def test_greedy_output_and_logits_match_plain_generate(name, side):
+    """Right padding too: the trailing pads go through the recurrent layers as plain generate feeds them."""
+    target = make_hybrid(name)
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5, side=side)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    expected = target.generate(ids, **kwargs)
+    partly_kept = 0
+    for proposer, config in _chains(target, expected.sequences).items():
+        out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+        assert torch.equal(out.sequences, expected.sequences), f"{name}/{proposer}"
+        # a state left after rejected drafts would change the logits long before it changes a greedy choice
+        for step, (ours, theirs) in enumerate(zip(out.logits, expected.logits, strict=True)):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4, msg=f"{name}/{proposer}, step {step}")
+        stats = out.spec_stats
+        assert stats.num_draft_tokens > 0, f"{name}/{proposer}"
+        partly_kept += 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert partly_kept >= 1, f"{name}: no proposer had drafts both kept and rejected"
+
+
+def test_without_the_rollback_the_output_changes(monkeypatch):
+    """The states the verify forward leaves after rejected drafts are wrong for the next step: skipping the rollback
+    changes the output (the tests above can fail)."""
+    target = make_hybrid("qwen3_next")
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = target.generate(ids, **kwargs)
+    config = SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=4, schedule="fixed")
+    assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), expected)
+
+    def forget(self, kept, width):
+        self.saved, self.inputs = None, {}
+
+    monkeypatch.setattr(recurrent.RecurrentRollback, "commit", forget)
+    assert not torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), expected)
+
+
+def test_rows_that_finish_early_and_the_returned_cache_are_plain_generates():
+    """Rows end at an EOS at different steps (dropped from the batch with their states); the cache returned holds
+    each layer's keys and values and each recurrent layer's states as plain generate's does."""
+    target = make_hybrid("qwen3_next")
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    base = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    free = target.generate(ids, **base, eos_token_id=None)[:, ids.shape[1]:]
+    eos = int(free[1, 5])
+    kwargs = dict(**base, eos_token_id=eos, return_dict_in_generate=True)
+    expected = target.generate(ids, **kwargs)
+    assert (expected.sequences[:, -1] == 0).any(), "a row should end early"
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    ours, theirs = out.cache, expected.cache
+    assert [type(layer) for layer in ours.layers] == [type(layer) for layer in theirs.layers]
+    for index, (mine, plain) in enumerate(zip(ours.layers, theirs.layers, strict=True)):
+        if isinstance(plain, transformers.cache_utils.LinearAttentionLayer):
+            torch.testing.assert_close(mine.conv_states[0], plain.conv_states[0], msg=f"layer {index}")
+            torch.testing.assert_close(mine.recurrent_states[0], plain.recurrent_states[0], msg=f"layer {index}")
+        else:
+            torch.testing.assert_close(mine.keys, plain.keys, msg=f"layer {index}")
+
+
+@pytest.mark.parametrize("config, message", [
+    (SpeculativeConfig(method="ngram", tree_width=2), "not token trees"),
+    (SpeculativeConfig(method="draft", draft_model=make_draft(), tree_width=2, tree_total_tokens=4), "token trees"),
+    (SpeculativeConfig(method="suffix"), "token trees"),
+    (SpeculativeConfig(method="recycling"), "token trees"),
+    (SpeculativeConfig(method="early_exit", early_exit_layer=1), "early_exit"),
+])
+def test_what_recurrent_layers_cannot_do_is_refused_up_front(config, message):
+    target = make_hybrid("qwen3_next")
+    ids, mask = padded_batch(LENGTHS, seed=3)
+    with pytest.raises(ValueError, match=message):
+        hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, max_new_tokens=4)
+
+
+def test_static_shapes_a_filled_cache_and_a_recurrent_draft_are_refused():
+    target = make_hybrid("qwen3_next")
+    ids, mask = padded_batch(LENGTHS, seed=3)
+    ngram = SpeculativeConfig(method="ngram")
+    with pytest.raises(ValueError, match="static shapes"):
+        hf_specdec.generate(target, ids, attention_mask=mask, speculative=ngram, max_new_tokens=4,
+                            cache_implementation="static")
+    filled = target.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True).cache
+    longer = torch.cat([ids, torch.full((3, 3), 5)], dim=1)
+    with pytest.raises(ValueError, match="a filled cache"):
+        hf_specdec.generate(target, longer, attention_mask=torch.ones_like(longer), speculative=ngram,
+                            max_new_tokens=4, cache=filled)
+    draft = SpeculativeConfig(method="draft", draft_model=make_hybrid("lfm2", seed=1))
+    with pytest.raises(ValueError, match="draft model"):
+        hf_specdec.generate(target, ids, attention_mask=mask, speculative=draft, max_new_tokens=4)
+
+
+# transformers' Mamba-1 scan starts a forward of several tokens from a zero state, not the cached one
+MAMBA1 = {
+    "mamba": ("MambaConfig", "MambaForCausalLM", {"num_hidden_layers": 2, "state_size": 4}),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", {"num_hidden_layers": 2, "state_size": 4}),
+    "jamba": ("JambaConfig", "JambaForCausalLM", {
+        "num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+        "expert_layer_offset": 1, "num_experts": 2, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MAMBA1))
+def test_layers_that_restart_from_a_zero_state_are_refused(name, monkeypatch):
+    """Their verify forward would not compute what plain decoding does (greedy output can still agree on a tiny
+    model, while the logits already differ): refused before any forward, with the measured difference."""
+    monkeypatch.setitem(HYBRIDS, name, MAMBA1[name])
+    model = make_hybrid(name)
+    ids, mask = padded_batch(LENGTHS, seed=3)
+    with pytest.raises(ValueError, match="start a forward of several tokens from a zero state"):
+        hf_specdec.generate(model, ids, attention_mask=mask, speculative=SpeculativeConfig(method="ngram"),
+                            max_new_tokens=4, pad_token_id=0)
+
+
+def test_states_of_other_kinds_are_refused():
+    """Layers holding a state and keys and values at once (Falcon-H1's) and RNNs that take no cache (RWKV)."""
+    torch.manual_seed(0)
+    falcon = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
+        **{**SMALL, "num_hidden_layers": 2}, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+        mamba_n_groups=1, mamba_chunk_size=8, **SPECIAL)).eval()
+    rwkv = transformers.RwkvForCausalLM(transformers.RwkvConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        context_length=256)).eval()
+    ids, mask = padded_batch(LENGTHS, seed=3)
+    for model in (falcon, rwkv):
+        with pytest.raises(ValueError, match="running state"):
+            hf_specdec.generate(model, ids, attention_mask=mask, speculative=SpeculativeConfig(method="ngram"),
+                                max_new_tokens=4, pad_token_id=0)
+
+
+def _sampling_target() -> torch.nn.Module:
+    """A tiny Qwen3-Next over the law test's 8 tokens, with peaked logits (see tests/decoding/test_sampling_lossless)."""
+    target = make_hybrid("qwen3_next", seed=11, vocab_size=lossless.VOCAB, eos_token_id=None, bos_token_id=None)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(60.0)
+    target.generation_config.pad_token_id = 0
+    target.generation_config.eos_token_id = None
+    return target
+
+
+@pytest.fixture(scope="module")
+def sampling_target():
+    return _sampling_target()
+
+
+def _sampled_chain(target) -> SpeculativeConfig:
+    """An MLP speculator fitted to the target's sampled continuations, drafting chains of 2 from sampled drafts."""
+    return SpeculativeConfig(method="mlp_speculator", heads=lossless._speculator(target), num_speculative_tokens=2,
+                             seed=5)
+
+
+def test_sampling_matches_exact_target_law(sampling_target):
+    """Tokens 2-4 come from a step that drafted tokens 2 and 3: rows that rejected one go on from rolled-back states.
+    Drafts were both accepted (at depth 2 too) and rejected."""
+    law = lossless.exact_law(sampling_target, lossless.TEMPERATURE)
+    config = _sampled_chain(sampling_target)
+    prompts = lossless.PROMPT.expand(300, -1)
+    spec = hf_specdec.generate(sampling_target, prompts, attention_mask=torch.ones_like(prompts), speculative=config,
+                               max_new_tokens=lossless.NEW_TOKENS, do_sample=True, temperature=lossless.TEMPERATURE,
+                               top_k=lossless.TOP_K, return_dict_in_generate=True).spec_stats
+    assert spec.accepted_per_position[1] > 0 and spec.num_accepted_tokens < spec.num_draft_tokens, spec
+    pvalues = lossless.chi_square_pvalues(lossless.draws(sampling_target, lossless.TEMPERATURE, config), law)
+    assert lossless.accepted(pvalues), f"p = {pvalues}"
+
+
+def test_sampling_without_the_rollback_is_caught(sampling_target, monkeypatch):
+    """The law test has the power to see states left after rejected drafts."""
+
+    def forget(self, kept, width):
+        self.saved, self.inputs = None, {}
+
+    monkeypatch.setattr(recurrent.RecurrentRollback, "commit", forget)
+    law = lossless.exact_law(sampling_target, lossless.TEMPERATURE)
+    draws = lossless.draws(sampling_target, lossless.TEMPERATURE, _sampled_chain(sampling_target))
+    assert not lossless.accepted(lossless.chi_square_pvalues(draws, law))
