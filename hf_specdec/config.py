@@ -38,6 +38,8 @@ MAX_SPECULATIVE_TOKENS = 64
 DEFAULT_SPECULATIVE_TOKENS = 5
 # method='recycling' without tree_paths or tree_total_tokens: draft nodes of its default tree
 DEFAULT_RECYCLING_NODES = 8
+# methods that draft token trees whatever tree_width says
+TREE_METHODS = ("suffix", "recycling")
 # methods whose static trees are rank paths (tree_paths)
 STATIC_TREE_METHODS = ("medusa", "recycling")
 # methods a suffix config may fall back to when its draft scores low (hybrid drafting)
@@ -681,8 +683,8 @@ class SpeculativeConfig:
         """Whether a step may propose a token tree rather than a chain: branches (`tree_width`), a sized or static
         tree, methods that draft trees (suffix decoding, token recycling), or a hybrid fallback that does."""
         return (self.tree_width > 1 or self.tree_total_tokens is not None or self.tree_paths is not None
-                or self.method in ("suffix", "recycling")
-                or (self.method == "auto" and "recycling" in self.auto_candidates)
+                or self.method in TREE_METHODS
+                or (self.auto_methods is not None and any(m in TREE_METHODS for m in self.auto_methods))
                 or (self.fallback is not None and self.fallback.drafts_trees))
 
     @property

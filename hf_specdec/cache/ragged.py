@@ -600,7 +600,7 @@ class RaggedKVCache:
     ) -> None:
         """Keep only these rows (the others, finished, stop costing compute): one copy of the cache."""
         if self.rollback is not None:
-            self.rollback.select_rows()
+            self.rollback.select_rows(rows)
         self.kv.select_rows(rows)
         rows = rows.to(self.valid.device)
         self.valid, self.lengths = self.valid[rows], self.lengths[rows]

@@ -100,6 +100,10 @@ def find_mixers(model: nn.Module, indices: Sequence[int]) -> dict[int, tuple[nn.
     return {index: (module, keyword) for index, (_, module, keyword) in found.items()}
 
 
+# the most kept tokens whose mixer inputs wait for the next forward (`RecurrentRollback`): each step that rejects a
+# draft adds its kept tokens to those already waiting (the states go back to before them), so past this many the
+# mixers run over them at once and the wait starts again
+MAX_PENDING_TOKENS = 8
 # models whose recurrent layers continue from their state over several tokens in one forward (checked once each)
 _CONTINUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # the largest relative difference, in float32, between a mixer's output over six tokens at once and over three, then
@@ -149,30 +153,67 @@ class RecurrentRollback:
     """Rolls each row's recurrent states back to its kept tokens at every commit; see the module docstring.
 
     The engine calls `begin(width)` before a forward that opens a step's region, `end()` after it, and
-    `commit(kept, width)` when the step ends."""
+    `commit(kept, width)` when the step ends, with `select_rows` when rows are dropped between steps.
+
+    When every row keeps the same number n of the step's tokens and fewer than all (always at batch 1), the mixers do
+    not run again at the commit: the states go back to the step's start and the mixers' inputs at the n kept positions
+    wait (`pending`) to be fed in front of the next forward's own, in the same mixer call, whose output there is
+    dropped. That forward's mixers then advance the states over the kept tokens and the new ones at once (a few
+    tokens more in a call that verifies several anyway), where running them apart costs a call of their own per
+    layer. The states after that forward cover the waiting tokens too, so a step that rejects again goes back to
+    before them: its kept tokens join the waiting ones, up to MAX_PENDING_TOKENS, past which the mixers run over them
+    at the commit. Rows keeping different numbers of tokens have their mixers run again at the commit, one call per
+    number."""
 
     def __init__(self, model: nn.Module, layers: dict[int, RecurrentSlotLayer]) -> None:
         self.layers = layers
         self.mixers = find_mixers(model, sorted(layers))
         self.saved: dict[int, dict[tuple[str, int], torch.Tensor]] | None = None  # states before the step
-        self.inputs: dict[int, torch.Tensor] = {}  # {layer: [B, W, H] the mixer's input in the step's forward}
-        self.hooks: list = []  # the recording hooks, while a step's forward runs
+        self.inputs: dict[int, torch.Tensor] = {}  # {layer: [B, P + W, H] the mixer's input in the step's forward}
+        # {layer: [B, P, H]}: the mixers' inputs at the last step's kept tokens, which the states do not hold yet
+        self.pending: dict[int, torch.Tensor] = {}
+        self.hooks: list = []  # the hooks that record the inputs (and feed the pending ones), while a forward runs
 
-    def _recorder(self, index: int):
-        def record(module, args, kwargs):
-            self.inputs[index] = args[0] if args else kwargs["hidden_states"]
-        return record
+    @property
+    def num_pending(self) -> int:
+        """P: the kept tokens whose inputs wait for the next forward (the same number in every row)."""
+        return next(iter(self.pending.values())).shape[1] if self.pending else 0
+
+    def _feed_and_record(self, index: int):
+        def feed(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            waiting = self.pending.get(index)
+            if waiting is not None:
+                hidden = torch.cat([waiting.to(hidden.dtype), hidden], dim=1)
+                mask = kwargs.get("attention_mask")
+                if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # a 2-D padding mask over the new tokens
+                    kwargs["attention_mask"] = torch.cat([mask.new_ones(mask.shape[0], waiting.shape[1]), mask], 1)
+                args, kwargs = ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+            self.inputs[index] = hidden
+            return args, kwargs
+        return feed
+
+    def _drop_pending_outputs(self, index: int):
+        def drop(module, args, kwargs, output):
+            count = self.pending[index].shape[1]
+            if isinstance(output, tuple):
+                return (output[0][:, count:], *output[1:])
+            return output[:, count:]
+        return drop
 
     def begin(self, width: int) -> None:
         """A step's forward over `width` tokens per row is next: keep the states before it and record the mixers'
-        inputs (a one-token step keeps its token, so it needs neither)."""
+        inputs (a one-token step without pending inputs keeps its token, so it needs neither)."""
         if self.saved is not None:
             raise RuntimeError("RecurrentRollback: a second forward in one step; recurrent layers take one per step")
-        if width > 1:
-            self.saved = {index: {key: state.clone() for key, state in layer.states().items()}
-                          for index, layer in self.layers.items()}
-            self.hooks = [mixer.register_forward_pre_hook(self._recorder(index), with_kwargs=True)
-                          for index, (mixer, _) in self.mixers.items()]
+        if width == 1 and not self.pending:
+            return
+        self.saved = {index: {key: state.clone() for key, state in layer.states().items()}
+                      for index, layer in self.layers.items()}
+        for index, (mixer, _) in self.mixers.items():
+            self.hooks.append(mixer.register_forward_pre_hook(self._feed_and_record(index), with_kwargs=True))
+            if self.pending:
+                self.hooks.append(mixer.register_forward_hook(self._drop_pending_outputs(index), with_kwargs=True))
 
     def end(self) -> None:
         for hook in self.hooks:
@@ -189,22 +230,35 @@ class RecurrentRollback:
         kept: Sequence[int],
         width: int,
     ) -> None:
-        """Every row that keeps fewer than `width` tokens gets the states of its kept tokens: the saved states,
-        advanced by its layers' mixers over the inputs they had at those positions."""
+        """Every row that keeps fewer than `width` tokens gets the states of its kept tokens (with the pending ones fed
+        before them): the states before the step, advanced over the inputs its mixers had at those positions, now or
+        in front of the next forward."""
         saved, inputs = self.saved, self.inputs
         self.saved, self.inputs = None, {}
         if saved is None:
             return
+        before = self.num_pending
+        self.pending = {}
+        kept = [before + count for count in kept]
+        width += before
         groups: dict[int, list[int]] = {}
         for row, count in enumerate(kept):
             if count < width:
                 groups.setdefault(count, []).append(row)
+        if not groups:
+            return
+        if len(groups) == 1 and len(next(iter(groups.values()))) == len(kept) and kept[0] <= MAX_PENDING_TOKENS:
+            # every row keeps the same tokens: back to the step's start, the kept ones fed with the next forward
+            for index, layer in self.layers.items():
+                for (kind, state_index), state in saved[index].items():
+                    getattr(layer, f"{kind}_states")[state_index].copy_(state)
+            if kept[0]:
+                self.pending = {index: hidden[:, : kept[0]] for index, hidden in inputs.items()}
+            return
         for count, rows in groups.items():
             for index, layer in self.layers.items():
-                states = saved[index]
-                device = next(iter(states.values())).device
-                picked = torch.tensor(rows, device=device)
-                for (kind, state_index), state in states.items():
+                picked = torch.tensor(rows, device=layer.device)
+                for (kind, state_index), state in saved[index].items():
                     getattr(layer, f"{kind}_states")[state_index][picked] = state[picked]
                 if count:
                     self._advance(index, layer, picked, inputs[index][picked.to(inputs[index].device), :count])
@@ -237,7 +291,12 @@ class RecurrentRollback:
                 if state is not None:
                     getattr(layer, f"{kind}_states")[state_index][rows] = state
 
-    def select_rows(self) -> None:
-        """Rows are dropped between steps, when nothing is saved."""
+    def select_rows(
+        self,
+        # [B'] long: the rows kept
+        rows: torch.Tensor,
+    ) -> None:
+        """Rows are dropped between steps (their pending inputs with them)."""
         if self.saved is not None:
             raise RuntimeError("RecurrentRollback: rows dropped in the middle of a step")
+        self.pending = {index: hidden[rows.to(hidden.device)] for index, hidden in self.pending.items()}

@@ -22,8 +22,16 @@ from collections.abc import Callable
 
 import torch
 
+from hf_specdec.cache.recurrent import recurrent_layer_indices
 from hf_specdec.compile import CompileSettings
-from hf_specdec.config import AUTO_METHODS, CONFIDENCE_METHODS, QUANTIZABLE_METHODS, SUFFIX_FIELDS, SpeculativeConfig
+from hf_specdec.config import (
+    AUTO_METHODS,
+    CONFIDENCE_METHODS,
+    QUANTIZABLE_METHODS,
+    SUFFIX_FIELDS,
+    TREE_METHODS,
+    SpeculativeConfig,
+)
 from hf_specdec.proposers.base import DraftSampling, Proposer, build_proposer, register_proposer
 from hf_specdec.proposers.row_mix import commit_own_rows
 from hf_specdec.step import DecodeState, Proposal, RowSet, VerificationResult
@@ -85,7 +93,12 @@ class AutoProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
         self.candidates: dict[str, Proposer] = {}
         self.configs: dict[str, SpeculativeConfig] = {}
+        # a model with recurrent layers verifies chains: the candidates that draft trees are left out (named in
+        # `auto_methods`, they are refused before the call)
+        chains_only = bool(recurrent_layer_indices(target))
         for method, make_config in AUTO_CANDIDATES.items():
+            if chains_only and method in TREE_METHODS:
+                continue
             sub = make_config(config) if method in config.auto_candidates else None
             if sub is not None:
                 self.configs[method] = sub

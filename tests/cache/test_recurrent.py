@@ -100,6 +100,34 @@ def test_greedy_output_and_logits_match_plain_generate(name, side):
     assert partly_kept >= 1, f"{name}: no proposer had drafts both kept and rejected"
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h", "lfm2", "mamba2"])
+def test_kept_tokens_fed_with_the_next_forward_at_batch_one(name, monkeypatch):
+    """One row keeps one number of tokens: its states go back and the kept tokens' mixer inputs are fed in front of
+    the next forward's, or run at once when too many wait."""
+    fed = []
+    begin = recurrent.RecurrentRollback.begin
+
+    def spy(self, width):
+        fed.append(self.num_pending)
+        begin(self, width)
+
+    monkeypatch.setattr(recurrent.RecurrentRollback, "begin", spy)
+    target = make_hybrid(name)
+    ids = padded_batch([12], seed=3, repeat_period=5)[0]
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    expected = target.generate(ids, **kwargs)
+    for proposer, config in _chains(target, expected.sequences).items():
+        fed.clear()
+        out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+        assert torch.equal(out.sequences, expected.sequences), f"{name}/{proposer}"
+        for step, (ours, theirs) in enumerate(zip(out.logits, expected.logits, strict=True)):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4, msg=f"{name}/{proposer}, step {step}")
+        if proposer == "random_draft":
+            # rejected at every step: each keeps one token, which joins those waiting until there are too many
+            assert fed[1 : recurrent.MAX_PENDING_TOKENS + 2] == [*range(1, recurrent.MAX_PENDING_TOKENS + 1), 0], fed
+
+
 def test_without_the_rollback_the_output_changes(monkeypatch):
     """The states the verify forward leaves after rejected drafts are wrong for the next step: skipping the rollback
     changes the output (the tests above can fail)."""
