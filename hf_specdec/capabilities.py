@@ -132,8 +132,8 @@ def check_recurrent_supported(
             f"{name} has recurrent layers, whose state follows one sequence: it verifies chains of drafts, not token "
             f"trees (method={config.method!r}, tree_width={config.tree_width}, tree_total_tokens="
             f"{config.tree_total_tokens!r}); use tree_width=1 without tree_total_tokens or tree_paths, with method "
-            "'ngram', 'draft', 'eagle', 'medusa', 'mlp_speculator' or 'auto' (suffix decoding and token recycling "
-            "draft trees)"
+            "'ngram', 'suffix', 'draft', 'eagle', 'medusa', 'mlp_speculator' or 'auto' (token recycling drafts "
+            "trees)"
         )
     if "early_exit" in config.drafting_methods:
         raise ValueError(f"method='early_exit' is not supported for {name}, a model with recurrent layers (the draft's "

@@ -38,8 +38,8 @@ MAX_SPECULATIVE_TOKENS = 64
 DEFAULT_SPECULATIVE_TOKENS = 5
 # method='recycling' without tree_paths or tree_total_tokens: draft nodes of its default tree
 DEFAULT_RECYCLING_NODES = 8
-# methods that draft token trees whatever tree_width says
-TREE_METHODS = ("suffix", "recycling")
+# methods that draft token trees whatever tree_width says (suffix decoding drafts chains for a target that needs them)
+TREE_METHODS = ("recycling",)
 # methods whose static trees are rank paths (tree_paths)
 STATIC_TREE_METHODS = ("medusa", "recycling")
 # methods a suffix config may fall back to when its draft scores low (hybrid drafting)
@@ -680,8 +680,9 @@ class SpeculativeConfig:
 
     @property
     def drafts_trees(self) -> bool:
-        """Whether a step may propose a token tree rather than a chain: branches (`tree_width`), a sized or static
-        tree, methods that draft trees (suffix decoding, token recycling), or a hybrid fallback that does."""
+        """Whether a step may propose a token tree rather than a chain whatever the target: branches (`tree_width`),
+        a sized or static tree, token recycling, or a hybrid fallback that does. (Suffix decoding drafts trees, and
+        chains for a target that verifies chains only.)"""
         return (self.tree_width > 1 or self.tree_total_tokens is not None or self.tree_paths is not None
                 or self.method in TREE_METHODS
                 or (self.auto_methods is not None and any(m in TREE_METHODS for m in self.auto_methods))

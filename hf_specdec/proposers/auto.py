@@ -93,8 +93,8 @@ class AutoProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> None:
         self.candidates: dict[str, Proposer] = {}
         self.configs: dict[str, SpeculativeConfig] = {}
-        # a model with recurrent layers verifies chains: the candidates that draft trees are left out (named in
-        # `auto_methods`, they are refused before the call)
+        # a model with recurrent layers verifies chains: the candidates that draft only trees (token recycling) are
+        # left out (named in `auto_methods`, they are refused before the call)
         chains_only = bool(recurrent_layer_indices(target))
         for method, make_config in AUTO_CANDIDATES.items():
             if chains_only and method in TREE_METHODS:

@@ -11,7 +11,8 @@ engine's one host read per step extends (`state.host.emitted`; no sequence is co
 Each step drafts per row the best-scored tree of at most `num_speculative_tokens` nodes (`propose_suffix_draft`:
 best first by running probability, above `min_token_prob`, at most `match length * max_spec_factor +
 max_spec_offset` nodes), and the drafts go out as one token tree per row: a chain when every row's draft is one,
-else the rows' trees padded to the widest. Drafts are deterministic (point masses), so verification stays lossless
+else the rows' trees padded to the widest. For a target with recurrent layers, which verifies chains, each row's draft
+is one path: each node's most probable continuation. Drafts are deterministic (point masses), so verification stays lossless
 when sampling.
 
 For the adaptive schedule, each row's draft is looked up before the step's decision (`draft_classes`: which tree
@@ -24,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hf_specdec.cache.recurrent import recurrent_layer_indices
 from hf_specdec.config import SpeculativeConfig
 from hf_specdec.proposers.base import DraftSampling, Proposer, register_proposer
 from hf_specdec.proposers.draft_model import vocab_size
@@ -65,9 +67,10 @@ class SuffixProposer(Proposer):
     reads_emitted_tokens = True
     looks_ahead = True
 
-    def __init__(self, config: SpeculativeConfig, cache: SuffixCache) -> None:
+    def __init__(self, config: SpeculativeConfig, cache: SuffixCache, chain: bool = False) -> None:
         self.k = config.num_speculative_tokens
         self.cache = cache
+        self.chain = chain  # one path per row (each node's most probable continuation), for a target of chains
         self.context = cache.config.max_depth  # the tokens a lookup reads
         self.text: HostText | None = None
         self.requests: list[SuffixRequest | None] = []
@@ -115,7 +118,7 @@ class SuffixProposer(Proposer):
         # the smaller budget is a prefix of its draft with the larger one (best first), so none scores more
         if kept is None or kept[0] != tokens.shape[0] or not (kept[1] == budget or
                                                              kept[1] > budget >= kept[2].num_tokens):
-            draft = propose_suffix_draft(self.cache, request, tokens[-self.context :], budget)
+            draft = propose_suffix_draft(self.cache, request, tokens[-self.context :], budget, chain=self.chain)
             kept = self.looked_up[row] = (tokens.shape[0], budget, draft)
         return kept[2]
 
@@ -208,7 +211,8 @@ class SuffixProposer(Proposer):
 
 
 def _build(config: SpeculativeConfig, target: torch.nn.Module, sampling: DraftSampling) -> Proposer:
-    suffix = SuffixProposer(config, suffix_cache_for(config, target))
+    # a target with recurrent layers verifies chains (hf_specdec.cache.recurrent)
+    suffix = SuffixProposer(config, suffix_cache_for(config, target), chain=bool(recurrent_layer_indices(target)))
     if config.fallback is None:
         return suffix
     from hf_specdec.proposers.base import build_proposer

@@ -71,9 +71,11 @@ class SuffixDraft:
 EMPTY_DRAFT = SuffixDraft()
 
 
-def grow_draft(tree: SuffixTree, node: int, match_length: int, budget: int, min_token_prob: float) -> SuffixDraft:
+def grow_draft(tree: SuffixTree, node: int, match_length: int, budget: int, min_token_prob: float,
+               chain: bool = False) -> SuffixDraft:
     """The best-first draft of at most `budget` tokens after the point at string depth `match_length` on `node`'s
-    edge (see the module docstring)."""
+    edge (see the module docstring); with `chain`, each node offers only its most probable continuation (ties to the
+    smaller token), so the draft is one path."""
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
@@ -89,7 +91,10 @@ def grow_draft(tree: SuffixTree, node: int, match_length: int, budget: int, min_
 
     def push(at: int, string_depth: int, prob: float, index: int, depth: int) -> None:
         total = node_count(at)
-        for count, token, child, child_depth in continuations(at, string_depth, min_token_prob * total / prob * margin):
+        found = continuations(at, string_depth, min_token_prob * total / prob * margin)
+        if chain:
+            found = found[:1]  # by count, then token
+        for count, token, child, child_depth in found:
             child_prob = prob * (count / total)
             if child_prob >= min_token_prob:
                 heapq.heappush(heap, (-child_prob, depth + 1, index, token, child, child_depth))
@@ -113,9 +118,11 @@ def best_draft(
     max_tokens: int,
     config: SuffixConfig,
     to_beat: float = 0.0,
+    chain: bool = False,
 ) -> SuffixDraft | None:
     """The best draft `tree` makes after `context` (a list of token ids; only the last max_depth matter), if its
-    score beats `to_beat` by more than SCORE_TIE; ties between match lengths go to the longer match."""
+    score beats `to_beat` by more than SCORE_TIE; ties between match lengths go to the longer match. `chain`: one
+    path (`grow_draft`)."""
     located = tree.locate(context)
     best = None
     best_score = to_beat
@@ -123,7 +130,7 @@ def best_draft(
         budget = config.draft_budget(match_length, max_tokens)
         if min(budget, tree.max_depth - match_length) <= best_score + SCORE_TIE:
             continue  # cannot win: at most one unit of probability per level
-        draft = grow_draft(tree, located[match_length - 1], match_length, budget, config.min_token_prob)
+        draft = grow_draft(tree, located[match_length - 1], match_length, budget, config.min_token_prob, chain)
         if draft.score > best_score + SCORE_TIE:
             best, best_score = draft, draft.score
     return best
@@ -134,12 +141,14 @@ def propose_suffix_draft(
     request: SuffixRequest | None,
     context: Sequence[int],
     max_tokens: int,
+    chain: bool = False,
 ) -> SuffixDraft:
     """The draft for a request: the better of its local tree's (prompt and output so far) and the cache's global
     tree's (outputs of earlier requests), local on a tie; `EMPTY_DRAFT` when neither matches. `request` None drafts
     from the global tree alone. `context` is the request's tokens (prompt and output, as its local tree holds them;
-    a list, tuple or 1-D array of ids), `max_tokens` the node budget. Reads only; the global tree is read under the
-    cache's lock."""
+    a list, tuple or 1-D array of ids), `max_tokens` the node budget; `chain` drafts one path (each node's most probable
+    continuation), for a target that verifies chains only. Reads only; the global tree is read under the cache's
+    lock."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
         raise ValueError(f"propose_suffix_draft: max_tokens must be an int >= 0, got {max_tokens!r}")
     if request is not None and request.cache is not cache:
@@ -149,11 +158,11 @@ def propose_suffix_draft(
     tail = tail.tolist() if hasattr(tail, "tolist") else list(tail)
     best = EMPTY_DRAFT
     if request is not None:
-        local = best_draft(request.local, tail, max_tokens, config)
+        local = best_draft(request.local, tail, max_tokens, config, chain=chain)
         if local is not None:
             best = replace(local, source="local")
     with cache.reading() as tree:
-        found = None if tree is None else best_draft(tree, tail, max_tokens, config, to_beat=best.score)
+        found = None if tree is None else best_draft(tree, tail, max_tokens, config, to_beat=best.score, chain=chain)
     if found is not None:
         best = replace(found, source="global")
     return best

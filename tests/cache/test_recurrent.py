@@ -12,6 +12,7 @@ import hf_specdec
 from hf_specdec import SpeculativeConfig
 from hf_specdec.cache import recurrent
 from hf_specdec.heads import EagleConfig, EagleHead
+from hf_specdec.suffix import SuffixCache
 from tests.conftest import SPECIAL, VOCAB, make_draft, padded_batch
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
@@ -63,6 +64,7 @@ def make_hybrid(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
 
 def _chains(target: torch.nn.Module, expected: torch.Tensor) -> dict[str, SpeculativeConfig]:
     """Chain proposers, each drafting some tokens the target keeps and some it rejects."""
+    suffix_cache = SuffixCache()
     return {
         "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3),
         # fitted to the target's own output: accepted several tokens deep, rejected now and then
@@ -74,7 +76,10 @@ def _chains(target: torch.nn.Module, expected: torch.Tensor) -> dict[str, Specul
         "medusa": SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=3),
         "eagle3": SpeculativeConfig(method="eagle", heads=EagleHead(EagleConfig.for_target(target, "eagle3")).eval(),
                                     num_speculative_tokens=3),
-        "auto": SpeculativeConfig(method="auto", draft_model=make_draft(), num_speculative_tokens=3),
+        # one path per row from its own text and the earlier calls' outputs
+        "suffix": SpeculativeConfig(method="suffix", suffix_cache=suffix_cache, num_speculative_tokens=4),
+        "auto": SpeculativeConfig(method="auto", draft_model=make_draft(), num_speculative_tokens=3,
+                                  suffix_cache=suffix_cache),
     }
 
 
@@ -172,8 +177,8 @@ def test_rows_that_finish_early_and_the_returned_cache_are_plain_generates():
 @pytest.mark.parametrize("config, message", [
     (SpeculativeConfig(method="ngram", tree_width=2), "not token trees"),
     (SpeculativeConfig(method="draft", draft_model=make_draft(), tree_width=2, tree_total_tokens=4), "token trees"),
-    (SpeculativeConfig(method="suffix"), "token trees"),
     (SpeculativeConfig(method="recycling"), "token trees"),
+    (SpeculativeConfig(method="auto", auto_methods=["ngram", "recycling"]), "token trees"),
     (SpeculativeConfig(method="early_exit", early_exit_layer=1), "early_exit"),
 ])
 def test_what_recurrent_layers_cannot_do_is_refused_up_front(config, message):

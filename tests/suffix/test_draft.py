@@ -36,6 +36,18 @@ def test_frequent_alternatives_become_branches_of_one_tree():
     assert _propose([[5, 6, 7], [5, 6, 8], [5, 6, 7]], [9, 5, 6], k=4, min_token_prob=0.5).tokens == (7,)
 
 
+def test_a_chain_follows_the_most_frequent_continuation_only():
+    cache = SuffixCache(SuffixConfig())
+    for output in ([3, 4, 5, 6, 7, 1], [3, 4, 5, 6, 8, 2], [3, 4, 5, 6, 7, 1]):
+        cache.add(output)
+    request = cache.start_request([9, 3, 4, 5, 6])  # a match of 4 tokens: a budget of 4
+    tree = propose_suffix_draft(cache, request, [9, 3, 4, 5, 6], 4)
+    assert (tree.tokens, tree.parents) == ((7, 1, 8, 2), (-1, 0, -1, 2))
+    chain = propose_suffix_draft(cache, request, [9, 3, 4, 5, 6], 4, chain=True)
+    assert (chain.tokens, chain.parents) == ((7, 1), (-1, 0))
+    assert chain.probs == pytest.approx((2 / 3, 2 / 3))
+
+
 def test_budget_is_the_match_length_times_the_factor_plus_the_offset_capped_by_k():
     config = SuffixConfig(max_spec_factor=0.5, max_spec_offset=1.0)
     assert [config.draft_budget(m, 3) for m in (1, 2, 3, 4, 5, 9)] == [1, 2, 2, 3, 3, 3]
@@ -79,7 +91,9 @@ def test_contexts_as_arrays_and_bad_budgets():
         propose_suffix_draft(cache, request, [1, 2], 4)
 
 
-def test_drafts_match_the_brute_force_reference():
+@pytest.mark.parametrize("chain", [False, True])
+def test_drafts_match_the_brute_force_reference(chain):
+    """Trees, and chains (each node's most frequent continuation, for targets that verify chains only)."""
     rng = random.Random(0)
     drafted = 0
     for _ in range(300):
@@ -108,10 +122,12 @@ def test_drafts_match_the_brute_force_reference():
             if outputs:
                 outputs[-1] = outputs[-1] + new
             k = rng.randint(0, 8)
-            draft = propose_suffix_draft(cache, request, context, k)
+            draft = propose_suffix_draft(cache, request, context, k, chain=chain)
             got = (draft.tokens, draft.parents, draft.depths, draft.probs, draft.score, draft.match_length,
                    draft.source)
-            assert got == reference.propose([context], outputs, context, k, config)
+            assert got == reference.propose([context], outputs, context, k, config, chain=chain)
             assert all(p < i for i, p in enumerate(draft.parents)) and draft.num_tokens <= k
+            if chain:
+                assert draft.parents == tuple(range(-1, draft.num_tokens - 1))
             drafted += draft.num_tokens > 0
     assert drafted > 300  # most proposals drafted something: the comparison is not between empty drafts
