@@ -245,12 +245,8 @@ def test_states_of_other_kinds_are_refused():
 
 def _sampling_target() -> torch.nn.Module:
     """A tiny Qwen3-Next over the law test's 8 tokens, with peaked logits (see tests/decoding/test_sampling_lossless)."""
-    target = make_hybrid("qwen3_next", seed=11, vocab_size=lossless.VOCAB, eos_token_id=None, bos_token_id=None)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(60.0)
-    target.generation_config.pad_token_id = 0
-    target.generation_config.eos_token_id = None
-    return target
+    return lossless.peaked(make_hybrid("qwen3_next", seed=11, vocab_size=lossless.VOCAB, eos_token_id=None,
+                                       bos_token_id=None))
 
 
 @pytest.fixture(scope="module")

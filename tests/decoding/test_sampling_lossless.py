@@ -47,9 +47,14 @@ PROMPT = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])  # repeats, so the n-gram prop
 
 def make_target():
     torch.manual_seed(11)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **DECODER, pad_token_id=0, eos_token_id=None, bos_token_id=None)).eval()
+    return peaked(LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **DECODER, pad_token_id=0, eos_token_id=None,
+                                               bos_token_id=None)).eval())
+
+
+def peaked(model):
+    """`model` with peaked logits (a 0.1 temperature error must be visible) and no EOS, padding with 0."""
     with torch.no_grad():
-        model.lm_head.weight.mul_(60.0)  # peaked logits: a 0.1 temperature error must be visible
+        model.lm_head.weight.mul_(60.0)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model

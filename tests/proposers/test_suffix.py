@@ -375,8 +375,8 @@ def test_draft_classes_are_the_drafts_tree_and_match_length(monkeypatch):
                               cache)
     proposer.start(state, None)
     lookups = []
-    monkeypatch.setattr(module, "propose_suffix_draft", lambda *args: lookups.append(args) or
-                        propose_suffix_draft(*args))
+    monkeypatch.setattr(module, "propose_suffix_draft", lambda *args, **kwargs: lookups.append(args) or
+                        propose_suffix_draft(*args, **kwargs))
     assert proposer.num_draft_classes == 2 * buckets
     assert proposer.draft_classes(state).tolist() == [3 + buckets, 2 + buckets, 2, 0]
     proposal = proposer.propose(state)
@@ -407,8 +407,8 @@ def test_a_smaller_budget_reuses_a_lookup_whose_draft_fits(monkeypatch):
     proposer = SuffixProposer(config, cache)
     proposer.start(state, None)
     lookups = []
-    monkeypatch.setattr(module, "propose_suffix_draft", lambda *args: lookups.append(args[-1]) or
-                        propose_suffix_draft(*args))
+    monkeypatch.setattr(module, "propose_suffix_draft", lambda *args, **kwargs: lookups.append(args[-1]) or
+                        propose_suffix_draft(*args, **kwargs))
     proposer.draft_classes(state)
     full = [proposer._draft(row, 5) for row in range(2)]
     assert lookups == [5, 5] and full[0].num_tokens == 5 and 0 < full[1].num_tokens <= 3
