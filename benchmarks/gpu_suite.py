@@ -83,7 +83,8 @@ def device_name(smoke: bool) -> str:
 
 # every file holding GPU-marked tests, quickest first (tests/benchmarks/test_gpu_suite.py checks the list)
 GPU_TEST_FILES = ("tests/kernels/test_tree_mask.py", "tests/cache/test_attention.py", "tests/decoding/test_dtypes.py",
-                  "tests/decoding/test_multimodal.py", "tests/decoding/test_compiled.py")
+                  "tests/cache/test_recurrent.py", "tests/decoding/test_multimodal.py",
+                  "tests/decoding/test_compiled.py")
 PARTS = ("tests", "tree_mask", "step_overhead", "attention_layout", "bench", "token_map", "confidence", "settle",
          "static", "recycling")
 # the parts that load SmolLM2 (at smoke sizes, the others run the test bed instead)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -173,6 +174,8 @@ class RecurrentRollback:
         # {layer: [B, P, H]}: the mixers' inputs at the last step's kept tokens, which the states do not hold yet
         self.pending: dict[int, torch.Tensor] = {}
         self.hooks: list = []  # the hooks that record the inputs (and feed the pending ones), while a forward runs
+        # the thread whose forward the hooks serve: calls in other threads may run the same model meanwhile
+        self.thread: int | None = None
 
     @property
     def num_pending(self) -> int:
@@ -181,6 +184,8 @@ class RecurrentRollback:
 
     def _feed_and_record(self, index: int):
         def feed(module, args, kwargs):
+            if threading.get_ident() != self.thread:
+                return None
             hidden = args[0] if args else kwargs["hidden_states"]
             waiting = self.pending.get(index)
             if waiting is not None:
@@ -195,6 +200,8 @@ class RecurrentRollback:
 
     def _drop_pending_outputs(self, index: int):
         def drop(module, args, kwargs, output):
+            if threading.get_ident() != self.thread:
+                return None
             count = self.pending[index].shape[1]
             if isinstance(output, tuple):
                 return (output[0][:, count:], *output[1:])
@@ -210,6 +217,7 @@ class RecurrentRollback:
             return
         self.saved = {index: {key: state.clone() for key, state in layer.states().items()}
                       for index, layer in self.layers.items()}
+        self.thread = threading.get_ident()
         for index, (mixer, _) in self.mixers.items():
             self.hooks.append(mixer.register_forward_pre_hook(self._feed_and_record(index), with_kwargs=True))
             if self.pending:
@@ -256,12 +264,13 @@ class RecurrentRollback:
                 self.pending = {index: hidden[:, : kept[0]] for index, hidden in inputs.items()}
             return
         for count, rows in groups.items():
+            picked = torch.tensor(rows)
             for index, layer in self.layers.items():
-                picked = torch.tensor(rows, device=layer.device)
+                on_device = picked.to(layer.device)  # (layers may sit on several devices)
                 for (kind, state_index), state in saved[index].items():
-                    getattr(layer, f"{kind}_states")[state_index][picked] = state[picked]
+                    getattr(layer, f"{kind}_states")[state_index][on_device] = state[on_device]
                 if count:
-                    self._advance(index, layer, picked, inputs[index][picked.to(inputs[index].device), :count])
+                    self._advance(index, layer, on_device, inputs[index][picked.to(inputs[index].device), :count])
 
     def _advance(
         self,

@@ -13,7 +13,7 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cache import recurrent
 from hf_specdec.heads import EagleConfig, EagleHead
 from hf_specdec.suffix import SuffixCache
-from tests.conftest import SPECIAL, VOCAB, make_draft, padded_batch
+from tests.conftest import SPECIAL, VOCAB, make_draft, padded_batch, run_racing_threads
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_mlp_speculator import fitted_speculator
@@ -131,6 +131,23 @@ def test_kept_tokens_fed_with_the_next_forward_at_batch_one(name, monkeypatch):
         if proposer == "random_draft":
             # rejected at every step: each keeps one token, which joins those waiting until there are too many
             assert fed[1 : recurrent.MAX_PENDING_TOKENS + 2] == [*range(1, recurrent.MAX_PENDING_TOKENS + 1), 0], fed
+
+
+def test_calls_in_threads_share_a_hybrid_model():
+    """Each call's hooks on the shared mixers record and feed its own thread's forwards only."""
+    target = make_hybrid("qwen3_next")
+    prompts = [padded_batch([10], seed=seed, repeat_period=4)[0] for seed in range(4)]
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = [target.generate(ids, **kwargs) for ids in prompts]
+    config = SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3, schedule="fixed")
+    got = [None] * len(prompts)
+
+    def work(index: int) -> None:
+        got[index] = hf_specdec.generate(target, prompts[index], speculative=config, **kwargs)
+
+    run_racing_threads(work, len(prompts))
+    for index, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(ours, theirs), index
 
 
 def test_without_the_rollback_the_output_changes(monkeypatch):
@@ -284,3 +301,26 @@ def test_sampling_without_the_rollback_is_caught(sampling_target, monkeypatch):
     law = lossless.exact_law(sampling_target, lossless.TEMPERATURE)
     draws = lossless.draws(sampling_target, lossless.TEMPERATURE, _sampled_chain(sampling_target))
     assert not lossless.accepted(lossless.chi_square_pvalues(draws, law))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h"])
+def test_hybrids_on_a_gpu(name):
+    """The states (and those kept before each step) stay on the model's device, in its dtype: float32 output is
+    plain generate's; in bfloat16, kernels over k + 1 tokens may round differently from one token, so near-ties
+    can part."""
+    ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
+    ids, mask = ids.to("cuda"), mask.to("cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        target = make_hybrid(name).to("cuda", dtype)
+        kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+        expected = target.generate(ids, **kwargs)
+        config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+        got = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+        assert got.device.type == "cuda"
+        if dtype == torch.float32:
+            assert torch.equal(got, expected)
+        else:
+            assert (got == expected).float().mean().item() > 0.9
