@@ -17,34 +17,73 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.recurrent import recurrent_layer_indices
 from hf_specdec.step.state import MODALITY_TYPE_INPUTS, PromptInputs
 
+# one layer of a cache as the engine exchanges it with transformers: ([B, H, S, D] keys, [B, H, S, D] values) of an
+# attention layer; {("conv" | "recurrent", state index): [B, ...]} of a recurrent layer's states; None for a layer
+# that holds nothing (an MLP layer of a hybrid)
+LayerEntry = tuple[torch.Tensor, torch.Tensor] | dict[tuple[str, int], torch.Tensor] | None
+
+
+def layer_entries(cache: DynamicCache) -> list[LayerEntry]:
+    """What every layer of a filled transformers cache holds."""
+    entries: list[LayerEntry] = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            entries.append({(kind, index): state for kind, states in (("conv", layer.conv_states),
+                                                                      ("recurrent", layer.recurrent_states))
+                            for index, state in states.items() if state is not None})
+        else:
+            entries.append((layer.keys, layer.values) if getattr(layer, "keys", None) is not None else None)
+    return entries
+
+
+def entry_tensors(entry: LayerEntry) -> list[torch.Tensor]:
+    """The tensors of a layer's entry, in a fixed order ([B, ...] each)."""
+    if entry is None:
+        return []
+    return list(entry) if isinstance(entry, tuple) else [entry[key] for key in sorted(entry)]
+
 
 def full_layers(
-    # per layer ([B, H, S, D] keys, [B, H, S, D] values)
-    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    # per layer: its entry for every row
+    layers: list[LayerEntry],
     config,
 ) -> DynamicCache:
     """A transformers `DynamicCache` laid out as `generate` makes it for this model (sliding layers keep their
-    window), from every layer's full keys and values."""
+    window), from every layer's full keys and values, and every recurrent layer's states."""
     cache = DynamicCache(config=config.get_text_config(decoder=True))
-    for index, (keys, values) in enumerate(layers):
-        cache.update(keys, values, index)
+    for index, entry in enumerate(layers):
+        if isinstance(entry, dict):
+            layer = cache.layers[index]
+            for (kind, state_index), state in entry.items():
+                if kind == "conv":
+                    layer.lazy_initialization(conv_states=state, state_idx=state_index,
+                                              conv_kernel_size=state.shape[-1])
+                    layer.conv_states[state_index].copy_(state)
+                else:
+                    layer.lazy_initialization(recurrent_states=state, state_idx=state_index)
+                    layer.recurrent_states[state_index].copy_(state)
+                layer.has_previous_state[state_index] = True
+        elif entry is not None:
+            cache.update(*entry, index)
     return cache
 
 
 def fill_static_cache(
     cache: StaticCache,
-    # per layer ([B, H, S, D] keys, [B, H, S, D] values)
-    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    # per layer ([B, H, S, D] keys, [B, H, S, D] values), or None for a layer that holds nothing
+    layers: list[LayerEntry],
 ) -> StaticCache:
     """An empty transformers `StaticCache` filled with every layer's keys and values, through its own `update` (its
     sliding-window layers keep their window), as plain `generate` leaves the StaticCache it was given."""
-    for index, (keys, values) in enumerate(layers):
-        cache.update(keys, values, index)
+    for index, entry in enumerate(layers):
+        if entry is not None:
+            cache.update(*entry, index)
     return cache
 
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.cache.attention import PACKED_SDPA, EngineAttention, takes_no_custom_mask
-from hf_specdec.cache.exchange import filled_layers
+from hf_specdec.cache.exchange import LayerEntry, filled_layers
 from hf_specdec.cache.features import FeatureTap
 from hf_specdec.cache.naming import cache_keyword
 from hf_specdec.cache.reach import DrafterReach
@@ -59,6 +59,7 @@ from hf_specdec.cache.recurrent import (
     CACHELESS_LAYER_TYPES,
     RECURRENT_LAYER_TYPES,
     RecurrentRollback,
+    RecurrentSlotLayer,
     check_continues_from_state,
     find_mixers,
     recurrent_layer_indices,
@@ -383,8 +384,9 @@ class RaggedKVCache:
     ) -> None:
         """Copy keys and values computed elsewhere into the first L slots of every row."""
         self.kv.write_start, self.kv.write_index = 0, None
-        for index, (keys, values) in enumerate(layers):
-            self.kv.update(keys, values, index)
+        for index, entry in enumerate(layers):
+            if entry is not None:
+                self.kv.update(*entry, index)
 
     def _start_prompt(
         self,
@@ -610,11 +612,17 @@ class RaggedKVCache:
             self.host_lengths = [self.host_lengths[i] for i in rows_on_host]
             self.width = max(self.host_lengths, default=0)
 
-    def layers_by_order(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def layers_by_order(self, length: int) -> list[LayerEntry]:
         """Per layer ([B_held, H, length, D] keys, values): every row's slots at orders < length (zeros at
-        padding and after the row's length)."""
+        padding and after the row's length); a recurrent layer's states after every row's kept tokens; None for a
+        layer that holds nothing (an MLP layer of a hybrid)."""
         keep = (self.valid[:, :length] & (self._slot_orders(length) < self.lengths[:, None]))[:, None, :, None]
-        return [(keys[:, :, :length] * keep, values[:, :, :length] * keep) for keys, values in self.kv.buffers()]
+        if self.rollback is not None:
+            self.rollback.settle()
+        return [layer.states() if isinstance(layer, RecurrentSlotLayer)
+                else None if layer.key_buffer is None
+                else (layer.key_buffer[:, :, :length] * keep, layer.value_buffer[:, :, :length] * keep)
+                for layer in self.kv.layers]
 
     def _settle_width(self) -> None:
         """Under static shapes the region always starts after the committed capacity."""

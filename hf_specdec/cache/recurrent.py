@@ -300,6 +300,15 @@ class RecurrentRollback:
                 if state is not None:
                     getattr(layer, f"{kind}_states")[state_index][rows] = state
 
+    def settle(self) -> None:
+        """Advance the states over the pending tokens now (between steps), so they hold every kept token."""
+        if self.saved is not None:
+            raise RuntimeError("RecurrentRollback: settled in the middle of a step")
+        pending, self.pending = self.pending, {}
+        for index, hidden in pending.items():
+            layer = self.layers[index]
+            self._advance(index, layer, torch.arange(hidden.shape[0], device=layer.device), hidden)
+
     def select_rows(
         self,
         # [B'] long: the rows kept

@@ -28,7 +28,15 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.cache.carried import attach, carried_by
-from hf_specdec.cache.exchange import fill_static_cache, filled_layers, full_layers, recompute
+from hf_specdec.cache.exchange import (
+    LayerEntry,
+    entry_tensors,
+    fill_static_cache,
+    filled_layers,
+    full_layers,
+    layer_entries,
+    recompute,
+)
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.cache.recurrent import recurrent_layer_indices
@@ -469,10 +477,6 @@ class SpeculativeDecoder:
         rows whose cache is complete are gathered by order, the others computed again in one forward. A StaticCache
         passed in comes back filled, as plain generate returns it."""
         prompt = self.prompt
-        if self.cache.rollback is not None:  # recurrent states exist for the rows' last tokens only: all computed again
-            self.stats.record_forward([True] * self.state.batch_size)
-            return recompute(self.model, self.state.sequences[:, self.prompt_ids.shape[1] : length - 1], prompt,
-                             self.prompt_ids)
         # positions fed before the first output column: an embedded prompt without token ids has none there
         embedded = 0 if prompt.inputs_embeds is None else prompt.inputs_embeds.shape[1] - self.prompt_ids.shape[1]
         total = embedded + length - 1  # every position fed: all but the last output token
@@ -480,10 +484,11 @@ class SpeculativeDecoder:
         held = torch.arange(batch, device=self.state.lengths.device) if self.rows is None else self.rows
         complete = torch.zeros(batch, dtype=torch.bool, device=held.device)
         complete[held] = self.cache.lengths.to(held.device) == total
-        layers = [(k.new_zeros(batch, *k.shape[1:]), v.new_zeros(batch, *v.shape[1:]))
-                  for k, v in self.cache.layers_by_order(total)]
-        for (keys, values), (held_keys, held_values) in zip(layers, self.cache.layers_by_order(total)):
-            keys[held.to(keys.device)], values[held.to(keys.device)] = held_keys, held_values
+        held_layers = self.cache.layers_by_order(total)
+        layers = [None if entry is None else _with_rows(entry, batch) for entry in held_layers]
+        for layer, entry in zip(layers, held_layers):
+            for full, part in zip(entry_tensors(layer), entry_tensors(entry)):
+                full[held.to(full.device)] = part
         redo = (~complete).nonzero().squeeze(1)
         if redo.numel():
             # images are not split by row: a prompt with images has all its rows computed again, the complete ones kept
@@ -499,14 +504,22 @@ class SpeculativeDecoder:
             again = recompute(self.model, self.state.sequences[rows, start : length - 1], subset, self.prompt_ids[rows],
                               cached)
             self.stats.record_forward((~complete).tolist())
-            for (keys, values), (new_keys, new_values) in zip(layers, [(layer.keys, layer.values)
-                                                                       for layer in again.layers]):
-                if every:
-                    new_keys, new_values = new_keys[redo.to(new_keys.device)], new_values[redo.to(new_keys.device)]
-                keys[redo.to(keys.device)], values[redo.to(keys.device)] = new_keys, new_values
+            for layer, entry in zip(layers, layer_entries(again)):
+                for full, part in zip(entry_tensors(layer), entry_tensors(entry)):
+                    full[redo.to(full.device)] = part[redo.to(part.device)] if every else part
         if self.static_cache is not None:
             return fill_static_cache(self.static_cache, layers)
         return full_layers(layers, self.model.config)
+
+
+def _with_rows(
+    entry: LayerEntry,
+    batch: int,
+) -> LayerEntry:
+    """Zeros shaped as a layer's entry with `batch` rows."""
+    if isinstance(entry, tuple):
+        return tuple(part.new_zeros(batch, *part.shape[1:]) for part in entry)
+    return {key: state.new_zeros(batch, *state.shape[1:]) for key, state in entry.items()}
 
 
 def scores_of_emitted(

@@ -190,10 +190,24 @@ def test_without_the_rollback_the_output_changes(monkeypatch):
     assert not torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), expected)
 
 
-def test_rows_that_finish_early_and_the_returned_cache_are_plain_generates():
-    """Rows end at an EOS at different steps (dropped from the batch with their states); the cache returned holds
-    each layer's keys and values and each recurrent layer's states as plain generate's does."""
-    target = make_hybrid("qwen3_next")
+def _assert_same_cache(ours, theirs) -> None:
+    """Each layer's keys and values, and each recurrent layer's states, as plain generate's."""
+    assert [type(layer) for layer in ours.layers] == [type(layer) for layer in theirs.layers]
+    for index, (mine, plain) in enumerate(zip(ours.layers, theirs.layers, strict=True)):
+        if isinstance(plain, transformers.cache_utils.LinearAttentionLayer):
+            torch.testing.assert_close(mine.conv_states[0], plain.conv_states[0], msg=f"layer {index}")
+            torch.testing.assert_close(mine.recurrent_states[0], plain.recurrent_states[0], msg=f"layer {index}")
+            assert mine.has_previous_state[0]
+        else:
+            torch.testing.assert_close(mine.keys, plain.keys, msg=f"layer {index}")
+            torch.testing.assert_close(mine.values, plain.values, msg=f"layer {index}")
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_rows_that_finish_early_and_the_returned_cache_are_plain_generates(name):
+    """Rows end at an EOS at different steps (dropped from the batch with their states, and computed again for the
+    cache, as plain generate fed them padding); the cache returned is plain generate's."""
+    target = make_hybrid(name)
     ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
     base = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     free = target.generate(ids, **base, eos_token_id=None)[:, ids.shape[1]:]
@@ -204,14 +218,23 @@ def test_rows_that_finish_early_and_the_returned_cache_are_plain_generates():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
     out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
     assert torch.equal(out.sequences, expected.sequences)
-    ours, theirs = out.cache, expected.cache
-    assert [type(layer) for layer in ours.layers] == [type(layer) for layer in theirs.layers]
-    for index, (mine, plain) in enumerate(zip(ours.layers, theirs.layers, strict=True)):
-        if isinstance(plain, transformers.cache_utils.LinearAttentionLayer):
-            torch.testing.assert_close(mine.conv_states[0], plain.conv_states[0], msg=f"layer {index}")
-            torch.testing.assert_close(mine.recurrent_states[0], plain.recurrent_states[0], msg=f"layer {index}")
-        else:
-            torch.testing.assert_close(mine.keys, plain.keys, msg=f"layer {index}")
+    _assert_same_cache(out.cache, expected.cache)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_returned_cache_of_rows_that_ran_to_the_end_is_the_engines(batch):
+    """No forward runs again for rows whose cache is complete: their keys and values are gathered and their states
+    are the engine's (tokens still waiting for the next forward, at batch 1, are fed first)."""
+    target = make_hybrid("qwen3_next")
+    ids, mask = padded_batch(LENGTHS[:batch], seed=3, repeat_period=5)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  return_dict_in_generate=True)
+    expected = target.generate(ids, **kwargs)
+    config = SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=3, schedule="fixed")
+    out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert out.spec_stats.target_forward_passes == 1 + NEW_TOKENS - 1  # the prefill and one verify per token
+    _assert_same_cache(out.cache, expected.cache)
 
 
 @pytest.mark.parametrize("config, message", [
