@@ -37,6 +37,10 @@ Design
   per shape), and the model call can be a compiled one. The shapes of a forward then depend only on its width, so
   each kind of forward is one compiled graph. Prompts (`prefill`, `prefill_chain`) stay eager, as in transformers.
 
+* A hybrid model's recurrent layers (state-space, linear-attention, short-convolution) keep a state per row in
+  place of slots (`hf_specdec.cache.recurrent`): a step's forward keeps the states before it, `commit` rolls each row
+  back to its kept tokens; such a model verifies chains only, with dynamic shapes.
+
 The prefill goes through the model's own mask preparation (a 2-D mask), as plain `generate` does, so the prompt
 is encoded with the same kernels and gives the same numbers; a model whose attention takes no custom mask (flash or
 flex attention) runs SDPA for every forward of the call, the prefill included (`hf_specdec.cache.attention`).
