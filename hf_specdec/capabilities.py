@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from transformers import DynamicCache, GenerationConfig, StaticCache
+from transformers.cache_utils import CacheLayerMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 
@@ -114,9 +115,14 @@ def check_recurrent_supported(
     generation_config: GenerationConfig,
     # the cache generate prepared or the caller passed (None when there is none)
     cache: Any,
+    # [B, P] or None: the prompt's mask
+    attention_mask: Any,
+    # how many token ids the prompt comes with
+    prompt_ids: int,
 ) -> None:
-    """A model with recurrent layers (`hf_specdec.cache.recurrent`) speculates with chains, on a fresh cache, with
-    dynamic shapes; anything else raises here, before any forward. A draft model drafts depth by depth into one
+    """A model with recurrent layers (`hf_specdec.cache.recurrent`) speculates with chains and dynamic shapes, from
+    the prompt or continuing a filled cache (of a hybrid, with no padding among the new tokens); anything else
+    raises here, before any forward. A draft model drafts depth by depth into one
     step, which such layers cannot roll back: it must attend only."""
     for drafting in (config, config.fallback):
         draft = None if drafting is None else drafting.draft_model
@@ -141,18 +147,29 @@ def check_recurrent_supported(
     if uses_static_shapes(generation_config, cache):
         raise ValueError(f"{name} has recurrent layers: static shapes (cache_implementation='static', compile_config, a "
                          "StaticCache) are not supported for it; drop them")
-    if cache is not None and _holds_tokens(cache):
-        raise ValueError(f"{CACHE_KWARG}: a filled cache for {name}, a model with recurrent layers; speculative "
-                         "decoding continues such a model only from the whole conversation; pass it as the prompt "
-                         "without the cache")
+    if holds_tokens(cache):
+        if not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
+            raise ValueError(f"{CACHE_KWARG}: a filled cache for {name}, a model without attention layers, whose "
+                             "states do not say how many tokens they hold; pass the whole conversation as the "
+                             "prompt without the cache")
+        if isinstance(cache, DynamicCache) and cache.get_seq_length() > 0:
+            new = (attention_mask.shape[1] if attention_mask is not None else prompt_ids) - cache.get_seq_length()
+            if attention_mask is not None and new > 0 and not bool(attention_mask[:, -new:].all()):
+                raise ValueError(
+                    f"attention_mask: padding among the new tokens after a filled {CACHE_KWARG} of {name}, a model "
+                    "with recurrent layers (their states would take the padding as text); pad the conversation on "
+                    "the left, before the cached part"
+                )
 
 
-def _holds_tokens(cache: Any) -> bool:
+def holds_tokens(cache: Any) -> bool:
     """Whether a transformers cache holds anything: keys and values, or a recurrent layer's state."""
+    if cache is None:
+        return False
     if any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers):
         return True
     return any(getattr(layer, "is_initialized", False) and layer.get_seq_length() > 0 for layer in cache.layers
-               if hasattr(layer, "get_seq_length"))
+               if isinstance(layer, CacheLayerMixin))
 
 
 def multimodal_inputs(model_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -112,9 +112,9 @@ def recompute(
     prompt: PromptInputs,
     # [R, P] the prompt's token ids ([R, 0] for an embedded prompt)
     prompt_ids: torch.Tensor,
-    # per layer ([R, H, C, D] keys, values) of the prompt's first C positions, from the filled cache the call
-    # continued (`filled_layers`), taken as they are; None: computed too
-    cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    # per layer ([R, H, C, D] keys, values) of the prompt's first C positions, and each recurrent layer's states
+    # after them, from the filled cache the call continued (`filled_layers`), taken as they are; None: computed too
+    cached: list[LayerEntry] | None = None,
 ) -> DynamicCache:
     """The cache `generate` fills over the rows' final sequences (per attention layer [R, H, P + T, D] keys and
     values; a recurrent layer's states after the last position): one forward over them (after the cached positions),
@@ -130,11 +130,14 @@ def recompute(
     positions = prompt.position_ids
     if positions is None:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    # laid out by the config when the model has layers other than attention ones (a hybrid's recurrent layers)
-    cache = DynamicCache(config=model.config) if recurrent_layer_indices(model) else DynamicCache()
-    for index, (keys, values) in enumerate(cached or ()):
-        cache.update(keys, values, index)
-    start = 0 if cached is None else cached[0][0].shape[2]
+    if recurrent_layer_indices(model):  # laid out by the config: a hybrid's recurrent layers hold states
+        cache = full_layers(cached or [], model.config)
+    else:
+        cache = DynamicCache()
+        for index, entry in enumerate(cached or ()):
+            if entry is not None:
+                cache.update(*entry, index)
+    start = 0 if cached is None else next(entry[0].shape[2] for entry in cached if isinstance(entry, tuple))
     inputs = {
         "attention_mask": torch.cat([mask, mask.new_ones(rows, new)], dim=1),
         # each axis of the positions ([R, P] or [A, R, P]) continues by one a token
@@ -188,15 +191,30 @@ def recompute(
 def filled_layers(
     cache: DynamicCache,
     length: int,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+) -> list[LayerEntry]:
     """Per layer ([B, H, length, D] keys, values) of a filled transformers cache of `length` tokens; layers that
-    kept fewer (sliding windows) are zero-filled in front."""
-    layers = []
-    for layer in cache.layers:
-        keys, values = layer.keys, layer.values
-        missing = length - keys.shape[2]
-        if missing > 0:
-            keys = torch.cat([keys.new_zeros(*keys.shape[:2], missing, keys.shape[3]), keys], dim=2)
-            values = torch.cat([values.new_zeros(*values.shape[:2], missing, values.shape[3]), values], dim=2)
-        layers.append((keys, values))
+    kept fewer (sliding windows) are zero-filled in front; a recurrent layer's states as they are."""
+    layers: list[LayerEntry] = []
+    for entry in layer_entries(cache):
+        if isinstance(entry, tuple):
+            keys, values = entry
+            missing = length - keys.shape[2]
+            if missing > 0:
+                keys = torch.cat([keys.new_zeros(*keys.shape[:2], missing, keys.shape[3]), keys], dim=2)
+                values = torch.cat([values.new_zeros(*values.shape[:2], missing, values.shape[3]), values], dim=2)
+            entry = (keys, values)
+        layers.append(entry)
     return layers
+
+
+def take_rows(
+    entry: LayerEntry,
+    # [R] long
+    rows: torch.Tensor,
+) -> LayerEntry:
+    """A layer's entry for these rows."""
+    if entry is None:
+        return None
+    if isinstance(entry, tuple):
+        return tuple(part[rows.to(part.device)] for part in entry)
+    return {key: state[rows.to(state.device)] for key, state in entry.items()}

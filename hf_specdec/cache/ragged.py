@@ -383,13 +383,16 @@ class RaggedKVCache:
 
     def _write_layers(
         self,
-        # per layer ([B, H, L, D] keys, values)
-        layers,
+        # per layer ([B, H, L, D] keys, values), a recurrent layer's states, or None
+        layers: list[LayerEntry],
     ) -> None:
-        """Copy keys and values computed elsewhere into the first L slots of every row."""
+        """Copy keys and values computed elsewhere into the first L slots of every row (and recurrent layers'
+        states into those layers)."""
         self.kv.write_start, self.kv.write_index = 0, None
         for index, entry in enumerate(layers):
-            if entry is not None:
+            if isinstance(entry, dict):
+                self.kv.layers[index].load(entry)
+            elif entry is not None:
                 self.kv.update(*entry, index)
 
     def _start_prompt(

@@ -64,6 +64,20 @@ class RecurrentSlotLayer(LinearAttentionLayer):
                 if state is not None:
                     states[index] = state[rows.to(state.device)]
 
+    def load(
+        self,
+        # {(kind, index): [B, ...]}: states of another cache's layer (a filled transformers cache's, continued)
+        states: dict[tuple[str, int], torch.Tensor],
+    ) -> None:
+        """Take copies of these states, as if this layer had computed them."""
+        for (kind, index), state in states.items():
+            getattr(self, f"{kind}_states")[index] = state.clone()
+            getattr(self, f"is_{kind}_states_initialized")[index] = True
+            self.has_previous_state[index] = True
+            if kind == "conv":
+                self.conv_kernel_size[index] = state.shape[-1]
+            self.device, self.dtype = state.device, state.dtype
+
     def states(self) -> dict[tuple[str, int], torch.Tensor]:
         """{(kind, index): [B, ...]} every state this layer holds."""
         return {(kind, index): state for kind, states in (("conv", self.conv_states),

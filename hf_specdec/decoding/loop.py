@@ -36,11 +36,17 @@ from hf_specdec.cache.exchange import (
     full_layers,
     layer_entries,
     recompute,
+    take_rows,
 )
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import RaggedKVCache
 from hf_specdec.cache.recurrent import recurrent_layer_indices
-from hf_specdec.capabilities import check_generation_supported, check_recurrent_supported, multimodal_inputs
+from hf_specdec.capabilities import (
+    check_generation_supported,
+    check_recurrent_supported,
+    holds_tokens,
+    multimodal_inputs,
+)
 from hf_specdec.compile import CompileSettings, check_compilable, compiled_forward, uses_static_shapes
 from hf_specdec.config import TREE_SIZE_AUTO, SpeculativeConfig
 from hf_specdec.decoding.outputs import OutputLog, over_static_cache
@@ -499,8 +505,8 @@ class SpeculativeDecoder:
             # continuing a filled cache: its positions are taken as they are, as plain generate keeps them (they
             # may hold what the text alone does not give, such as an earlier turn's images)
             past = prompt.past_key_values
-            cached = None if past is None else [(keys[rows.to(keys.device)], values[rows.to(keys.device)])
-                                                for keys, values in filled_layers(past, past.get_seq_length())]
+            cached = None if past is None else [take_rows(entry, rows)
+                                                for entry in filled_layers(past, past.get_seq_length())]
             again = recompute(self.model, self.state.sequences[rows, start : length - 1], subset, self.prompt_ids[rows],
                               cached)
             self.stats.record_forward((~complete).tolist())
@@ -574,9 +580,10 @@ def speculative_generate(
     `cache_implementation="static"` is not theirs: the engine sizes its own)."""
     if speculative_config is None:
         raise ValueError("speculative_config: hf_specdec's custom_generate needs a SpeculativeConfig")
-    check_recurrent_supported(model, speculative_config, generation_config, model_kwargs.get(CACHE_KWARG))
-    if recurrent_layer_indices(model):  # an empty cache generate prepared (a filled one was refused): not needed
-        model_kwargs.pop(CACHE_KWARG, None)
+    check_recurrent_supported(model, speculative_config, generation_config, model_kwargs.get(CACHE_KWARG),
+                              model_kwargs.get("attention_mask"), input_ids.shape[1])
+    if recurrent_layer_indices(model) and not holds_tokens(model_kwargs.get(CACHE_KWARG)):
+        model_kwargs.pop(CACHE_KWARG, None)  # an empty cache generate prepared: the engine keeps its own
     check_generation_supported(model, generation_config, model_kwargs, synced_gpus,
                                speculative_config.drafting_methods, prompt_ids=input_ids.shape[1])
     speculative_config = with_tree_size(speculative_config, model, input_ids.shape[0])
@@ -591,7 +598,7 @@ def speculative_generate(
         position_ids=model_kwargs.get("position_ids"),
         token_type_ids=model_kwargs.get("token_type_ids"),
         inputs_embeds=model_kwargs.get("inputs_embeds"),
-        past_key_values=past if past is not None and past.get_seq_length() > 0 else None,
+        past_key_values=past if holds_tokens(past) else None,
         multimodal=multimodal_inputs(model_kwargs),
     )
     try:
@@ -605,7 +612,7 @@ def speculative_generate(
         steps = length - input_ids.shape[1]
         # built before the statistics are read: rows that stopped early cost one more target forward here
         past_key_values = decoder.output_cache(length) if generation_config.use_cache else None
-        if decoder.cache.rollback is None:  # a cache with recurrent states is not continued from (refused)
+        if decoder.cache.attends:  # (a cache of recurrent layers alone tells no length to check a later call by)
             attach(past_key_values, decoder.carried)
     finally:
         decoder.cache.release()  # the output holds copies, never the cache's buffers

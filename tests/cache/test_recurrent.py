@@ -4,6 +4,8 @@ logits are plain `generate`'s, and sampling keeps the target's law."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -251,21 +253,69 @@ def test_what_recurrent_layers_cannot_do_is_refused_up_front(config, message):
         hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, max_new_tokens=4)
 
 
-def test_static_shapes_a_filled_cache_and_a_recurrent_draft_are_refused():
+def test_static_shapes_and_a_recurrent_draft_are_refused():
     target = make_hybrid("qwen3_next")
     ids, mask = padded_batch(LENGTHS, seed=3)
-    ngram = SpeculativeConfig(method="ngram")
     with pytest.raises(ValueError, match="static shapes"):
-        hf_specdec.generate(target, ids, attention_mask=mask, speculative=ngram, max_new_tokens=4,
-                            cache_implementation="static")
-    filled = target.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True).cache
-    longer = torch.cat([ids, torch.full((3, 3), 5)], dim=1)
-    with pytest.raises(ValueError, match="a filled cache"):
-        hf_specdec.generate(target, longer, attention_mask=torch.ones_like(longer), speculative=ngram,
-                            max_new_tokens=4, cache=filled)
+        hf_specdec.generate(target, ids, attention_mask=mask, speculative=SpeculativeConfig(method="ngram"),
+                            max_new_tokens=4, cache_implementation="static")
     draft = SpeculativeConfig(method="draft", draft_model=make_hybrid("lfm2", seed=1))
     with pytest.raises(ValueError, match="draft model"):
         hf_specdec.generate(target, ids, attention_mask=mask, speculative=draft, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_conversation_goes_on_from_a_filled_cache(name, batch):
+    """A second turn continues from the first turn's cache (plain generate's, or the one hf_specdec returned, which
+    carries an EAGLE head's own context): its recurrent layers start from the cache's states, its attention layers
+    from its keys and values; output, logits and the returned cache are plain generate's from the same cache."""
+    target = make_hybrid(name)
+    ids, mask = padded_batch(LENGTHS[:batch], seed=3, repeat_period=5)
+    head = EagleHead(EagleConfig.for_target(target, "eagle3")).eval()
+    first_kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None,
+                        return_dict_in_generate=True)
+    first = target.generate(ids, **first_kwargs)
+    ours = hf_specdec.generate(target, ids, speculative=SpeculativeConfig(method="eagle", heads=head), **first_kwargs)
+    assert torch.equal(ours.sequences, first.sequences)
+    more = torch.randint(3, VOCAB, (batch, 4), generator=torch.Generator().manual_seed(1))
+    conversation = torch.cat([first.sequences, more], dim=1)
+    kwargs = dict(attention_mask=torch.cat([mask, torch.ones(batch, 10, dtype=mask.dtype)], dim=1),
+                  max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True,
+                  output_logits=True)
+    expected = target.generate(conversation, cache=copy.deepcopy(first.cache), **kwargs)
+    configs = {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1),
+               "eagle": SpeculativeConfig(method="eagle", heads=head, num_speculative_tokens=3)}
+    for source, cache in (("plain", first.cache), ("ours", ours.cache)):
+        for proposer, config in configs.items():
+            out = hf_specdec.generate(target, conversation, cache=copy.deepcopy(cache), speculative=config, **kwargs)
+            assert torch.equal(out.sequences, expected.sequences), (source, proposer)
+            for step, (mine, theirs) in enumerate(zip(out.logits, expected.logits, strict=True)):
+                torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4, msg=f"{source}/{proposer}, {step}")
+            assert out.spec_stats.num_draft_tokens > 0
+            _assert_same_cache(out.cache, expected.cache)
+
+
+def test_a_filled_cache_is_refused_where_it_cannot_be_continued():
+    """A cache of recurrent layers alone does not say how many tokens it holds; padding among the new tokens
+    would enter the states as text."""
+    ngram = SpeculativeConfig(method="ngram")
+    mamba = make_hybrid("mamba2")
+    ids, mask = padded_batch([8], seed=3)
+    filled = mamba.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
+                            return_dict_in_generate=True).cache
+    longer = torch.cat([ids, torch.full((1, 3), 5)], dim=1)
+    with pytest.raises(ValueError, match="without attention layers"):
+        hf_specdec.generate(mamba, longer, cache=filled, speculative=ngram, max_new_tokens=4, pad_token_id=0)
+    target = make_hybrid("qwen3_next")
+    ids, mask = padded_batch([8, 6], seed=3)
+    first = target.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, return_dict_in_generate=True)
+    filled = first.cache
+    longer = torch.cat([first.sequences, torch.full((2, 3), 5)], dim=1)
+    padded = torch.cat([mask, torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 1, 1]])], dim=1)
+    with pytest.raises(ValueError, match="padding among the new tokens"):
+        hf_specdec.generate(target, longer, attention_mask=padded, cache=filled, speculative=ngram, max_new_tokens=4,
+                            pad_token_id=0)
 
 
 # transformers' Mamba-1 scan starts a forward of several tokens from a zero state, not the cached one
