@@ -80,6 +80,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_specdec
 from hf_specdec import SpeculativeConfig
+from hf_specdec.cache.recurrent import recurrent_layer_indices
 from hf_specdec.cli.environment import environment
 from hf_specdec.cli.runs import SPECULATIVE_OUTPUTS, ForwardTimer, count_new_tokens, forget_earlier_calls
 from hf_specdec.cli.timing import paired_speedup, time_interleaved
@@ -873,6 +874,22 @@ def _check(args: argparse.Namespace) -> None:
             raise SystemExit("error: --plot draws speedups over plain: add a --method other than plain")
 
 
+def _check_cases_for(args: argparse.Namespace, target) -> None:
+    """Before any run: the cases a target with recurrent layers (a hybrid, a state-space model) cannot take."""
+    if not (recurrent_layer_indices(target) or getattr(target, "_is_stateful", False)):
+        return
+    name = type(target).__name__
+    native = [case for case in args.methods if case in NATIVE_CASES]
+    if native:
+        raise SystemExit(f"error: --method {' '.join(native)}: transformers' assisted generation does not run "
+                         f"{name}, a model with recurrent layers; drop those cases")
+    trees = [case for case in args.methods if case in EARLY_EXIT_CASES or "recycling" in case]
+    if trees or (max(args.tree_widths) > 1 and any(case in TREE_CASES for case in args.methods)):
+        raise SystemExit(f"error: {name} has recurrent layers, which verify chains: drop --method "
+                         f"{' '.join(trees) or '...'} and --tree-width above 1 (early exit and token trees are not "
+                         "supported for it; see the README's Models with recurrent layers)")
+
+
 def exit_layer(args: argparse.Namespace, target) -> int:
     """--early-exit-layer, or the layer measured for the committed model, or a quarter of the target's layers;
     checked against the target."""
@@ -1019,6 +1036,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     models = load_models(args, dtype, state.device)
     tokenizer, target, draft, heads = models.tokenizer, models.target, models.draft, models.heads
+    _check_cases_for(args, target)
     if set(EARLY_EXIT_CASES) & set(args.methods):
         args.early_exit_layer = exit_layer(args, target)
     prompts = load_prompts(args, tokenizer, args.num_prompts or max(args.batch_sizes), target)

@@ -515,3 +515,21 @@ def test_recycling_cases_forget_the_table_before_every_pass(tmp_path, monkeypatc
     assert {c.auto_methods for c in configs if c.method == "auto"} == {("ngram", "suffix", "recycling"),
                                                                          ("ngram", "suffix", "recycling", "eagle")}
     assert len(forgotten) == 4 * 3  # four cases, 1 + 2 passes each
+
+
+@pytest.mark.parametrize("methods, widths, match", [
+    (["plain", "hf-lookup"], [1], "hf-lookup: transformers' assisted generation does not run"),
+    (["ngram", "early_exit"], [1], "drop --method early_exit"),
+    (["auto+recycling"], [1], "drop --method auto\\+recycling"),
+    (["draft"], [1, 2], "--tree-width above 1"),
+])
+def test_cases_a_hybrid_target_cannot_take_are_refused_before_any_run(methods, widths, match):
+    import argparse
+
+    from hf_specdec.cli.bench import _check_cases_for
+    from tests.cache.test_recurrent import make_hybrid
+
+    target = make_hybrid("qwen3_next")
+    with pytest.raises(SystemExit, match=match):
+        _check_cases_for(argparse.Namespace(methods=methods, tree_widths=widths), target)
+    _check_cases_for(argparse.Namespace(methods=["plain", "ngram", "suffix", "auto"], tree_widths=[1]), target)
