@@ -1,5 +1,6 @@
 """Layers with a running state (the state-space, linear-attention and short-convolution layers of hybrid models:
-Qwen3-Next, Qwen3.5, Nemotron-H, Bamba, Jamba, LFM2, ...), rolled back to each row's last kept token.
+Qwen3-Next, Qwen3.5, Nemotron-H, Bamba, Granite-4.0-H, LFM2, Mamba-2, ...), rolled back to each row's last kept
+token.
 
 Such a layer keeps, per row, a state of fixed size (a convolution's last inputs, an SSM or delta-rule matrix) that
 every token updates in place: there is no slot to keep or drop, as there is for the attention layers' keys and
@@ -12,9 +13,13 @@ forward, recorded by a hook. A kept token saw only earlier kept tokens in the ve
 ones plain decoding feeds the layer, and the state is the one plain `generate` reaches (computed over the kept tokens
 in one call, as a prefill computes it, where plain decoding takes them one at a time).
 
-What it costs: a copy of every recurrent state per step with a draft, and, per step, the recurrent layers' mixers
-over the kept tokens of the rows that did not keep the whole step, once per distinct number of kept tokens (no other
-layer runs again). Chains only: a token tree's branches would each need a state of their own.
+What it costs: a copy of every recurrent state per step with a draft, and the recurrent layers' mixers over the kept
+tokens of the rows that did not keep the whole step: in the next forward's mixer call when every row keeps the same
+number (always at batch 1; `RecurrentRollback`), else in calls of their own, one per distinct number of kept tokens
+(no other layer runs again). Chains only: a token tree's branches would each need a state of their own.
+
+A mixer must continue from its cached state over several tokens in one call, as a verify forward feeds it:
+transformers' Mamba-1 scan starts such a call from a zero state, and `check_continues_from_state` refuses it.
 
 The layers are the transformers cache-layer type for these states (`LinearAttentionLayer`), so every model reads
 and writes them through the `Cache` methods it calls in plain `generate` (`get_conv_state`, `update_recurrent_state`,
