@@ -122,14 +122,15 @@ def check_recurrent_supported(
 ) -> None:
     """A model with recurrent layers (`hf_specdec.cache.recurrent`) speculates with chains and dynamic shapes, from
     the prompt or continuing a filled cache (of a hybrid, with no padding among the new tokens); anything else
-    raises here, before any forward. A draft model drafts depth by depth into one
-    step, which such layers cannot roll back: it must attend only."""
+    raises here, before any forward. A draft model with recurrent layers drafts chains too."""
     for drafting in (config, config.fallback):
         draft = None if drafting is None else drafting.draft_model
-        if hasattr(draft, "config") and (recurrent_layer_indices(draft) or getattr(draft, "_is_stateful", False)):
-            raise ValueError(f"draft_model: {type(draft).__name__} has recurrent layers, which a draft model cannot "
-                             "have (its states would follow its drafts); draft with a model of attention layers, "
-                             "n-gram lookup or a head")
+        if hasattr(draft, "config") and recurrent_layer_indices(draft) and (
+                drafting.tree_width > 1 or drafting.tree_total_tokens is not None
+                or uses_static_shapes(generation_config, cache)):
+            raise ValueError(f"draft_model: {type(draft).__name__} has recurrent layers, whose state follows one "
+                             "sequence: it drafts chains with dynamic shapes; use tree_width=1 without "
+                             "tree_total_tokens, and no static cache or compile_config")
     if not recurrent_layer_indices(model):
         return
     name = type(model).__name__
@@ -141,9 +142,6 @@ def check_recurrent_supported(
             "'ngram', 'suffix', 'draft', 'eagle', 'medusa', 'mlp_speculator' or 'auto' (token recycling drafts "
             "trees)"
         )
-    if "early_exit" in config.drafting_methods:
-        raise ValueError(f"method='early_exit' is not supported for {name}, a model with recurrent layers (the draft's "
-                         "layers would need states of their own); use method 'ngram', 'draft' or a head")
     if uses_static_shapes(generation_config, cache):
         raise ValueError(f"{name} has recurrent layers: static shapes (cache_implementation='static', compile_config, a "
                          "StaticCache) are not supported for it; drop them")

@@ -355,8 +355,11 @@ class RaggedKVCache:
         and first layers (an early-exit draft) computes those very keys and values over the prompt, so its prefill
         computes nothing."""
         if self._start_prompt(source.batch_size, length, source.lengths.device, attention_mask, None) is not None:
-            self._write_layers([(keys[:, :, :length], values[:, :, :length])
-                                for keys, values in source.kv.buffers()[: self.num_layers]])
+            # (a hybrid's recurrent layers: their states after the prompt)
+            self._write_layers([layer.states() if isinstance(layer, RecurrentSlotLayer)
+                                else None if layer.key_buffer is None
+                                else (layer.key_buffer[:, :, :length], layer.value_buffer[:, :, :length])
+                                for layer in source.kv.layers[: self.num_layers]])
         self._settle_width()
 
     def prefill_from(
@@ -550,7 +553,7 @@ class RaggedKVCache:
         region_orders = self.region_orders[:, : self.region if self.static is None else None]
         call = self.model if self.static is None else self.model_call
         if self.rollback is not None:
-            self.rollback.begin(width)
+            self.rollback.begin(width, real)
         try:
             with self.decode_attention:
                 return self._call_model(inputs, keep_hidden=width, call=call,
@@ -572,9 +575,9 @@ class RaggedKVCache:
         """End the region: each row keeps `num_kept` of its region slots, moved right after its committed tokens
         (a chain's prefix on the host: one copy per row not already there; else one indexed read and write)."""
         if self.rollback is not None:
-            if sources is not None or kept_on_host is None:
-                raise ValueError("a model with recurrent layers keeps a chain's prefix, told on the host")
-            self.rollback.commit(kept_on_host, self.region)
+            if kept_on_host is None:
+                raise ValueError("a model with recurrent layers keeps tokens told on the host")
+            self.rollback.commit(kept_on_host, sources)
         host_spans = (self.static is None and sources is None and self.host_lengths is not None
                       and kept_on_host is not None)
         if host_spans:  # a chain's prefix, all on the host: rows already in place copy nothing

@@ -92,7 +92,8 @@ class RecurrentSlotLayer(LinearAttentionLayer):
 
 def recurrent_layer_indices(model: nn.Module) -> tuple[int, ...]:
     """The indices of the model's decoder layers with a running state (none for an attention-only model)."""
-    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    config = model.config.get_text_config(decoder=True)
+    layer_types = (getattr(config, "layer_types", None) or ())[: config.num_hidden_layers]  # (an early-exit view's)
     return tuple(index for index, kind in enumerate(layer_types) if kind in RECURRENT_LAYER_TYPES)
 
 
@@ -189,7 +190,15 @@ class RecurrentRollback:
         self.layers = layers
         self.mixers = find_mixers(model, sorted(layers))
         self.saved: dict[int, dict[tuple[str, int], torch.Tensor]] | None = None  # states before the step
-        self.inputs: dict[int, torch.Tensor] = {}  # {layer: [B, P + W, H] the mixer's input in the step's forward}
+        self.before: dict[int, dict[tuple[str, int], torch.Tensor]] | None = None  # before a forward with dummies
+        self.inputs: dict[int, torch.Tensor] = {}  # {layer: [B, W, H] the mixer's input in the running forward}
+        # the step's forwards so far: ({layer: [B, W, H] inputs}, [B, W] its real tokens or None for all, W); the
+        # first's inputs start with the P pending ones
+        self.forwards: list[tuple[dict[int, torch.Tensor], torch.Tensor | None, int]] = []
+        self.real: torch.Tensor | None = None  # [B, W] the running forward's real tokens (None: all), and its width
+        self.width = 0
+        # a finished forward with dummies whose rows are not yet back to their real tokens' states
+        self.unfixed: tuple | None = None
         # {layer: [B, P, H]}: the mixers' inputs at the last step's kept tokens, which the states do not hold yet
         self.pending: dict[int, torch.Tensor] = {}
         self.hooks: list = []  # the hooks that record the inputs (and feed the pending ones), while a forward runs
@@ -201,12 +210,12 @@ class RecurrentRollback:
         """P: the kept tokens whose inputs wait for the next forward (the same number in every row)."""
         return next(iter(self.pending.values())).shape[1] if self.pending else 0
 
-    def _feed_and_record(self, index: int):
+    def _feed_and_record(self, index: int, feeding: bool):
         def feed(module, args, kwargs):
             if threading.get_ident() != self.thread:
                 return None
             hidden = args[0] if args else kwargs["hidden_states"]
-            waiting = self.pending.get(index)
+            waiting = self.pending.get(index) if feeding else None
             if waiting is not None:
                 hidden = torch.cat([waiting.to(hidden.dtype), hidden], dim=1)
                 mask = kwargs.get("attention_mask")
@@ -227,54 +236,99 @@ class RecurrentRollback:
             return output[:, count:]
         return drop
 
-    def begin(self, width: int) -> None:
-        """A step's forward over `width` tokens per row is next: keep the states before it and record the mixers'
-        inputs (a one-token step without pending inputs keeps its token, so it needs neither)."""
-        if self.saved is not None:
-            raise RuntimeError("RecurrentRollback: a second forward in one step; recurrent layers take one per step")
-        if width == 1 and not self.pending:
-            return
-        self.saved = {index: {key: state.clone() for key, state in layer.states().items()}
-                      for index, layer in self.layers.items()}
+    def begin(
+        self,
+        width: int,
+        # [B, W] bool: each row's real tokens (a prefix of the forward's), or None when all are real
+        real: torch.Tensor | None = None,
+    ) -> None:
+        """A forward over `width` tokens per row is next: at a step's first, keep the states before the step; keep
+        them before this forward too when some rows have dummies in it; record the mixers' inputs. A forward after
+        one with dummies first puts those rows back to their real tokens' states (the step's later forwards start
+        from them)."""
+        first = self.saved is None
+        if first:
+            self.saved = self._copy()
+            self.forwards = []
+        elif self.unfixed is not None:
+            self._fix(*self.unfixed)
+        self.unfixed = None
+        self.before = None if real is None else self._copy()
+        self.real, self.width = real, width
         self.thread = threading.get_ident()
+        feeding = first and bool(self.pending)
         for index, (mixer, _) in self.mixers.items():
-            self.hooks.append(mixer.register_forward_pre_hook(self._feed_and_record(index), with_kwargs=True))
-            if self.pending:
+            self.hooks.append(mixer.register_forward_pre_hook(self._feed_and_record(index, feeding),
+                                                              with_kwargs=True))
+            if feeding:
                 self.hooks.append(mixer.register_forward_hook(self._drop_pending_outputs(index), with_kwargs=True))
 
+    def _copy(self) -> dict[int, dict[tuple[str, int], torch.Tensor]]:
+        return {index: {key: state.clone() for key, state in layer.states().items()}
+                for index, layer in self.layers.items()}
+
     def end(self) -> None:
+        """The forward ran: its inputs join the step's."""
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
-        if self.saved is not None and set(self.inputs) != set(self.layers):
-            missing = sorted(set(self.layers) - set(self.inputs))
-            self.saved, self.inputs = None, {}
-            raise RuntimeError(f"RecurrentRollback: the mixers of layers {missing} did not run in the step's forward")
+        if self.saved is None:
+            return
+        inputs, self.inputs = self.inputs, {}
+        if set(inputs) != set(self.layers):
+            missing = sorted(set(self.layers) - set(inputs))
+            self.saved = None
+            raise RuntimeError(f"RecurrentRollback: the mixers of layers {missing} did not run in the forward")
+        self.forwards.append((inputs, self.real, self.width))
+        if self.before is not None:
+            self.unfixed = (self.before, inputs, self.real, len(self.forwards) == 1)
+        self.before = None
+
+    def _fix(
+        self,
+        before: dict[int, dict[tuple[str, int], torch.Tensor]],
+        # {layer: [B, W, H]}: the forward's inputs (after the pending ones, if it was the step's first)
+        inputs: dict[int, torch.Tensor],
+        # [B, W] bool
+        real: torch.Tensor,
+        first: bool,
+    ) -> None:
+        """Rows with dummies in a forward: back to the states before it, advanced over their real tokens alone."""
+        offset = self.num_pending if first else 0
+        counts = [offset + count for count in real.sum(dim=1).tolist()]  # (one read, for a step's later forwards)
+        self._redo(before, inputs, counts, [list(range(count)) for count in counts])
 
     def commit(
         self,
-        # per row, the tokens it keeps of the step's `width` (a chain's prefix)
+        # per row, the tokens it keeps of the step's (a chain's: its real ones in order, from the first)
         kept: Sequence[int],
-        width: int,
+        # [B, M] long or None: the region slot of each kept token, in order (None: the first ones)
+        sources: torch.Tensor | None = None,
     ) -> None:
-        """Every row that keeps fewer than `width` tokens gets the states of its kept tokens (with the pending ones fed
-        before them): the states before the step, advanced over the inputs its mixers had at those positions, now or
-        in front of the next forward."""
-        saved, inputs = self.saved, self.inputs
-        self.saved, self.inputs = None, {}
+        """Every row that keeps fewer tokens than it fed in the step gets the states of its kept tokens (with the
+        pending ones fed before them): the states before the step, advanced over the inputs its mixers had at those
+        positions, now or in front of the next forward."""
+        saved, forwards = self.saved, self.forwards
+        self.saved, self.forwards = None, []
         if saved is None:
             return
         before = self.num_pending
         self.pending = {}
+        self.unfixed = None
+        if len(forwards) == 1 and sources is None:  # a row keeping all its real tokens keeps all the forward's
+            fed = [before + forwards[0][2]] * len(kept)
+        else:  # per row, every real token the step fed (and the pending ones)
+            fed = [before] * len(kept)
+            for _, real, width in forwards:
+                counts = [width] * len(kept) if real is None else real.sum(dim=1).tolist()  # (one read each)
+                fed = [total + count for total, count in zip(fed, counts)]
         kept = [before + count for count in kept]
-        width += before
-        groups: dict[int, list[int]] = {}
-        for row, count in enumerate(kept):
-            if count < width:
-                groups.setdefault(count, []).append(row)
-        if not groups:
+        short = [row for row, (count, total) in enumerate(zip(kept, fed)) if count < total]
+        if not short:
             return
-        if len(groups) == 1 and len(next(iter(groups.values()))) == len(kept) and kept[0] <= MAX_PENDING_TOKENS:
+        inputs = {index: torch.cat([step[index] for step, _, _ in forwards], dim=1) for index in self.layers}
+        single = len(forwards) == 1 and sources is None
+        if single and len(short) == len(kept) and len(set(kept)) == 1 and kept[0] <= MAX_PENDING_TOKENS:
             # every row keeps the same tokens: back to the step's start, the kept ones fed with the next forward
             for index, layer in self.layers.items():
                 for (kind, state_index), state in saved[index].items():
@@ -282,14 +336,43 @@ class RecurrentRollback:
             if kept[0]:
                 self.pending = {index: hidden[:, : kept[0]] for index, hidden in inputs.items()}
             return
-        for count, rows in groups.items():
-            picked = torch.tensor(rows)
+        slots = None if sources is None else sources.tolist()
+        positions = [list(range(count)) if slots is None else
+                     list(range(before)) + [before + slot for slot in slots[row][: count - before]]
+                     for row, count in enumerate(kept)]
+        self._redo(saved, inputs, kept, positions, rows=short)
+
+    def _redo(
+        self,
+        # the states to go back to, per layer
+        states: dict[int, dict[tuple[str, int], torch.Tensor]],
+        # {layer: [B, T, H]} the mixers' inputs
+        inputs: dict[int, torch.Tensor],
+        # per row, how many tokens it keeps
+        kept: Sequence[int],
+        # per row, the input positions of its kept tokens, in order
+        positions: Sequence[Sequence[int]],
+        # the rows to redo (default: those keeping fewer tokens than `inputs` holds)
+        rows: Sequence[int] | None = None,
+    ) -> None:
+        """Put these rows' states back to `states` and advance them over their kept tokens' inputs, one mixer call
+        per layer and number of kept tokens."""
+        width = next(iter(inputs.values())).shape[1]
+        rows = [row for row, count in enumerate(kept) if count < width] if rows is None else rows
+        groups: dict[int, list[int]] = {}
+        for row in rows:
+            groups.setdefault(kept[row], []).append(row)
+        for count, members in groups.items():
+            picked = torch.tensor(members)
+            gather = torch.tensor([positions[row][:count] for row in members], dtype=torch.long)
             for index, layer in self.layers.items():
                 on_device = picked.to(layer.device)  # (layers may sit on several devices)
-                for (kind, state_index), state in saved[index].items():
+                for (kind, state_index), state in states[index].items():
                     getattr(layer, f"{kind}_states")[state_index][on_device] = state[on_device]
                 if count:
-                    self._advance(index, layer, on_device, inputs[index][picked.to(inputs[index].device), :count])
+                    hidden = inputs[index]
+                    taken = hidden[picked.to(hidden.device)[:, None], gather.to(hidden.device)]
+                    self._advance(index, layer, on_device, taken)
 
     def _advance(
         self,

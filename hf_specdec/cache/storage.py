@@ -214,6 +214,10 @@ class SlotCache(DynamicCache):
         too, and has no attention layer to ask)."""
         return self.write_start
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """As every `SlotLayer` answers (a model whose layers here are recurrent ones alone builds a mask too)."""
+        return self.write_start + query_length, 0
+
     def plan(self, capacity: int) -> None:
         """The slots the first forward allocates per layer (before any layer has buffers)."""
         if any(layer.key_buffer is not None for layer in self.layers):

@@ -81,7 +81,10 @@ def _build_view(target: PreTrainedModel, layer: int) -> PreTrainedModel:
         )
     text.num_hidden_layers = layer
     if getattr(text, "layer_types", None) is not None:
-        text.layer_types = list(text.layer_types[:layer])
+        try:
+            text.layer_types = list(text.layer_types[:layer])
+        except AttributeError:  # computed from other fields and the layer count (Bamba's, from its attention indices)
+            pass
     attention = target.config._attn_implementation
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise ValueError(

@@ -100,6 +100,6 @@ def test_recurrent_draft_model_refused_up_front(forward_counter):
     target = make_model("llama")
     counts = forward_counter(target), forward_counter(draft)
     config = SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=3)
-    with pytest.raises(ValueError, match="draft_model: RwkvForCausalLM has recurrent layers"):
+    with pytest.raises(ValueError, match="RwkvForCausalLM: its layers keep a running state"):
         hf_specdec.generate(target, PROMPT, speculative=config, max_new_tokens=4)
     assert [count() for count in counts] == [0, 0]

@@ -16,7 +16,7 @@ from hf_specdec.cache import recurrent
 from hf_specdec.heads import EagleConfig, EagleHead
 from hf_specdec.lossless import divergences
 from hf_specdec.suffix import SuffixCache
-from tests.conftest import SPECIAL, VOCAB, make_draft, padded_batch, run_racing_threads
+from tests.conftest import SPECIAL, VOCAB, make_draft, noisy_copy, padded_batch, run_racing_threads
 from tests.decoding import test_sampling_lossless as lossless
 from tests.heads.medusa.test_model import heads_for
 from tests.proposers.test_mlp_speculator import fitted_speculator
@@ -79,6 +79,11 @@ def _chains(target: torch.nn.Module, expected: torch.Tensor) -> dict[str, Specul
         "medusa": SpeculativeConfig(method="medusa", heads=heads_for(target), num_speculative_tokens=3),
         "eagle3": SpeculativeConfig(method="eagle", heads=EagleHead(EagleConfig.for_target(target, "eagle3")).eval(),
                                     num_speculative_tokens=3),
+        # the target's own layers with a noisy lm_head: a draft model with recurrent layers of its own, rolled back
+        # over several forwards a step
+        "hybrid_draft": SpeculativeConfig(method="draft", draft_model=noisy_copy(target), num_speculative_tokens=3),
+        # the target's first layers, recurrent ones among them
+        "early_exit": SpeculativeConfig(method="early_exit", early_exit_layer=1, num_speculative_tokens=3),
         # one path per row from its own text and the earlier calls' outputs
         "suffix": SpeculativeConfig(method="suffix", suffix_cache=suffix_cache, num_speculative_tokens=4),
         "auto": SpeculativeConfig(method="auto", draft_model=make_draft(), num_speculative_tokens=3,
@@ -115,9 +120,10 @@ def test_kept_tokens_fed_with_the_next_forward_at_batch_one(name, monkeypatch):
     fed = []
     begin = recurrent.RecurrentRollback.begin
 
-    def spy(self, width):
-        fed.append(self.num_pending)
-        begin(self, width)
+    def spy(self, width, real=None):
+        if self.saved is None:  # a step's first forward
+            fed.append(self.num_pending)
+        begin(self, width, real)
 
     monkeypatch.setattr(recurrent.RecurrentRollback, "begin", spy)
     target = make_hybrid(name)
@@ -147,7 +153,8 @@ def test_bfloat16_output_parts_only_at_near_ties(name):
     kwargs = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     plain = target.generate(ids, **kwargs, return_dict_in_generate=True, output_scores=True)
     parted = 0
-    for proposer, config in _chains(target, plain.sequences).items():
+    configs = _chains(target, plain.sequences)
+    for proposer, config in configs.items():
         for drafter in (config.heads, config.draft_model):
             if drafter is not None:
                 drafter.to(torch.bfloat16)
@@ -155,7 +162,34 @@ def test_bfloat16_output_parts_only_at_near_ties(name):
         found = divergences(plain.sequences, out, ids.shape[1], plain.scores, torch.bfloat16, pad_token_id=0)
         assert all(divergence.near_tie for divergence in found), (proposer, found)
         parted += len(found)
-    print(f"{name}: {parted} of {ids.shape[0] * 7} rows parted from plain generate's, each at a near-tie")
+    print(f"{name}: {parted} of {ids.shape[0] * len(configs)} rows parted from plain generate's, each at a near-tie")
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_a_hybrid_draft_drafts_each_row_as_alone(name, monkeypatch):
+    """A draft model's step feeds its rows different numbers of tokens (dummies after the shorter), then drafts one
+    token a forward: rows with dummies go back to their real tokens' states before the next forward, so what the
+    target accepts of each row's drafts is what it accepts alone, in a batch of one; without that, it is not."""
+    target = make_hybrid(name)
+    lengths = [12, 7, 10]
+    ids, mask = padded_batch(lengths, seed=3, repeat_period=5)
+    kwargs = dict(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
+
+    def accepted() -> tuple[list[int], list[int]]:
+        # the target's layers with a little noise on the lm_head: most drafts kept, so rows feed 1 or 2 tokens
+        config = SpeculativeConfig(method="draft", draft_model=noisy_copy(target, scale=0.3),
+                                   num_speculative_tokens=4, schedule="fixed")
+        together = hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, **kwargs)
+        alone = [hf_specdec.generate(target, ids[row:row + 1, ids.shape[1] - length:], speculative=config, **kwargs)
+                 for row, length in enumerate(lengths)]
+        return ([row.num_accepted_tokens for row in together.spec_stats.per_row],
+                [out.spec_stats.num_accepted_tokens for out in alone])
+
+    together, alone = accepted()
+    assert together == alone, (together, alone)
+    monkeypatch.setattr(recurrent.RecurrentRollback, "_fix", lambda self, *args: None)
+    together, alone = accepted()
+    assert together != alone
 
 
 def test_calls_in_threads_share_a_hybrid_model():
@@ -244,7 +278,7 @@ def test_the_returned_cache_of_rows_that_ran_to_the_end_is_the_engines(batch):
     (SpeculativeConfig(method="draft", draft_model=make_draft(), tree_width=2, tree_total_tokens=4), "token trees"),
     (SpeculativeConfig(method="recycling"), "token trees"),
     (SpeculativeConfig(method="auto", auto_methods=["ngram", "recycling"]), "token trees"),
-    (SpeculativeConfig(method="early_exit", early_exit_layer=1), "early_exit"),
+    (SpeculativeConfig(method="draft", draft_model=make_hybrid("lfm2", seed=1), tree_width=2), "draft_model: "),
 ])
 def test_what_recurrent_layers_cannot_do_is_refused_up_front(config, message):
     target = make_hybrid("qwen3_next")
@@ -253,15 +287,12 @@ def test_what_recurrent_layers_cannot_do_is_refused_up_front(config, message):
         hf_specdec.generate(target, ids, attention_mask=mask, speculative=config, max_new_tokens=4)
 
 
-def test_static_shapes_and_a_recurrent_draft_are_refused():
+def test_static_shapes_are_refused():
     target = make_hybrid("qwen3_next")
     ids, mask = padded_batch(LENGTHS, seed=3)
     with pytest.raises(ValueError, match="static shapes"):
         hf_specdec.generate(target, ids, attention_mask=mask, speculative=SpeculativeConfig(method="ngram"),
                             max_new_tokens=4, cache_implementation="static")
-    draft = SpeculativeConfig(method="draft", draft_model=make_hybrid("lfm2", seed=1))
-    with pytest.raises(ValueError, match="draft model"):
-        hf_specdec.generate(target, ids, attention_mask=mask, speculative=draft, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
