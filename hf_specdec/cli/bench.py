@@ -883,11 +883,11 @@ def _check_cases_for(args: argparse.Namespace, target) -> None:
     if native:
         raise SystemExit(f"error: --method {' '.join(native)}: transformers' assisted generation does not run "
                          f"{name}, a model with recurrent layers; drop those cases")
-    trees = [case for case in args.methods if case in EARLY_EXIT_CASES or "recycling" in case]
+    trees = [case for case in args.methods if "recycling" in case]
     if trees or (max(args.tree_widths) > 1 and any(case in TREE_CASES for case in args.methods)):
         raise SystemExit(f"error: {name} has recurrent layers, which verify chains: drop --method "
-                         f"{' '.join(trees) or '...'} and --tree-width above 1 (early exit and token trees are not "
-                         "supported for it; see the README's Models with recurrent layers)")
+                         f"{' '.join(trees) or '...'} and --tree-width above 1 (token recycling and other token trees "
+                         "are not supported for it; see the README's Models with recurrent layers)")
 
 
 def exit_layer(args: argparse.Namespace, target) -> int:

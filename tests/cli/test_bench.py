@@ -519,7 +519,7 @@ def test_recycling_cases_forget_the_table_before_every_pass(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("methods, widths, match", [
     (["plain", "hf-lookup"], [1], "hf-lookup: transformers' assisted generation does not run"),
-    (["ngram", "early_exit"], [1], "drop --method early_exit"),
+    (["ngram", "recycling"], [1], "drop --method recycling"),
     (["auto+recycling"], [1], "drop --method auto\\+recycling"),
     (["draft"], [1, 2], "--tree-width above 1"),
 ])
@@ -532,4 +532,5 @@ def test_cases_a_hybrid_target_cannot_take_are_refused_before_any_run(methods, w
     target = make_hybrid("qwen3_next")
     with pytest.raises(SystemExit, match=match):
         _check_cases_for(argparse.Namespace(methods=methods, tree_widths=widths), target)
-    _check_cases_for(argparse.Namespace(methods=["plain", "ngram", "suffix", "auto"], tree_widths=[1]), target)
+    _check_cases_for(argparse.Namespace(methods=["plain", "ngram", "suffix", "auto", "early_exit", "draft"],
+                                        tree_widths=[1]), target)
