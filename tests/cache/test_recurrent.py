@@ -404,11 +404,23 @@ def _sampled_chain(target) -> SpeculativeConfig:
                              seed=5)
 
 
-def test_sampling_matches_exact_target_law(sampling_target):
+# sampled chains of 2 from drafters with recurrent layers of their own: the target's layers with a noisy lm_head (a
+# draft model), and its first layer (early exit)
+SAMPLED_DRAFTERS = {
+    "mlp_speculator": _sampled_chain,
+    "hybrid_draft": lambda target: SpeculativeConfig(method="draft", draft_model=lossless._noisy_draft(target),
+                                                     num_speculative_tokens=2, seed=7),
+    "early_exit": lambda target: SpeculativeConfig(method="early_exit", early_exit_layer=2, num_speculative_tokens=2,
+                                                   seed=9),
+}
+
+
+@pytest.mark.parametrize("drafter", sorted(SAMPLED_DRAFTERS))
+def test_sampling_matches_exact_target_law(sampling_target, drafter):
     """Tokens 2-4 come from a step that drafted tokens 2 and 3: rows that rejected one go on from rolled-back states.
     Drafts were both accepted (at depth 2 too) and rejected."""
     law = lossless.exact_law(sampling_target, lossless.TEMPERATURE)
-    config = _sampled_chain(sampling_target)
+    config = SAMPLED_DRAFTERS[drafter](sampling_target)
     prompts = lossless.PROMPT.expand(300, -1)
     spec = hf_specdec.generate(sampling_target, prompts, attention_mask=torch.ones_like(prompts), speculative=config,
                                max_new_tokens=lossless.NEW_TOKENS, do_sample=True, temperature=lossless.TEMPERATURE,
