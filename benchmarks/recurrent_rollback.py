@@ -32,13 +32,16 @@ from hf_specdec import SpeculativeConfig
 from hf_specdec.cache import recurrent
 
 RESULTS = Path(__file__).parent / "results"
+VOCAB = 49152  # SmolLM2's
 
 
-def hybrid_model(dtype: torch.dtype) -> torch.nn.Module:
+def hybrid_model(dtype: torch.dtype, smoke: bool = False) -> torch.nn.Module:
+    """The benchmark's hybrid; `smoke`: a tiny one of the same layout (4 layers, hidden 64) for a quick check."""
     torch.manual_seed(0)
-    layers = 24
+    layers = 4 if smoke else 24
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+        vocab_size=VOCAB, hidden_size=64 if smoke else 576, intermediate_size=128 if smoke else 1536,
+        num_hidden_layers=layers, num_attention_heads=9,
         num_key_value_heads=3, head_dim=64, linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
         linear_value_head_dim=64, max_position_embeddings=2048, pad_token_id=0, eos_token_id=None,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)])
@@ -65,8 +68,13 @@ class RollbackTimer:
             commit(self, *args, **kwargs)
             timer.seconds += time.perf_counter() - start
 
+        self.originals = begin, commit
         recurrent.RecurrentRollback.begin = timed_begin
         recurrent.RecurrentRollback.commit = timed_commit
+
+    def close(self) -> None:
+        """Put the rollback's methods back."""
+        recurrent.RecurrentRollback.begin, recurrent.RecurrentRollback.commit = self.originals
 
 
 def forward_ms(model, batch: int, width: int, context: int, repeats: int) -> float:
@@ -83,27 +91,8 @@ def forward_ms(model, batch: int, width: int, context: int, repeats: int) -> flo
     return 1000 * statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("-k", type=int, default=5)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=5, help="forwards timed for the forward costs")
-    parser.add_argument("--calls", type=int, default=3, help="calls per setting, the settings interleaved")
-    parser.add_argument("--max-pending", type=int, nargs="+", default=[recurrent.MAX_PENDING_TOKENS],
-                        help="MAX_PENDING_TOKENS values to run, each in turn per batch size (0: the mixers run again "
-                             "at every commit)")
-    parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    hf_specdec.enable()
-    model = hybrid_model(getattr(torch, args.dtype))
-    draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, pad_token_id=0)).eval().to(model.dtype)
-    timer = RollbackTimer()
-    default_pending = recurrent.MAX_PENDING_TOKENS
+def measure(args: argparse.Namespace, model, draft, timer: RollbackTimer, default_pending: int) -> list[dict]:
+    """One row per batch size and MAX_PENDING_TOKENS setting (see the module docstring)."""
     rows = []
     for batch in args.batch_sizes:
         prompts = torch.randint(3, 1000, (batch, 64), generator=torch.Generator().manual_seed(2))
@@ -151,13 +140,46 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row, sort_keys=True))
-    result = {"model": "random Qwen3.5-style hybrid, hidden 576, 24 layers (18 gated delta net, 6 attention)",
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("-k", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=5, help="forwards timed for the forward costs")
+    parser.add_argument("--calls", type=int, default=3, help="calls per setting, the settings interleaved")
+    parser.add_argument("--max-pending", type=int, nargs="+", default=[recurrent.MAX_PENDING_TOKENS],
+                        help="MAX_PENDING_TOKENS values to run, each in turn per batch size (0: the mixers run again "
+                             "at every commit)")
+    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model of the same layout: checks the script runs")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    hf_specdec.enable()
+    model = hybrid_model(getattr(torch, args.dtype), args.smoke)
+    draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=0)).eval().to(model.dtype)
+    timer = RollbackTimer()
+    default_pending = recurrent.MAX_PENDING_TOKENS
+    try:
+        rows = measure(args, model, draft, timer, default_pending)
+    finally:
+        timer.close()
+        recurrent.MAX_PENDING_TOKENS = default_pending
+    layout = "hidden 64, 4 layers (3 gated delta net, 1 attention)" if args.smoke else \
+        "hidden 576, 24 layers (18 gated delta net, 6 attention)"
+    result = {"model": f"random Qwen3.5-style hybrid, {layout}",
               "drafter": "random one-layer Llama draft, hidden 64",
               "dtype": args.dtype, "k": args.k, "max_new_tokens": args.max_new_tokens,
               "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows}
     output = args.output or RESULTS / f"recurrent_rollback_{args.dtype}_cpu.json"
     output.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(f"wrote {output}")
+    return result
 
 
 if __name__ == "__main__":
