@@ -126,8 +126,7 @@ def check_recurrent_supported(
     for drafting in (config, config.fallback):
         draft = None if drafting is None else drafting.draft_model
         if hasattr(draft, "config") and recurrent_layer_indices(draft) and (
-                drafting.tree_width > 1 or drafting.tree_total_tokens is not None
-                or uses_static_shapes(generation_config, cache)):
+                drafting.drafts_trees or uses_static_shapes(generation_config, cache)):
             raise ValueError(f"draft_model: {type(draft).__name__} has recurrent layers, whose state follows one "
                              "sequence: it drafts chains with dynamic shapes; use tree_width=1 without "
                              "tree_total_tokens, and no static cache or compile_config")

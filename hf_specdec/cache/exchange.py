@@ -20,7 +20,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from hf_specdec.cache.naming import CACHE_KWARG
-from hf_specdec.cache.recurrent import recurrent_layer_indices
+from hf_specdec.cache.recurrent import layer_states, load_states, recurrent_layer_indices
 from hf_specdec.step.state import MODALITY_TYPE_INPUTS, PromptInputs
 
 # one layer of a cache as the engine exchanges it with transformers: ([B, H, S, D] keys, [B, H, S, D] values) of an
@@ -31,15 +31,9 @@ LayerEntry = tuple[torch.Tensor, torch.Tensor] | dict[tuple[str, int], torch.Ten
 
 def layer_entries(cache: DynamicCache) -> list[LayerEntry]:
     """What every layer of a filled transformers cache holds."""
-    entries: list[LayerEntry] = []
-    for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            entries.append({(kind, index): state for kind, states in (("conv", layer.conv_states),
-                                                                      ("recurrent", layer.recurrent_states))
-                            for index, state in states.items() if state is not None})
-        else:
-            entries.append((layer.keys, layer.values) if getattr(layer, "keys", None) is not None else None)
-    return entries
+    return [layer_states(layer) if isinstance(layer, LinearAttentionCacheLayerMixin)
+            else (layer.keys, layer.values) if getattr(layer, "keys", None) is not None else None
+            for layer in cache.layers]
 
 
 def entry_tensors(entry: LayerEntry) -> list[torch.Tensor]:
@@ -49,6 +43,33 @@ def entry_tensors(entry: LayerEntry) -> list[torch.Tensor]:
     return list(entry) if isinstance(entry, tuple) else [entry[key] for key in sorted(entry)]
 
 
+def zeros_with_rows(
+    entry: LayerEntry,
+    batch: int,
+) -> LayerEntry:
+    """Zeros shaped as a layer's entry, with `batch` rows."""
+    if entry is None:
+        return None
+    if isinstance(entry, tuple):
+        return tuple(part.new_zeros(batch, *part.shape[1:]) for part in entry)
+    return {key: state.new_zeros(batch, *state.shape[1:]) for key, state in entry.items()}
+
+
+def _fill(
+    cache,
+    # per layer: its entry for every row
+    layers: list[LayerEntry],
+):
+    """Put every layer's entry into a transformers cache (keys and values through its own `update`; a recurrent
+    layer's states, copied, into its layer), and return it."""
+    for index, entry in enumerate(layers):
+        if isinstance(entry, dict):
+            load_states(cache.layers[index], {key: state.clone() for key, state in entry.items()})
+        elif entry is not None:
+            cache.update(*entry, index)
+    return cache
+
+
 def full_layers(
     # per layer: its entry for every row
     layers: list[LayerEntry],
@@ -56,22 +77,7 @@ def full_layers(
 ) -> DynamicCache:
     """A transformers `DynamicCache` laid out as `generate` makes it for this model (sliding layers keep their
     window), from every layer's full keys and values, and every recurrent layer's states."""
-    cache = DynamicCache(config=config.get_text_config(decoder=True))
-    for index, entry in enumerate(layers):
-        if isinstance(entry, dict):
-            layer = cache.layers[index]
-            for (kind, state_index), state in entry.items():
-                if kind == "conv":
-                    layer.lazy_initialization(conv_states=state, state_idx=state_index,
-                                              conv_kernel_size=state.shape[-1])
-                    layer.conv_states[state_index].copy_(state)
-                else:
-                    layer.lazy_initialization(recurrent_states=state, state_idx=state_index)
-                    layer.recurrent_states[state_index].copy_(state)
-                layer.has_previous_state[state_index] = True
-        elif entry is not None:
-            cache.update(*entry, index)
-    return cache
+    return _fill(DynamicCache(config=config.get_text_config(decoder=True)), layers)
 
 
 def fill_static_cache(
@@ -81,10 +87,7 @@ def fill_static_cache(
 ) -> StaticCache:
     """An empty transformers `StaticCache` filled with every layer's keys and values, through its own `update` (its
     sliding-window layers keep their window), as plain `generate` leaves the StaticCache it was given."""
-    for index, entry in enumerate(layers):
-        if entry is not None:
-            cache.update(*entry, index)
-    return cache
+    return _fill(cache, layers)
 
 
 def gather_by_order(
@@ -132,11 +135,8 @@ def recompute(
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     if recurrent_layer_indices(model):  # laid out by the config: a hybrid's recurrent layers hold states
         cache = full_layers(cached or [], model.config)
-    else:
-        cache = DynamicCache()
-        for index, entry in enumerate(cached or ()):
-            if entry is not None:
-                cache.update(*entry, index)
+    else:  # every layer keeps all its keys (a sliding one's too: the output gathers them by order)
+        cache = _fill(DynamicCache(), cached or [])
     start = 0 if cached is None else next(entry[0].shape[2] for entry in cached if isinstance(entry, tuple))
     inputs = {
         "attention_mask": torch.cat([mask, mask.new_ones(rows, new)], dim=1),

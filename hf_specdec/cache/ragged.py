@@ -63,7 +63,6 @@ from hf_specdec.cache.recurrent import (
     CACHELESS_LAYER_TYPES,
     RECURRENT_LAYER_TYPES,
     RecurrentRollback,
-    RecurrentSlotLayer,
     check_continues_from_state,
     find_mixers,
     recurrent_layer_indices,
@@ -85,6 +84,9 @@ class AttentionLayout:
     sliding_window: int | None
     # True when the model takes {layer_type: mask} (config.layer_types mixes full and sliding layers).
     per_layer_type: bool
+    # False for a model with no attention layer (a state-space model alone, or an early-exit view of its recurrent
+    # first layers): it takes no mask (Mamba's mixers would apply one to their inputs)
+    attends: bool = True
 
     @classmethod
     def from_model(cls, model) -> AttentionLayout:
@@ -110,11 +112,12 @@ class AttentionLayout:
                     f"recurrent layers it can roll back ({', '.join(map(repr, RECURRENT_LAYER_TYPES))}); use plain "
                     "generate for this model"
                 )
+            attends = bool({FULL_ATTENTION, SLIDING_ATTENTION} & set(layer_types[: config.num_hidden_layers]))
             if SLIDING_ATTENTION in layer_types:
                 if window is None:
                     raise ValueError(f"{type(model).__name__}: sliding-attention layers but config.sliding_window is None")
-                return cls(sliding_window=int(window), per_layer_type=True)
-            return cls(sliding_window=None, per_layer_type=False)
+                return cls(sliding_window=int(window), per_layer_type=True, attends=attends)
+            return cls(sliding_window=None, per_layer_type=False, attends=attends)
         return cls(sliding_window=None if window is None else int(window), per_layer_type=False)
 
 
@@ -199,9 +202,6 @@ class RaggedKVCache:
         # a hybrid model's layers with a running state, rolled back to each row's kept tokens at every commit
         self.rollback = RecurrentRollback(model, {index: self.kv.layers[index] for index in recurrent}) \
             if recurrent else None
-        layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
-        # some layer attends over the cache (the model takes masks)
-        self.attends = not layer_types or bool({FULL_ATTENTION, SLIDING_ATTENTION} & set(layer_types))
         self.static: StaticLayout | None = None
         self._mask_buffers: dict[tuple, torch.Tensor] = {}  # static shapes: one mask buffer per (width, window)
         self._tail_masks: dict[tuple, torch.Tensor] = {}  # dense chains: [W, S] per (width, dtype, device)
@@ -356,10 +356,7 @@ class RaggedKVCache:
         computes nothing."""
         if self._start_prompt(source.batch_size, length, source.lengths.device, attention_mask, None) is not None:
             # (a hybrid's recurrent layers: their states after the prompt)
-            self._write_layers([layer.states() if isinstance(layer, RecurrentSlotLayer)
-                                else None if layer.key_buffer is None
-                                else (layer.key_buffer[:, :, :length], layer.value_buffer[:, :, :length])
-                                for layer in source.kv.layers[: self.num_layers]])
+            self._write_layers(source.kv.entries(length)[: self.num_layers])
         self._settle_width()
 
     def prefill_from(
@@ -528,7 +525,7 @@ class RaggedKVCache:
             self.kv.write_start, self.kv.write_index = self.width + start, None
         self.region = end
         self.dense_region &= real is None and visible is None
-        if self.attends:
+        if self.layout.attends:
             mask = self._dense_mask(batch, width, depths.device) if self._dense() else self._mask(orders, visible, start)
         else:  # a state-space model alone: no layer attends (and its mixers would apply a mask to their inputs)
             mask = None
@@ -629,10 +626,7 @@ class RaggedKVCache:
         keep = (self.valid[:, :length] & (self._slot_orders(length) < self.lengths[:, None]))[:, None, :, None]
         if self.rollback is not None:
             self.rollback.settle()
-        return [layer.states() if isinstance(layer, RecurrentSlotLayer)
-                else None if layer.key_buffer is None
-                else (layer.key_buffer[:, :, :length] * keep, layer.value_buffer[:, :, :length] * keep)
-                for layer in self.kv.layers]
+        return self.kv.entries(length, keep)
 
     def _settle_width(self) -> None:
         """Under static shapes the region always starts after the committed capacity."""

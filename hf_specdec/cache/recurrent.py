@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
+from transformers.cache_utils import Cache, DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 # transformers' cache-layer types of layers with a running state (state-space and linear-attention layers are
 # "linear_attention", LFM2's short convolutions "conv")
@@ -75,19 +75,48 @@ class RecurrentSlotLayer(LinearAttentionLayer):
         states: dict[tuple[str, int], torch.Tensor],
     ) -> None:
         """Take copies of these states, as if this layer had computed them."""
-        for (kind, index), state in states.items():
-            getattr(self, f"{kind}_states")[index] = state.clone()
-            getattr(self, f"is_{kind}_states_initialized")[index] = True
-            self.has_previous_state[index] = True
-            if kind == "conv":
-                self.conv_kernel_size[index] = state.shape[-1]
-            self.device, self.dtype = state.device, state.dtype
+        load_states(self, {key: state.clone() for key, state in states.items()})
 
     def states(self) -> dict[tuple[str, int], torch.Tensor]:
         """{(kind, index): [B, ...]} every state this layer holds."""
-        return {(kind, index): state for kind, states in (("conv", self.conv_states),
-                                                          ("recurrent", self.recurrent_states))
-                for index, state in states.items() if state is not None}
+        return layer_states(self)
+
+
+def layer_states(layer: LinearAttentionCacheLayerMixin) -> dict[tuple[str, int], torch.Tensor]:
+    """{("conv" | "recurrent", index): [B, ...]} every state a transformers recurrent cache layer holds."""
+    kinds = (("conv", layer.conv_states), ("recurrent", layer.recurrent_states))
+    return {(kind, index): state for kind, states in kinds for index, state in states.items() if state is not None}
+
+
+def load_states(
+    layer: LinearAttentionCacheLayerMixin,
+    # {(kind, index): [B, ...]}, as `layer_states` gives them: taken as they are (not copied)
+    states: dict[tuple[str, int], torch.Tensor],
+) -> None:
+    """Make a transformers recurrent cache layer hold these states, as if it had computed them."""
+    for (kind, index), state in states.items():
+        getattr(layer, f"{kind}_states")[index] = state
+        getattr(layer, f"is_{kind}_states_initialized")[index] = True
+        layer.has_previous_state[index] = True
+        if kind == "conv":
+            layer.conv_kernel_size[index] = state.shape[-1]
+        layer.device, layer.dtype = state.device, state.dtype
+
+
+def _set_rows(
+    layer: LinearAttentionCacheLayerMixin,
+    # {(kind, index): [B, ...] or [G, ...]}
+    states: dict[tuple[str, int], torch.Tensor],
+    # [G] long: the rows `states` are for (None: every row, `states` holding them all)
+    rows: torch.Tensor | None = None,
+) -> None:
+    """Write these states into the layer's, in place (all rows, or those given)."""
+    for (kind, index), state in states.items():
+        target = getattr(layer, f"{kind}_states")[index]
+        if rows is None:
+            target.copy_(state)
+        else:
+            target[rows] = state
 
 
 def recurrent_layer_indices(model: nn.Module) -> tuple[int, ...]:
@@ -99,7 +128,15 @@ def recurrent_layer_indices(model: nn.Module) -> tuple[int, ...]:
 
 def find_mixers(model: nn.Module, indices: Sequence[int]) -> dict[int, tuple[nn.Module, str]]:
     """{layer index: (the module that updates that layer's state, the name its forward gives the cache)}: the deepest
-    module of that `layer_idx` whose forward takes the cache (the decoder layer holding it passes the cache on)."""
+    module of that `layer_idx` whose forward takes the cache (the decoder layer holding it passes the cache on).
+    Looked up once per model and layers."""
+    per_model = _MIXERS.setdefault(model, {})
+    if tuple(indices) not in per_model:
+        per_model[tuple(indices)] = _find_mixers(model, indices)
+    return per_model[tuple(indices)]
+
+
+def _find_mixers(model: nn.Module, indices: Sequence[int]) -> dict[int, tuple[nn.Module, str]]:
     found: dict[int, tuple[int, nn.Module, str]] = {}
     for name, module in model.named_modules():
         index = getattr(module, "layer_idx", None)
@@ -125,6 +162,8 @@ def find_mixers(model: nn.Module, indices: Sequence[int]) -> dict[int, tuple[nn.
 # draft adds its kept tokens to those already waiting (the states go back to before them), so past this many the
 # mixers run over them at once and the wait starts again
 MAX_PENDING_TOKENS = 8
+# per model, {layer indices: `find_mixers`' answer}
+_MIXERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # models whose recurrent layers continue from their state over several tokens in one forward (checked once each)
 _CONTINUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # the largest relative difference, in float32, between a mixer's output over six tokens at once and over three, then
@@ -136,45 +175,56 @@ CONTINUATION_TOLERANCE = 1e-5
 def check_continues_from_state(model: nn.Module) -> None:
     """Refuse a model whose recurrent layers restart from a zero state in a forward of several tokens after the
     cache (transformers' Mamba-1 scan, in Mamba, Falcon-Mamba, Jamba and Zamba): a verify forward of such a model
-    gives other outputs than plain decoding. Checked once per model on its first recurrent layer's mixer, in float32:
-    six random inputs in one call against three, then three more continuing from the state the first left."""
-    indices = recurrent_layer_indices(model)
-    if not indices or model in _CONTINUES:
+    gives other outputs than plain decoding. Checked once per model (`continuation_difference`)."""
+    if not recurrent_layer_indices(model) or model in _CONTINUES:
         return
-    index = indices[0]
-    mixer, keyword = find_mixers(model, indices)[index]
-    probe = copy.deepcopy(mixer).float()
-    hidden = torch.randn(1, 6, model.config.get_text_config(decoder=True).hidden_size,
-                         generator=torch.Generator().manual_seed(0)).to(next(probe.parameters()).device)
-    with torch.no_grad():
-        whole = probe(hidden, attention_mask=None, **{keyword: _OneLayerView(index, LinearAttentionLayer())})
-        cache = _OneLayerView(index, LinearAttentionLayer())
-        parts = torch.cat([probe(hidden[:, :3], attention_mask=None, **{keyword: cache}),
-                           probe(hidden[:, 3:], attention_mask=None, **{keyword: cache})], dim=1)
-    difference = float((parts - whole).abs().max() / whole.abs().max().clamp(min=1e-30))
+    difference, mixer = continuation_difference(model)
     if difference > CONTINUATION_TOLERANCE:
         raise ValueError(
-            f"{type(model).__name__}: its recurrent layers ({type(mixer).__name__}) start a forward of several tokens "
-            f"from a zero state instead of the cached one (their output over six tokens at once and over three then "
-            f"three more differ by {difference:.1e}, relative), so a verify forward would not compute what plain "
+            f"{type(model).__name__}: its recurrent layers ({type(mixer).__name__}) start a forward of several "
+            "tokens from a zero state instead of the cached one (their output over six tokens at once and over three "
+            f"then three more differ by {difference:.1e}, relative), so a verify forward would not compute what plain "
             "decoding does; speculative decoding cannot run on this model; use plain generate"
         )
     _CONTINUES[model] = True
 
 
-class _OneLayerView(Cache):
-    """A cache whose layer `index` holds some rows' states (the others are empty): what a mixer reads and updates
-    when it runs again over a row group's kept tokens."""
+def continuation_difference(model: nn.Module) -> tuple[float, nn.Module]:
+    """(The largest difference, relative to the largest output, between the model's first recurrent mixer's output
+    over six random inputs in one call and over three, then three more continuing from the state the first three
+    left, in float32 (on a copy); the mixer)."""
+    index = recurrent_layer_indices(model)[0]
+    mixer, keyword = find_mixers(model, recurrent_layer_indices(model))[index]
+    probe = copy.deepcopy(mixer).float()
+    hidden = torch.randn(1, 6, model.config.get_text_config(decoder=True).hidden_size,
+                         generator=torch.Generator().manual_seed(0)).to(next(probe.parameters()).device)
+    with torch.no_grad():
+        whole = probe(hidden, attention_mask=None,
+                      **{keyword: _LayerView(index + 1).holding(index, LinearAttentionLayer())})
+        cache = _LayerView(index + 1).holding(index, LinearAttentionLayer())
+        parts = torch.cat([probe(hidden[:, :3], attention_mask=None, **{keyword: cache}),
+                           probe(hidden[:, 3:], attention_mask=None, **{keyword: cache})], dim=1)
+    return float((parts - whole).abs().max() / whole.abs().max().clamp(min=1e-30)), mixer
 
-    def __init__(self, index: int, layer: LinearAttentionLayer) -> None:
-        super().__init__(layers=[DummyLayer() for _ in range(index)] + [layer])
+
+class _LayerView(Cache):
+    """A cache of `size` layers, all empty but the one a mixer is given through `holding`: what a mixer reads and
+    updates when it runs outside the model's forward (some rows' states, a probe's)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(layers=[DummyLayer() for _ in range(size)])
+
+    def holding(self, index: int, layer: LinearAttentionLayer) -> _LayerView:
+        self.layers[index] = layer
+        return self
 
 
 class RecurrentRollback:
     """Rolls each row's recurrent states back to its kept tokens at every commit; see the module docstring.
 
-    The engine calls `begin(width)` before a forward that opens a step's region, `end()` after it, and
-    `commit(kept, width)` when the step ends, with `select_rows` when rows are dropped between steps.
+    The engine calls `begin(width, real)` before each forward of a step, `end()` after it, and `commit(kept,
+    sources)` when the step ends, with `select_rows` when rows are dropped between steps and `settle` before the
+    states are read.
 
     When every row keeps the same number n of the step's tokens and fewer than all (always at batch 1), the mixers do
     not run again at the commit: the states go back to the step's start and the mixers' inputs at the n kept positions
@@ -189,6 +239,7 @@ class RecurrentRollback:
     def __init__(self, model: nn.Module, layers: dict[int, RecurrentSlotLayer]) -> None:
         self.layers = layers
         self.mixers = find_mixers(model, sorted(layers))
+        self.view = _LayerView(max(layers) + 1)  # the cache a mixer runs on outside the model's forward
         self.saved: dict[int, dict[tuple[str, int], torch.Tensor]] | None = None  # states before the step
         self.before: dict[int, dict[tuple[str, int], torch.Tensor]] | None = None  # before a forward with dummies
         self.inputs: dict[int, torch.Tensor] = {}  # {layer: [B, W, H] the mixer's input in the running forward}
@@ -296,7 +347,7 @@ class RecurrentRollback:
         """Rows with dummies in a forward: back to the states before it, advanced over their real tokens alone."""
         offset = self.num_pending if first else 0
         counts = [offset + count for count in real.sum(dim=1).tolist()]  # (one read, for a step's later forwards)
-        self._redo(before, inputs, counts, [list(range(count)) for count in counts])
+        self._redo(before, inputs, counts)
 
     def commit(
         self,
@@ -315,7 +366,8 @@ class RecurrentRollback:
         before = self.num_pending
         self.pending = {}
         self.unfixed = None
-        if len(forwards) == 1 and sources is None:  # a row keeping all its real tokens keeps all the forward's
+        single = len(forwards) == 1 and sources is None  # a row keeping all its real tokens keeps all the forward's
+        if single:
             fed = [before + forwards[0][2]] * len(kept)
         else:  # per row, every real token the step fed (and the pending ones)
             fed = [before] * len(kept)
@@ -327,19 +379,17 @@ class RecurrentRollback:
         if not short:
             return
         inputs = {index: torch.cat([step[index] for step, _, _ in forwards], dim=1) for index in self.layers}
-        single = len(forwards) == 1 and sources is None
         if single and len(short) == len(kept) and len(set(kept)) == 1 and kept[0] <= MAX_PENDING_TOKENS:
             # every row keeps the same tokens: back to the step's start, the kept ones fed with the next forward
             for index, layer in self.layers.items():
-                for (kind, state_index), state in saved[index].items():
-                    getattr(layer, f"{kind}_states")[state_index].copy_(state)
+                _set_rows(layer, saved[index])
             if kept[0]:
                 self.pending = {index: hidden[:, : kept[0]] for index, hidden in inputs.items()}
             return
-        slots = None if sources is None else sources.tolist()
-        positions = [list(range(count)) if slots is None else
-                     list(range(before)) + [before + slot for slot in slots[row][: count - before]]
-                     for row, count in enumerate(kept)]
+        positions = None
+        if sources is not None:  # [B, P + M]: the pending inputs, then the kept slots' (after them)
+            pending = torch.arange(before, device=sources.device).expand(sources.shape[0], -1)
+            positions = torch.cat([pending, before + sources], dim=1)
         self._redo(saved, inputs, kept, positions, rows=short)
 
     def _redo(
@@ -350,8 +400,8 @@ class RecurrentRollback:
         inputs: dict[int, torch.Tensor],
         # per row, how many tokens it keeps
         kept: Sequence[int],
-        # per row, the input positions of its kept tokens, in order
-        positions: Sequence[Sequence[int]],
+        # [B, >= max(kept)] long: the input positions of each row's kept tokens, in order; None: the first ones
+        positions: torch.Tensor | None = None,
         # the rows to redo (default: those keeping fewer tokens than `inputs` holds)
         rows: Sequence[int] | None = None,
     ) -> None:
@@ -364,14 +414,14 @@ class RecurrentRollback:
             groups.setdefault(kept[row], []).append(row)
         for count, members in groups.items():
             picked = torch.tensor(members)
-            gather = torch.tensor([positions[row][:count] for row in members], dtype=torch.long)
             for index, layer in self.layers.items():
                 on_device = picked.to(layer.device)  # (layers may sit on several devices)
-                for (kind, state_index), state in states[index].items():
-                    getattr(layer, f"{kind}_states")[state_index][on_device] = state[on_device]
+                _set_rows(layer, {key: state[on_device] for key, state in states[index].items()}, on_device)
                 if count:
                     hidden = inputs[index]
-                    taken = hidden[picked.to(hidden.device)[:, None], gather.to(hidden.device)]
+                    chosen = picked.to(hidden.device)
+                    taken = hidden[chosen, :count] if positions is None else \
+                        hidden[chosen[:, None], positions.to(hidden.device)[chosen, :count]]
                     self._advance(index, layer, on_device, taken)
 
     def _advance(
@@ -386,21 +436,10 @@ class RecurrentRollback:
         """Run layer `index`'s mixer over these rows' kept tokens from their (restored) states, and keep the states it
         leaves."""
         view = LinearAttentionLayer(number_of_states=layer.number_of_states)
-        view.device, view.dtype = layer.device, layer.dtype
-        for kind in ("conv", "recurrent"):
-            for state_index, state in getattr(layer, f"{kind}_states").items():
-                if state is None:
-                    continue
-                getattr(view, f"{kind}_states")[state_index] = state[rows].clone()
-                getattr(view, f"is_{kind}_states_initialized")[state_index] = True
-        view.conv_kernel_size = dict(layer.conv_kernel_size)
-        view.has_previous_state = dict(layer.has_previous_state)
+        load_states(view, {key: state[rows] for key, state in layer.states().items()})  # (indexing copies them)
         mixer, keyword = self.mixers[index]
-        mixer(hidden, attention_mask=None, **{keyword: _OneLayerView(index, view)})
-        for kind in ("conv", "recurrent"):
-            for state_index, state in getattr(view, f"{kind}_states").items():
-                if state is not None:
-                    getattr(layer, f"{kind}_states")[state_index][rows] = state
+        mixer(hidden, attention_mask=None, **{keyword: self.view.holding(index, view)})
+        _set_rows(layer, layer_states(view), rows)
 
     def settle(self) -> None:
         """Advance the states over the pending tokens now (between steps), so they hold every kept token."""

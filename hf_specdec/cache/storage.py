@@ -319,6 +319,25 @@ class SlotCache(DynamicCache):
                 read = read.clone()
             slots.narrow(3, target, count).copy_(read)
 
+    def entries(
+        self,
+        length: int,
+        # [B, 1, length, 1] bool or None: the slots to keep (the others read as zeros)
+        keep: torch.Tensor | None = None,
+    ) -> list:
+        """Per layer what it holds (`hf_specdec.cache.exchange.LayerEntry`): its first `length` slots' keys and
+        values, a recurrent layer's states, or None for a layer that holds nothing (an MLP layer of a hybrid)."""
+        entries = []
+        for layer in self.layers:
+            if isinstance(layer, RecurrentSlotLayer):
+                entries.append(layer.states())
+            elif layer.key_buffer is None:
+                entries.append(None)
+            else:
+                keys, values = layer.key_buffer[:, :, :length], layer.value_buffer[:, :, :length]
+                entries.append((keys, values) if keep is None else (keys * keep, values * keep))
+        return entries
+
     def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys [B, H, capacity, D], values)."""
         return [(layer.key_buffer, layer.value_buffer) for layer in self.layers]

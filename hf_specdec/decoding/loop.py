@@ -29,7 +29,6 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.cache.carried import attach, carried_by
 from hf_specdec.cache.exchange import (
-    LayerEntry,
     entry_tensors,
     fill_static_cache,
     filled_layers,
@@ -37,6 +36,7 @@ from hf_specdec.cache.exchange import (
     layer_entries,
     recompute,
     take_rows,
+    zeros_with_rows,
 )
 from hf_specdec.cache.naming import CACHE_KWARG
 from hf_specdec.cache.ragged import RaggedKVCache
@@ -491,7 +491,7 @@ class SpeculativeDecoder:
         complete = torch.zeros(batch, dtype=torch.bool, device=held.device)
         complete[held] = self.cache.lengths.to(held.device) == total
         held_layers = self.cache.layers_by_order(total)
-        layers = [None if entry is None else _with_rows(entry, batch) for entry in held_layers]
+        layers = [zeros_with_rows(entry, batch) for entry in held_layers]
         for layer, entry in zip(layers, held_layers):
             for full, part in zip(entry_tensors(layer), entry_tensors(entry)):
                 full[held.to(full.device)] = part
@@ -516,16 +516,6 @@ class SpeculativeDecoder:
         if self.static_cache is not None:
             return fill_static_cache(self.static_cache, layers)
         return full_layers(layers, self.model.config)
-
-
-def _with_rows(
-    entry: LayerEntry,
-    batch: int,
-) -> LayerEntry:
-    """Zeros shaped as a layer's entry with `batch` rows."""
-    if isinstance(entry, tuple):
-        return tuple(part.new_zeros(batch, *part.shape[1:]) for part in entry)
-    return {key: state.new_zeros(batch, *state.shape[1:]) for key, state in entry.items()}
 
 
 def scores_of_emitted(
@@ -612,7 +602,7 @@ def speculative_generate(
         steps = length - input_ids.shape[1]
         # built before the statistics are read: rows that stopped early cost one more target forward here
         past_key_values = decoder.output_cache(length) if generation_config.use_cache else None
-        if decoder.cache.attends:  # (a cache of recurrent layers alone tells no length to check a later call by)
+        if decoder.cache.layout.attends:  # (a cache of recurrent layers alone tells no length to check a later call by)
             attach(past_key_values, decoder.carried)
     finally:
         decoder.cache.release()  # the output holds copies, never the cache's buffers

@@ -11,9 +11,9 @@ engine's one host read per step extends (`state.host.emitted`; no sequence is co
 Each step drafts per row the best-scored tree of at most `num_speculative_tokens` nodes (`propose_suffix_draft`:
 best first by running probability, above `min_token_prob`, at most `match length * max_spec_factor +
 max_spec_offset` nodes), and the drafts go out as one token tree per row: a chain when every row's draft is one,
-else the rows' trees padded to the widest. For a target with recurrent layers, which verifies chains, each row's draft
-is one path: each node's most probable continuation. Drafts are deterministic (point masses), so verification stays lossless
-when sampling.
+else the rows' trees padded to the widest. For a target with recurrent layers, which verifies chains, each row's
+draft is one path: each node's most probable continuation. Drafts are deterministic (point masses), so verification
+stays lossless when sampling.
 
 For the adaptive schedule, each row's draft is looked up before the step's decision (`draft_classes`: which tree
 drafted it and the bucket of the context length it matched, 0 for none), and the proposal and lookahead reuse that
