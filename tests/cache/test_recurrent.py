@@ -211,19 +211,35 @@ def test_calls_in_threads_share_a_hybrid_model():
 
 def test_without_the_rollback_the_output_changes(monkeypatch):
     """The states the verify forward leaves after rejected drafts are wrong for the next step: skipping the rollback
-    changes the output (the tests above can fail)."""
+    changes the output, and the logits by far more than the 1e-4 the tests above allow (`-s` prints by how much)."""
     target = make_hybrid("qwen3_next")
     ids, mask = padded_batch(LENGTHS, seed=3, repeat_period=5)
-    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
     expected = target.generate(ids, **kwargs)
     config = SpeculativeConfig(method="draft", draft_model=make_draft(), num_speculative_tokens=4, schedule="fixed")
-    assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), expected)
+    assert torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs).sequences, expected.sequences)
 
-    def forget(self, kept, width):
+    def forget(self, kept, sources=None):
         self.saved, self.inputs = None, {}
 
     monkeypatch.setattr(recurrent.RecurrentRollback, "commit", forget)
-    assert not torch.equal(hf_specdec.generate(target, ids, speculative=config, **kwargs), expected)
+    out = hf_specdec.generate(target, ids, speculative=config, **kwargs)
+    assert not torch.equal(out.sequences, expected.sequences)
+    # up to the first step whose greedy choice parted (after it the two texts differ)
+    parted = int((out.sequences != expected.sequences).any(dim=0).nonzero()[0]) - ids.shape[1]
+    moved = max(float((ours - theirs).abs().max()) for ours, theirs in zip(out.logits[:parted + 1],
+                                                                          expected.logits[:parted + 1]))
+    print(f"without the rollback the logits moved by up to {moved:.2f} before the output parted")
+    assert moved > 100 * 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_supported_mixers_continue_from_their_state(name):
+    """The check that refuses Mamba-1 scans (below) passes these by a wide margin (`-s` prints the differences)."""
+    difference, mixer = recurrent.continuation_difference(make_hybrid(name))
+    print(f"{name} ({type(mixer).__name__}): {difference:.1e}")
+    assert difference < recurrent.CONTINUATION_TOLERANCE / 10
 
 
 def _assert_same_cache(ours, theirs) -> None:
@@ -365,6 +381,9 @@ def test_layers_that_restart_from_a_zero_state_are_refused(name, monkeypatch):
     model, while the logits already differ): refused before any forward, with the measured difference."""
     monkeypatch.setitem(HYBRIDS, name, MAMBA1[name])
     model = make_hybrid(name)
+    difference, mixer = recurrent.continuation_difference(model)
+    print(f"{name} ({type(mixer).__name__}): {difference:.1e}")
+    assert difference > 10 * recurrent.CONTINUATION_TOLERANCE
     ids, mask = padded_batch(LENGTHS, seed=3)
     with pytest.raises(ValueError, match="start a forward of several tokens from a zero state"):
         hf_specdec.generate(model, ids, attention_mask=mask, speculative=SpeculativeConfig(method="ngram"),
